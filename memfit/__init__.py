@@ -1,0 +1,52 @@
+"""memfit: fit a PyTorch training step into a device-memory budget.
+
+The public API, nothing else. Names are imported lazily so that the torch-free layers
+(``memfit.core``, ``memfit.strategies``, ``memfit.solvers``) import without torch.
+
+Example:
+    >>> step = memfit.compile(model, loss_fn, budget="0.5", strategy="swap")
+    >>> loss = step(input_ids, labels)      # gradients land in .grad, as loss.backward() would
+    >>> print(step.report())
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "compile": "memfit.api",
+    "plan": "memfit.api",
+    "measure_peak": "memfit.api",
+    "Step": "memfit.api",
+    "capture": "memfit.graph.capture",
+    "measure_hardware": "memfit.runtime.probe",
+    "BudgetError": "memfit.core.errors",
+    "CaptureError": "memfit.core.errors",
+    "PlanError": "memfit.core.schedule",
+    "Plan": "memfit.core.plan",
+    "Keep": "memfit.core.plan",
+    "Swap": "memfit.core.plan",
+    "SwapIn": "memfit.core.plan",
+    "CostGraph": "memfit.core.costgraph",
+    "Timeline": "memfit.core.timeline",
+    "Hardware": "memfit.core.hardware",
+    "PROFILES": "memfit.core.hardware",
+    "simulate": "memfit.core.simulate",
+    "strategy_names": "memfit.strategies",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'memfit' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

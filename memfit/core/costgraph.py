@@ -1,0 +1,219 @@
+"""CostGraph: the planner's torch-free view of one captured training step.
+
+An ``Op`` is one node of the captured fx graph, in execution order; a ``Tensor`` is one *storage*
+(views, ``detach`` and ``t(weight)`` alias their base and add no bytes). Strategies, solvers and the
+simulator see only this structure, so they are tested on synthetic graphs as well as captured ones.
+
+Note:
+    Two kinds of edge exist on purpose. ``Op.inputs`` names the storages an op reads: that is what
+    memory liveness needs. ``Op.depends_on`` names the ops whose values it reads directly (the fx
+    data edges): that is what reachability needs, since a view op allocates nothing but still
+    orders its readers after it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
+from types import MappingProxyType
+from typing import Literal
+
+Phase = Literal["forward", "backward", "update"]
+TensorRole = Literal["parameter", "buffer", "input", "activation", "gradient"]
+PHASES: tuple[Phase, ...] = ("forward", "backward", "update")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation, in execution order.
+
+    Args:
+        name: the fx node name (unique).
+        kind: the op type, e.g. ``"aten.mm"``; TFLMS's ``incl_types``/``excl_types`` match it.
+        phase: ``"forward"``, ``"backward"`` or ``"update"``.
+        scope: the module path that produced the op (``"transformer.h.3.attn"``), ``""`` at top level.
+        module_type: the class name of that module (``"GPT2Attention"``), ``""`` if none.
+        inputs: storages (``Tensor`` names) the op reads, each once.
+        outputs: storages the op allocates.
+        depends_on: ops whose values it reads directly (fx data edges).
+        time_s: estimated or measured run time.
+        flops: floating-point operations, for the roofline estimate.
+        bytes_accessed: bytes read plus written, for the roofline estimate.
+        dtype: the dtype of its first tensor output (``"float32"``), to pick the FLOP rate.
+    """
+
+    name: str
+    kind: str
+    phase: Phase
+    scope: str = ""
+    module_type: str = ""
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    depends_on: tuple[str, ...] = ()
+    time_s: float = 0.0
+    flops: float = 0.0
+    bytes_accessed: int = 0
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One storage.
+
+    Args:
+        name: the name of the op that allocates it, or of the graph input it is.
+        size_bytes: bytes of the storage (counted once, whatever views alias it).
+        role: ``"parameter"``, ``"buffer"``, ``"input"`` (user inputs, tangents),
+            ``"activation"`` (allocated by a forward op) or ``"gradient"`` (by a backward op).
+        producer: the allocating op, ``None`` for graph inputs (resident for the whole step).
+        consumers: ops that read it (directly or through a view), in execution order.
+        is_output: returned by the step (loss, gradients, buffer updates): lives to the end.
+    """
+
+    name: str
+    size_bytes: int
+    role: TensorRole
+    producer: str | None = None
+    consumers: tuple[str, ...] = ()
+    is_output: bool = False
+
+
+@dataclass(frozen=True)
+class CostGraph:
+    """Ops in execution order and the storages they read and allocate.
+
+    Build one with ``CostGraph.build(ops, tensors)``: it fills ``Tensor.consumers`` from the ops'
+    inputs and checks that every name resolves.
+    """
+
+    ops: tuple[Op, ...]
+    tensors: Mapping[str, Tensor] = field(default_factory=dict)
+    name: str = "graph"
+
+    @staticmethod
+    def build(
+        ops: Iterable[Op],
+        tensors: Iterable[Tensor],
+        name: str = "graph",
+    ) -> CostGraph:
+        """Make a graph, deriving each tensor's consumers from the ops' inputs.
+
+        Raises:
+            ValueError: if an op reads or allocates an unknown tensor, a name repeats, an op
+                depends on an op that runs later, or a tensor is read before it is allocated.
+        """
+        ops = tuple(ops)
+        by_name = {t.name: t for t in tensors}
+        op_index = {op.name: index for index, op in enumerate(ops)}
+        if len(op_index) != len(ops):
+            raise ValueError("op names must be unique")
+        readers: dict[str, list[str]] = {name: [] for name in by_name}
+        producers: dict[str, str] = {}
+        allocated = {tensor for op in ops for tensor in op.outputs}
+        for op in ops:
+            for tensor in (*op.inputs, *op.outputs):
+                if tensor not in by_name:
+                    raise ValueError(f"op {op.name!r} names unknown tensor {tensor!r}")
+            for dependency in op.depends_on:
+                if op_index.get(dependency, len(ops)) >= op_index[op.name]:
+                    raise ValueError(f"op {op.name!r} depends on {dependency!r}, which runs later")
+            for tensor in op.inputs:
+                if tensor in allocated and tensor not in producers:
+                    raise ValueError(f"op {op.name!r} reads {tensor!r} before it is allocated")
+                readers[tensor].append(op.name)
+            for tensor in op.outputs:
+                if tensor in producers:
+                    raise ValueError(f"tensor {tensor!r} is allocated twice")
+                producers[tensor] = op.name
+        built = {}
+        for tensor_name, tensor in by_name.items():
+            producer = producers.get(tensor_name)
+            if tensor.producer is not None and tensor.producer != producer:
+                raise ValueError(
+                    f"tensor {tensor_name!r} names producer {tensor.producer!r}, but {producer!r} makes it"
+                )
+            built[tensor_name] = replace(
+                tensor, producer=producer, consumers=tuple(readers[tensor_name])
+            )
+        return CostGraph(ops=ops, tensors=MappingProxyType(built), name=name)
+
+    # ---- lookups -------------------------------------------------------------------------------
+
+    @cached_property
+    def index(self) -> Mapping[str, int]:
+        """Position of each op in execution order."""
+        return MappingProxyType({op.name: i for i, op in enumerate(self.ops)})
+
+    def op(self, name: str) -> Op:
+        return self.ops[self.index[name]]
+
+    @cached_property
+    def users(self) -> Mapping[str, tuple[str, ...]]:
+        """For each op, the ops that depend on it directly (reverse of ``depends_on``)."""
+        users: dict[str, list[str]] = {op.name: [] for op in self.ops}
+        for op in self.ops:
+            for dependency in op.depends_on:
+                users[dependency].append(op.name)
+        return MappingProxyType({name: tuple(found) for name, found in users.items()})
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of graph inputs (parameters, buffers, user inputs): live for the whole step."""
+        return sum(t.size_bytes for t in self.tensors.values() if t.producer is None)
+
+    @property
+    def forward_ops(self) -> tuple[Op, ...]:
+        return tuple(op for op in self.ops if op.phase == "forward")
+
+    @property
+    def step_time_s(self) -> float:
+        """Sum of op times: the step time with nothing swapped or recomputed."""
+        return sum(op.time_s for op in self.ops)
+
+    def saved_tensors(self) -> tuple[Tensor, ...]:
+        """Activations that a backward op reads: what swapping and recomputing act on."""
+        phase = {op.name: op.phase for op in self.ops}
+        return tuple(
+            t
+            for t in self.tensors.values()
+            if t.producer is not None
+            and phase[t.producer] == "forward"
+            and any(phase[c] == "backward" for c in t.consumers)
+        )
+
+    def with_times(self, time_s: Mapping[str, float]) -> CostGraph:
+        """The same graph with op times replaced from ``time_s`` (ops not named keep theirs)."""
+        ops = tuple(replace(op, time_s=float(time_s.get(op.name, op.time_s))) for op in self.ops)
+        return CostGraph(ops=ops, tensors=self.tensors, name=self.name)
+
+    # ---- identity and serialisation ------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "ops": [asdict(op) for op in self.ops],
+            "tensors": [asdict(t) for t in self.tensors.values()],
+        }
+
+    @staticmethod
+    def from_json(data: Mapping) -> CostGraph:
+        ops = [Op(**{**op, **_tuples(op, "inputs", "outputs", "depends_on")}) for op in data["ops"]]
+        tensors = [Tensor(**{**t, "consumers": ()}) for t in data["tensors"]]
+        return CostGraph.build(ops, tensors, name=data.get("name", "graph"))
+
+    @cached_property
+    def structure_hash(self) -> str:
+        """A hash of ops, edges and sizes (not times): plans are keyed by it."""
+        payload = [
+            (op.name, op.kind, op.phase, op.inputs, op.outputs, op.depends_on) for op in self.ops
+        ]
+        sizes = sorted((t.name, t.size_bytes, t.role, t.is_output) for t in self.tensors.values())
+        text = json.dumps([payload, sizes], sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _tuples(record: Mapping, *keys: str) -> dict:
+    return {key: tuple(record.get(key, ())) for key in keys}

@@ -1,0 +1,210 @@
+"""Lower a Plan to the program-order sequence of actions that the rewritten graph executes.
+
+The simulator and the fx rewriter both consume ``lower(graph, plan)``, so what is predicted and
+what is run cannot drift apart. ``memory_profile`` walks the actions with buffer liveness: a
+device buffer is allocated by one action and freed right after the last action that reads it.
+
+Note:
+    Memory is counted in *program order*, not in device time. The CUDA caching allocator lowers
+    ``allocated_bytes`` when a block is freed by the host, even if a copy stream still uses it
+    (``record_stream`` only delays reuse), so ``torch.cuda.max_memory_allocated`` follows program
+    order; on CPU the executor is synchronous and the two orders coincide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
+
+from memfit.core.costgraph import CostGraph
+from memfit.core.plan import Plan, Swap
+
+ActionKind = Literal["compute", "swap_out", "swap_in", "wait"]
+
+
+class PlanError(ValueError):
+    """A plan that cannot be executed on its graph (a swap-in after its consumer, say)."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of the rewritten program.
+
+    Args:
+        kind: ``"compute"`` runs ``op``; ``"swap_out"`` copies ``tensor`` to the host after its
+            producer ``op``; ``"swap_in"`` issues copy number ``copy`` of ``tensor`` after the control
+            op ``op``; ``"wait"`` makes the compute stream wait for that copy before ``op``.
+        reads: device buffers the action reads.
+        allocates: device buffers the action allocates.
+    """
+
+    kind: ActionKind
+    op: str
+    tensor: str = ""
+    copy: int = -1
+    reads: tuple[str, ...] = ()
+    allocates: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        if self.kind == "compute":
+            return self.op
+        suffix = f"#{self.copy}" if self.copy >= 0 else ""
+        return f"{self.kind}({self.tensor}{suffix})"
+
+
+def copy_buffer(tensor: str, copy: int) -> str:
+    """The name of the device buffer that swap-in number ``copy`` of ``tensor`` allocates."""
+    return f"{tensor}#in{copy}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Actions in program order and the size of every device buffer they touch."""
+
+    actions: tuple[Action, ...]
+    buffer_bytes: Mapping[str, int]
+    resident_bytes: int
+    outputs: frozenset[str]
+
+
+def check_plan(graph: CostGraph, plan: Plan) -> None:
+    """Raise ``PlanError`` unless every decision of ``plan`` can run on ``graph``.
+
+    A swap-in must follow its tensor's producer, precede each consumer it serves, and serve only
+    real consumers, each at most once.
+    """
+    if plan.graph_hash and plan.graph_hash != graph.structure_hash:
+        raise PlanError(
+            f"this plan was made for graph {plan.graph_hash}, not {graph.structure_hash}: "
+            "plan again for this model and input shape"
+        )
+    for name, decision in plan.decisions.items():
+        if name not in graph.tensors:
+            raise PlanError(f"the plan names tensor {name!r}, which is not in the graph")
+        if not isinstance(decision, Swap):
+            continue
+        tensor = graph.tensors[name]
+        if tensor.producer is None:
+            raise PlanError(f"{name!r} is a graph input (parameter or user input) and cannot be swapped")
+        produced_at = graph.index[tensor.producer]
+        served: set[str] = set()
+        for swap_in in decision.swap_ins:
+            if swap_in.after not in graph.index:
+                raise PlanError(f"swap-in of {name!r} names unknown control op {swap_in.after!r}")
+            issued_at = graph.index[swap_in.after]
+            if issued_at < produced_at:
+                raise PlanError(f"swap-in of {name!r} after {swap_in.after!r} precedes its producer")
+            for consumer in swap_in.consumers:
+                if consumer not in tensor.consumers:
+                    raise PlanError(f"{consumer!r} does not read {name!r}")
+                if consumer in served:
+                    raise PlanError(f"{consumer!r} is served by two swap-ins of {name!r}")
+                if graph.index[consumer] <= issued_at:
+                    raise PlanError(
+                        f"swap-in of {name!r} is issued after {swap_in.after!r}, too late for {consumer!r}"
+                    )
+                served.add(consumer)
+
+
+def lower(graph: CostGraph, plan: Plan) -> Schedule:
+    """The actions of ``graph`` rewritten by ``plan``, in program order.
+
+    Raises:
+        PlanError: if the plan does not fit the graph (see ``check_plan``).
+    """
+    check_plan(graph, plan)
+    redirect: dict[tuple[str, str], str] = {}  # (consumer op, tensor) -> copy buffer it reads
+    waits_before: dict[str, list[Action]] = {}
+    swap_ins_after: dict[str, list[Action]] = {}
+    buffer_bytes = {name: t.size_bytes for name, t in graph.tensors.items()}
+    for name, decision in plan.decisions.items():
+        if not isinstance(decision, Swap):
+            continue
+        for copy, swap_in in enumerate(decision.swap_ins):
+            buffer = copy_buffer(name, copy)
+            buffer_bytes[buffer] = graph.tensors[name].size_bytes
+            swap_ins_after.setdefault(swap_in.after, []).append(
+                Action("swap_in", swap_in.after, name, copy, allocates=(buffer,))
+            )
+            first = min(swap_in.consumers, key=graph.index.__getitem__)
+            waits_before.setdefault(first, []).append(Action("wait", first, name, copy))
+            for consumer in swap_in.consumers:
+                redirect[(consumer, name)] = buffer
+    actions: list[Action] = []
+    for op in graph.ops:
+        actions.extend(waits_before.get(op.name, ()))
+        reads = tuple(redirect.get((op.name, t), t) for t in op.inputs)
+        actions.append(Action("compute", op.name, reads=reads, allocates=op.outputs))
+        for tensor in op.outputs:
+            if isinstance(plan.decision(tensor), Swap):
+                actions.append(Action("swap_out", op.name, tensor, reads=(tensor,)))
+        actions.extend(swap_ins_after.get(op.name, ()))
+    outputs = frozenset(name for name, t in graph.tensors.items() if t.is_output)
+    return Schedule(tuple(actions), MappingProxyType(buffer_bytes), graph.resident_bytes, outputs)
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """Live device bytes over the program.
+
+    Args:
+        live_bytes: live bytes right after each action (dead buffers already freed).
+        high_bytes: live bytes while each action runs (its allocations made, nothing freed yet).
+        peak_bytes: the maximum of ``high_bytes`` (and of the resident bytes).
+        peak_index: the action at which the peak happens.
+    """
+
+    live_bytes: tuple[int, ...]
+    high_bytes: tuple[int, ...]
+    peak_bytes: int
+    peak_index: int
+
+
+def memory_profile(schedule: Schedule) -> MemoryProfile:
+    """Walk the actions with liveness: allocate, note the high-water mark, then free dead buffers."""
+    last_read: dict[str, int] = {}
+    for index, action in enumerate(schedule.actions):
+        for buffer in action.reads:
+            last_read[buffer] = index
+    free_after: dict[int, list[str]] = {}
+    for index, action in enumerate(schedule.actions):
+        for buffer in action.allocates:
+            if buffer not in schedule.outputs:
+                free_after.setdefault(max(index, last_read.get(buffer, index)), []).append(buffer)
+    live = schedule.resident_bytes
+    live_bytes, high_bytes = [], []
+    peak_bytes, peak_index = live, -1
+    for index, action in enumerate(schedule.actions):
+        live += sum(schedule.buffer_bytes[b] for b in action.allocates)
+        high_bytes.append(live)
+        if live > peak_bytes:
+            peak_bytes, peak_index = live, index
+        live -= sum(schedule.buffer_bytes[b] for b in free_after.get(index, ()))
+        live_bytes.append(live)
+    return MemoryProfile(tuple(live_bytes), tuple(high_bytes), peak_bytes, peak_index)
+
+
+def peak_bytes(graph: CostGraph, plan: Plan) -> int:
+    """The device peak of ``graph`` run under ``plan`` (program-order liveness)."""
+    return memory_profile(lower(graph, plan)).peak_bytes
+
+
+def live_buffers(schedule: Schedule, index: int) -> list[tuple[str, int]]:
+    """``(buffer, bytes)`` live while action ``index`` runs, largest first: what dominates a peak."""
+    last_read: dict[str, int] = {}
+    allocated_at: dict[str, int] = {}
+    for position, action in enumerate(schedule.actions):
+        for buffer in action.reads:
+            last_read[buffer] = position
+        for buffer in action.allocates:
+            allocated_at[buffer] = position
+    live = [
+        (buffer, schedule.buffer_bytes[buffer])
+        for buffer, start in allocated_at.items()
+        if start <= index
+        and (buffer in schedule.outputs or max(start, last_read.get(buffer, start)) >= index)
+    ]
+    return sorted(live, key=lambda item: -item[1])

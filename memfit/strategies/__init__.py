@@ -1,0 +1,60 @@
+"""Strategies: one file each, one entry point ``plan(graph, hardware, budget_bytes=None, **params)``.
+
+Each module registers its entry point by name, so ``memfit.compile(..., strategy="swap", lb=3)``
+and the command line reach it the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from memfit.core.costgraph import CostGraph
+from memfit.core.hardware import Hardware
+from memfit.core.plan import Plan
+
+
+class Strategy(Protocol):
+    def __call__(
+        self, graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, **params
+    ) -> Plan: ...
+
+
+_REGISTRY: dict[str, Strategy] = {}
+
+
+def register(name: str) -> Callable[[Strategy], Strategy]:
+    """Register a strategy's ``plan`` function under ``name``."""
+
+    def decorate(function: Strategy) -> Strategy:
+        _REGISTRY[name] = function
+        return function
+
+    return decorate
+
+
+def get_strategy(name: str) -> Strategy:
+    """The strategy registered as ``name``.
+
+    Raises:
+        ValueError: for an unknown name, listing the registered ones.
+    """
+    _load_builtin()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown strategy {name!r}: use one of {sorted(_REGISTRY)}") from None
+
+
+def strategy_names() -> tuple[str, ...]:
+    _load_builtin()
+    return tuple(sorted(_REGISTRY))
+
+
+def _load_builtin() -> None:
+    """Import every module of this package once: each registers its strategy when imported."""
+    import importlib
+    import pkgutil
+
+    for info in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{info.name}")

@@ -1,0 +1,29 @@
+"""The unplanned step: every tensor stays on the device."""
+
+from __future__ import annotations
+
+from memfit.core.costgraph import CostGraph
+from memfit.core.errors import BudgetError
+from memfit.core.hardware import Hardware
+from memfit.core.plan import Plan
+from memfit.core.schedule import lower, memory_profile
+from memfit.strategies import register
+
+
+@register("keep")
+def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, **params) -> Plan:
+    """Keep every tensor: the plan of the unmodified step.
+
+    Raises:
+        ValueError: if any parameter is given (keep has none).
+        BudgetError: if a budget is given and the unplanned peak exceeds it.
+    """
+    if params:
+        raise ValueError(f"strategy 'keep' takes no parameters, got {sorted(params)}")
+    result = Plan("keep", graph_hash=graph.structure_hash, budget_bytes=budget_bytes,
+                  hardware=hardware.name)
+    if budget_bytes is not None:
+        peak = memory_profile(lower(graph, result)).peak_bytes
+        if peak > budget_bytes:
+            raise BudgetError(budget_bytes, peak, strategy="keep")
+    return result
