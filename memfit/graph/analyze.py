@@ -1,0 +1,145 @@
+"""Analyze a captured graph into the planner's torch-free CostGraph.
+
+Sizes are counted per *storage*: a view, ``detach`` or ``t(weight)`` aliases its base and adds no
+bytes, and a multi-output op's tuple holds all its outputs until its last ``getitem``. An op reads
+every storage held by the values it takes, which is exactly when the executor can free them.
+FLOPs come from PyTorch's own FLOP counter registry; time from the roofline of a ``Hardware``.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.flop_counter import flop_registry
+
+from memfit.core.costgraph import CostGraph, Op, Tensor
+from memfit.core.hardware import Hardware
+from memfit.graph.capture import SCOPE_KEY, TYPE_KEY, Binding, Captured
+
+_PHASES = {"is_forward": "forward", "is_backward": "backward"}
+_ROLES = {"parameter": "parameter", "buffer": "buffer", "input": "input", "tangent": "input"}
+
+
+def tensors_in(value) -> Iterator[torch.Tensor]:
+    """The tensors inside a node's value (a tensor, or a tuple/list of them)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from tensors_in(item)
+
+
+def storage_key(tensor: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(tensor.untyped_storage())
+
+
+def op_kind(node: torch.fx.Node) -> str:
+    """``"aten.mm"`` for ``aten.mm.default``; ``"getitem"`` for tuple indexing."""
+    if node.target is operator.getitem:
+        return "getitem"
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        return schema.name.replace("::", ".")
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def analyze(captured: Captured, hardware: Hardware, name: str = "step") -> CostGraph:
+    """The CostGraph of a captured step, with op times from ``hardware``'s roofline."""
+    graph = captured.graph_module.graph
+    owner: dict[StorageWeakRef, str] = {}  # storage -> name of the tensor (first node holding it)
+    tensors: dict[str, Tensor] = {}
+    ops: list[Op] = []
+    placeholders = graph.find_nodes(op="placeholder")
+    for node, binding in zip(placeholders, captured.inputs, strict=True):
+        _add_input(node, binding, owner, tensors)
+    for node in graph.nodes:
+        if node.op == "call_function":
+            ops.append(_op(node, owner, tensors, hardware))
+        elif node.op == "get_attr":  # a constant the graph holds: resident like an input
+            _add_input(node, Binding("constant"), owner, tensors)
+    output = graph.find_nodes(op="output")[0]
+    for value in output.all_input_nodes:
+        for tensor in tensors_in(value.meta.get("val")):
+            name_ = owner.get(storage_key(tensor))
+            if name_ is not None and tensors[name_].role in ("activation", "gradient"):
+                tensors[name_] = _as_output(tensors[name_])
+    return CostGraph.build(ops, tensors.values(), name=name)
+
+
+def _add_input(node, binding: Binding, owner, tensors) -> None:
+    for tensor in tensors_in(node.meta.get("val")):
+        key = storage_key(tensor)
+        if key not in owner:
+            owner[key] = node.name
+            size = tensor.untyped_storage().nbytes()
+            tensors[node.name] = Tensor(node.name, size, _ROLES.get(binding.kind, "input"))
+
+
+def _as_output(tensor: Tensor) -> Tensor:
+    return Tensor(tensor.name, tensor.size_bytes, tensor.role, tensor.producer, (), True)
+
+
+def _op(node: torch.fx.Node, owner, tensors, hardware: Hardware) -> Op:
+    """One Op: the storages it reads and allocates, its phase, scope, FLOPs and time."""
+    reads: dict[str, None] = {}
+    for source in node.all_input_nodes:
+        for tensor in tensors_in(source.meta.get("val")):
+            name = owner.get(storage_key(tensor))
+            if name is not None:
+                reads[name] = None
+    value = node.meta.get("val")
+    allocated: list[str] = []
+    for tensor in tensors_in(value):
+        key = storage_key(tensor)
+        if key not in owner:
+            owner[key] = node.name if not allocated else f"{node.name}.{len(allocated)}"
+            allocated.append(owner[key])
+            phase = _PHASES.get(node.meta.get("partitioner_tag"), "backward")
+            role = "activation" if phase == "forward" else "gradient"
+            tensors[owner[key]] = Tensor(owner[key], tensor.untyped_storage().nbytes(), role)
+    phase = _PHASES.get(node.meta.get("partitioner_tag"), "backward")
+    custom = node.meta.get("custom") or {}
+    flops = _flops(node) if allocated else 0.0
+    moved = _bytes_accessed(node) if allocated else 0
+    first = next(tensors_in(value), None)
+    dtype = str(first.dtype).removeprefix("torch.") if first is not None else "float32"
+    time_s = hardware.op_time_s(flops, moved, dtype) if allocated else 0.0
+    return Op(
+        name=node.name,
+        kind=op_kind(node),
+        phase=phase,
+        scope=custom.get(SCOPE_KEY, ""),
+        module_type=custom.get(TYPE_KEY, ""),
+        inputs=tuple(reads),
+        outputs=tuple(allocated),
+        depends_on=tuple(n.name for n in node.all_input_nodes if n.op == "call_function"),
+        time_s=time_s,
+        flops=flops,
+        bytes_accessed=moved,
+        dtype=dtype,
+    )
+
+
+def _flops(node: torch.fx.Node) -> float:
+    """FLOPs from ``torch.utils.flop_counter``'s registry (0 for ops it does not count)."""
+    packet = getattr(node.target, "overloadpacket", None)
+    counter = flop_registry.get(packet)
+    if counter is None:
+        return 0.0
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    try:
+        return float(counter(*args, **kwargs, out_val=node.meta.get("val")))
+    except Exception:  # a counter that cannot read these arguments: count nothing, not crash
+        return 0.0
+
+
+def _bytes_accessed(node: torch.fx.Node) -> int:
+    """Bytes read plus written: the memory-bound side of the roofline."""
+    total = 0
+    for source in (*node.all_input_nodes, node):
+        for tensor in tensors_in(source.meta.get("val")):
+            total += tensor.numel() * tensor.element_size()
+    return total

@@ -1,0 +1,209 @@
+"""Capture one training step as a joint forward+backward fx graph of aten ops.
+
+``capture(model, loss_fn, *inputs)`` traces ``loss_fn(model, *inputs)`` and its gradient with
+``torch._functorch.aot_autograd.aot_export_joint_with_descriptors``. Every placeholder and output
+of that graph carries a *descriptor* (``meta["desc"]``) saying what it is: a parameter (by its
+qualified name), a buffer, a user input, the loss's tangent, a parameter's gradient, or a buffer
+mutation (BatchNorm's running statistics). memfit binds values by those descriptors, never by
+position, so tied weights (GPT-2's ``lm_head``/``wte``) and buffer updates come out right.
+
+Note:
+    The joint export does not record ``nn_module_stack``, so each node's module path ("scope",
+    TFLMS's name for it) is recorded with global module hooks that enter
+    ``torch.fx.traceback.annotate`` around every module's forward; the annotation reaches both the
+    forward nodes and the backward nodes autograd derives from them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+from memfit.core.errors import CaptureError
+
+SCOPE_KEY = "memfit_scope"
+TYPE_KEY = "memfit_type"
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What a placeholder or an output of the captured graph stands for.
+
+    Args:
+        kind: ``"parameter"``, ``"buffer"``, ``"input"`` (a user input, by position),
+            ``"tangent"`` (the seed of backward), ``"loss"``, ``"gradient"`` (of a parameter) or
+            ``"buffer_update"`` (the new value of a mutated buffer).
+        target: the parameter or buffer's qualified name in the user's model.
+        index: the user input's position.
+    """
+
+    kind: str
+    target: str = ""
+    index: int = -1
+
+
+@dataclass
+class Captured:
+    """A captured step: the graph and what its inputs and outputs mean."""
+
+    graph_module: torch.fx.GraphModule
+    inputs: tuple[Binding, ...]
+    outputs: tuple[Binding, ...]
+    signature: tuple = ()
+    meta: dict = field(default_factory=dict)
+
+
+class _StepModule(torch.nn.Module):
+    """``loss_fn(model, *inputs)`` as a module, so that aot export sees the model's state."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *inputs):
+        loss = self.loss_fn(self.model, *inputs)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise CaptureError(
+                f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+                + ": reduce it (e.g. .mean()) inside loss_fn"
+            )
+        return loss
+
+
+def input_signature(model: torch.nn.Module, inputs: Sequence) -> tuple:
+    """What decides whether a captured graph can be reused: shapes, dtypes, devices, mode."""
+    return (
+        model.training,
+        tuple((tuple(t.shape), t.dtype, str(t.device), t.requires_grad) for t in inputs),
+    )
+
+
+def capture(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor) -> Captured:
+    """Trace ``loss_fn(model, *inputs)`` and its backward into one aten fx graph.
+
+    Args:
+        model: the module whose parameters receive gradients.
+        loss_fn: ``loss_fn(model, *inputs) -> scalar tensor``.
+        inputs: tensors (real, or ``meta`` to capture without data).
+
+    Raises:
+        ValueError: if an input is not a tensor.
+        CaptureError: if tracing fails, naming the op and the user's source line.
+    """
+    for position, value in enumerate(inputs):
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(
+                f"input {position} is a {type(value).__name__}: memfit steps take tensors only; "
+                "close over other values in loss_fn instead"
+            )
+    if any(t.device.type == "meta" for t in inputs):
+        model = _meta_copy(model)
+    step = _StepModule(model, loss_fn)
+    with _record_scopes(model), contextlib.ExitStack() as stack:
+        try:
+            joint = aot_export_joint_with_descriptors(stack, step, tuple(inputs))
+        except CaptureError:
+            raise
+        except Exception as error:  # tracing errors come in many types; name the op and line
+            raise CaptureError(_explain(error)) from error
+    graph_module = joint.graph_module
+    bindings_in = tuple(_bind(n.meta.get("desc")) for n in _placeholders(graph_module))
+    output_node = graph_module.graph.find_nodes(op="output")[0]
+    bindings_out = tuple(_bind(d) for d in output_node.meta.get("desc", ()))
+    return Captured(graph_module, bindings_in, bindings_out, input_signature(model, inputs))
+
+
+def _placeholders(graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return list(graph_module.graph.find_nodes(op="placeholder"))
+
+
+def _strip(target: str) -> str:
+    return target.removeprefix("model.")
+
+
+def _bind(desc) -> Binding:
+    """Turn an aot descriptor into a Binding, by its type name (the classes are private)."""
+    kind = type(desc).__name__
+    if desc is None:
+        return Binding("unused")
+    if kind == "ParamAOTInput":
+        return Binding("parameter", _strip(desc.target))
+    if kind == "BufferAOTInput":
+        return Binding("buffer", _strip(desc.target))
+    if kind == "PlainAOTInput":
+        return Binding("input", index=desc.idx)
+    if kind == "TangentAOTInput":
+        return Binding("tangent")
+    if kind == "PlainAOTOutput":
+        return Binding("loss", index=desc.idx)
+    if kind == "GradAOTOutput":
+        inner = desc.grad_of
+        if type(inner).__name__ != "ParamAOTInput":
+            return Binding("gradient_of_input")
+        return Binding("gradient", _strip(inner.target))
+    if kind == "InputMutationAOTOutput":
+        inner = desc.mutated_input
+        if type(inner).__name__ == "BufferAOTInput":
+            return Binding("buffer_update", _strip(inner.target))
+        raise CaptureError(
+            f"the step mutates an input in place ({inner}); memfit updates only buffers in place: "
+            "clone the input inside loss_fn before mutating it"
+        )
+    raise CaptureError(f"memfit does not know the graph descriptor {desc!r}; please report it")
+
+
+@contextlib.contextmanager
+def _record_scopes(model: torch.nn.Module):
+    """Annotate every traced node with the path and class of the module that produced it."""
+    names = {module: name for name, module in model.named_modules()}
+    entered: list[contextlib.AbstractContextManager] = []
+
+    def pre_hook(module, args):
+        label = {SCOPE_KEY: names.get(module, ""), TYPE_KEY: type(module).__name__}
+        manager = fx_traceback.annotate(label)
+        manager.__enter__()
+        entered.append(manager)
+
+    def post_hook(module, args, output):
+        if entered:
+            entered.pop().__exit__(None, None, None)
+
+    pre = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+    post = torch.nn.modules.module.register_module_forward_hook(post_hook, always_call=True)
+    try:
+        yield
+    finally:
+        pre.remove()
+        post.remove()
+        while entered:
+            entered.pop().__exit__(None, None, None)
+
+
+def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with its parameters and buffers on the meta device, to capture without data."""
+    return copy.deepcopy(model).to("meta")
+
+
+def _explain(error: BaseException) -> str:
+    """A message naming the failing op (when the error names one) and the user's source line."""
+    frames = traceback.extract_tb(error.__traceback__)
+    library_dirs = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    user = [f for f in frames if not f.filename.startswith(library_dirs)]
+    where = f" at {user[-1].filename}:{user[-1].lineno} ({user[-1].line})" if user else ""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (
+        f"memfit could not capture the training step{where}: {type(error).__name__}: {text}. "
+        "memfit traces loss_fn(model, *inputs) once with fake tensors: code that reads tensor "
+        "values into Python (if x.sum() > 0, .item(), .tolist()) or calls non-PyTorch code on "
+        "tensors cannot be captured; make that code independent of tensor values."
+    )

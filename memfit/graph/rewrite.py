@@ -1,0 +1,169 @@
+"""Rewrite a captured graph by a Plan: insert swap_out / swap_in / wait ops.
+
+The new graph is built by walking ``lower(graph, plan).actions``, the same program order the
+simulator predicts, so the rewritten program and the prediction are one sequence. A consumer that
+a swap-in serves reads the swapped-in copy; where it read a *view* of the swapped storage (a
+``t``, ``view`` or ``detach`` made in the forward pass), the view chain is replayed on the copy, so
+the original storage really dies after its last forward use.
+
+Every inserted node carries ``node.meta["memfit"]`` (its kind and tensor), so tests and renderers
+can read what was inserted where.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+import memfit.graph.ops  # noqa: F401  (registers torch.ops.memfit.*)
+from memfit.core.costgraph import CostGraph
+from memfit.core.plan import Plan, Swap
+from memfit.core.schedule import Action, PlanError, lower
+from memfit.graph.analyze import storage_key, tensors_in
+
+
+def storage_owners(graph_module: fx.GraphModule) -> dict:
+    """Storage -> tensor name, named exactly as ``analyze`` names them."""
+    owner: dict = {}
+    for node in graph_module.graph.nodes:
+        allocated = 0
+        for tensor in tensors_in(node.meta.get("val")):
+            key = storage_key(tensor)
+            if key not in owner:
+                owner[key] = node.name if not allocated else f"{node.name}.{allocated}"
+                allocated += 1
+    return owner
+
+
+def _is_whole(tensor: torch.Tensor) -> bool:
+    """Whether a tensor covers its whole storage densely: copying it copies the storage."""
+    size = tensor.numel() * tensor.element_size()
+    return (
+        tensor.storage_offset() == 0
+        and size == tensor.untyped_storage().nbytes()
+        and torch._prims_common.is_non_overlapping_and_dense(tensor)
+    )
+
+
+class _Rewriter:
+    """Builds the rewritten graph action by action (one instance per rewrite)."""
+
+    def __init__(self, graph_module: fx.GraphModule, graph: CostGraph, plan: Plan):
+        self.old = {node.name: node for node in graph_module.graph.nodes}
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.owner = storage_owners(graph_module)
+        self.swapped = sorted(plan.swapped, key=lambda name: graph.index[graph.tensors[name].producer])
+        self.out_key = {name: key for key, name in enumerate(self.swapped)}
+        self.roots = {name: self._root(graph_module, name) for name in self.swapped}
+        self.redirect: dict[tuple[str, str], int] = {}
+        for name in self.swapped:
+            decision = plan.decision(name)
+            assert isinstance(decision, Swap)
+            for copy, swap_in in enumerate(decision.swap_ins):
+                for consumer in swap_in.consumers:
+                    self.redirect[(consumer, name)] = copy
+        self.host: dict[str, fx.Node] = {}
+        self.copies: dict[tuple[str, int], fx.Node] = {}
+        self.copy_key: dict[tuple[str, int], int] = {}
+        self.replayed: dict[tuple[fx.Node, str, int], fx.Node] = {}
+
+    def _root(self, graph_module: fx.GraphModule, name: str) -> fx.Node:
+        """The first node whose value is the whole storage of tensor ``name``: what gets copied."""
+        for node in graph_module.graph.nodes:
+            value = node.meta.get("val")
+            if isinstance(value, torch.Tensor) and self.owner.get(storage_key(value)) == name:
+                if _is_whole(value):
+                    return node
+                break
+        raise PlanError(
+            f"tensor {name!r} has no node that covers its whole storage, so it cannot be swapped; "
+            "exclude it (excl_types / excl_scopes) or keep it"
+        )
+
+    # ---- emitting nodes ------------------------------------------------------------------------
+
+    def emit(self, node: fx.Node) -> fx.Node:
+        """Copy an original node (once), reading swapped-in copies where the plan says."""
+        if node in self.env:
+            return self.env[node]
+        new = self.graph.node_copy(node, lambda arg: self._arg(node, arg))
+        self.env[node] = new
+        return new
+
+    def _arg(self, consumer: fx.Node, arg: fx.Node) -> fx.Node:
+        for tensor in tensors_in(arg.meta.get("val")):
+            name = self.owner.get(storage_key(tensor))
+            copy = self.redirect.get((consumer.name, name)) if name else None
+            if copy is not None:
+                return self._replay(arg, name, copy)
+        return self.emit(arg) if arg not in self.env else self.env[arg]
+
+    def _replay(self, node: fx.Node, name: str, copy: int) -> fx.Node:
+        """``node`` (the swapped storage or a view of it) rebuilt on swapped-in copy ``copy``."""
+        if node is self.roots[name]:
+            return self.copies[(name, copy)]
+        memo = (node, name, copy)
+        if memo in self.replayed:
+            return self.replayed[memo]
+        base = next((a for a in node.all_input_nodes if self._holds(a, name)), None)
+        if node.op != "call_function" or base is None:
+            raise PlanError(
+                f"cannot swap {name!r}: {node.name} reads it without being a view of "
+                f"{self.roots[name].name}; keep this tensor"
+            )
+        new_base = self._replay(base, name, copy)
+        replayed = self.graph.node_copy(node, lambda a: new_base if a is base else self.env[a])
+        replayed.meta["memfit"] = {"kind": "view_replay", "tensor": name, "copy": copy}
+        self.replayed[memo] = replayed
+        return replayed
+
+    def _holds(self, node: fx.Node, name: str) -> bool:
+        return any(self.owner.get(storage_key(t)) == name for t in tensors_in(node.meta.get("val")))
+
+    def _call(self, op, args: tuple, kind: str, name: str, copy: int = -1) -> fx.Node:
+        node = self.graph.call_function(op, args)
+        node.meta["memfit"] = {"kind": kind, "tensor": name, "copy": copy}
+        return node
+
+    # ---- actions -------------------------------------------------------------------------------
+
+    def run(self, action: Action) -> None:
+        ops = torch.ops.memfit
+        if action.kind == "compute":
+            self.emit(self.old[action.op])
+        elif action.kind == "swap_out":
+            root = self.emit(self.roots[action.tensor])
+            args = (root, self.out_key[action.tensor])
+            self.host[action.tensor] = self._call(ops.swap_out.default, args, "swap_out", action.tensor)
+        elif action.kind == "swap_in":
+            key = len(self.copy_key)
+            self.copy_key[(action.tensor, action.copy)] = key
+            device = self.roots[action.tensor].meta["val"].device
+            args = (self.host[action.tensor], self.out_key[action.tensor], key, device)
+            node = self._call(ops.swap_in.default, args, "swap_in", action.tensor, action.copy)
+            self.copies[(action.tensor, action.copy)] = node
+        elif action.kind == "wait":
+            copy = (action.tensor, action.copy)
+            args = (self.copies[copy], self.copy_key[copy])
+            self._call(ops.wait.default, args, "wait", action.tensor, action.copy)
+
+
+def rewrite(graph_module: fx.GraphModule, graph: CostGraph, plan: Plan) -> fx.GraphModule:
+    """A new GraphModule that runs ``graph_module`` with ``plan``'s swaps.
+
+    Raises:
+        PlanError: if the plan does not fit the graph, or asks to swap a storage the graph only
+            reads through non-view ops.
+    """
+    schedule = lower(graph, plan)
+    rewriter = _Rewriter(graph_module, graph, plan)
+    for node in graph_module.graph.nodes:  # inputs and constants first, in their order
+        if node.op in ("placeholder", "get_attr"):
+            rewriter.emit(node)
+    for action in schedule.actions:
+        rewriter.run(action)
+    output = graph_module.graph.find_nodes(op="output")[0]
+    rewriter.emit(output)
+    rewriter.graph.lint()
+    return fx.GraphModule(graph_module, rewriter.graph)
