@@ -1,0 +1,121 @@
+"""The swap ops a rewritten graph calls: ``memfit::swap_out``, ``memfit::swap_in``, ``memfit::wait``.
+
+Each is a ``torch.library.custom_op`` with a fake implementation, so a rewritten graph still runs
+under ``FakeTensorMode`` (shape propagation, the static liveness check). They find the copy
+streams, events and host pool through ``memfit.runtime.streams.current_engine()``.
+
+In a rewritten graph::
+
+    y_host = memfit.swap_out(y, key=7)                      # right after y's producer
+    ...
+    y_dev = memfit.swap_in(y_host, out_key=7, key=8, device=cuda)   # after the control op
+    ...
+    memfit.wait(y_dev, key=8)                               # right before y's first consumer
+    z = consumer(y_dev, ...)
+
+Note:
+    Outputs of a custom op must not alias its inputs, so both copies return fresh tensors.
+    ``wait`` returns nothing, so fx would drop it as dead code; it is registered as side-effectful
+    (``torch.fx.node._side_effectful_functions``) so ``eliminate_dead_code`` keeps it. The
+    effects-token system (``_register_effectful_op``) would thread tokens through the graph,
+    which a plain interpreter does not need.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx.node
+
+from memfit.runtime.streams import current_engine
+
+
+@torch.library.custom_op("memfit::swap_out", mutates_args=())
+def swap_out(x: torch.Tensor, key: int) -> torch.Tensor:
+    """A host copy of ``x``; on an accelerator the copy runs on the d2h stream.
+
+    Args:
+        x: the device tensor to offload.
+        key: the event key the matching ``swap_in`` waits on (``out_key`` there).
+
+    Note:
+        On an accelerator the d2h stream first waits for the compute stream (``x`` must be
+        written), the copy is ``non_blocking`` into a pinned buffer, and ``x.record_stream``
+        keeps the caching allocator from reusing ``x``'s memory before the copy ends, even though
+        the graph drops ``x`` right after its last forward use.
+    """
+    engine = current_engine("memfit::swap_out")
+    host = engine.host_pool.empty_like(x)
+    if not engine.is_accelerator:
+        host.copy_(x)
+        return host
+    copy_stream = engine.d2h_stream
+    copy_stream.wait_stream(engine.compute_stream())
+    with engine.stream(copy_stream):
+        host.copy_(x, non_blocking=True)
+    x.record_stream(copy_stream)
+    engine.record(key, copy_stream)
+    return host
+
+
+@swap_out.register_fake
+def _(x: torch.Tensor, key: int) -> torch.Tensor:
+    return torch.empty_like(x, device="cpu")
+
+
+@torch.library.custom_op("memfit::swap_in", mutates_args=())
+def swap_in(host: torch.Tensor, out_key: int, key: int, device: torch.device) -> torch.Tensor:
+    """A copy of ``host`` on ``device``; on an accelerator the copy runs on the h2d stream.
+
+    Args:
+        host: the host buffer a ``swap_out`` returned.
+        out_key: the key of that swap-out's event (the copy to the host must be complete).
+        key: the key of this copy's event, which ``wait`` makes the compute stream wait on.
+        device: the compute device.
+
+    Note:
+        The device tensor is allocated while the h2d stream is current, so the caching allocator
+        ties its block to that stream; ``record_stream(compute stream)`` then keeps the block
+        alive until the compute ops that read it are done. On the CPU the result is a fresh
+        tensor: device memory, counted by the tracker.
+    """
+    engine = current_engine("memfit::swap_in")
+    if not engine.is_accelerator:
+        result = torch.empty_like(host, device=device)
+        result.copy_(host)
+        return result
+    copy_stream = engine.h2d_stream
+    engine.wait(out_key, copy_stream)
+    with engine.stream(copy_stream):
+        result = torch.empty_like(host, device=device)
+        result.copy_(host, non_blocking=True)
+    engine.record(key, copy_stream)
+    result.record_stream(engine.compute_stream())
+    return result
+
+
+@swap_in.register_fake
+def _(host: torch.Tensor, out_key: int, key: int, device: torch.device) -> torch.Tensor:
+    return torch.empty_like(host, device=device)
+
+
+@torch.library.custom_op("memfit::wait", mutates_args=())
+def wait(x: torch.Tensor, key: int) -> None:
+    """Make the compute stream wait for the copy event ``key`` (a no-op on the CPU).
+
+    Args:
+        x: the swapped-in tensor; passing it orders ``wait`` after its ``swap_in`` in the graph.
+        key: the ``swap_in``'s event key.
+    """
+    engine = current_engine("memfit::wait")
+    engine.wait(key, engine.compute_stream())
+
+
+@wait.register_fake
+def _(x: torch.Tensor, key: int) -> None:
+    return None
+
+
+SWAP_OUT = torch.ops.memfit.swap_out.default
+SWAP_IN = torch.ops.memfit.swap_in.default
+WAIT = torch.ops.memfit.wait.default
+torch.fx.node._side_effectful_functions.add(WAIT)

@@ -1,0 +1,78 @@
+"""Host-tier buffers for swapped-out activations, and a registry that tells them apart.
+
+``HostPool.empty_like(tensor)`` hands out the host buffer a swap-out copies into: pinned memory
+(from torch's own caching host allocator) when the compute device is an accelerator, a plain CPU
+tensor otherwise. Every buffer it hands out is registered as *host tier* so that the CPU memory
+tracker can leave it out of the device bytes.
+
+Note:
+    On a CPU-only machine "device" and "host" are the same memory, so the only way to tell a
+    swapped-out copy from an activation is to remember which storages the pool made. The registry
+    is keyed on the live ``UntypedStorage`` object (torch preserves one Python object per storage)
+    and forgets it when the storage dies. Keying on ``data_ptr`` gave wrong answers: freed
+    addresses are reused by later allocations.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+# id(storage) -> weak reference to that storage; the entry is removed when the storage dies.
+_HOST_STORAGES: dict[int, weakref.ref] = {}
+
+
+def _forget(storage_id: int, reference: weakref.ref) -> None:
+    if _HOST_STORAGES.get(storage_id) is reference:
+        del _HOST_STORAGES[storage_id]
+
+
+def register_host_storage(storage: torch.UntypedStorage) -> None:
+    """Mark ``storage`` as host tier until it dies."""
+    storage_id = id(storage)
+    reference = weakref.ref(storage, lambda ref, key=storage_id: _forget(key, ref))
+    _HOST_STORAGES[storage_id] = reference
+
+
+def is_host_storage(storage: torch.UntypedStorage) -> bool:
+    """Whether ``storage`` was handed out by a ``HostPool`` (and is still alive)."""
+    reference = _HOST_STORAGES.get(id(storage))
+    return reference is not None and reference() is storage
+
+
+def host_storage_count() -> int:
+    """How many host-tier storages are alive (for tests and debugging)."""
+    return len(_HOST_STORAGES)
+
+
+class HostPool:
+    """Hands out host buffers for swap-outs, pinned when the device is an accelerator.
+
+    Args:
+        device: the compute device the swapped tensors come from. Pinned memory is used only when
+            it is not the CPU (``pin_memory`` raises on a CPU-only build).
+
+    Note:
+        No cache of its own: ``torch.empty(..., pin_memory=True)`` already goes through torch's
+        caching host allocator, which also keeps a freed pinned block from being reused while a
+        copy stream still reads it.
+
+    Example:
+        >>> pool = HostPool("cpu")
+        >>> host = pool.empty_like(torch.ones(4))
+        >>> is_host_storage(host.untyped_storage())
+        True
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.pinned = self.device.type != "cpu"
+        self.handed_out_bytes = 0
+
+    def empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An uninitialised host buffer with ``tensor``'s shape, dtype and (dense) strides."""
+        buffer = torch.empty_like(tensor, device="cpu", pin_memory=self.pinned)
+        register_host_storage(buffer.untyped_storage())
+        self.handed_out_bytes += buffer.untyped_storage().nbytes()
+        return buffer

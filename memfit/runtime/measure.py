@@ -1,0 +1,98 @@
+"""measure_peak: the device peak of one call, the way the budget is defined.
+
+On CUDA it is ``torch.cuda.max_memory_allocated`` around the call; on the CPU it is the dispatch
+tracker (``DeviceMemoryTracker``), with the tensors among the arguments (and ``track``) counted as
+pre-existing.
+
+Example:
+    >>> measured = measure_peak(step, input_ids, labels, track=list(model.parameters()))
+    >>> measured.peak_bytes
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from memfit.runtime.tracker import DeviceMemoryTracker
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What ``measure_peak`` returns.
+
+    Args:
+        result: what the call returned.
+        peak_bytes: device bytes at the peak, pre-existing tensors included.
+        start_bytes: device bytes alive before the call (the pre-existing tensors).
+        device: the device measured.
+    """
+
+    result: Any
+    peak_bytes: int
+    start_bytes: int
+    device: torch.device
+
+    @property
+    def above_start_bytes(self) -> int:
+        """The bytes the call itself added at its peak."""
+        return self.peak_bytes - self.start_bytes
+
+    def __iter__(self):
+        """Unpack as ``result, peak_bytes = measure_peak(...)``."""
+        return iter((self.result, self.peak_bytes))
+
+
+def measure_peak(
+    fn: Callable[..., Any],
+    *args: Any,
+    track: Any = (),
+    device: torch.device | str | None = None,
+    **kwargs: Any,
+) -> Measurement:
+    """Call ``fn(*args, **kwargs)`` and measure its device peak.
+
+    Args:
+        fn: the call to measure (a training step, an ``Executor.run``).
+        *args, **kwargs: its arguments; the tensors among them (found through pytrees) count as
+            pre-existing on the CPU.
+        track: other tensors alive before the call that the peak must include (parameters,
+            ``.grad``, optimizer state), any pytree of tensors. Not needed on CUDA, where the
+            allocator already sees them.
+        device: the device to measure; defaults to the first tensor's device among args, kwargs
+            and ``track``, else the CPU.
+
+    Note:
+        On CUDA the peak includes every tensor allocated on the device, whoever holds it, which
+        is what a budget means. On the CPU only registered tensors and what the call allocates
+        are counted, so pass everything that is resident during the step via args or ``track``.
+    """
+    device = torch.device(device) if device is not None else _first_device(args, kwargs, track)
+    if device.type == "cuda":
+        return _measure_cuda(fn, args, kwargs, device)
+    tracker = DeviceMemoryTracker(device)
+    tracker.register((args, kwargs, track))
+    start_bytes = tracker.current_bytes
+    with tracker:
+        result = fn(*args, **kwargs)
+    return Measurement(result, tracker.peak_bytes, start_bytes, device)
+
+
+def _measure_cuda(fn: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device) -> Measurement:
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start_bytes = torch.cuda.memory_allocated(device)
+    result = fn(*args, **kwargs)
+    torch.cuda.synchronize(device)
+    return Measurement(result, torch.cuda.max_memory_allocated(device), start_bytes, device)
+
+
+def _first_device(*trees: Any) -> torch.device:
+    for leaf in tree_leaves(trees):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return torch.device("cpu")
