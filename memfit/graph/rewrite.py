@@ -41,8 +41,20 @@ def _is_whole(tensor: torch.Tensor) -> bool:
     return (
         tensor.storage_offset() == 0
         and size == tensor.untyped_storage().nbytes()
-        and torch._prims_common.is_non_overlapping_and_dense(tensor)
+        and _dense(tensor)
     )
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Strides that tile the elements with no gap or overlap, in some dimension order."""
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 class _Rewriter:

@@ -1,0 +1,296 @@
+"""The public entry points: compile a training step under a budget, plan one, measure a peak.
+
+``compile`` returns a ``Step``: calling it runs forward and backward of ``loss_fn(model, *inputs)``
+under a plan and leaves every parameter's ``.grad`` as ``loss.backward()`` would (accumulating).
+A new input shape re-captures and re-plans; the same shape reuses the plan.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from memfit.core.costgraph import CostGraph
+from memfit.core.hardware import Hardware, get_hardware
+from memfit.core.plan import Plan
+from memfit.core.simulate import simulate
+from memfit.core.synthetic import chain
+from memfit.core.timeline import Timeline
+from memfit.core.units import Budget, format_bytes, parse_budget
+from memfit.graph.analyze import analyze
+from memfit.graph.capture import Captured, capture, input_signature
+from memfit.graph.rewrite import rewrite
+from memfit.runtime.executor import Executor
+from memfit.runtime.measure import measure_peak as _measure_peak
+from memfit.strategies import get_strategy
+
+__all__ = ["Step", "compile", "plan", "measure_peak"]
+
+
+@dataclass
+class Compiled:
+    """Everything memfit made for one input signature."""
+
+    captured: Captured
+    graph: CostGraph
+    plan: Plan
+    program: torch.fx.GraphModule
+    baseline: Timeline  # the unplanned step, simulated
+    predicted: Timeline  # the planned step, simulated
+    budget_bytes: int | None
+    outside_bytes: int  # device bytes outside the graph (existing .grad) at planning time
+    measured: list[Timeline] = field(default_factory=list)
+
+
+class Step:
+    """A training step compiled to fit a memory budget. Build one with ``memfit.compile``.
+
+    Attributes:
+        plan: the ``Plan`` for the most recent input signature.
+        graph: its ``CostGraph``.
+        predicted / baseline: simulated timelines of the planned and the unplanned step.
+        measured: the measured timeline of the most recent call (``None`` before the first).
+    """
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable, budget: Budget | None,
+                 strategy: str, hardware: Hardware | str | None, measure: bool,
+                 params: Mapping[str, Any]) -> None:
+        self.model = model
+        self.loss_fn = loss_fn
+        self.budget = budget
+        self.strategy = strategy
+        self.hardware_spec = hardware
+        self.measure = measure
+        self.params = dict(params)
+        self._compiled: dict[tuple, Compiled] = {}
+        self._last: Compiled | None = None
+
+    # ---- running -------------------------------------------------------------------------------
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """Run forward and backward; accumulate gradients into ``.grad``; return the loss.
+
+        Raises:
+            BudgetError: if the plan cannot fit the budget (raised before anything runs).
+            CaptureError: if the step cannot be captured.
+        """
+        compiled = self.compile_for(*inputs)
+        flat = self._flat_inputs(compiled.captured, inputs)
+        executor = Executor(compiled.program, device=_device_of(flat))
+        started = time.perf_counter()
+        if self.measure:
+            track = [p.grad for p in self.model.parameters() if p.grad is not None]
+            measurement = _measure_peak(executor.run_flat, list(flat), track=(flat, track))
+            outputs, peak_bytes = measurement.result, measurement.peak_bytes
+        else:
+            outputs, peak_bytes = executor.run_flat(list(flat)), -1
+        elapsed_s = time.perf_counter() - started
+        del flat
+        loss = self._apply(compiled.captured, outputs)
+        if self.measure:
+            compiled.measured.append(Timeline("measured", peak_bytes, elapsed_s))
+        return loss
+
+    def _flat_inputs(self, captured: Captured, inputs) -> list[torch.Tensor]:
+        """One value per placeholder, bound by descriptor (never by position)."""
+        flat = []
+        placeholders = captured.graph_module.graph.find_nodes(op="placeholder")
+        for node, binding in zip(placeholders, captured.inputs, strict=True):
+            if binding.kind == "parameter":
+                flat.append(self.model.get_parameter(binding.target).detach())
+            elif binding.kind == "buffer":
+                flat.append(self.model.get_buffer(binding.target))
+            elif binding.kind == "input":
+                flat.append(inputs[binding.index].detach())
+            elif binding.kind == "tangent":  # the seed of backward: d loss / d loss = 1
+                value = node.meta["val"]
+                flat.append(torch.ones(value.shape, dtype=value.dtype, device=_device_of(inputs)))
+            else:
+                raise AssertionError(f"unexpected graph input {binding}")
+        return flat
+
+    def _apply(self, captured: Captured, outputs) -> torch.Tensor:
+        """Write gradients and buffer updates into the model, only after the whole step ran."""
+        loss = None
+        with torch.no_grad():
+            for binding, value in zip(captured.outputs, outputs, strict=True):
+                if binding.kind == "loss":
+                    loss = value
+                elif binding.kind == "gradient" and value is not None:
+                    parameter = self.model.get_parameter(binding.target)
+                    if parameter.grad is None:
+                        parameter.grad = value
+                    else:
+                        parameter.grad.add_(value)
+                elif binding.kind == "buffer_update":
+                    self.model.get_buffer(binding.target).copy_(value)
+        assert loss is not None
+        return loss
+
+    # ---- planning ------------------------------------------------------------------------------
+
+    def compile_for(self, *inputs: torch.Tensor) -> Compiled:
+        """Capture, analyze, plan and rewrite for these inputs' signature (cached)."""
+        signature = input_signature(self.model, inputs)
+        compiled = self._compiled.get(signature)
+        if compiled is None:
+            compiled = self._compile(inputs)
+            self._compiled[signature] = compiled
+        self._last = compiled
+        return compiled
+
+    def _compile(self, inputs) -> Compiled:
+        device = inputs[0].device if inputs else torch.device("cpu")
+        hardware = resolve_hardware(self.hardware_spec, device)
+        captured = capture(self.model, self.loss_fn, *inputs)
+        graph = analyze(captured, hardware, name=type(self.model).__name__)
+        outside_bytes = sum(
+            p.grad.untyped_storage().nbytes() for p in self.model.parameters() if p.grad is not None
+        )
+        made, baseline, budget_bytes = make_plan(graph, hardware, self.budget, self.strategy,
+                                                 self.params, outside_bytes)
+        program = rewrite(captured.graph_module, graph, made)
+        predicted = simulate(graph, made, hardware)
+        return Compiled(captured, graph, made, program, baseline, predicted, budget_bytes,
+                        outside_bytes)
+
+    # ---- reading -------------------------------------------------------------------------------
+
+    @property
+    def compiled(self) -> Compiled:
+        if self._last is None:
+            raise RuntimeError("this step has not run yet: call it once (or .compile_for(*inputs))")
+        return self._last
+
+    @property
+    def plan(self) -> Plan:
+        return self.compiled.plan
+
+    @property
+    def graph(self) -> CostGraph:
+        return self.compiled.graph
+
+    @property
+    def predicted(self) -> Timeline:
+        return self.compiled.predicted
+
+    @property
+    def baseline(self) -> Timeline:
+        return self.compiled.baseline
+
+    @property
+    def measured(self) -> Timeline | None:
+        return self.compiled.measured[-1] if self.compiled.measured else None
+
+    def report(self) -> str:
+        """Baseline / predicted / measured peak, predicted / measured time, what was swapped."""
+        from memfit.render.text import step_report
+
+        return step_report(self.compiled)
+
+
+def resolve_hardware(hardware: Hardware | str | None, device: torch.device) -> Hardware:
+    """The profile to plan with: given, or the built-in ``cpu`` profile on a CPU, else measured."""
+    if hardware is not None:
+        return get_hardware(hardware)
+    if device.type in ("cpu", "meta"):
+        return get_hardware("cpu")
+    from memfit.runtime.probe import measure_hardware
+
+    return measure_hardware(device)
+
+
+def make_plan(graph: CostGraph, hardware: Hardware, budget: Budget | None, strategy: str,
+              params: Mapping[str, Any], outside_bytes: int = 0) -> tuple[Plan, Timeline, int | None]:
+    """Plan ``graph``: returns the plan, the unplanned step's timeline and the budget in bytes.
+
+    The budget covers the whole device; bytes outside the graph (existing ``.grad``) come off it.
+    """
+    keep = get_strategy("keep")(graph, hardware)
+    baseline = simulate(graph, keep, hardware)
+    budget_bytes = None
+    if budget is not None:
+        budget_bytes = budget.to_bytes(baseline.peak_bytes + outside_bytes)
+    graph_budget = None if budget_bytes is None else budget_bytes - outside_bytes
+    made = get_strategy(strategy)(graph, hardware, graph_budget, **params)
+    return made, baseline, budget_bytes
+
+
+def _device_of(tensors) -> torch.device:
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            return tensor.device
+    return torch.device("cpu")
+
+
+def _check_strategy(strategy: str, params: Mapping[str, Any]) -> None:
+    """Fail at compile time, not at the first step, on an unknown strategy or parameter.
+
+    Note:
+        Strategies validate their own parameters; running one on a two-op synthetic graph is the
+        cheapest way to ask it, and keeps the list of accepted parameters in one place.
+    """
+    get_strategy(strategy)(chain(2), get_hardware("cpu"), None, **params)
+
+
+def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float | None = None,
+            strategy: str | None = None, hardware: Hardware | str | None = None, *,
+            measure: bool = True, **params: Any) -> Step:
+    """Compile ``loss_fn(model, *inputs)`` into a step that fits ``budget``.
+
+    Args:
+        model: the module to train.
+        loss_fn: ``loss_fn(model, *inputs) -> scalar tensor``.
+        budget: device bytes the step may use at its peak: an int, a size string (``"3GiB"``), or
+            a fraction in (0, 1] of the unplanned step's peak (``0.5`` or ``"0.5"``). ``None``: no
+            limit.
+        strategy: ``"keep"`` (the unplanned step) or ``"swap"`` (TFLMS). Default: ``"swap"`` with
+            a budget, ``"keep"`` without.
+        hardware: a profile name (``"h100-pcie"``, ``"cpu"``, ...) or ``Hardware`` for the cost
+            model. Default: ``cpu`` on a CPU, measured on an accelerator.
+        measure: measure every step's device peak (cheap; off to shave the tracker's overhead).
+        **params: the strategy's parameters, e.g. ``lb=3, ctrld_strategy="direct_order"``.
+
+    Raises:
+        ValueError: for a malformed budget, an unknown strategy or parameter, or a bad value.
+
+    Example:
+        >>> step = memfit.compile(model, loss_fn, budget="0.5", strategy="swap")
+        >>> loss = step(input_ids, labels)
+        >>> print(step.report())
+    """
+    parsed = parse_budget(budget)
+    chosen = strategy or ("swap" if parsed is not None else "keep")
+    _check_strategy(chosen, params)
+    return Step(model, loss_fn, parsed, chosen, hardware, measure, params)
+
+
+def plan(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor,
+         budget: str | int | float | None = None, hardware: Hardware | str = "h100-pcie",
+         strategy: str | None = None, **params: Any) -> Plan:
+    """Plan a step without running it; ``inputs`` may be meta tensors.
+
+    Raises:
+        BudgetError, ValueError, CaptureError: as ``compile``.
+    """
+    parsed = parse_budget(budget)
+    chosen = strategy or ("swap" if parsed is not None else "keep")
+    _check_strategy(chosen, params)
+    resolved = get_hardware(hardware)
+    captured = capture(model, loss_fn, *inputs)
+    graph = analyze(captured, resolved, name=type(model).__name__)
+    made, _, _ = make_plan(graph, resolved, parsed, chosen, params)
+    return made
+
+
+def measure_peak(fn: Callable, *args: Any, **kwargs: Any) -> int:
+    """Device bytes at the peak of ``fn(*args, **kwargs)``, tensors among the arguments included.
+
+    On CUDA this is ``torch.cuda.max_memory_allocated``; on CPU, memfit's dispatch-level tracker.
+    For the full result use ``memfit.runtime.measure.measure_peak``.
+    """
+    return _measure_peak(fn, *args, **kwargs).peak_bytes

@@ -1,0 +1,52 @@
+"""Text renderers: the step report and plain tables that fit a terminal."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from memfit.core.units import format_bytes
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain aligned table (also valid Markdown)."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"
+             for row in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def _time(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms" if seconds >= 0 else "-"
+
+
+def step_report(compiled) -> str:
+    """What a compiled step planned, predicted and measured, as a short table."""
+    plan, graph = compiled.plan, compiled.graph
+    measured = compiled.measured[-1] if compiled.measured else None
+    budget = format_bytes(compiled.budget_bytes) if compiled.budget_bytes else "none"
+    outside = compiled.outside_bytes
+    rows = [
+        ("unplanned (simulated)", format_bytes(compiled.baseline.peak_bytes + outside),
+         _time(compiled.baseline.step_time_s)),
+        (f"{plan.strategy} (predicted)", format_bytes(compiled.predicted.peak_bytes + outside),
+         _time(compiled.predicted.step_time_s)),
+    ]
+    if measured is not None:
+        rows.append((f"{plan.strategy} (measured)", format_bytes(measured.peak_bytes),
+                     _time(measured.step_time_s)))
+    lines = [
+        f"memfit step: {graph.name}, {len(graph.ops)} ops, strategy {plan.strategy!r}, "
+        f"budget {budget}, hardware {plan.hardware or '-'}",
+        table(("run", "peak", "step time"), rows),
+        f"saved tensors: {len(graph.saved_tensors())}, swapped: {len(plan.swapped)} "
+        f"({plan.swap_in_count} swap-ins), exposed transfer "
+        f"{_time(compiled.predicted.exposed_transfer_s)} (predicted)",
+    ]
+    if measured is not None and measured.peak_bytes > 0:
+        gap = (compiled.predicted.peak_bytes + outside - measured.peak_bytes) / measured.peak_bytes
+        lines.append(f"prediction gap: {gap:+.2%} of the measured peak")
+    if plan.params:
+        lines.append("parameters: " + ", ".join(f"{k}={v}" for k, v in plan.params.items()))
+    return "\n".join(lines)
