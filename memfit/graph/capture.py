@@ -25,11 +25,19 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx.traceback as fx_traceback
+from torch._decomp import get_decompositions
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
 from memfit.core.errors import CaptureError
 
 SCOPE_KEY = "memfit_scope"
+
+# Ops whose real kernels return a small result as a view into a larger internal buffer (the CPU
+# ``mse_loss`` keeps its whole elementwise-loss buffer alive behind a 0-d loss), while their fake
+# kernels allocate only the result. Decomposing them makes the graph show every allocation, so
+# the planner's memory model stays exact. ``tests/models`` checks every real storage against the
+# fake one, so a new such op is caught there.
+_DECOMPOSE = get_decompositions([torch.ops.aten.mse_loss])
 TYPE_KEY = "memfit_type"
 
 
@@ -111,7 +119,9 @@ def capture(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor) ->
     step = _StepModule(model, loss_fn)
     with _record_scopes(model), contextlib.ExitStack() as stack:
         try:
-            joint = aot_export_joint_with_descriptors(stack, step, tuple(inputs))
+            joint = aot_export_joint_with_descriptors(
+                stack, step, tuple(inputs), decompositions=_DECOMPOSE
+            )
         except CaptureError:
             raise
         except Exception as error:  # tracing errors come in many types; name the op and line

@@ -1,0 +1,127 @@
+"""Real models for the demo, the tests and the benchmarks, built from configs (no downloads).
+
+Each builder returns an ``Example``: the model, ``loss_fn(model, *inputs)`` and
+``make_inputs(batch_size)``. Sizes default to ones where saved activations are most of the
+unplanned peak, which is the regime memfit is for, while staying quick on a 2-core CPU.
+transformers and MONAI are optional dependencies (``pip install memfit[models]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Example:
+    """A model, its loss function and a way to make inputs for a batch size."""
+
+    name: str
+    model: nn.Module
+    loss_fn: Callable
+    make_inputs: Callable[[int], tuple[torch.Tensor, ...]]
+    batch_size: int
+
+    def inputs(self, batch_size: int | None = None) -> tuple[torch.Tensor, ...]:
+        return self.make_inputs(batch_size or self.batch_size)
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def mlp(depth: int = 16, width: int = 256, batch_size: int = 512, seed: int = 0) -> Example:
+    """A deep ReLU MLP regressing random targets: the chain of the checkpointing literature."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(width, 1))
+
+    def loss_fn(model, x, y):
+        return nn.functional.mse_loss(model(x), y)
+
+    def make_inputs(batch):
+        generator = _generator(seed + batch)
+        return (torch.randn(batch, width, generator=generator),
+                torch.randn(batch, 1, generator=generator))
+
+    return Example("mlp", model, loss_fn, make_inputs, batch_size)
+
+
+def gpt2(layers: int = 4, width: int = 64, heads: int = 4, vocab: int = 128, sequence: int = 128,
+         batch_size: int = 4, dropout: float = 0.1, seed: int = 0) -> Example:
+    """transformers ``GPT2LMHeadModel`` from a config (random init), language-model loss."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab,
+                        n_positions=sequence, bos_token_id=0, eos_token_id=0,
+                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    model = GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"  # otherwise a warning on every call breaks tracing
+
+    def loss_fn(model, input_ids, labels):
+        return model(input_ids=input_ids, labels=labels).loss
+
+    def make_inputs(batch):
+        generator = _generator(seed + batch)
+        ids = torch.randint(0, vocab, (batch, sequence), generator=generator)
+        return ids, ids.clone()
+
+    return Example("gpt2", model, loss_fn, make_inputs, batch_size)
+
+
+def resnet50_shaped(widths: tuple[int, ...] = (16, 32, 64, 128), image: int = 64,
+                    batch_size: int = 4, classes: int = 10, seed: int = 0) -> Example:
+    """transformers ``ResNetForImageClassification`` with ResNet-50's depths and shrunk widths.
+
+    BatchNorm runs in training mode, so the step also updates running statistics (buffers).
+    """
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(seed)
+    config = ResNetConfig(num_channels=3, embedding_size=widths[0], hidden_sizes=list(widths),
+                          depths=[3, 4, 6, 3], layer_type="bottleneck", num_labels=classes)
+    model = ResNetForImageClassification(config)
+
+    def loss_fn(model, pixels, labels):
+        return model(pixel_values=pixels, labels=labels).loss
+
+    def make_inputs(batch):
+        generator = _generator(seed + batch)
+        return (torch.randn(batch, 3, image, image, generator=generator),
+                torch.randint(0, classes, (batch,), generator=generator))
+
+    return Example("resnet50", model, loss_fn, make_inputs, batch_size)
+
+
+def unet3d(channels: tuple[int, ...] = (4, 8, 16, 32), size: int = 32, batch_size: int = 2,
+           seed: int = 0) -> Example:
+    """MONAI's 3D ``UNet`` (residual units, instance norm) on random volumes, Dice-free MSE."""
+    from monai.networks.nets import UNet
+
+    torch.manual_seed(seed)
+    model = UNet(spatial_dims=3, in_channels=1, out_channels=2, channels=channels,
+                 strides=(2,) * (len(channels) - 1), num_res_units=2)
+
+    def loss_fn(model, volume, target):
+        return nn.functional.mse_loss(model(volume), target)
+
+    def make_inputs(batch):
+        generator = _generator(seed + batch)
+        return (torch.randn(batch, 1, size, size, size, generator=generator),
+                torch.randn(batch, 2, size, size, size, generator=generator))
+
+    return Example("unet3d", model, loss_fn, make_inputs, batch_size)
+
+
+EXAMPLES: dict[str, Callable[..., Example]] = {
+    "mlp": mlp,
+    "gpt2": gpt2,
+    "resnet50": resnet50_shaped,
+    "unet3d": unet3d,
+}
