@@ -1,0 +1,85 @@
+"""Capture binds inputs and outputs by descriptor, records phases and scopes, fails clearly."""
+
+import collections
+
+import pytest
+import torch
+from torch import nn
+
+from memfit import examples
+from memfit.core.errors import CaptureError
+from memfit.graph.capture import SCOPE_KEY, capture
+
+
+def _nodes(captured):
+    return [n for n in captured.graph_module.graph.nodes if n.op == "call_function"]
+
+
+def test_gpt2_binds_tied_weights_and_gradients_by_name():
+    example = examples.gpt2(layers=1, width=32, sequence=16, batch_size=2)
+    captured = capture(example.model, example.loss_fn, *example.inputs())
+    kinds = collections.Counter(b.kind for b in captured.inputs)
+    assert kinds["input"] == 2 and kinds["tangent"] == 1
+    parameters = {b.target for b in captured.inputs if b.kind == "parameter"}
+    # lm_head.weight is tied to transformer.wte.weight: one graph input, named as aot names it
+    assert len(parameters) == len(list(example.model.parameters()))
+    assert all(example.model.get_parameter(name) is not None for name in parameters)
+    gradients = {b.target for b in captured.outputs if b.kind == "gradient"}
+    assert gradients == parameters
+    assert [b.kind for b in captured.outputs].count("loss") == 1
+
+
+def test_phases_and_scopes_reach_forward_and_backward_nodes():
+    example = examples.gpt2(layers=2, width=32, sequence=16, batch_size=2)
+    captured = capture(example.model, example.loss_fn, *example.inputs())
+    tags = collections.Counter(n.meta.get("partitioner_tag") for n in _nodes(captured))
+    assert tags["is_forward"] > 50 and tags["is_backward"] > 50
+    scoped = collections.defaultdict(set)
+    for node in _nodes(captured):
+        scope = (node.meta.get("custom") or {}).get(SCOPE_KEY)
+        if scope:
+            scoped[node.meta["partitioner_tag"]].add(scope)
+    assert "transformer.h.1.attn" in scoped["is_forward"]
+    assert "transformer.h.1.attn" in scoped["is_backward"]
+
+
+def test_batchnorm_running_stats_are_buffer_updates():
+    example = examples.resnet50_shaped(widths=(8, 8, 8, 8), image=32, batch_size=2)
+    captured = capture(example.model, example.loss_fn, *example.inputs())
+    buffers = {b.target for b in captured.inputs if b.kind == "buffer"}
+    updates = [b.target for b in captured.outputs if b.kind == "buffer_update"]
+    running = {n for n, _ in example.model.named_buffers() if "running" in n}
+    assert running <= buffers
+    assert running <= set(updates)
+    assert len(updates) == len(set(updates))  # each buffer updated exactly once
+
+
+def test_meta_inputs_capture_without_data():
+    example = examples.mlp(depth=2, width=16, batch_size=4)
+    inputs = tuple(t.to("meta") for t in example.inputs())
+    captured = capture(example.model, example.loss_fn, *inputs)
+    assert len(_nodes(captured)) > 10
+    assert all(p.device.type == "cpu" for p in example.model.parameters())  # model untouched
+
+
+def test_data_dependent_code_raises_capture_error_naming_the_line():
+    model = nn.Linear(4, 4)
+
+    def loss_fn(model, x):
+        y = model(x)
+        if y.sum() > 0:  # reads a tensor value into Python
+            y = y * 2
+        return y.mean()
+
+    with pytest.raises(CaptureError) as error:
+        capture(model, loss_fn, torch.randn(2, 4))
+    assert "test_capture.py" in str(error.value)
+    assert "tensor values" in str(error.value)
+
+
+def test_non_scalar_loss_and_non_tensor_inputs_are_refused():
+    model = nn.Linear(4, 4)
+    with pytest.raises(CaptureError, match="scalar"):
+        capture(model, lambda m, x: m(x), torch.randn(2, 4))
+    with pytest.raises(ValueError, match="tensors only"):
+        capture(model, lambda m, x, k: m(x).sum() * k, torch.randn(2, 4), 3)
