@@ -6,6 +6,7 @@ planner's program-order model (``memfit.core.schedule.memory_profile``) on view-
 
 import operator
 
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -198,3 +199,24 @@ def test_run_flat_empties_the_list_and_returns_the_output_value():
     flat = list(inputs)
     result = Executor(graph_module).run_flat(flat)
     assert flat == [] and isinstance(result, (list, tuple)) and len(result) == 4
+
+
+def test_rewritten_graph_propagates_under_fake_tensors():
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    x = torch.randn(N)
+    graph_module = _trace(chain, x)
+    first_mul, last_mul = _nodes(graph_module, torch.ops.aten.mul.Tensor)
+    _swap_by_hand(graph_module, first_mul, _node(graph_module, torch.ops.aten.mean.default), last_mul)
+    FakeTensorProp(graph_module).propagate(x)
+    host, back = _node(graph_module, SWAP_OUT), _node(graph_module, SWAP_IN)
+    assert host.meta["val"].device == CPU and back.meta["val"].shape == (N,)
+
+
+def test_a_failing_node_is_named_and_nothing_is_kept():
+    graph_module = torch.fx.symbolic_trace(lambda x: torch.mm(x, x))
+    executor = Executor(graph_module)
+    with pytest.raises(RuntimeError) as raised:
+        executor.run(torch.ones(3))
+    assert any("while executing" in note and "mm" in note for note in raised.value.__notes__)
+    assert executor.env == {}
