@@ -114,7 +114,8 @@ class Executor(torch.fx.Interpreter):
             try:
                 self.env[node] = self.run_node(node)
             except Exception as error:
-                error.add_note(f"memfit Executor, while executing {node.format_node()}")
+                if hasattr(error, "add_note"):  # Python 3.11+
+                    error.add_note(f"memfit Executor, while executing {node.format_node()}")
                 raise
             for value in self.user_to_last_uses.get(node, ()):
                 del self.env[value]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 # id(storage) -> weak reference to that storage; the entry is removed when the storage dies.
 _HOST_STORAGES: dict[int, weakref.ref] = {}
@@ -56,7 +57,9 @@ class HostPool:
     Note:
         No cache of its own: ``torch.empty(..., pin_memory=True)`` already goes through torch's
         caching host allocator, which also keeps a freed pinned block from being reused while a
-        copy stream still reads it.
+        copy stream still reads it. The buffer is made with dispatch modes switched off: it is
+        registered as host tier only once it exists, and a memory tracker active around the call
+        would otherwise count it as device memory in between.
 
     Example:
         >>> pool = HostPool("cpu")
@@ -72,7 +75,8 @@ class HostPool:
 
     def empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
         """An uninitialised host buffer with ``tensor``'s shape, dtype and (dense) strides."""
-        buffer = torch.empty_like(tensor, device="cpu", pin_memory=self.pinned)
+        with _disable_current_modes():  # a tracker must never count it as device memory
+            buffer = torch.empty_like(tensor, device="cpu", pin_memory=self.pinned)
         register_host_storage(buffer.untyped_storage())
         self.handed_out_bytes += buffer.untyped_storage().nbytes()
         return buffer

@@ -61,8 +61,8 @@ class DeviceMemoryTracker(TorchDispatchMode):
         return self.device.index is None or device.index == self.device.index
 
     def _count(self, tensor: torch.Tensor) -> None:
-        if not self._on_device(tensor.device) or tensor.is_meta:
-            return
+        if tensor.layout != torch.strided or not self._on_device(tensor.device):
+            return  # sparse and nested tensors have no single storage; MemTracker skips them too
         storage = tensor.untyped_storage()
         storage_id = id(storage)
         entry = self._counted.get(storage_id)
