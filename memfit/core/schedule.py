@@ -89,6 +89,8 @@ def check_plan(graph: CostGraph, plan: Plan) -> None:
         tensor = graph.tensors[name]
         if tensor.producer is None:
             raise PlanError(f"{name!r} is a graph input (parameter or user input) and cannot be swapped")
+        if tensor.is_output:
+            raise PlanError(f"{name!r} is returned by the step and lives to its end: swapping it saves nothing")
         produced_at = graph.index[tensor.producer]
         served: set[str] = set()
         for swap_in in decision.swap_ins:

@@ -116,13 +116,15 @@ def parse_budget(budget: str | int | float | Budget | None) -> Budget | None:
     if isinstance(budget, str):
         text = budget.strip()
         try:
-            value = float(text)
+            value = float(text)  # also reads "1e9" and "3_000_000_000"
         except ValueError:
             value = None
-        if value is not None and not text.isdigit():
-            if not 0.0 < value <= 1.0:
-                raise ValueError(_budget_help(budget))
-            return Budget(fraction=value)
+        if value is not None:
+            if 0.0 < value <= 1.0:  # "1" is the whole unplanned peak, not one byte
+                return Budget(fraction=value)
+            if value > 1.0 and value.is_integer():
+                return Budget(bytes=int(value))
+            raise ValueError(_budget_help(budget))
         try:
             size = parse_bytes(text)
         except ValueError:
