@@ -106,7 +106,10 @@ class CostGraph:
                 depends on an op that runs later, or a tensor is read before it is allocated.
         """
         ops = tuple(ops)
+        tensors = tuple(tensors)
         by_name = {t.name: t for t in tensors}
+        if len(by_name) != len(tensors):
+            raise ValueError("tensor names must be unique")
         op_index = {op.name: index for index, op in enumerate(ops)}
         if len(op_index) != len(ops):
             raise ValueError("op names must be unique")
@@ -114,20 +117,22 @@ class CostGraph:
         producers: dict[str, str] = {}
         allocated = {tensor for op in ops for tensor in op.outputs}
         for op in ops:
-            for tensor in (*op.inputs, *op.outputs):
-                if tensor not in by_name:
-                    raise ValueError(f"op {op.name!r} names unknown tensor {tensor!r}")
+            for tensor_name in (*op.inputs, *op.outputs):
+                if tensor_name not in by_name:
+                    raise ValueError(f"op {op.name!r} names unknown tensor {tensor_name!r}")
             for dependency in op.depends_on:
-                if op_index.get(dependency, len(ops)) >= op_index[op.name]:
+                if dependency not in op_index:
+                    raise ValueError(f"op {op.name!r} depends on unknown op {dependency!r}")
+                if op_index[dependency] >= op_index[op.name]:
                     raise ValueError(f"op {op.name!r} depends on {dependency!r}, which runs later")
-            for tensor in op.inputs:
-                if tensor in allocated and tensor not in producers:
-                    raise ValueError(f"op {op.name!r} reads {tensor!r} before it is allocated")
-                readers[tensor].append(op.name)
-            for tensor in op.outputs:
-                if tensor in producers:
-                    raise ValueError(f"tensor {tensor!r} is allocated twice")
-                producers[tensor] = op.name
+            for tensor_name in op.inputs:
+                if tensor_name in allocated and tensor_name not in producers:
+                    raise ValueError(f"op {op.name!r} reads {tensor_name!r} before it is allocated")
+                readers[tensor_name].append(op.name)
+            for tensor_name in op.outputs:
+                if tensor_name in producers:
+                    raise ValueError(f"tensor {tensor_name!r} is allocated twice")
+                producers[tensor_name] = op.name
         built = {}
         for tensor_name, tensor in by_name.items():
             producer = producers.get(tensor_name)

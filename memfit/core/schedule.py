@@ -95,6 +95,11 @@ def check_plan(graph: CostGraph, plan: Plan) -> None:
             if swap_in.after not in graph.index:
                 raise PlanError(f"swap-in of {name!r} names unknown control op {swap_in.after!r}")
             issued_at = graph.index[swap_in.after]
+            if not swap_in.consumers:
+                raise PlanError(
+                    f"swap-in of {name!r} after {swap_in.after!r} serves no consumer: "
+                    "name the ops that read this copy, or drop the SwapIn"
+                )
             if issued_at < produced_at:
                 raise PlanError(f"swap-in of {name!r} after {swap_in.after!r} precedes its producer")
             for consumer in swap_in.consumers:
@@ -116,10 +121,11 @@ def lower(graph: CostGraph, plan: Plan) -> Schedule:
         PlanError: if the plan does not fit the graph (see ``check_plan``).
     """
     check_plan(graph, plan)
-    redirect: dict[tuple[str, str], str] = {}  # (consumer op, tensor) -> copy buffer it reads
+    redirect: dict[str, dict[str, str]] = {}  # consumer op -> {tensor: copy buffer it reads}
     waits_before: dict[str, list[Action]] = {}
     swap_ins_after: dict[str, list[Action]] = {}
     buffer_bytes = {name: t.size_bytes for name, t in graph.tensors.items()}
+    swapped = {name for name, d in plan.decisions.items() if isinstance(d, Swap)}
     for name, decision in plan.decisions.items():
         if not isinstance(decision, Swap):
             continue
@@ -132,16 +138,20 @@ def lower(graph: CostGraph, plan: Plan) -> Schedule:
             first = min(swap_in.consumers, key=graph.index.__getitem__)
             waits_before.setdefault(first, []).append(Action("wait", first, name, copy))
             for consumer in swap_in.consumers:
-                redirect[(consumer, name)] = buffer
+                redirect.setdefault(consumer, {})[name] = buffer
     actions: list[Action] = []
-    for op in graph.ops:
-        actions.extend(waits_before.get(op.name, ()))
-        reads = tuple(redirect.get((op.name, t), t) for t in op.inputs)
+    for op in graph.ops:  # the hot loop of every simulation: skip work for untouched ops
+        if op.name in waits_before:
+            actions.extend(waits_before[op.name])
+        renamed = redirect.get(op.name)
+        reads = op.inputs if renamed is None else tuple(renamed.get(t, t) for t in op.inputs)
         actions.append(Action("compute", op.name, reads=reads, allocates=op.outputs))
-        for tensor in op.outputs:
-            if isinstance(plan.decision(tensor), Swap):
-                actions.append(Action("swap_out", op.name, tensor, reads=(tensor,)))
-        actions.extend(swap_ins_after.get(op.name, ()))
+        if swapped:
+            for tensor in op.outputs:
+                if tensor in swapped:
+                    actions.append(Action("swap_out", op.name, tensor, reads=(tensor,)))
+        if op.name in swap_ins_after:
+            actions.extend(swap_ins_after[op.name])
     outputs = frozenset(name for name, t in graph.tensors.items() if t.is_output)
     return Schedule(tuple(actions), MappingProxyType(buffer_bytes), graph.resident_bytes, outputs)
 
@@ -165,24 +175,27 @@ class MemoryProfile:
 
 def memory_profile(schedule: Schedule) -> MemoryProfile:
     """Walk the actions with liveness: allocate, note the high-water mark, then free dead buffers."""
+    actions = schedule.actions
+    size = dict(schedule.buffer_bytes)  # a plain dict: this runs once per simulated plan
     last_read: dict[str, int] = {}
-    for index, action in enumerate(schedule.actions):
+    for index, action in enumerate(actions):
         for buffer in action.reads:
             last_read[buffer] = index
-    free_after: dict[int, list[str]] = {}
-    for index, action in enumerate(schedule.actions):
+    freed_after = [0] * len(actions)  # bytes freed right after each action
+    for index, action in enumerate(actions):
         for buffer in action.allocates:
             if buffer not in schedule.outputs:
-                free_after.setdefault(max(index, last_read.get(buffer, index)), []).append(buffer)
+                freed_after[max(index, last_read.get(buffer, index))] += size[buffer]
     live = schedule.resident_bytes
     live_bytes, high_bytes = [], []
     peak_bytes, peak_index = live, -1
-    for index, action in enumerate(schedule.actions):
-        live += sum(schedule.buffer_bytes[b] for b in action.allocates)
+    for index, action in enumerate(actions):
+        for buffer in action.allocates:
+            live += size[buffer]
         high_bytes.append(live)
         if live > peak_bytes:
             peak_bytes, peak_index = live, index
-        live -= sum(schedule.buffer_bytes[b] for b in free_after.get(index, ()))
+        live -= freed_after[index]
         live_bytes.append(live)
     return MemoryProfile(tuple(live_bytes), tuple(high_bytes), peak_bytes, peak_index)
 
