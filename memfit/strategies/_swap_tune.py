@@ -9,12 +9,11 @@ stay fixed. ``swap_branches`` is turned on (with ``branch_threshold = threshold`
 only if nothing fits without it.
 
 Note:
-    The binary search needs hundreds of peak evaluations on a 10,000-op graph; ``PeakModel``
+    The binary searches need hundreds of peak evaluations on a 10,000-op graph; ``PeakModel``
     computes the program-order peak of ``memory_profile(lower(graph, plan))`` from per-op arrays
     in numpy instead of building the action list (tests check that the two agree to the byte).
-    The plan returned is always re-checked by ``simulated``, the one function to point at
-    ``memfit.core.simulate`` once it lands; until then it is ``memory_profile`` for the peak and
-    ``estimate_step_time_s``, a three-stream walk of the rewritten program, for the time.
+    Only one plan per rung is simulated (``memfit.core.simulate``), and the plan returned is the
+    fastest whose *simulated* peak fits.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from memfit.core.errors import BudgetError
 from memfit.core.hardware import Hardware
 from memfit.core.plan import Plan, Swap
 from memfit.core.schedule import live_buffers, lower, memory_profile
+from memfit.core.simulate import simulate
 
 if TYPE_CHECKING:
     from memfit.strategies.swap import SwapConfig
@@ -49,7 +49,9 @@ def tune(graph: CostGraph, hardware: Hardware, budget_bytes: int, config: SwapCo
     search = _Search(graph, hardware, budget_bytes, PeakModel(graph), decide, make_plan)
     tune_n = "n_tensors" not in given
     if tune_n and search.model.peak(search.model.events([]), 0) <= budget_bytes:
-        return make_plan(replace(config, n_tensors=0), [])  # nothing needs swapping
+        unplanned = make_plan(replace(config, n_tensors=0), [])  # nothing needs swapping
+        if simulate(graph, unplanned, hardware, record_intervals=False).peak_bytes <= budget_bytes:
+            return unplanned
     for branches in [config.swap_branches] if "swap_branches" in given else [False, True]:
         setting = replace(config, swap_branches=branches)
         if branches and not {"swap_branches", "branch_threshold"} & given:
@@ -57,15 +59,10 @@ def tune(graph: CostGraph, hardware: Hardware, budget_bytes: int, config: SwapCo
         search.ladder(setting, _lb_ladder(config, given, len(graph.ops)), tune_n)
         if search.fitting:
             break
-    for _, _, plan in sorted(search.fitting, key=lambda item: item[:2]):
-        if simulated(graph, plan, hardware)[0] <= budget_bytes:
-            return plan
-    raise search.budget_error()
-
-
-def simulated(graph: CostGraph, plan: Plan, hardware: Hardware) -> tuple[int, float]:
-    """Peak device bytes and step time of ``plan``: switch to ``memfit.core.simulate`` here."""
-    return memory_profile(lower(graph, plan)).peak_bytes, estimate_step_time_s(graph, plan, hardware)
+    fitting = [item for item in search.fitting if item[1] <= budget_bytes]
+    if not fitting:
+        raise search.budget_error()
+    return min(fitting, key=lambda item: item[:2])[2]
 
 
 def _lb_ladder(config: SwapConfig, given: frozenset[str], op_count: int) -> list[int]:
@@ -88,7 +85,7 @@ class _Search:
     model: PeakModel
     decide: Decide
     make_plan: MakePlan
-    fitting: list[tuple[float, int, Plan]] = field(default_factory=list)  # (time, peak, plan)
+    fitting: list[tuple[float, int, Plan]] = field(default_factory=list)  # simulated time, peak
     smallest: tuple[int, Plan] | None = None  # the lowest peak seen, for the BudgetError
 
     def ladder(self, config: SwapConfig, lbs: list[int], tune_n: bool) -> None:
@@ -126,9 +123,9 @@ class _Search:
                     low = middle
         used = replace(config, n_tensors=count) if tune_n else config
         plan = self.make_plan(used, decisions[:count])
-        time_s = estimate_step_time_s(self.graph, plan, self.hardware)
-        self.fitting.append((time_s, self.model.peak(events, count), plan))
-        return time_s
+        timeline = simulate(self.graph, plan, self.hardware, record_intervals=False)
+        self.fitting.append((timeline.step_time_s, timeline.peak_bytes, plan))
+        return timeline.step_time_s
 
     def budget_error(self) -> BudgetError:
         if self.smallest is None:  # unreachable: every search evaluates at least one rung
@@ -199,41 +196,3 @@ class PeakModel:
         after = self.resident + np.cumsum(net)
         during = after - net + self.alloc
         return int(max(self.resident, during.max(initial=0), after.max(initial=0)))
-
-
-def estimate_step_time_s(graph: CostGraph, plan: Plan, hardware: Hardware) -> float:
-    """A crude step time: compute in program order; swap-outs on a D2H stream after their
-    producer; swap-ins on an H2D stream (the same one if not duplex) after their control op and
-    their swap-out; each first consumer waits for its copy. Without async copies (a CPU), every
-    copy runs on the compute thread.
-    """
-    index = graph.index
-    outs: dict[int, list[tuple[str, int]]] = {}
-    ins: dict[int, list[tuple[str, int, int]]] = {}
-    waits: dict[int, list[tuple[str, int]]] = {}
-    for name, decision in plan.decisions.items():
-        if not isinstance(decision, Swap):
-            continue
-        size, producer = graph.tensors[name].size_bytes, graph.tensors[name].producer
-        outs.setdefault(index[str(producer)], []).append((name, size))
-        for copy, swap_in in enumerate(decision.swap_ins):
-            ins.setdefault(index[swap_in.after], []).append((name, copy, size))
-            first = min(index[c] for c in swap_in.consumers)
-            waits.setdefault(first, []).append((name, copy))
-    h2d = "h2d" if hardware.duplex else "d2h"
-    now, free_at = 0.0, {"d2h": 0.0, "h2d": 0.0}
-    out_done: dict[str, float] = {}
-    in_done: dict[tuple[str, int], float] = {}
-    for position, op in enumerate(graph.ops):
-        for key in waits.get(position, ()):
-            now = max(now, in_done[key])
-        now += op.time_s
-        for name, size in outs.get(position, ()):
-            start = now if not hardware.async_copies else max(now, free_at["d2h"])
-            out_done[name] = free_at["d2h"] = start + hardware.d2h_time_s(size)
-            now = now if hardware.async_copies else out_done[name]
-        for name, copy, size in ins.get(position, ()):
-            start = max(now, out_done[name], free_at[h2d] if hardware.async_copies else now)
-            in_done[(name, copy)] = free_at[h2d] = start + hardware.h2d_time_s(size)
-            now = now if hardware.async_copies else in_done[(name, copy)]
-    return now

@@ -117,7 +117,7 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, 
 
     Args:
         graph: the captured step.
-        hardware: the device profile (the tuner's time estimate uses its copy bandwidths).
+        hardware: the device profile; the tuner simulates candidate plans on it.
         budget_bytes: device bytes the step may use at its peak. ``None``: apply ``params`` as
             given. Otherwise ``n_tensors``, ``lb`` and ``swap_branches`` are tuned unless given,
             and the fastest simulated plan that fits is returned.
