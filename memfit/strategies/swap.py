@@ -29,9 +29,11 @@ Note:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from fnmatch import fnmatchcase
+from numbers import Integral
 from typing import Any
 
 from memfit.core.costgraph import CostGraph, Op
@@ -130,9 +132,12 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, 
     Example:
         >>> plan(chain(8), PROFILES["h100-pcie"], lb=3, ctrld_strategy="direct_order")
     """
-    if budget_bytes is not None and (isinstance(budget_bytes, bool)
-                                     or not isinstance(budget_bytes, int) or budget_bytes <= 0):
-        raise ValueError(f"swap: budget_bytes must be a positive int or None, got {budget_bytes!r}")
+    if budget_bytes is not None:
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, Integral) \
+                or budget_bytes <= 0:
+            raise ValueError(f"swap: budget_bytes must be a positive int or None (parse '11GiB' "
+                             f"with memfit.core.units.parse_bytes), got {budget_bytes!r}")
+        budget_bytes = int(budget_bytes)
     config = SwapConfig.from_params(params)
     planner = _Planner(graph, hardware, budget_bytes)
     if budget_bytes is None:
@@ -213,27 +218,34 @@ class _Planner:
 
     def swap(self, rewrite: _Rewrite, config: SwapConfig) -> Swap:
         names = self.graph.ops
-        swap_ins, notes = [], []
+        swap_ins: list[SwapIn] = []
+        hows: list[str] = []
         for group in rewrite.groups:
             control = control_op(self.ops, config.ctrld_strategy, rewrite.producer, rewrite.floor,
                                  group[0], config.lb, config.ub)
-            after = names[control.index]
-            swap_ins.append(SwapIn(after.name, tuple(names[c].name for c in group)))
-            notes.append(_control_note(after, control.how, config))
+            swap_ins.append(SwapIn(names[control.index].name, tuple(names[c].name for c in group)))
+            hows.append(control.how)
         distance = rewrite.groups[0][0] - rewrite.producer
-        head = f"saved for {rewrite.saved_for}, {distance} ops apart; "
-        if len(swap_ins) > 1:
-            head += f"{len(swap_ins)} swap-ins: "
-        return Swap(tuple(swap_ins), reason=head + "; ".join(notes))
+        reason = (f"saved for {rewrite.saved_for}, {distance} ops apart; "
+                  + _control_note(names[rewrite.groups[0][0]].name, self.graph.op(swap_ins[0].after),
+                                  hows[0], config))
+        if len(hows) > 1:
+            counts = Counter(hows[1:])
+            words = {"found": f"by {config.ctrld_strategy}", "clamped": "clamped",
+                     "fallback": "latest possible"}
+            more = len(hows) - 1
+            reason += f"; {more} more swap-in{'s' if more > 1 else ''}: " + ", ".join(
+                f"{counts[how]} {word}" for how, word in words.items() if counts[how])
+        return Swap(tuple(swap_ins), reason=reason)
 
 
-def _control_note(after: Op, how: str, config: SwapConfig) -> str:
+def _control_note(consumer: str, after: Op, how: str, config: SwapConfig) -> str:
     where = f"swap-in after {after.name} ({after.kind})"
     if how == "found":
         return f"{where} at lb={config.lb} ({config.ctrld_strategy})"
     if how == "clamped":
         return f"{where}, the original's last use ({config.ctrld_strategy} chose an earlier op)"
-    return (f"{where}: latest possible, {config.ctrld_strategy} found no control op "
+    return (f"{where}, right before {consumer}: {config.ctrld_strategy} found no control op "
             f"in [lb={config.lb}, ub={config.ub}]")
 
 
