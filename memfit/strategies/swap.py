@@ -130,7 +130,11 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, 
         BudgetError: if no plan fits ``budget_bytes``; it reports the smallest peak reached.
 
     Example:
-        >>> plan(chain(8), PROFILES["h100-pcie"], lb=3, ctrld_strategy="direct_order")
+        >>> from memfit.core.hardware import get_hardware
+        >>> from memfit.core.synthetic import chain
+        >>> result = plan(chain(8), get_hardware("h100-pcie"), lb=3, ctrld_strategy="direct_order")
+        >>> result.decision("f0").swap_ins[0].after  # 3 ops before f1_backward, f0's reader
+        'f4_backward'
     """
     if budget_bytes is not None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, Integral) \
@@ -217,26 +221,30 @@ class _Planner:
     # ---- control ops -----------------------------------------------------------------------------
 
     def swap(self, rewrite: _Rewrite, config: SwapConfig) -> Swap:
-        names = self.graph.ops
+        ops = self.graph.ops
         swap_ins: list[SwapIn] = []
         hows: list[str] = []
         for group in rewrite.groups:
             control = control_op(self.ops, config.ctrld_strategy, rewrite.producer, rewrite.floor,
                                  group[0], config.lb, config.ub)
-            swap_ins.append(SwapIn(names[control.index].name, tuple(names[c].name for c in group)))
+            swap_ins.append(SwapIn(ops[control.index].name, tuple(ops[c].name for c in group)))
             hows.append(control.how)
-        distance = rewrite.groups[0][0] - rewrite.producer
-        reason = (f"saved for {rewrite.saved_for}, {distance} ops apart; "
-                  + _control_note(names[rewrite.groups[0][0]].name, self.graph.op(swap_ins[0].after),
-                                  hows[0], config))
-        if len(hows) > 1:
-            counts = Counter(hows[1:])
-            words = {"found": f"by {config.ctrld_strategy}", "clamped": "clamped",
-                     "fallback": "latest possible"}
-            more = len(hows) - 1
-            reason += f"; {more} more swap-in{'s' if more > 1 else ''}: " + ", ".join(
-                f"{counts[how]} {word}" for how, word in words.items() if counts[how])
+        first = rewrite.groups[0][0]
+        reason = (f"saved for {rewrite.saved_for}, {first - rewrite.producer} ops apart; "
+                  + _control_note(ops[first].name, self.graph.op(swap_ins[0].after), hows[0], config)
+                  + _more_note(hows[1:], config))
         return Swap(tuple(swap_ins), reason=reason)
+
+
+def _more_note(hows: list[str], config: SwapConfig) -> str:
+    """``"; 2 more swap-ins: 1 by chain_rule, 1 latest possible"`` (empty for none)."""
+    if not hows:
+        return ""
+    counts = Counter(hows)
+    words = {"found": f"by {config.ctrld_strategy}", "clamped": "clamped",
+             "fallback": "latest possible"}
+    return f"; {len(hows)} more swap-in{'s' if len(hows) > 1 else ''}: " + ", ".join(
+        f"{counts[how]} {word}" for how, word in words.items() if counts[how])
 
 
 def _control_note(consumer: str, after: Op, how: str, config: SwapConfig) -> str:

@@ -378,6 +378,8 @@ def test_tuning_turns_on_swap_branches_only_when_needed():
     ({"starting_op_names": [1]}, "starting_op_names must be a string or a list of strings"),
     ({"incl_scopes": 5}, "incl_scopes must be a string or a list of strings"),
     ({"excl_types": {"a": 1}}, "excl_types must be a string or a list of strings"),
+    ({"incl_types": [None]}, "incl_types must be a string or a list of strings"),
+    ({"excl_scopes": 2.0}, "excl_scopes must be a string or a list of strings"),
     ({"optimizer_scopes": ["adam"]}, r"unknown parameter\(s\) \['optimizer_scopes'\]; accepted"),
 ])
 def test_bad_parameters_are_rejected(params, message):
