@@ -1,0 +1,130 @@
+"""Control ops for TFLMS swap-ins: the direct-order and chain-rule strategies (Algorithms 1 and 2).
+
+A swap-in is issued right after its *control op*. The paper picks it from the ops that run before
+the swap-in's first consumer (the *target*) and from which the target is reachable, within a
+lower and an upper bound ``[lb, ub]``:
+
+- **direct-order** walks back from the target in execution order: distance ``d = lb .. ub`` ops
+  before it, and takes the first (latest) op that reaches the target. It gives up once it would
+  go back to the tensor's producer.
+- **chain-rule** walks *down* the forward phase from the producer by breadth-first search (level
+  0 is the producer); at levels ``lb .. ub`` it looks at the backward ops that read the forward
+  ops of that level directly (their gradients, by the chain rule), keeps those that run before the
+  target and reach it, and stops at the first level that has one.
+
+Note:
+    Where the paper says "randomly get one item", we take the candidate with the largest index
+    (the one closest before the target), so plans are deterministic. Like TFLMS's own code, the
+    chain rule looks at a whole BFS level before picking, and it falls back to direct-order for a
+    target that is not a backward op (a forward branch with ``swap_branches``): no backward op can
+    run before a forward target.
+
+    Ops are handled by their execution index throughout. Reachability ("the target is reachable
+    from the candidate") uses one ancestor bitset per op, built once in a single pass in execution
+    order (a Python int per op): a query is one bit test, and direct-order's "latest ancestor at
+    least ``lb`` ops back" is one mask and ``bit_length``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal
+
+from memfit.core.costgraph import CostGraph
+
+CtrldStrategy = Literal["chain_rule", "direct_order"]
+CTRLD_STRATEGIES: tuple[CtrldStrategy, ...] = ("chain_rule", "direct_order")
+
+
+@dataclass(frozen=True)
+class Control:
+    """The op a swap-in is issued after, and how it was found (for the decision's reason)."""
+
+    index: int
+    how: Literal["found", "clamped", "fallback"]
+
+
+class OpGraph:
+    """Index-based adjacency of a ``CostGraph`` for the control-op searches, built once per plan."""
+
+    def __init__(self, graph: CostGraph):
+        self.graph = graph
+        self.index = graph.index
+        self.phase = tuple(op.phase for op in graph.ops)
+        users = graph.users
+        self.forward_users: list[list[int]] = []
+        self.backward_users: list[list[int]] = []
+        for op in graph.ops:
+            found = [self.index[user] for user in users[op.name]]
+            self.forward_users.append([u for u in found if self.phase[u] == "forward"])
+            self.backward_users.append([u for u in found if self.phase[u] == "backward"])
+
+    @cached_property
+    def ancestors(self) -> list[int]:
+        """Bit ``j`` of ``ancestors[i]`` is set when op ``i`` is reachable from op ``j`` (or j == i)."""
+        bits: list[int] = []
+        for position, op in enumerate(self.graph.ops):
+            mask = 1 << position
+            for dependency in op.depends_on:
+                mask |= bits[self.index[dependency]]
+            bits.append(mask)
+        return bits
+
+    def reaches(self, source: int, target: int) -> bool:
+        return bool(self.ancestors[target] >> source & 1)
+
+
+def direct_order(ops: OpGraph, producer: int, target: int, lb: int, ub: int) -> int | None:
+    """Algorithm 1: the latest op ``lb .. ub`` ops before ``target`` that reaches it, after ``producer``."""
+    highest = target - max(lb, 1)  # the target itself cannot control its own swap-in
+    lowest = max(target - ub, producer + 1)
+    if highest < lowest:
+        return None
+    found = (ops.ancestors[target] & ((1 << (highest + 1)) - 1)).bit_length() - 1
+    return found if found >= lowest else None
+
+
+def chain_rule(ops: OpGraph, producer: int, target: int, lb: int, ub: int) -> int | None:
+    """Algorithm 2: BFS down the forward ops from ``producer``; at levels ``lb .. ub``, the latest
+    backward reader of a level's op that runs before ``target`` and reaches it."""
+    if ops.phase[target] != "backward":
+        return direct_order(ops, producer, target, lb, ub)
+    level, frontier, seen = 0, [producer], {producer}
+    while frontier and level <= ub:
+        if level >= lb:
+            found = [
+                user
+                for op in frontier
+                for user in ops.backward_users[op]
+                if producer < user < target and ops.reaches(user, target)
+            ]
+            if found:
+                return max(found)
+        following = []
+        for op in frontier:
+            for user in ops.forward_users[op]:
+                if user not in seen:
+                    seen.add(user)
+                    following.append(user)
+        frontier, level = following, level + 1
+    return None
+
+
+def control_op(ops: OpGraph, strategy: CtrldStrategy, producer: int, floor: int, target: int,
+               lb: int, ub: int) -> Control:
+    """The control op for a swap-in whose first consumer is ``target``, valid for this plan.
+
+    A valid control op runs at or after ``floor`` (the last op that reads the original device
+    buffer, or the producer when none does: a swap-in issued while the original is alive saves
+    nothing) and before ``target``. A choice before ``floor`` is clamped to ``floor``; when the
+    strategy finds nothing in ``[lb, ub]`` the swap-in falls back to the op right before the target
+    (the latest possible swap-in). The caller guarantees ``floor < target``.
+    """
+    search = chain_rule if strategy == "chain_rule" else direct_order
+    found = search(ops, producer, target, lb, ub)
+    if found is None:
+        return Control(target - 1, "fallback")
+    if found < floor:
+        return Control(floor, "clamped")
+    return Control(found, "found")
