@@ -47,10 +47,12 @@ def _methods(example: examples.Example, inputs: tuple) -> list[tuple[str, str, C
         model = copy.deepcopy(example.model)
         fast = torch.compile(model, backend="aot_eager")
 
-        def run() -> None:
+        def run() -> torch.Tensor:
             model.zero_grad(set_to_none=True)
             with torch._functorch.config.patch(activation_memory_budget=0.5):
-                example.loss_fn(fast, *inputs).backward()
+                loss = example.loss_fn(fast, *inputs)
+                loss.backward()
+            return loss.detach()
 
         return model, run
 
@@ -59,9 +61,9 @@ def _methods(example: examples.Example, inputs: tuple) -> list[tuple[str, str, C
             model = copy.deepcopy(example.model)
             step = memfit.compile(model, example.loss_fn, measure=False, **options)
 
-            def run() -> None:
+            def run() -> torch.Tensor:
                 model.zero_grad(set_to_none=True)
-                step(*inputs)
+                return step(*inputs).detach()
 
             return model, run
 
@@ -78,19 +80,24 @@ def _methods(example: examples.Example, inputs: tuple) -> list[tuple[str, str, C
 
 
 def _measure(name: str, peak_method: str, build: Callable, inputs: tuple,
-             reference: dict | None) -> tuple[tuple, dict]:
+             reference: tuple | None) -> tuple[tuple, tuple]:
+    """One row, and (loss, gradients) of the warm-up step for the rows after it to compare."""
     model, run = build()
     torch.manual_seed(SEED)
-    run()  # warm-up: compiles, captures and plans; its gradients are the ones compared
+    loss = run()  # warm-up: compiles, captures and plans; its loss and gradients are compared
     grads = gradients(model)
-    same = "reference" if reference is None else compare_gradients(reference, grads)
-    step_s = median_time_s(lambda: (torch.manual_seed(SEED), run()))
+    if reference is None:
+        same_loss = same = "reference"
+    else:
+        same_loss = "bitwise" if torch.equal(reference[0], loss) else f"differs ({loss.item():.6g})"
+        same = compare_gradients(reference[1], grads)
+    step_s = median_time_s(lambda: (torch.manual_seed(SEED), run()), repeats=5)
     if peak_method == "profiler":
         model.zero_grad(set_to_none=True)
         peak = profiled_peak_above_start(run)
     else:
         peak = tracked_peak_above_start(run, model, inputs)
-    return (name, mib(peak), peak_method, ms(step_s), same), grads
+    return (name, mib(peak), peak_method, ms(step_s), same_loss, same), (loss, grads)
 
 
 def alternative_rows(example: examples.Example, batch: int,
@@ -101,15 +108,15 @@ def alternative_rows(example: examples.Example, batch: int,
     for name, peak_method, build in _methods(example, inputs):
         log(f"side by side: {name}")
         try:
-            row, grads = _measure(name, peak_method, build, inputs, reference)
+            row, outcome = _measure(name, peak_method, build, inputs, reference)
         except Exception as error:  # a bench must report a failing method, not stop
             message = str(error).strip().splitlines()[0][:120] if str(error).strip() else ""
-            rows.append((name, "failed", "-", "-", f"{type(error).__name__}: {message}"))
+            rows.append((name, "failed", "-", "-", "-", f"{type(error).__name__}: {message}"))
             continue
-        reference = grads if reference is None else reference
+        reference = outcome if reference is None else reference  # eager's (loss, gradients)
         rows.append(row)
     return rows
 
 
 ALTERNATIVE_HEADERS = ("method", "peak above start (measured)", "measured by",
-                       "step time (median)", "gradients vs eager")
+                       "step time (median of 5)", "loss vs eager", "gradients vs eager")

@@ -30,12 +30,31 @@ def median_time_s(run: Callable[[], object], repeats: int = REPEATS,
     return statistics.median(times)
 
 
-def eager_step(model: torch.nn.Module, loss_fn: Callable, inputs: tuple) -> Callable[[], None]:
+def interleaved_medians_s(runs: list[Callable[[], object]], repeats: int = 5) -> list[float]:
+    """Median wall time of each of ``runs``, timed in turn (a, b, a, b, ...).
+
+    Note:
+        On a shared machine the load changes within seconds; interleaving gives every run the
+        same share of it, so their ratio means something even when the absolute times drift.
+    """
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(repeats):
+        for index, run in enumerate(runs):
+            started = time.perf_counter()
+            run()
+            times[index].append(time.perf_counter() - started)
+    return [statistics.median(t) for t in times]
+
+
+def eager_step(model: torch.nn.Module, loss_fn: Callable,
+               inputs: tuple) -> Callable[[], torch.Tensor]:
     """Plain PyTorch: ``loss_fn(model, *inputs).backward()`` with gradients cleared first."""
 
-    def run() -> None:
+    def run() -> torch.Tensor:
         model.zero_grad(set_to_none=True)
-        loss_fn(model, *inputs).backward()
+        loss = loss_fn(model, *inputs)
+        loss.backward()
+        return loss.detach()
 
     return run
 
@@ -88,7 +107,8 @@ def compare_gradients(reference: dict[str, torch.Tensor], other: dict[str, torch
         return "bitwise"
     if all(torch.allclose(reference[k], other[k], rtol=1e-4, atol=1e-6) for k in reference):
         return "allclose"
-    return "differ"
+    largest = max((reference[k] - other[k]).abs().max().item() for k in reference)
+    return f"differ (max abs {largest:.2g})"
 
 
 def mib(size_bytes: float) -> str:

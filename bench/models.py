@@ -11,7 +11,14 @@ from dataclasses import dataclass
 import torch
 
 import memfit
-from bench.common import compare_gradients, eager_step, gradients, median_time_s, mib, ms
+from bench.common import (
+    compare_gradients,
+    eager_step,
+    gradients,
+    interleaved_medians_s,
+    mib,
+    ms,
+)
 from memfit import examples
 from memfit.core.errors import BudgetError
 
@@ -127,7 +134,6 @@ def overhead_row(name: str, example: examples.Example, batch: int) -> tuple:
     torch.manual_seed(0)
     eager()  # warm-up, and the reference gradients
     reference = gradients(model)
-    eager_s = median_time_s(eager)
     step = memfit.compile(model, example.loss_fn, strategy="keep", measure=False)
 
     def planned() -> None:
@@ -137,7 +143,7 @@ def overhead_row(name: str, example: examples.Example, batch: int) -> tuple:
     torch.manual_seed(0)
     planned()  # capture and plan once; these gradients are compared
     same = compare_gradients(reference, gradients(model))
-    keep_s = median_time_s(planned)
+    eager_s, keep_s = interleaved_medians_s([eager, planned])
     return name, batch, ms(eager_s), ms(keep_s), f"{keep_s / eager_s:.2f}x", same
 
 
@@ -146,5 +152,5 @@ CAPACITY_HEADERS = ("model", "base batch", "unplanned peak (measured)",
                     "H100 step swap-all (simulated)", "fixed budget",
                     "largest batch without memfit (measured peak)",
                     "largest batch with memfit swap (measured peak)", "ratio", "TFLMS reported")
-OVERHEAD_HEADERS = ("model", "batch", "eager step (median)", "memfit keep step (median)",
+OVERHEAD_HEADERS = ("model", "batch", "eager step (median of 5)", "memfit keep step (median of 5)",
                     "keep / eager", "gradients vs eager")

@@ -120,6 +120,9 @@ def cpu_sections() -> list[str]:
         "One process, one batch, one seed; step time is the median of 3 after a warm-up "
         "(compile, capture and planning happen in the warm-up).\n",
         table(ALTERNATIVE_HEADERS, alternatives),
+        "\nThis GPT-2 has dropout 0.1. A method whose loss is bitwise eager's but whose gradients "
+        "differ computed its backward pass from values other than its forward pass's (a "
+        "recomputed dropout that draws a new mask would do this).",
     ]
 
 

@@ -14,6 +14,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 EXAMPLES_HELP = """examples:
@@ -62,7 +63,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     config = DemoConfig.quick() if args.quick else DemoConfig()
     if args.steps is not None:
-        config = DemoConfig(**{**config.__dict__, "steps": args.steps})
+        config = replace(config, steps=args.steps)
     started = time.perf_counter()
     with tqdm(total=2 * config.steps, desc="training (unplanned, then swap)",
               unit="step", file=sys.stderr) as bar:
