@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from memfit.core.costgraph import CostGraph
+from memfit.core.errors import BudgetError
 from memfit.core.hardware import Hardware, get_hardware
 from memfit.core.plan import Plan
 from memfit.core.simulate import simulate
@@ -22,7 +23,7 @@ from memfit.core.synthetic import chain
 from memfit.core.timeline import Timeline
 from memfit.core.units import Budget, format_bytes, parse_budget
 from memfit.graph.analyze import analyze
-from memfit.graph.capture import Captured, capture, input_signature
+from memfit.graph.capture import Captured, capture, check_inputs, input_signature
 from memfit.graph.rewrite import rewrite
 from memfit.runtime.executor import Executor
 from memfit.runtime.measure import measure_peak as _measure_peak
@@ -135,6 +136,7 @@ class Step:
 
     def compile_for(self, *inputs: torch.Tensor) -> Compiled:
         """Capture, analyze, plan and rewrite for these inputs' signature (cached)."""
+        check_inputs(inputs)
         signature = input_signature(self.model, inputs)
         compiled = self._compiled.get(signature)
         if compiled is None:
@@ -215,8 +217,13 @@ def make_plan(graph: CostGraph, hardware: Hardware, budget: Budget | None, strat
     budget_bytes = None
     if budget is not None:
         budget_bytes = budget.to_bytes(baseline.peak_bytes + outside_bytes)
-    graph_budget = None if budget_bytes is None else budget_bytes - outside_bytes
-    made = get_strategy(strategy)(graph, hardware, graph_budget, **params)
+    if budget_bytes is None:
+        return get_strategy(strategy)(graph, hardware, None, **params), baseline, None
+    try:
+        made = get_strategy(strategy)(graph, hardware, max(budget_bytes - outside_bytes, 1), **params)
+    except BudgetError as error:  # report the whole device, the bytes outside the graph included
+        raise BudgetError(budget_bytes, error.minimum_bytes + outside_bytes, error.dominant,
+                          error.strategy) from None
     return made, baseline, budget_bytes
 
 
