@@ -21,7 +21,7 @@ from memfit.core.plan import Plan
 from memfit.core.simulate import simulate
 from memfit.core.synthetic import chain
 from memfit.core.timeline import Timeline
-from memfit.core.units import Budget, format_bytes, parse_budget
+from memfit.core.units import Budget, parse_budget
 from memfit.graph.analyze import analyze
 from memfit.graph.capture import Captured, capture, check_inputs, input_signature
 from memfit.graph.rewrite import rewrite

@@ -80,7 +80,7 @@ def test_gradients_accumulate_like_backward():
         inputs = example.inputs(batch)
         step(*inputs)
         example.loss_fn(eager, *inputs).backward()
-    for a, b in zip(example.model.parameters(), eager.parameters()):
+    for a, b in zip(example.model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
 
 

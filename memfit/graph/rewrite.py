@@ -48,7 +48,7 @@ def _is_whole(tensor: torch.Tensor) -> bool:
 def _dense(tensor: torch.Tensor) -> bool:
     """Strides that tile the elements with no gap or overlap, in some dimension order."""
     expected = 1
-    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda d: d[1]):
+    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True), key=lambda d: d[1]):
         if size == 1:
             continue
         if stride != expected:

@@ -252,7 +252,7 @@ def _end(timeline: Timeline) -> dict[str, Interval]:
 
 
 def _assert_no_overlap(intervals: list[Interval]) -> None:
-    for before, after in zip(intervals, intervals[1:], strict=False):
+    for before, after in zip(intervals, intervals[1:], strict=True):
         assert before.start_s <= before.end_s <= after.start_s, (before, after)
 
 

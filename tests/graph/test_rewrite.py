@@ -73,7 +73,7 @@ def test_rewritten_graph_gives_identical_gradients_and_lower_peak(captured):
     compiled = step.compile_for(x)
     compiled.program = rewrite(compiled.captured.graph_module, compiled.graph, plan)
     step(x)
-    for a, b in zip(keep.model.parameters(), step.model.parameters()):
+    for a, b in zip(keep.model.parameters(), step.model.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
     assert step.measured.peak_bytes == memory_profile(lower(compiled.graph, plan)).peak_bytes
     assert step.measured.peak_bytes <= keep.measured.peak_bytes

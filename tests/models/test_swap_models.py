@@ -60,9 +60,9 @@ def reference(request):
 
 def assert_same_as_keep(reference, model, loss):
     assert torch.equal(loss, reference["keep_loss"])
-    for (name, got), expected in zip(model.named_parameters(), reference["keep_model"].parameters()):
+    for (name, got), expected in zip(model.named_parameters(), reference["keep_model"].parameters(), strict=True):
         assert torch.equal(got.grad, expected.grad), f"gradient of {name} differs"
-    for (name, got), expected in zip(model.named_buffers(), reference["keep_model"].buffers()):
+    for (name, got), expected in zip(model.named_buffers(), reference["keep_model"].buffers(), strict=True):
         assert torch.equal(got, expected), f"buffer {name} differs"
 
 
@@ -76,9 +76,9 @@ def assert_peak_within(step):
 def test_unplanned_step_matches_eager(reference):
     keep, model = reference["keep"], reference["keep_model"]
     torch.testing.assert_close(reference["keep_loss"], reference["eager_loss"], rtol=1e-5, atol=0)
-    for (name, got), expected in zip(model.named_parameters(), reference["eager_model"].parameters()):
+    for (name, got), expected in zip(model.named_parameters(), reference["eager_model"].parameters(), strict=True):
         torch.testing.assert_close(got.grad, expected.grad, rtol=1e-5, atol=1e-7, msg=name)
-    for got, expected in zip(model.buffers(), reference["eager_model"].buffers()):
+    for got, expected in zip(model.buffers(), reference["eager_model"].buffers(), strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
     assert keep.measured.peak_bytes == keep.predicted.peak_bytes
     saved = sum(t.size_bytes for t in keep.graph.saved_tensors())
@@ -96,7 +96,7 @@ def test_real_storages_match_the_captured_fake_ones(reference):
         def run_node(self, node):
             value = super().run_node(node)
             if node.op == "call_function":
-                for real, fake in zip(tensors_in(value), tensors_in(node.meta.get("val"))):
+                for real, fake in zip(tensors_in(value), tensors_in(node.meta.get("val")), strict=True):
                     if real.untyped_storage().nbytes() != fake.untyped_storage().nbytes():
                         mismatches.append(node.format_node())
             return value
