@@ -7,7 +7,6 @@ A new input shape re-captures and re-plans; the same shape reuses the plan.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,7 @@ from memfit.graph.capture import Captured, capture, check_inputs, input_signatur
 from memfit.graph.rewrite import rewrite
 from memfit.runtime.executor import Executor
 from memfit.runtime.measure import measure_peak as _measure_peak
+from memfit.runtime.profile import run_measured
 from memfit.strategies import get_strategy
 
 __all__ = ["Step", "compile", "plan", "measure_peak"]
@@ -80,20 +80,15 @@ class Step:
             CaptureError: if the step cannot be captured.
         """
         compiled = self.compile_for(*inputs)
-        flat = self._flat_inputs(compiled.captured, inputs)
-        executor = Executor(compiled.program, device=_device_of(flat))
-        started = time.perf_counter()
+        flat = self._flat_inputs(compiled.captured, inputs)  # held: inputs are resident
         if self.measure:
-            track = [p.grad for p in self.model.parameters() if p.grad is not None]
-            measurement = _measure_peak(executor.run_flat, list(flat), track=(flat, track))
-            outputs, peak_bytes = measurement.result, measurement.peak_bytes
+            existing = [p.grad for p in self.model.parameters() if p.grad is not None]
+            outputs, measured = run_measured(compiled.program, list(flat), track=existing)
+            compiled.measured.append(measured)
         else:
-            outputs, peak_bytes = executor.run_flat(list(flat)), -1
-        elapsed_s = time.perf_counter() - started
+            outputs = Executor(compiled.program, device=_device_of(flat)).run_flat(list(flat))
         del flat
         loss = self._apply(compiled.captured, outputs)
-        if self.measure:
-            compiled.measured.append(Timeline("measured", peak_bytes, elapsed_s))
         return loss
 
     def _flat_inputs(self, captured: Captured, inputs) -> list[torch.Tensor]:
