@@ -59,6 +59,7 @@ class OpGraph:
             found = [self.index[user] for user in users[op.name]]
             self.forward_users.append([u for u in found if self.phase[u] == "forward"])
             self.backward_users.append([u for u in found if self.phase[u] == "backward"])
+        self._walks: dict[int, tuple[list[list[int]], set[int]]] = {}
 
     @cached_property
     def ancestors(self) -> list[int]:
@@ -73,6 +74,21 @@ class OpGraph:
 
     def reaches(self, source: int, target: int) -> bool:
         return bool(self.ancestors[target] >> source & 1)
+
+    def forward_level(self, producer: int, level: int) -> list[int]:
+        """The forward ops ``level`` edges below ``producer`` by breadth-first search (level 0 is
+        the producer; empty past the last). Each search is kept and extended on demand, so the
+        tuner's ladder of lbs walks every producer's levels once."""
+        levels, seen = self._walks.setdefault(producer, ([[producer]], {producer}))
+        while len(levels) <= level and levels[-1]:
+            following = []
+            for op in levels[-1]:
+                for user in self.forward_users[op]:
+                    if user not in seen:
+                        seen.add(user)
+                        following.append(user)
+            levels.append(following)
+        return levels[level] if level < len(levels) else []
 
 
 def direct_order(ops: OpGraph, producer: int, target: int, lb: int, ub: int) -> int | None:
@@ -90,24 +106,18 @@ def chain_rule(ops: OpGraph, producer: int, target: int, lb: int, ub: int) -> in
     backward reader of a level's op that runs before ``target`` and reaches it."""
     if ops.phase[target] != "backward":
         return direct_order(ops, producer, target, lb, ub)
-    level, frontier, seen = 0, [producer], {producer}
-    while frontier and level <= ub:
-        if level >= lb:
-            found = [
-                user
-                for op in frontier
-                for user in ops.backward_users[op]
-                if producer < user < target and ops.reaches(user, target)
-            ]
-            if found:
-                return max(found)
-        following = []
-        for op in frontier:
-            for user in ops.forward_users[op]:
-                if user not in seen:
-                    seen.add(user)
-                    following.append(user)
-        frontier, level = following, level + 1
+    for level in range(lb, ub + 1):
+        frontier = ops.forward_level(producer, level)
+        if not frontier:
+            return None
+        found = [
+            user
+            for op in frontier
+            for user in ops.backward_users[op]
+            if producer < user < target and ops.reaches(user, target)
+        ]
+        if found:
+            return max(found)
     return None
 
 

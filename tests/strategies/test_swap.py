@@ -16,7 +16,7 @@ from memfit.core.schedule import check_plan, lower, memory_profile, peak_bytes
 from memfit.core.simulate import simulate
 from memfit.core.synthetic import Node, chain, from_forward, multi_tower, random_dag, resnet_like
 from memfit.strategies import get_strategy, strategy_names
-from memfit.strategies._swap_tune import PeakModel
+from memfit.strategies._swap_tune import PeakModel, step_time_s
 from memfit.strategies.swap import plan as swap
 
 HW = PROFILES["h100-pcie"]
@@ -427,7 +427,7 @@ def check_swap_ins(graph: CostGraph, plan: Plan) -> None:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(size=st.integers(2, 60), seed=st.integers(0, 10_000), params=PARAMS)
-def test_random_plans_are_valid_and_the_peak_model_is_exact(size, seed, params):
+def test_random_plans_are_valid_and_the_tuner_models_are_exact(size, seed, params):
     graph = random_dag(size, seed=seed)
     params = dict(params)
     if params.get("lb", 1) > 1 and "ub" not in params:
@@ -437,6 +437,9 @@ def test_random_plans_are_valid_and_the_peak_model_is_exact(size, seed, params):
     model = PeakModel(graph)
     assert model.peak(model.events(list(plan.decisions.items())), len(plan.decisions)) == (
         peak_bytes(graph, plan))
+    slow_link = HW.with_(d2h_bytes_per_s=1e8, h2d_bytes_per_s=1e8)  # copies stall compute
+    for hardware in (HW, PROFILES["cpu"], slow_link, slow_link.with_(duplex=False)):
+        assert step_time_s(graph, plan, hardware) == simulate(graph, plan, hardware).step_time_s
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
