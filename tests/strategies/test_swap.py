@@ -16,6 +16,7 @@ from memfit.core.schedule import check_plan, lower, memory_profile, peak_bytes
 from memfit.core.simulate import simulate
 from memfit.core.synthetic import Node, chain, from_forward, multi_tower, random_dag, resnet_like
 from memfit.strategies import get_strategy, strategy_names
+from memfit.strategies._swap_control import OpGraph
 from memfit.strategies._swap_tune import PeakModel, step_time_s
 from memfit.strategies.swap import plan as swap
 
@@ -456,3 +457,19 @@ def test_random_budgets_fit_or_raise(size, seed, fraction, params):
     check_swap_ins(graph, plan)
     assert simulate(graph, plan, HW).peak_bytes <= budget
     assert memory_profile(lower(graph, plan)).peak_bytes <= budget
+
+
+@settings(max_examples=30, deadline=None)
+@given(size=st.integers(2, 60), seed=st.integers(0, 10_000), fan_in=st.integers(1, 4))
+def test_forward_levels_are_breadth_first_levels(size, seed, fan_in):
+    ops = OpGraph(random_dag(size, seed=seed, max_inputs=fan_in))
+    for producer, phase in enumerate(ops.phase):
+        if phase != "forward":
+            continue
+        level, seen, depth = [producer], {producer}, 0
+        while level:
+            assert sorted(ops.forward_level(producer, depth)) == level
+            level = sorted({u for op in level for u in ops.forward_users[op]} - seen)
+            seen.update(level)
+            depth += 1
+        assert ops.forward_level(producer, depth) == ops.forward_level(producer, depth + 9) == []
