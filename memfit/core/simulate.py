@@ -40,8 +40,11 @@ def simulate(
             plans.
 
     Returns:
-        A ``Timeline`` with ``source="simulated"``: the step time, the exposed transfer time, the
-        intervals and the live bytes while each action runs.
+        A ``Timeline`` with ``source="simulated"``: the step time (the latest end on any stream),
+        the exposed transfer time, the live bytes while each action runs, and the intervals: one
+        per compute, swap-out and swap-in action (kind = the action's kind), plus a ``"wait"``
+        interval on the compute stream for each wait that stalls it (one that does not takes no
+        time and has none).
 
     Raises:
         PlanError: if the plan does not fit the graph (see ``schedule.check_plan``).

@@ -228,7 +228,9 @@ def test_simulating_ten_thousand_ops_is_fast():
         start = time.perf_counter()
         simulate(graph, plan, FAKE, record_intervals=False)
         elapsed_s.append(time.perf_counter() - start)
-    assert min(elapsed_s) < 0.25  # about 0.06 s on a slow 2-core box; generous for loaded CI
+    # 0.06-0.3 s on the noisy 2-core VM this was written on (GC pauses included); the bound
+    # catches a quadratic slip (tens of seconds here), not a few percent
+    assert min(elapsed_s) < 1.0
 
 
 # ---- properties on random DAGs -------------------------------------------------------------
