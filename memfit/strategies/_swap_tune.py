@@ -5,8 +5,14 @@ TFLMS's authors tune two knobs by hand: ``n_tensors`` (more tensors swapped, low
 U-Net-like models. Here, for each ``lb`` of a Fibonacci ladder (1, 2, 3, 5, 8, ...), a binary
 search finds the smallest ``n_tensors`` whose peak fits (the peak is near-monotone non-increasing
 in ``n_tensors``); the fastest of those plans by simulated step time wins. Parameters the user gave
-stay fixed. ``swap_branches`` is turned on (with ``branch_threshold = threshold`` unless given)
-only if nothing fits without it.
+stay fixed. If the unplanned step already fits, nothing is swapped (``n_tensors=0``).
+``swap_branches`` is turned on (with ``branch_threshold = threshold`` unless given, so that only
+edges the rewriting threshold calls long are swapped) only if nothing fits without it.
+
+The ladder stops after two rungs in a row where even swapping every candidate does not fit (the
+peak grows with lb), after two rungs in a row that are not faster, or at a plan whose step time is
+the bare compute time (no plan can beat it). With no fitting plan, ``BudgetError`` reports the
+lowest peak any rung reached with all its candidates swapped, and what is live at that peak.
 
 Note:
     The binary searches need hundreds of peak evaluations on a 10,000-op graph; ``PeakModel``
