@@ -315,8 +315,9 @@ def test_swap_branches_rewrites_long_forward_skip_edges():
 # ---- tuning to a budget ----------------------------------------------------------------------------
 
 
-def test_budget_between_swap_all_and_keep_fits_and_is_no_slower():
-    graph = chain(64)
+@pytest.mark.parametrize("size_bytes", [MIB, 64 * MIB])  # copies hidden; copies stall compute
+def test_budget_between_swap_all_and_keep_fits_and_is_no_slower(size_bytes):
+    graph = chain(64, size_bytes=size_bytes)
     keep_peak = peak_bytes(graph, get_strategy("keep")(graph, HW))
     swap_all = swap(graph, HW)
     floor = peak_bytes(graph, swap_all)
