@@ -47,6 +47,9 @@ def test_swap_ops_are_placed_as_planned(captured):
     names = [n.name for n in nodes]
     inserted = [n for n in nodes if "memfit" in n.meta]
     kinds = [n.meta["memfit"]["kind"] for n in inserted]
+    originals = {n.name for n in result.graph_module.graph.nodes}
+    assert {n.name for n in nodes if "memfit" not in n.meta} == originals  # names survive
+    assert all(n.name.startswith("memfit_") for n in inserted)
     assert kinds.count("swap_out") == 1 and kinds.count("swap_in") == 1 and kinds.count("wait") == 1
     swap_out, swap_in, wait = (next(n for n in inserted if n.meta["memfit"]["kind"] == k)
                                for k in ("swap_out", "swap_in", "wait"))
