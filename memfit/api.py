@@ -7,7 +7,6 @@ A new input shape re-captures and re-plans; the same shape reuses the plan.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,17 +14,19 @@ from typing import Any
 import torch
 
 from memfit.core.costgraph import CostGraph
+from memfit.core.errors import BudgetError
 from memfit.core.hardware import Hardware, get_hardware
 from memfit.core.plan import Plan
 from memfit.core.simulate import simulate
 from memfit.core.synthetic import chain
 from memfit.core.timeline import Timeline
-from memfit.core.units import Budget, format_bytes, parse_budget
+from memfit.core.units import Budget, parse_budget
 from memfit.graph.analyze import analyze
-from memfit.graph.capture import Captured, capture, input_signature
+from memfit.graph.capture import Captured, capture, check_inputs, input_signature
 from memfit.graph.rewrite import rewrite
 from memfit.runtime.executor import Executor
 from memfit.runtime.measure import measure_peak as _measure_peak
+from memfit.runtime.profile import run_measured
 from memfit.strategies import get_strategy
 
 __all__ = ["Step", "compile", "plan", "measure_peak"]
@@ -79,20 +80,15 @@ class Step:
             CaptureError: if the step cannot be captured.
         """
         compiled = self.compile_for(*inputs)
-        flat = self._flat_inputs(compiled.captured, inputs)
-        executor = Executor(compiled.program, device=_device_of(flat))
-        started = time.perf_counter()
+        flat = self._flat_inputs(compiled.captured, inputs)  # held: inputs are resident
         if self.measure:
-            track = [p.grad for p in self.model.parameters() if p.grad is not None]
-            measurement = _measure_peak(executor.run_flat, list(flat), track=(flat, track))
-            outputs, peak_bytes = measurement.result, measurement.peak_bytes
+            existing = [p.grad for p in self.model.parameters() if p.grad is not None]
+            outputs, measured = run_measured(compiled.program, list(flat), track=existing)
+            compiled.measured.append(measured)
         else:
-            outputs, peak_bytes = executor.run_flat(list(flat)), -1
-        elapsed_s = time.perf_counter() - started
+            outputs = Executor(compiled.program, device=_device_of(flat)).run_flat(list(flat))
         del flat
         loss = self._apply(compiled.captured, outputs)
-        if self.measure:
-            compiled.measured.append(Timeline("measured", peak_bytes, elapsed_s))
         return loss
 
     def _flat_inputs(self, captured: Captured, inputs) -> list[torch.Tensor]:
@@ -135,6 +131,7 @@ class Step:
 
     def compile_for(self, *inputs: torch.Tensor) -> Compiled:
         """Capture, analyze, plan and rewrite for these inputs' signature (cached)."""
+        check_inputs(inputs)
         signature = input_signature(self.model, inputs)
         compiled = self._compiled.get(signature)
         if compiled is None:
@@ -215,8 +212,13 @@ def make_plan(graph: CostGraph, hardware: Hardware, budget: Budget | None, strat
     budget_bytes = None
     if budget is not None:
         budget_bytes = budget.to_bytes(baseline.peak_bytes + outside_bytes)
-    graph_budget = None if budget_bytes is None else budget_bytes - outside_bytes
-    made = get_strategy(strategy)(graph, hardware, graph_budget, **params)
+    if budget_bytes is None:
+        return get_strategy(strategy)(graph, hardware, None, **params), baseline, None
+    try:
+        made = get_strategy(strategy)(graph, hardware, max(budget_bytes - outside_bytes, 1), **params)
+    except BudgetError as error:  # report the whole device, the bytes outside the graph included
+        raise BudgetError(budget_bytes, error.minimum_bytes + outside_bytes, error.dominant,
+                          error.strategy) from None
     return made, baseline, budget_bytes
 
 

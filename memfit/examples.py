@@ -33,7 +33,7 @@ def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def mlp(depth: int = 16, width: int = 256, batch_size: int = 512, seed: int = 0) -> Example:
+def mlp(depth: int = 16, width: int = 256, batch_size: int = 2048, seed: int = 0) -> Example:
     """A deep ReLU MLP regressing random targets: the chain of the checkpointing literature."""
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
@@ -75,16 +75,19 @@ def gpt2(layers: int = 4, width: int = 64, heads: int = 4, vocab: int = 128, seq
     return Example("gpt2", model, loss_fn, make_inputs, batch_size)
 
 
-def resnet50_shaped(widths: tuple[int, ...] = (16, 32, 64, 128), image: int = 64,
-                    batch_size: int = 4, classes: int = 10, seed: int = 0) -> Example:
+def resnet50_shaped(widths: tuple[int, ...] = (32, 64, 128, 256), image: int = 64,
+                    batch_size: int = 8, classes: int = 10, seed: int = 0) -> Example:
     """transformers ``ResNetForImageClassification`` with ResNet-50's depths and shrunk widths.
 
-    BatchNorm runs in training mode, so the step also updates running statistics (buffers).
+    ``widths`` are the stage outputs (ResNet-50: 256, 512, 1024, 2048 after a 64-channel stem);
+    the stem keeps ResNet-50's proportion, a quarter of the first stage. BatchNorm runs in
+    training mode, so the step also updates running statistics (buffers).
     """
     from transformers import ResNetConfig, ResNetForImageClassification
 
     torch.manual_seed(seed)
-    config = ResNetConfig(num_channels=3, embedding_size=widths[0], hidden_sizes=list(widths),
+    config = ResNetConfig(num_channels=3, embedding_size=max(widths[0] // 4, 1),
+                          hidden_sizes=list(widths),
                           depths=[3, 4, 6, 3], layer_type="bottleneck", num_labels=classes)
     model = ResNetForImageClassification(config)
 

@@ -96,6 +96,16 @@ def input_signature(model: torch.nn.Module, inputs: Sequence) -> tuple:
     )
 
 
+def check_inputs(inputs: Sequence) -> None:
+    """Raise ``ValueError`` unless every input is a tensor."""
+    for position, value in enumerate(inputs):
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(
+                f"input {position} is a {type(value).__name__}: memfit steps take tensors only; "
+                "close over other values in loss_fn instead"
+            )
+
+
 def capture(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor) -> Captured:
     """Trace ``loss_fn(model, *inputs)`` and its backward into one aten fx graph.
 
@@ -108,12 +118,7 @@ def capture(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor) ->
         ValueError: if an input is not a tensor.
         CaptureError: if tracing fails, naming the op and the user's source line.
     """
-    for position, value in enumerate(inputs):
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(
-                f"input {position} is a {type(value).__name__}: memfit steps take tensors only; "
-                "close over other values in loss_fn instead"
-            )
+    check_inputs(inputs)
     if any(t.device.type == "meta" for t in inputs):
         model = _meta_copy(model)
     step = _StepModule(model, loss_fn)

@@ -1,5 +1,8 @@
 """Rewrite a captured graph by a Plan: insert swap_out / swap_in / wait ops.
 
+Original nodes keep their names (they are the CostGraph's op names); inserted nodes are named
+``memfit_*``, since fx would otherwise rename an original to make room for a copy's name.
+
 The new graph is built by walking ``lower(graph, plan).actions``, the same program order the
 simulator predicts, so the rewritten program and the prediction are one sequence. A consumer that
 a swap-in serves reads the swapped-in copy; where it read a *view* of the swapped storage (a
@@ -48,7 +51,7 @@ def _is_whole(tensor: torch.Tensor) -> bool:
 def _dense(tensor: torch.Tensor) -> bool:
     """Strides that tile the elements with no gap or overlap, in some dimension order."""
     expected = 1
-    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda d: d[1]):
+    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True), key=lambda d: d[1]):
         if size == 1:
             continue
         if stride != expected:
@@ -125,8 +128,10 @@ class _Rewriter:
                 f"{self.roots[name].name}; keep this tensor"
             )
         new_base = self._replay(base, name, copy)
-        replayed = self.graph.node_copy(node, lambda a: new_base if a is base else self.env[a])
-        replayed.meta["memfit"] = {"kind": "view_replay", "tensor": name, "copy": copy}
+        args, kwargs = fx.map_arg((node.args, node.kwargs), lambda a: new_base if a is base else self.env[a])
+        replayed = self.graph.create_node("call_function", node.target, args, kwargs,
+                                          name=f"memfit_{node.name}_on_copy{copy}")
+        replayed.meta = {**node.meta, "memfit": {"kind": "view_replay", "tensor": name, "copy": copy}}
         self.replayed[memo] = replayed
         return replayed
 
@@ -134,7 +139,8 @@ class _Rewriter:
         return any(self.owner.get(storage_key(t)) == name for t in tensors_in(node.meta.get("val")))
 
     def _call(self, op, args: tuple, kind: str, name: str, copy: int = -1) -> fx.Node:
-        node = self.graph.call_function(op, args)
+        # a memfit_ prefix never collides with an original name, which must survive unchanged
+        node = self.graph.create_node("call_function", op, args, name=f"memfit_{kind}")
         node.meta["memfit"] = {"kind": kind, "tensor": name, "copy": copy}
         return node
 

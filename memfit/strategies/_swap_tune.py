@@ -5,15 +5,22 @@ TFLMS's authors tune two knobs by hand: ``n_tensors`` (more tensors swapped, low
 U-Net-like models. Here, for each ``lb`` of a Fibonacci ladder (1, 2, 3, 5, 8, ...), a binary
 search finds the smallest ``n_tensors`` whose peak fits (the peak is near-monotone non-increasing
 in ``n_tensors``); the fastest of those plans by simulated step time wins. Parameters the user gave
-stay fixed. ``swap_branches`` is turned on (with ``branch_threshold = threshold`` unless given)
-only if nothing fits without it.
+stay fixed. If the unplanned step already fits, nothing is swapped (``n_tensors=0``).
+``swap_branches`` is turned on (with ``branch_threshold = threshold`` unless given, so that only
+edges the rewriting threshold calls long are swapped) only if nothing fits without it.
+
+The ladder stops after two rungs in a row where even swapping every candidate does not fit (the
+peak grows with lb), after two rungs in a row that are not faster, or at a plan whose step time is
+the bare compute time (no plan can beat it). With no fitting plan, ``BudgetError`` reports the
+lowest peak any rung reached with all its candidates swapped, and what is live at that peak.
 
 Note:
     The binary searches need hundreds of peak evaluations on a 10,000-op graph; ``PeakModel``
     computes the program-order peak of ``memory_profile(lower(graph, plan))`` from per-op arrays
     in numpy instead of building the action list (tests check that the two agree to the byte).
-    Only one plan per rung is simulated (``memfit.core.simulate``), and the plan returned is the
-    fastest whose *simulated* peak fits.
+    Likewise ``step_time_s`` is the simulator's clock walked over ops (also checked against
+    ``memfit.core.simulate``). The plan returned is the fastest whose peak, simulated by
+    ``memfit.core.simulate`` itself, fits.
 """
 
 from __future__ import annotations
@@ -59,10 +66,10 @@ def tune(graph: CostGraph, hardware: Hardware, budget_bytes: int, config: SwapCo
         search.ladder(setting, _lb_ladder(config, given, len(graph.ops)), tune_n)
         if search.fitting:
             break
-    fitting = [item for item in search.fitting if item[1] <= budget_bytes]
-    if not fitting:
-        raise search.budget_error()
-    return min(fitting, key=lambda item: item[:2])[2]
+    for _, _, plan in sorted(search.fitting, key=lambda item: item[:2]):
+        if simulate(graph, plan, hardware, record_intervals=False).peak_bytes <= budget_bytes:
+            return plan  # the simulator has the last word on memory
+    raise search.budget_error()
 
 
 def _lb_ladder(config: SwapConfig, given: frozenset[str], op_count: int) -> list[int]:
@@ -79,20 +86,26 @@ def _lb_ladder(config: SwapConfig, given: frozenset[str], op_count: int) -> list
 
 @dataclass
 class _Search:
+    """The state of one tuning run: the plans that fit (each with its simulated time and peak)
+    and the plan with the lowest peak seen."""
+
     graph: CostGraph
     hardware: Hardware
     budget_bytes: int
     model: PeakModel
     decide: Decide
     make_plan: MakePlan
-    fitting: list[tuple[float, int, Plan]] = field(default_factory=list)  # simulated time, peak
-    smallest: tuple[int, Plan] | None = None  # the lowest peak seen, for the BudgetError
+    fitting: list[tuple[float, int, Plan]] = field(default_factory=list)
+    smallest: tuple[int, Plan] | None = None
 
     def ladder(self, config: SwapConfig, lbs: list[int], tune_n: bool) -> None:
-        """Try each lb; stop after two rungs in a row that do not fit or do not get faster."""
+        """Try each lb; stop after two rungs in a row that do not fit or do not get faster, or
+        at a plan that hides every copy (no plan is faster than the compute alone)."""
         best_s, misses, stale = float("inf"), 0, 0
         for lb in lbs:
             time_s = self.rung(replace(config, lb=lb), tune_n)
+            if time_s is not None and time_s <= self.graph.step_time_s * (1 + 1e-9):
+                return
             if time_s is None:
                 misses += 1
             elif time_s < best_s * (1 - 1e-9):
@@ -123,9 +136,9 @@ class _Search:
                     low = middle
         used = replace(config, n_tensors=count) if tune_n else config
         plan = self.make_plan(used, decisions[:count])
-        timeline = simulate(self.graph, plan, self.hardware, record_intervals=False)
-        self.fitting.append((timeline.step_time_s, timeline.peak_bytes, plan))
-        return timeline.step_time_s
+        time_s = step_time_s(self.graph, plan, self.hardware)
+        self.fitting.append((time_s, self.model.peak(events, count), plan))
+        return time_s
 
     def budget_error(self) -> BudgetError:
         if self.smallest is None:  # unreachable: every search evaluates at least one rung
@@ -196,3 +209,45 @@ class PeakModel:
         after = self.resident + np.cumsum(net)
         during = after - net + self.alloc
         return int(max(self.resident, during.max(initial=0), after.max(initial=0)))
+
+
+def step_time_s(graph: CostGraph, plan: Plan, hardware: Hardware) -> float:
+    """``simulate(graph, plan, hardware).step_time_s``, without building the action list.
+
+    The same clock as ``memfit.core.simulate`` walked over ops: compute back to back; a swap-out
+    on the D2H stream after its producer; a swap-in on the H2D stream (one shared FIFO without
+    ``duplex``) after its control op and its swap-out, in ``lower``'s order; the first consumer
+    waits for its copy; without ``async_copies`` every copy runs on the compute thread. The
+    tests check that it equals the simulator's figure.
+    """
+    index = graph.index
+    swapped: dict[str, int] = {}
+    ins: dict[int, list[tuple[str, int, int]]] = {}
+    waits: dict[int, list[tuple[str, int]]] = {}
+    for name, decision in plan.decisions.items():
+        if isinstance(decision, Swap):
+            swapped[name] = size = graph.tensors[name].size_bytes
+            for copy, swap_in in enumerate(decision.swap_ins):
+                ins.setdefault(index[swap_in.after], []).append((name, copy, size))
+                waits.setdefault(min(index[c] for c in swap_in.consumers), []).append((name, copy))
+    sync, duplex = not hardware.async_copies, hardware.duplex
+    compute = d2h = h2d = 0.0
+    out_end: dict[str, float] = {}
+    in_end: dict[tuple[str, int], float] = {}
+    for position, op in enumerate(graph.ops):
+        for key in waits.get(position, ()) if not sync else ():
+            compute = max(compute, in_end[key])
+        compute += op.time_s
+        for tensor in op.outputs if swapped else ():
+            if tensor in swapped and sync:
+                compute += hardware.d2h_time_s(swapped[tensor])
+            elif tensor in swapped:
+                d2h = out_end[tensor] = max(compute, d2h) + hardware.d2h_time_s(swapped[tensor])
+                h2d = h2d if duplex else d2h
+        for name, copy, size in ins.get(position, ()):
+            if sync:
+                compute += hardware.h2d_time_s(size)
+            else:
+                h2d = in_end[(name, copy)] = max(compute, out_end[name], h2d) + hardware.h2d_time_s(size)
+                d2h = d2h if duplex else h2d
+    return compute if sync else max(compute, d2h, h2d)

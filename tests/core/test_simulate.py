@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 
@@ -252,7 +253,7 @@ def _end(timeline: Timeline) -> dict[str, Interval]:
 
 
 def _assert_no_overlap(intervals: list[Interval]) -> None:
-    for before, after in zip(intervals, intervals[1:], strict=False):
+    for before, after in itertools.pairwise(intervals):
         assert before.start_s <= before.end_s <= after.start_s, (before, after)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -16,7 +17,8 @@ from memfit.core.schedule import check_plan, lower, memory_profile, peak_bytes
 from memfit.core.simulate import simulate
 from memfit.core.synthetic import Node, chain, from_forward, multi_tower, random_dag, resnet_like
 from memfit.strategies import get_strategy, strategy_names
-from memfit.strategies._swap_tune import PeakModel
+from memfit.strategies._swap_control import OpGraph
+from memfit.strategies._swap_tune import PeakModel, step_time_s
 from memfit.strategies.swap import plan as swap
 
 HW = PROFILES["h100-pcie"]
@@ -261,6 +263,23 @@ def test_control_op_never_precedes_the_last_read_of_the_original():
         plan.decision("enc0").reason)
 
 
+def test_rewritten_consumer_before_a_later_reader_of_the_original_reads_the_original():
+    # t is read by a backward op 5 ops after its producer and again by an update op later: the
+    # original stays alive until the update anyway, so copying it in for the backward op would
+    # only add memory; t is not swapped
+    names = ["a", "b", "f1", "f2", "g1", "g2", "c", "u"]
+    phases = ["forward", "forward", "forward", "forward", "backward", "backward", "backward",
+              "update"]
+    ops = [Op(name, "aten.mm", phase, inputs=(("t",) if name in ("b", "c", "u") else ()),
+              outputs=(() if name == "a" else (f"o_{name}",)) + (("t",) if name == "a" else ()),
+              depends_on=((names[i - 1],) if i else ()))
+           for i, (name, phase) in enumerate(zip(names, phases, strict=True))]
+    tensors = [Tensor("t", MIB, "activation")] + [
+        Tensor(f"o_{name}", MIB, "activation", is_output=True) for name in names[1:]]
+    graph = CostGraph.build(ops, tensors)
+    assert swapped(swap(graph, HW, threshold=3)) == set()
+
+
 # ---- fusing swap-ins and forward branches ----------------------------------------------------------
 
 
@@ -296,8 +315,9 @@ def test_swap_branches_rewrites_long_forward_skip_edges():
 # ---- tuning to a budget ----------------------------------------------------------------------------
 
 
-def test_budget_between_swap_all_and_keep_fits_and_is_no_slower():
-    graph = chain(64)
+@pytest.mark.parametrize("size_bytes", [MIB, 64 * MIB])  # copies hidden; copies stall compute
+def test_budget_between_swap_all_and_keep_fits_and_is_no_slower(size_bytes):
+    graph = chain(64, size_bytes=size_bytes)
     keep_peak = peak_bytes(graph, get_strategy("keep")(graph, HW))
     swap_all = swap(graph, HW)
     floor = peak_bytes(graph, swap_all)
@@ -427,7 +447,7 @@ def check_swap_ins(graph: CostGraph, plan: Plan) -> None:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(size=st.integers(2, 60), seed=st.integers(0, 10_000), params=PARAMS)
-def test_random_plans_are_valid_and_the_peak_model_is_exact(size, seed, params):
+def test_random_plans_are_valid_and_the_tuner_models_are_exact(size, seed, params):
     graph = random_dag(size, seed=seed)
     params = dict(params)
     if params.get("lb", 1) > 1 and "ub" not in params:
@@ -437,6 +457,9 @@ def test_random_plans_are_valid_and_the_peak_model_is_exact(size, seed, params):
     model = PeakModel(graph)
     assert model.peak(model.events(list(plan.decisions.items())), len(plan.decisions)) == (
         peak_bytes(graph, plan))
+    slow_link = HW.with_(d2h_bytes_per_s=1e8, h2d_bytes_per_s=1e8)  # copies stall compute
+    for hardware in (HW, PROFILES["cpu"], slow_link, slow_link.with_(duplex=False)):
+        assert step_time_s(graph, plan, hardware) == simulate(graph, plan, hardware).step_time_s
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -453,3 +476,30 @@ def test_random_budgets_fit_or_raise(size, seed, fraction, params):
     check_swap_ins(graph, plan)
     assert simulate(graph, plan, HW).peak_bytes <= budget
     assert memory_profile(lower(graph, plan)).peak_bytes <= budget
+
+
+@settings(max_examples=30, deadline=None)
+@given(size=st.integers(2, 60), seed=st.integers(0, 10_000), fan_in=st.integers(1, 4))
+def test_forward_levels_are_breadth_first_levels(size, seed, fan_in):
+    ops = OpGraph(random_dag(size, seed=seed, max_inputs=fan_in))
+    for producer, phase in enumerate(ops.phase):
+        if phase != "forward":
+            continue
+        level, seen, depth = [producer], {producer}, 0
+        while level:
+            assert sorted(ops.forward_level(producer, depth)) == level
+            level = sorted({u for op in level for u in ops.forward_users[op]} - seen)
+            seen.update(level)
+            depth += 1
+        assert ops.forward_level(producer, depth) == ops.forward_level(producer, depth + 9) == []
+
+
+def test_tuning_scales_to_ten_thousand_ops():
+    """A loose bound that catches a quadratic slip, not noise (about 1 s here)."""
+    graph = chain(5000)
+    keep_peak = peak_bytes(graph, get_strategy("keep")(graph, HW))
+    budget = (peak_bytes(graph, swap(graph, HW)) + keep_peak) // 2
+    start = time.perf_counter()
+    plan = swap(graph, HW, budget_bytes=budget)
+    assert time.perf_counter() - start < 20
+    assert simulate(graph, plan, HW, record_intervals=False).peak_bytes <= budget

@@ -1,0 +1,123 @@
+"""The public API: compile, plan, measure_peak; errors that say what to do; nothing half-applied."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit import examples
+
+
+def small():
+    return examples.mlp(depth=8, width=64, batch_size=1024)
+
+
+def snapshot(model):
+    return ({n: p.detach().clone() for n, p in model.named_parameters()},
+            {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
+            {n: b.clone() for n, b in model.named_buffers()})
+
+
+def assert_unchanged(model, before):
+    params, grads, buffers = before
+    for name, p in model.named_parameters():
+        assert torch.equal(p, params[name])
+        assert (p.grad is None and grads[name] is None) or torch.equal(p.grad, grads[name])
+    for name, b in model.named_buffers():
+        assert torch.equal(b, buffers[name])
+
+
+@pytest.mark.parametrize("budget", ["abc", "-3GiB", 0, 1.5, "1.5", True, [1]])
+def test_malformed_budget_says_which_forms_are_accepted(budget):
+    example = small()
+    with pytest.raises(ValueError, match="fraction in"):
+        memfit.compile(example.model, example.loss_fn, budget=budget)
+
+
+def test_unknown_strategy_and_parameter_name_the_accepted_values():
+    example = small()
+    with pytest.raises(ValueError, match="keep"):
+        memfit.compile(example.model, example.loss_fn, strategy="magic")
+    with pytest.raises(ValueError, match="n_tensors"):
+        memfit.compile(example.model, example.loss_fn, strategy="swap", n_tensorz=3)
+    with pytest.raises(ValueError, match="lb"):
+        memfit.compile(example.model, example.loss_fn, strategy="swap", lb=5, ub=2)
+
+
+def test_budget_error_leaves_the_model_untouched():
+    example = small()
+    model = example.model
+    model(example.inputs()[0]).sum().backward()  # existing .grad must survive too
+    before = snapshot(model)
+    step = memfit.compile(model, example.loss_fn, budget=1000, strategy="swap")
+    with pytest.raises(memfit.BudgetError) as error:
+        step(*example.inputs())
+    assert error.value.minimum_bytes > 1000
+    assert error.value.dominant and "Raise the budget" in str(error.value)
+    assert_unchanged(model, before)
+
+
+def test_a_failing_step_leaves_the_model_untouched():
+    example = small()
+    model = example.model
+    before = snapshot(model)
+
+    def broken(model, x, y):
+        return (model(x) @ torch.ones(3, 3)).mean()  # shape error while capturing
+
+    with pytest.raises(memfit.CaptureError):
+        memfit.compile(model, broken, strategy="keep")(*example.inputs())
+    assert_unchanged(model, before)
+
+
+def test_gradients_accumulate_like_backward():
+    example = small()
+    eager = copy.deepcopy(example.model)
+    step = memfit.compile(example.model, example.loss_fn, budget="0.7", strategy="swap")
+    for batch in (1024, 1024):
+        inputs = example.inputs(batch)
+        step(*inputs)
+        example.loss_fn(eager, *inputs).backward()
+    for a, b in zip(example.model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_same_shape_reuses_the_plan_and_a_new_shape_replans():
+    example = small()
+    step = memfit.compile(example.model, example.loss_fn, budget="0.7", strategy="swap")
+    first = step.compile_for(*example.inputs(1024))
+    assert step.compile_for(*example.inputs(1024)) is first
+    other = step.compile_for(*example.inputs(512))
+    assert other is not first
+    assert other.graph.structure_hash != first.graph.structure_hash
+
+
+def test_report_names_budget_prediction_and_measurement():
+    example = small()
+    step = memfit.compile(example.model, example.loss_fn, budget="0.7", strategy="swap")
+    step(*example.inputs())
+    text = step.report()
+    assert "predicted" in text and "measured" in text and "swapped" in text
+    assert "prediction gap: +0.00%" in text
+
+
+def test_plan_with_meta_inputs_needs_no_data():
+    example = small()
+    inputs = tuple(t.to("meta") for t in example.inputs())
+    plan = memfit.plan(example.model, example.loss_fn, *inputs, budget="0.7", hardware="h100-pcie")
+    assert plan.hardware == "h100-pcie" and plan.swapped
+    assert plan.budget_bytes is not None
+
+
+def test_measure_peak_counts_what_a_call_allocates():
+    x = torch.zeros(1024)  # 4 KiB, registered as pre-existing
+    peak = memfit.measure_peak(lambda t: (t + 1) * 2, x)
+    assert peak == 3 * 4096  # x, t + 1, and (t + 1) * 2 alive together
+
+
+def test_inputs_must_be_tensors():
+    step = memfit.compile(nn.Linear(2, 2), lambda m, x, k: m(x).sum() * k, strategy="keep")
+    with pytest.raises(ValueError, match="tensors only"):
+        step(torch.randn(3, 2), 2.0)
