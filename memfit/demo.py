@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import gc
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -64,6 +65,7 @@ class RunRecord:
     step_times_s: list[float] = field(default_factory=list)
     step: memfit.Step | None = None
     final_parameters: dict[str, torch.Tensor] = field(default_factory=dict)
+    measured_timeline: Timeline | None = None  # the last step's
 
     @property
     def peak_bytes(self) -> int:
@@ -71,7 +73,8 @@ class RunRecord:
 
     @property
     def median_step_time_s(self) -> float:
-        return statistics.median(self.step_times_s)
+        """Median over the steps after the first (the first touches every buffer once more)."""
+        return statistics.median(self.step_times_s[1:] or self.step_times_s)
 
 
 @dataclass
@@ -85,8 +88,9 @@ class DemoResult:
     gradients_identical: bool
     losses_identical: bool
     weights_identical: bool
-    unplanned_timeline: Timeline
-    planned_timeline: Timeline
+    unplanned_timeline: Timeline  # measured, last step
+    planned_timeline: Timeline  # predicted
+    planned_measured_timeline: Timeline  # measured, last step
 
     @property
     def within_budget(self) -> bool:
@@ -128,6 +132,7 @@ def train(record: RunRecord, model: torch.nn.Module, step: memfit.Step,
                                       if p.grad is not None}
         optimizer.step()
         tick()
+    record.measured_timeline = step.measured
     record.final_parameters = {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
@@ -146,21 +151,24 @@ def run_demo(config: DemoConfig, tick: Callable[[], None] = lambda: None) -> Dem
     Raises:
         BudgetError: if swapping cannot reach the budget for this model (lower the budget less).
     """
-    from memfit.render.plot import with_phases
-
     torch.use_deterministic_algorithms(True)
     example = examples.gpt2(layers=config.layers, width=config.width, heads=config.heads,
                             vocab=config.vocab, sequence=config.sequence,
                             batch_size=config.batch_size, seed=config.seed)
-    planned_model = copy.deepcopy(example.model)  # the same initial weights for both runs
+    loss_fn, unplanned_model = example.loss_fn, example.model
+    planned_model = copy.deepcopy(unplanned_model)  # the same initial weights for both runs
+    del example
     batches = make_batches(config)
     unplanned = RunRecord("unplanned")
-    train(unplanned, example.model,
-          memfit.compile(example.model, example.loss_fn, strategy="keep",
-                         hardware=config.hardware), batches, config, tick)
+    train(unplanned, unplanned_model,
+          memfit.compile(unplanned_model, loss_fn, strategy="keep", hardware=config.hardware),
+          batches, config, tick)
+    unplanned.step = None  # its program, optimizer state and model go before the next run
+    del unplanned_model
+    gc.collect()
     planned = RunRecord("swap")
     train(planned, planned_model,
-          memfit.compile(planned_model, example.loss_fn, budget=config.budget, strategy="swap",
+          memfit.compile(planned_model, loss_fn, budget=config.budget, strategy="swap",
                          hardware=config.hardware), batches, config, tick)
     assert planned.step is not None
     compiled = planned.step.compiled
@@ -171,32 +179,53 @@ def run_demo(config: DemoConfig, tick: Callable[[], None] = lambda: None) -> Dem
         losses_identical=all(torch.equal(a, b) for a, b in
                              zip(unplanned.losses, planned.losses, strict=True)),
         weights_identical=_same(unplanned.final_parameters, planned.final_parameters),
-        unplanned_timeline=_annotated(with_phases(compiled.baseline, compiled.graph), unplanned),
-        planned_timeline=_annotated(with_phases(compiled.predicted, compiled.graph), planned),
+        unplanned_timeline=_annotated(_last_measured(unplanned), compiled.graph, unplanned),
+        planned_timeline=_annotated(compiled.predicted, compiled.graph, planned),
+        planned_measured_timeline=_annotated(_last_measured(planned), compiled.graph, planned),
     )
 
 
-def _annotated(timeline: Timeline, record: RunRecord) -> Timeline:
-    """The simulated timeline with the run's measured peak and step times in ``meta``."""
+def _last_measured(record: RunRecord) -> Timeline:
+    assert record.measured_timeline is not None
+    return record.measured_timeline
+
+
+def _annotated(timeline: Timeline, graph, record: RunRecord) -> Timeline:
+    """``timeline`` with its phase boundaries and the run's measured peaks and times in ``meta``.
+
+    Note:
+        Measured and predicted timelines label compute actions by fx node name, which the
+        rewrite keeps, so one graph gives the phases of both.
+    """
+    from memfit.render.plot import with_phases
+
+    timeline = with_phases(timeline, graph)
     return replace(timeline, meta={**timeline.meta, "run": record.name,
                                    "measured_peak_bytes": record.peak_bytes,
                                    "measured_step_times_s": record.step_times_s})
 
 
 def write_outputs(result: DemoResult, out: Path) -> list[Path]:
-    """``memory.png`` and the two timelines as JSON in ``out``; returns the paths written."""
+    """``memory.png`` and the timelines as JSON in ``out``; returns the paths written.
+
+    ``unplanned.json`` and ``swap-measured.json`` are measured (device bytes after every op of
+    the last step), ``swap.json`` is the simulator's prediction for the swap plan.
+    """
     from memfit.render.plot import memory_plot
 
     out.mkdir(parents=True, exist_ok=True)
-    unplanned_path, planned_path = out / "unplanned.json", out / "swap.json"
-    result.unplanned_timeline.save(unplanned_path)
-    result.planned_timeline.save(planned_path)
-    png = memory_plot({"unplanned (simulated)": result.unplanned_timeline,
-                       "swap (predicted)": result.planned_timeline}, out / "memory.png",
-                      budget_bytes=result.budget_bytes,
+    timelines = {"unplanned (measured)": (result.unplanned_timeline, out / "unplanned.json"),
+                 "swap (predicted)": (result.planned_timeline, out / "swap.json"),
+                 "swap (measured)": (result.planned_measured_timeline,
+                                     out / "swap-measured.json")}
+    for timeline, path in timelines.values():
+        timeline.save(path)
+    png = memory_plot({name: timeline for name, (timeline, _) in timelines.items()},
+                      out / "memory.png", budget_bytes=result.budget_bytes,
+                      gantt="swap (predicted)",
                       title=f"GPT-2 training step: unplanned vs swap at budget "
                             f"{result.config.budget:g} of the peak")
-    return [png, unplanned_path, planned_path]
+    return [png, *(path for _, path in timelines.values())]
 
 
 def _ms(seconds: float) -> str:
@@ -216,10 +245,11 @@ def demo_report(result: DemoResult, width: int = 100) -> str:
     rows = [
         ("unplanned (keep)", format_bytes(result.unplanned.peak_bytes),
          format_bytes(compiled.baseline.peak_bytes + compiled.outside_bytes), "-",
-         _ms(result.unplanned.median_step_time_s), f"0 / {saved}"),
+         _ms(result.unplanned.median_step_time_s), _ms(compiled.baseline.step_time_s),
+         f"0 / {saved}"),
         ("swap", format_bytes(result.planned.peak_bytes), format_bytes(predicted_peak),
          format_bytes(result.budget_bytes), _ms(result.planned.median_step_time_s),
-         f"{len(compiled.plan.swapped)} / {saved}"),
+         _ms(compiled.predicted.step_time_s), f"{len(compiled.plan.swapped)} / {saved}"),
     ]
     gap = (predicted_peak - result.planned.peak_bytes) / result.planned.peak_bytes
     config = result.config
@@ -228,8 +258,10 @@ def demo_report(result: DemoResult, width: int = 100) -> str:
         f"GPT-2 ({config.layers} layers, width {config.width}, sequence {config.sequence}, "
         f"batch {config.batch_size}), {config.steps} AdamW steps each, "
         f"budget {config.budget:g} of the unplanned peak",
-        fit_table(("run", "peak measured", "peak predicted", "budget", "step time (median)",
-               "tensors swapped / saved"), rows, width),
+        fit_table(("run", "peak measured", "peak predicted", "budget",
+                   "step time measured (median, 2..N)",
+                   f"step time predicted ({compiled.plan.hardware})", "tensors swapped / saved"),
+                  rows, width),
         f"measured peak within budget: {yes[result.within_budget]} "
         f"({result.planned.peak_bytes / result.unplanned.peak_bytes:.0%} of the unplanned peak)",
         f"gradients identical after step 1 (torch.equal, every parameter): "

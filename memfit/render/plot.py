@@ -37,23 +37,34 @@ def with_phases(timeline: Timeline, graph: CostGraph) -> Timeline:
     phase_of = {op.name: op.phase for op in graph.ops}
     labels = timeline.memory_labels
     starts: dict[str, float] = {}
+    first_labels: dict[str, str] = {}
     for index, label in enumerate(labels):
         phase = phase_of.get(label)
         if phase is not None and phase not in starts:
             starts[phase] = index / max(len(labels) - 1, 1)
-    return replace(timeline, meta={**timeline.meta, "phase_starts": starts})
+            first_labels[phase] = label
+    return replace(timeline, meta={**timeline.meta, "phase_starts": starts,
+                                   "phase_start_labels": first_labels})
 
 
-def _positions(timeline: Timeline, x_axis: str) -> list[float]:
+def _positions(timeline: Timeline, x_axis: str, common: frozenset[str]) -> list[float]:
     """x of each memory sample: program position in 0..1, or the simulated start time in ms.
 
     Note:
-        Memory is counted in program order (see ``core/schedule.py``), so on the time axis each
-        action sits at the start of the compute action at or before it.
+        Position counts only the labels every timeline has (the original ops), so a planned
+        step's extra copy actions do not shift its curve against the unplanned one; each copy
+        sits at the op before it. Memory is counted in program order (``core/schedule.py``), so
+        on the time axis each action sits at the start of the compute action at or before it.
     """
     count = len(timeline.memory_bytes)
     if x_axis == "position" or not timeline.intervals:
-        return [index / max(count - 1, 1) for index in range(count)]
+        if not common:
+            return [index / max(count - 1, 1) for index in range(count)]
+        positions, done = [], 0
+        for label in timeline.memory_labels:
+            done += label in common
+            positions.append(max(done - 1, 0) / max(len(common) - 1, 1))
+        return positions
     compute_start = {i.label: i.start_s for i in timeline.intervals if i.stream == "compute"}
     positions, clock = [], 0.0
     for label in timeline.memory_labels:
@@ -62,32 +73,55 @@ def _positions(timeline: Timeline, x_axis: str) -> list[float]:
     return positions
 
 
+def _common_labels(timelines: Mapping[str, Timeline]) -> frozenset[str]:
+    """Labels present in every timeline that has memory samples (empty if any lacks labels)."""
+    sampled = [t for t in timelines.values() if t.memory_bytes]
+    if not sampled or any(len(t.memory_labels) != len(t.memory_bytes) for t in sampled):
+        return frozenset()
+    common = frozenset(sampled[0].memory_labels)
+    for timeline in sampled[1:]:
+        common &= frozenset(timeline.memory_labels)
+    return common
+
+
 def _memory_panel(axes, timelines: Mapping[str, Timeline], budget_bytes: int | None,
                   x_axis: str) -> None:
     """Draw one line per timeline, the budget and the phase boundaries."""
+    common = _common_labels(timelines)
     for name, timeline in timelines.items():
         if not timeline.memory_bytes:  # a measured peak only: a flat marker at its height
             axes.axhline(timeline.peak_bytes / MIB, linestyle=":", linewidth=1.2,
                          label=f"{name} peak {timeline.peak_bytes / MIB:.1f} MiB")
             continue
         megabytes = [size / MIB for size in timeline.memory_bytes]
-        axes.plot(_positions(timeline, x_axis), megabytes, linewidth=1.2,
+        simulated = timeline.source == "simulated"  # wide and pale, so a measured line on top shows
+        axes.plot(_positions(timeline, x_axis, common), megabytes,
+                  linewidth=3.0 if simulated else 1.1, alpha=0.55 if simulated else 1.0,
                   label=f"{name} (peak {timeline.peak_bytes / MIB:.1f} MiB)")
     if budget_bytes is not None:
         axes.axhline(budget_bytes / MIB, color="#c44e52", linestyle="--", linewidth=1.2,
                      label=f"budget {budget_bytes / MIB:.1f} MiB")
     if x_axis == "position":
-        _phase_lines(axes, timelines)
+        _phase_lines(axes, timelines, common)
     axes.set_ylabel("live device memory (MiB)")
     axes.set_ylim(bottom=0)
     axes.grid(alpha=0.3)
     axes.legend(loc="upper left", fontsize=8)
 
 
-def _phase_lines(axes, timelines: Mapping[str, Timeline]) -> None:
-    """A vertical line where backward (and the update) starts, from the first timeline that knows."""
+def _phase_lines(axes, timelines: Mapping[str, Timeline], common: frozenset[str]) -> None:
+    """A vertical line where backward (and the update) starts, from the first timeline that knows.
+
+    The line sits at the first op of the phase, placed as that timeline's curve places it.
+    """
     for timeline in timelines.values():
-        starts = timeline.meta.get("phase_starts") or {}
+        starts = dict(timeline.meta.get("phase_starts") or {})
+        first_labels = timeline.meta.get("phase_start_labels") or {}
+        if first_labels and timeline.memory_bytes:
+            positions = dict(zip(timeline.memory_labels, _positions(timeline, "position", common),
+                                 strict=False))
+            starts.update({phase: positions[label] for phase, label in first_labels.items()
+                           if label in positions})
         for phase, colour in PHASE_COLOURS.items():
             if phase in starts:
                 axes.axvline(starts[phase], color=colour, linewidth=1, linestyle="-.")
@@ -108,6 +142,7 @@ def _gantt_panel(axes, name: str, timeline: Timeline) -> None:
         for kind, spans in by_kind.items():
             axes.broken_barh(spans, (row - 0.4, 0.8), color=KIND_COLOURS.get(kind, "#999999"))
     axes.set_yticks(range(len(STREAMS)), STREAMS)
+    axes.set_ylim(-0.6, len(STREAMS) + 0.4)  # room above the top row for the legend
     axes.set_xlabel(f"simulated time of {name!r} (ms)")
     handles = [axes.bar(0, 0, color=colour, label=kind) for kind, colour in KIND_COLOURS.items()]
     axes.legend(handles=handles, loc="upper right", fontsize=7, ncol=4)
