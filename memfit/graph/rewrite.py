@@ -209,7 +209,7 @@ class _Rewriter:
 
         args, kwargs = fx.map_arg((node.args, node.kwargs), read)
         key = self.rng_key.get(node.name)
-        anchor = self._anchor(node, lambda n: read(n))
+        anchor = self._anchor(node, read) if key is not None else None
         if key is not None:
             self._call(RNG_REPLAY_BEGIN, (anchor, key), "rng_replay_begin", node.name)
         clone = self.graph.create_node("call_function", node.target, args, kwargs,
