@@ -105,13 +105,23 @@ def _check_budget(graph: CostGraph, made: Plan, budget_bytes: int | None) -> Non
 
 
 def _speed_checkpoints(graph: CostGraph, max_chain: int) -> set[str]:
-    """Outputs of expensive ops, plus values that cut cheap chains longer than ``max_chain``."""
+    """Outputs of expensive ops, plus values whose rebuild would cost more memory than it saves.
+
+    A cheap op is recomputed only when each of its inputs is resident, saved for the backward
+    pass anyway, or recomputed itself: rebuilding ``relu(mm)`` from an ``mm`` output that nothing
+    else keeps would keep that output instead, which saves nothing. Chains of recomputed ops are
+    cut at ``max_chain``.
+    """
+    saved = {t.name for t in graph.saved_tensors()}
     depth: dict[str, int] = {}  # recomputed tensor -> ops between it and a kept value
     kept: set[str] = set()
     for op in graph.forward_ops:
         chain = 1 + max((depth.get(t, 0) for t in op.inputs), default=0)
+        sources_free = all(
+            t in saved or t in depth or graph.tensors[t].producer is None for t in op.inputs
+        )
         for tensor in op.outputs:
-            if op.kind in EXPENSIVE_KINDS or chain > max_chain:
+            if op.kind in EXPENSIVE_KINDS or chain > max_chain or not sources_free:
                 kept.add(tensor)
             else:
                 depth[tensor] = chain
