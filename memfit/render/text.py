@@ -50,3 +50,18 @@ def step_report(compiled) -> str:
     if plan.params:
         lines.append("parameters: " + ", ".join(f"{k}={v}" for k, v in plan.params.items()))
     return "\n".join(lines)
+
+
+def fit_table(headers: Sequence[str], rows: Sequence[Sequence[object]], width: int) -> str:
+    """``table``, or the same table transposed (one column per row) when it is wider than ``width``.
+
+    Note:
+        Result tables have few rows and many columns; turned on their side they fit an
+        80-column terminal, and stay valid Markdown.
+    """
+    wide = table(headers, rows)
+    if max(len(line) for line in wide.splitlines()) <= width or not rows:
+        return wide
+    columns = [str(row[0]) for row in rows]
+    turned = [[header, *(row[index] for row in rows)] for index, header in enumerate(headers)]
+    return table([str(headers[0]), *columns], turned[1:])

@@ -1,0 +1,160 @@
+"""One command for the benchmark: ``python -m bench.run`` (or ``memfit bench``) writes RESULTS.md.
+
+Every figure in the file is measured by the run that wrote it (the H100 step times are the
+simulator's, and say so). CPU part: per-model capacity under a fixed budget, executor overhead,
+GPT-2 beside the alternatives, the line count. ``--gpu``: the host link and a GPT-2 medium step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+import tokenize
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from memfit.render.text import table
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def machine() -> str:
+    """CPU model and count, Python, torch, transformers and MONAI versions."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions = [f"torch {torch.__version__}"]
+    for package in ("transformers", "monai"):
+        try:
+            versions.append(f"{package} {__import__(package).__version__}")
+        except ImportError:
+            pass
+    return (f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}; "
+            + ", ".join(versions))
+
+
+def code_lines(path: Path) -> int:
+    """Lines holding code: not blank, not only a comment, not part of a docstring."""
+    lines: set[int] = set()
+    previous = tokenize.NEWLINE
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+            tokenize.ENCODING, tokenize.ENDMARKER}
+    with path.open("rb") as source:
+        for token in tokenize.tokenize(source.readline):
+            if token.type in skip:
+                if token.type in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
+                    previous = token.type
+                continue
+            docstring = token.type == tokenize.STRING and previous in (
+                tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+            previous = token.type
+            if not docstring:
+                lines.update(range(token.start[0], token.end[0] + 1))
+    return len(lines)
+
+
+def line_counts() -> str:
+    """Files, lines and code lines per package folder of memfit/ (like tinygrad's sz.py)."""
+    rows, total = [], [0, 0, 0]
+    package = ROOT / "memfit"
+    folders = sorted({p.parent for p in package.rglob("*.py")})
+    for folder in folders:
+        files = sorted(folder.glob("*.py"))
+        counts = (len(files), sum(len(f.read_text().splitlines()) for f in files),
+                  sum(code_lines(f) for f in files))
+        rows.append((str(folder.relative_to(ROOT)) + "/", *counts))
+        total = [a + b for a, b in zip(total, counts, strict=True)]
+    rows.append(("total", *total))
+    return table(("folder", "files", "lines", "code lines"), rows)
+
+
+def cpu_sections() -> list[str]:
+    """The CPU part: capacity, overhead, alternatives."""
+    from bench.alternatives import ALTERNATIVE_HEADERS, alternative_rows
+    from bench.models import (
+        BENCH_MODELS,
+        CAPACITY_HEADERS,
+        OVERHEAD_HEADERS,
+        PLANNING_HARDWARE,
+        model_rows,
+    )
+
+    capacity, overhead = [], []
+    for bench in BENCH_MODELS:
+        started = time.perf_counter()
+        capacity_row, overhead_row = model_rows(bench, log)
+        capacity.append(capacity_row)
+        overhead.append(overhead_row)
+        log(f"{bench.name}: {time.perf_counter() - started:.0f} s")
+    gpt2 = BENCH_MODELS[0]
+    alternatives = alternative_rows(gpt2.build(), gpt2.base_batch, log)
+    return [
+        "## Capacity under a fixed budget\n",
+        "Peaks are measured on this CPU by memfit's dispatch tracker (device bytes of the step: "
+        "parameters, inputs, everything the step allocates; memfit's host copies excluded). "
+        "Swap-all is `strategy=\"swap\"` with no budget (every candidate swapped, lb=1). Step "
+        f"times are simulated on the `{PLANNING_HARDWARE}` profile. The fixed budget is the "
+        "unplanned measured peak at the base batch; each largest batch is searched on predicted "
+        "peaks (doubling, then bisection, up to 16x the base batch) and then verified by a "
+        "measured run whose peak is shown.\n",
+        table(CAPACITY_HEADERS, capacity),
+        "\n## Executor overhead (CPU)\n",
+        "Median of 3 steps after a warm-up; memfit with `measure=False` (no tracker).\n",
+        table(OVERHEAD_HEADERS, overhead),
+        f"\n## {gpt2.name}, batch {gpt2.base_batch}: the alternatives side by side\n",
+        "One process, one batch, one seed; step time is the median of 3 after a warm-up "
+        "(compile, capture and planning happen in the warm-up).\n",
+        table(ALTERNATIVE_HEADERS, alternatives),
+        "\nThis GPT-2 has dropout 0.1. A method whose loss is bitwise eager's but whose gradients "
+        "differ computed its backward pass from values other than its forward pass's (a "
+        "recomputed dropout that draws a new mask would do this).",
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
+    parser.add_argument("--gpu", action="store_true", help="run the CUDA part instead")
+    parser.add_argument("--out", help="default bench/RESULTS.md (bench/RESULTS-gpu.md with --gpu)")
+    args = parser.parse_args(argv)
+    torch.use_deterministic_algorithms(True)
+    started = time.perf_counter()
+    if args.gpu:
+        from bench.gpu import gpu_sections
+
+        sections = gpu_sections(log)
+        if sections is None:
+            print("no CUDA device: the GPU benchmark needs one; nothing was measured")
+            return 0
+    else:
+        sections = cpu_sections()
+    out = Path(args.out or ROOT / "bench" / ("RESULTS-gpu.md" if args.gpu else "RESULTS.md"))
+    command = "python -m bench.run" + (" --gpu" if args.gpu else "") + \
+        (f" --out {args.out}" if args.out else "")
+    header = ["# memfit benchmark results\n",
+              f"- command: `{command}`",
+              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+              f"- machine: {machine()}",
+              f"- run time: {time.perf_counter() - started:.0f} s\n"]
+    footer = ["\n## Size\n", line_counts()]
+    out.write_text("\n".join(header + sections + footer) + "\n")
+    log(f"wrote {out} in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

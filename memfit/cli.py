@@ -1,0 +1,206 @@
+"""The ``memfit`` command: one thin subcommand per library function.
+
+    memfit demo   run the main job: GPT-2 unplanned vs swap at half its peak (memfit.demo)
+    memfit plan   plan a step for a hardware profile without running it (memfit.api.make_plan)
+    memfit show   re-render a saved Timeline JSON as text or PNG (memfit.render)
+    memfit bench  write bench/RESULTS.md (bench.run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+EXAMPLES_HELP = """examples:
+  memfit demo                          # about a minute on a laptop CPU
+  memfit demo --quick --out /tmp/memfit-ci-demo
+  memfit plan --model gpt2 --batch 16 --budget 0.5 --hardware h100-pcie
+  memfit plan --model resnet50 --budget 200MiB --param lb=3 --param ctrld_strategy=direct_order
+  memfit plan --model gpt2 --model-arg layers=24 --model-arg width=1024 --save plan.json
+  memfit show memfit-demo/swap.json --png swap.png
+  memfit bench --out bench/RESULTS.md
+"""
+
+
+def terminal_width() -> int:
+    """Columns of the terminal (80 when not a terminal), so tables can turn on their side."""
+    return shutil.get_terminal_size((100, 24)).columns
+
+
+def _key_value(text: str) -> tuple[str, object]:
+    """Parse ``k=v``; ``v`` as a Python literal (3, 0.5, True, ['a', 'b']) or else a string."""
+    key, separator, value = text.partition("=")
+    if not separator or not key:
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r} (e.g. lb=3)")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+# ---- demo ----------------------------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Train unplanned then under swap; print the comparison; exit 1 if it is not sound."""
+    from tqdm import tqdm
+
+    from memfit.core.errors import BudgetError
+    from memfit.demo import DemoConfig, demo_report, run_demo, write_outputs
+
+    config = DemoConfig.quick() if args.quick else DemoConfig()
+    if args.steps is not None:
+        config = replace(config, steps=args.steps)
+    started = time.perf_counter()
+    with tqdm(total=2 * config.steps, desc="training (unplanned, then swap)",
+              unit="step", file=sys.stderr) as bar:
+        try:
+            result = run_demo(config, tick=bar.update)
+        except BudgetError as error:
+            print(f"memfit demo: {error}", file=sys.stderr)
+            return 2
+    paths = write_outputs(result, Path(args.out))
+    print(demo_report(result, terminal_width()))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    print(f"demo took {time.perf_counter() - started:.0f} s")
+    if not result.ok:
+        print("memfit demo: FAILED (gradients differ or the measured peak exceeds the budget)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---- plan ----------------------------------------------------------------------------------------
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Plan the named example on a hardware profile; print what it predicts and what it swaps."""
+    from memfit.core.errors import BudgetError
+    from memfit.render.summary import plan_example, plan_summary
+
+    try:
+        planned = plan_example(args.model, args.batch, dict(args.model_arg), args.budget,
+                               args.hardware, args.strategy, dict(args.param))
+    except BudgetError as error:
+        print(f"memfit plan: {error}", file=sys.stderr)
+        return 2
+    except ValueError as error:  # unknown strategy, parameter, hardware, bad budget
+        print(f"memfit plan: {error}", file=sys.stderr)
+        return 2
+    print(plan_summary(planned, terminal_width(), args.depth))
+    if args.save:
+        planned.plan.save(args.save)
+        print(f"wrote {args.save}")
+    return 0
+
+
+# ---- show ----------------------------------------------------------------------------------------
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """Print a saved timeline's summary; draw it as a PNG when asked."""
+    from memfit.core.timeline import Timeline
+    from memfit.render.summary import timeline_summary
+
+    try:
+        timeline = Timeline.load(args.file)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        print(f"memfit show: cannot read {args.file} as a memfit Timeline JSON: {error}",
+              file=sys.stderr)
+        return 2
+    print(timeline_summary(timeline, terminal_width()))
+    if args.png:
+        from memfit.render.plot import memory_plot
+
+        name = str(timeline.meta.get("run") or Path(args.file).stem)
+        memory_plot({name: timeline}, args.png, budget_bytes=args.budget_bytes,
+                    title=f"{Path(args.file).name}: device memory over one step", x_axis=args.x)
+        print(f"wrote {args.png}")
+    return 0
+
+
+# ---- bench ---------------------------------------------------------------------------------------
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark (the ``bench`` package of a source checkout)."""
+    try:
+        from bench.run import main as bench_main
+    except ImportError:
+        print("memfit bench: the bench package is not importable; run it from a source checkout "
+              "of memfit (the repository root), e.g. `cd memfit && memfit bench`", file=sys.stderr)
+        return 2
+    return bench_main(["--out", args.out] + (["--gpu"] if args.gpu else []))
+
+
+# ---- the parser ----------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="memfit", description="Fit a PyTorch training step into a device-memory budget.",
+        epilog=EXAMPLES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    raw = argparse.RawDescriptionHelpFormatter
+
+    demo = commands.add_parser("demo", help="GPT-2 unplanned vs swap at half its peak",
+                               epilog=EXAMPLES_HELP, formatter_class=raw)
+    demo.add_argument("--quick", action="store_true", help="a smaller model, 2 steps (CI)")
+    demo.add_argument("--out", default="memfit-demo", help="folder for memory.png and JSON")
+    demo.add_argument("--steps", type=_positive_int, help="training steps per run (default 4)")
+    demo.set_defaults(run=cmd_demo)
+
+    plan = commands.add_parser("plan", help="plan a step for a hardware profile, no run",
+                               epilog=EXAMPLES_HELP, formatter_class=raw)
+    plan.add_argument("--model", required=True, choices=("gpt2", "resnet50", "unet3d", "mlp"))
+    plan.add_argument("--batch", type=_positive_int, help="batch size (default: the model's)")
+    plan.add_argument("--budget", help="bytes ('3GiB') or a fraction of the unplanned peak (0.5)")
+    plan.add_argument("--hardware", default="h100-pcie", help="profile name (default h100-pcie)")
+    plan.add_argument("--strategy", default=None, help="keep | swap (default: swap with a budget)")
+    plan.add_argument("--param", type=_key_value, action="append", default=[], metavar="K=V",
+                      help="a strategy parameter, repeatable: --param lb=3")
+    plan.add_argument("--model-arg", type=_key_value, action="append", default=[],
+                      metavar="K=V", help="a model size, repeatable: --model-arg layers=24")
+    plan.add_argument("--depth", type=_positive_int, default=3,
+                      help="module-path depth to group swapped tensors by (default 3)")
+    plan.add_argument("--save", help="write the plan as JSON")
+    plan.set_defaults(run=cmd_plan)
+
+    show = commands.add_parser("show", help="re-render a saved Timeline JSON",
+                               epilog=EXAMPLES_HELP, formatter_class=raw)
+    show.add_argument("file", help="a Timeline JSON (memfit demo writes unplanned.json, swap.json)")
+    show.add_argument("--png", help="also draw it to this PNG")
+    show.add_argument("--x", choices=("position", "time"), default="position",
+                      help="x axis of the PNG: program position 0..1 or simulated time")
+    show.add_argument("--budget-bytes", type=int, help="draw a budget line at this many bytes")
+    show.set_defaults(run=cmd_show)
+
+    bench = commands.add_parser("bench", help="run the benchmark, write RESULTS.md",
+                                epilog=EXAMPLES_HELP, formatter_class=raw)
+    bench.add_argument("--gpu", action="store_true", help="the CUDA part (host link, GPT-2 medium)")
+    bench.add_argument("--out", default="bench/RESULTS.md", help="where to write the results")
+    bench.set_defaults(run=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``memfit`` command; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

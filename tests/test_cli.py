@@ -1,0 +1,101 @@
+"""The command line: plan prints the expected rows, show round-trips, bad arguments are clear,
+and the demo's core reports identical gradients within the budget at a tiny size."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memfit.cli import main
+from memfit.core.plan import Plan
+from memfit.core.timeline import Timeline
+from memfit.render.text import fit_table
+
+MLP = ["--model", "mlp", "--model-arg", "depth=8", "--model-arg", "width=32", "--batch", "512"]
+
+
+def test_plan_prints_the_expected_rows(capsys, tmp_path):
+    saved = tmp_path / "plan.json"
+    assert main(["plan", *MLP, "--budget", "0.6", "--hardware", "h100-pcie",
+                 "--save", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert "mlp, batch 512:" in out and "hardware h100-pcie" in out
+    assert "| unplanned" in out and "| swap (predicted)" in out
+    assert "swapped:" in out and "by module scope" in out
+    plan = Plan.load(saved)
+    assert plan.strategy == "swap" and plan.swapped
+
+
+def test_plan_keep_without_budget_swaps_nothing(capsys):
+    assert main(["plan", *MLP]) == 0
+    out = capsys.readouterr().out
+    assert "strategy 'keep'" in out and "swapped:" not in out
+
+
+def test_plan_below_the_minimum_is_a_clear_error(capsys):
+    assert main(["plan", *MLP, "--budget", "0.01"]) == 2
+    assert "cannot fit" in capsys.readouterr().err
+
+
+def test_plan_unknown_parameter_is_a_clear_error(capsys):
+    assert main(["plan", *MLP, "--budget", "0.6", "--param", "nonsense=1"]) == 2
+    assert "unknown parameter" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--model", "vgg"], "invalid choice: 'vgg'"),
+    (["plan"], "the following arguments are required: --model"),
+    (["plan", "--model", "mlp", "--param", "lb"], "expected key=value"),
+    (["demo", "--steps", "0"], "must be a positive integer"),
+    ([], "the following arguments are required: COMMAND"),
+])
+def test_bad_arguments_are_argparse_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_show_round_trip(capsys, tmp_path):
+    timeline = Timeline("simulated", peak_bytes=5 * 2**20, step_time_s=0.25,
+                        memory_labels=("a", "b", "c"), memory_bytes=(2**20, 5 * 2**20, 2**20),
+                        peak_label="b", meta={"graph": "toy", "strategy": "swap"})
+    timeline.save(tmp_path / "t.json")
+    png = tmp_path / "t.png"
+    assert main(["show", str(tmp_path / "t.json"), "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "simulated timeline of toy, strategy 'swap'" in out
+    assert "peak 5.00 MiB at b" in out and "3 actions" in out
+    assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_show_rejects_a_file_that_is_not_a_timeline(capsys, tmp_path):
+    (tmp_path / "x.json").write_text(json.dumps({"hello": 1}))
+    assert main(["show", str(tmp_path / "x.json")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_wide_tables_turn_on_their_side():
+    headers, rows = ("run", "a long column name", "another long one"), [("keep", 1, 2)]
+    assert fit_table(headers, rows, 200).splitlines()[0].startswith("| run")
+    turned = fit_table(headers, rows, 30)
+    assert turned.splitlines()[0].split("|")[2].strip() == "keep"
+    assert "a long column name" in turned
+
+
+def test_demo_core_is_sound_at_a_tiny_size(tmp_path):
+    from memfit.demo import DemoConfig, demo_report, run_demo, write_outputs
+
+    config = DemoConfig.quick(layers=2, width=32, heads=2, vocab=64, sequence=128, batch_size=2,
+                              steps=2)
+    result = run_demo(config)
+    assert result.gradients_identical and result.losses_identical and result.weights_identical
+    assert result.planned.peak_bytes <= result.budget_bytes < result.unplanned.peak_bytes
+    assert result.ok
+    report = demo_report(result, width=200)
+    assert "gradients identical after step 1 (torch.equal, every parameter): yes" in report
+    paths = write_outputs(result, tmp_path)
+    assert all(p.stat().st_size > 0 for p in paths)
+    assert Timeline.load(tmp_path / "swap.json").meta["measured_peak_bytes"] \
+        == result.planned.peak_bytes
