@@ -18,7 +18,6 @@ from memfit.core.errors import BudgetError
 from memfit.core.hardware import Hardware, get_hardware
 from memfit.core.plan import Plan
 from memfit.core.simulate import simulate
-from memfit.core.synthetic import chain
 from memfit.core.timeline import Timeline
 from memfit.core.units import Budget, parse_budget
 from memfit.graph.analyze import analyze
@@ -27,7 +26,7 @@ from memfit.graph.rewrite import rewrite
 from memfit.runtime.executor import Executor
 from memfit.runtime.measure import measure_peak as _measure_peak
 from memfit.runtime.profile import run_measured
-from memfit.strategies import get_strategy
+from memfit.strategies import check_params, get_strategy
 
 __all__ = ["Step", "compile", "plan", "measure_peak"]
 
@@ -230,13 +229,8 @@ def _device_of(tensors) -> torch.device:
 
 
 def _check_strategy(strategy: str, params: Mapping[str, Any]) -> None:
-    """Fail at compile time, not at the first step, on an unknown strategy or parameter.
-
-    Note:
-        Strategies validate their own parameters; running one on a two-op synthetic graph is the
-        cheapest way to ask it, and keeps the list of accepted parameters in one place.
-    """
-    get_strategy(strategy)(chain(2), get_hardware("cpu"), None, **params)
+    """Fail at compile time, not at the first step, on an unknown strategy or parameter."""
+    check_params(strategy, params)
 
 
 def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float | None = None,

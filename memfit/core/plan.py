@@ -49,7 +49,20 @@ class Swap:
             raise ValueError("a Swap needs at least one SwapIn; use Keep for a tensor not swapped")
 
 
-Decision = Keep | Swap
+@dataclass(frozen=True)
+class Recompute:
+    """Free the tensor after its last forward use and rebuild it for the backward pass.
+
+    Its producer is re-run once, just before the first backward op that needs the tensor
+    (directly, or to rebuild another recomputed tensor); the rebuilt copy lives until its last
+    backward reader. The producer's inputs must then be alive: graph inputs, kept tensors (whose
+    lifetimes stretch to the rebuild: they are the *checkpoints*), or tensors recomputed too.
+    """
+
+    reason: str = ""
+
+
+Decision = Keep | Swap | Recompute
 KEEP = Keep()
 
 
@@ -84,6 +97,11 @@ class Plan:
     def swapped(self) -> tuple[str, ...]:
         """Names of swapped tensors."""
         return tuple(name for name, d in self.decisions.items() if isinstance(d, Swap))
+
+    @property
+    def recomputed(self) -> tuple[str, ...]:
+        """Names of recomputed tensors."""
+        return tuple(name for name, d in self.decisions.items() if isinstance(d, Recompute))
 
     @property
     def swap_in_count(self) -> int:
@@ -128,12 +146,16 @@ def _decision_from_json(data: Mapping) -> Decision:
     kind = data.get("type")
     if kind == "Keep":
         return Keep(reason=data.get("reason", ""))
+    if kind == "Recompute":
+        return Recompute(reason=data.get("reason", ""))
     if kind == "Swap":
         swap_ins = tuple(
             SwapIn(after=s["after"], consumers=tuple(s["consumers"])) for s in data["swap_ins"]
         )
         return Swap(swap_ins=swap_ins, reason=data.get("reason", ""))
-    raise ValueError(f"unknown decision type {kind!r} in a saved plan: expected 'Keep' or 'Swap'")
+    raise ValueError(
+        f"unknown decision type {kind!r} in a saved plan: expected 'Keep', 'Swap' or 'Recompute'"
+    )
 
 
 def _jsonable(value: Any) -> Any:

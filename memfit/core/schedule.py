@@ -19,9 +19,10 @@ from types import MappingProxyType
 from typing import Literal
 
 from memfit.core.costgraph import CostGraph
-from memfit.core.plan import Plan, Swap
+from memfit.core.plan import Plan, Recompute, Swap
+from memfit.core.recompute import lower_recompute, rebuilt_buffer
 
-ActionKind = Literal["compute", "swap_out", "swap_in", "wait"]
+ActionKind = Literal["compute", "swap_out", "swap_in", "wait", "recompute"]
 
 
 class PlanError(ValueError):
@@ -51,6 +52,8 @@ class Action:
     def label(self) -> str:
         if self.kind == "compute":
             return self.op
+        if self.kind == "recompute":
+            return f"recompute({self.op})"
         suffix = f"#{self.copy}" if self.copy >= 0 else ""
         return f"{self.kind}({self.tensor}{suffix})"
 
@@ -84,6 +87,8 @@ def check_plan(graph: CostGraph, plan: Plan) -> None:
     for name, decision in plan.decisions.items():
         if name not in graph.tensors:
             raise PlanError(f"the plan names tensor {name!r}, which is not in the graph")
+        if isinstance(decision, Recompute):
+            _check_recompute(graph, plan, name)
         if not isinstance(decision, Swap):
             continue
         tensor = graph.tensors[name]
@@ -116,6 +121,22 @@ def check_plan(graph: CostGraph, plan: Plan) -> None:
                 served.add(consumer)
 
 
+def _check_recompute(graph: CostGraph, plan: Plan, name: str) -> None:
+    tensor = graph.tensors[name]
+    if tensor.producer is None:
+        raise PlanError(f"{name!r} is a graph input (parameter or user input): nothing to recompute")
+    if tensor.is_output:
+        raise PlanError(f"{name!r} is returned by the step and lives to its end: keep it")
+    if graph.op(tensor.producer).phase != "forward":
+        raise PlanError(f"{name!r} is made in the backward pass; only forward tensors are recomputed")
+    for source in graph.op(tensor.producer).inputs:
+        if isinstance(plan.decision(source), Swap):
+            raise PlanError(
+                f"recomputing {name!r} reads {source!r}, which the plan swaps: swapping a "
+                "recompute source is not supported yet; keep or recompute the source"
+            )
+
+
 def lower(graph: CostGraph, plan: Plan) -> Schedule:
     """The actions of ``graph`` rewritten by ``plan``, in program order.
 
@@ -141,8 +162,16 @@ def lower(graph: CostGraph, plan: Plan) -> Schedule:
             waits_before.setdefault(first, []).append(Action("wait", first, name, copy))
             for consumer in swap_in.consumers:
                 redirect.setdefault(consumer, {})[name] = buffer
+    recompute = lower_recompute(graph, plan)
+    for consumer, renamed in recompute.redirect.items():
+        redirect.setdefault(consumer, {}).update(renamed)
+    buffer_bytes.update(recompute.buffer_bytes)
     actions: list[Action] = []
     for op in graph.ops:  # the hot loop of every simulation: skip work for untouched ops
+        for producer in recompute.reruns_before.get(op.name, ()):
+            rebuilt = tuple(rebuilt_buffer(t) for t in graph.op(producer).outputs)
+            actions.append(Action("recompute", producer, reads=recompute.reads[producer],
+                                  allocates=rebuilt))
         if op.name in waits_before:
             actions.extend(waits_before[op.name])
         renamed = redirect.get(op.name)

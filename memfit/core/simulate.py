@@ -63,7 +63,7 @@ def simulate(
     intervals: list[Interval] = []
     time_s = {op.name: op.time_s for op in graph.ops}
     run = _run_async if hardware.async_copies else _run_sync
-    step_time_s, exposed_s = run(
+    step_time_s, exposed_s, recompute_s = run(
         actions, time_s, schedule.buffer_bytes, hardware, labels, intervals
     )
     peak_index = profile.peak_index
@@ -72,6 +72,7 @@ def simulate(
         peak_bytes=profile.peak_bytes,
         step_time_s=step_time_s,
         exposed_transfer_s=exposed_s,
+        recompute_s=recompute_s,
         intervals=tuple(intervals),
         memory_labels=labels or (),
         memory_bytes=profile.high_bytes,
@@ -87,14 +88,14 @@ def _run_async(
     hardware: Hardware,
     labels: Sequence[str] | None,
     intervals: list[Interval],
-) -> tuple[float, float]:
+) -> tuple[float, float, float]:
     """Time the actions on three streams; returns (step time, compute time lost to waits).
 
     Note:
         Each copy stream is a FIFO in program order, as a CUDA stream is. Without ``duplex`` both
         directions share one queue, so ``d2h_free`` and ``h2d_free`` move together.
     """
-    compute_free = d2h_free = h2d_free = exposed_s = 0.0
+    compute_free = d2h_free = h2d_free = exposed_s = recompute_s = 0.0
     compute_end: dict[str, float] = {}
     swap_out_end: dict[str, float] = {}
     swap_in_end: dict[tuple[str, int], float] = {}
@@ -105,6 +106,11 @@ def _run_async(
         if kind == "compute":
             start = compute_free
             compute_free = compute_end[action.op] = end = start + time_s[action.op]
+            stream = "compute"
+        elif kind == "recompute":  # a forward op re-run in the backward pass
+            start = compute_free
+            compute_free = end = start + time_s[action.op]
+            recompute_s += end - start
             stream = "compute"
         elif kind == "swap_out":
             start = max(compute_end[action.op], d2h_free)
@@ -127,7 +133,7 @@ def _run_async(
             stream = "compute"
         if labels is not None:
             intervals.append(Interval(stream, labels[index], start, end, kind))
-    return max(compute_free, d2h_free, h2d_free), exposed_s
+    return max(compute_free, d2h_free, h2d_free), exposed_s, recompute_s
 
 
 def _run_sync(
@@ -137,7 +143,7 @@ def _run_sync(
     hardware: Hardware,
     labels: Sequence[str] | None,
     intervals: list[Interval],
-) -> tuple[float, float]:
+) -> tuple[float, float, float]:
     """Time the actions one after another on one thread; every copy is exposed.
 
     Note:
@@ -145,12 +151,15 @@ def _run_sync(
         with compute. Its intervals keep the stream names ``"d2h"``/``"h2d"`` so renderers still
         show where the copies went. A wait has nothing to wait for and takes no time.
     """
-    clock = exposed_s = 0.0
+    clock = exposed_s = recompute_s = 0.0
     for index, action in enumerate(actions):
         kind = action.kind
         stream: Stream
         if kind == "compute":
             duration, stream = time_s[action.op], "compute"
+        elif kind == "recompute":
+            duration, stream = time_s[action.op], "compute"
+            recompute_s += duration
         elif kind == "swap_out":
             duration, stream = hardware.d2h_time_s(size_bytes[action.tensor]), "d2h"
             exposed_s += duration
@@ -162,4 +171,4 @@ def _run_sync(
         if labels is not None:
             intervals.append(Interval(stream, labels[index], clock, clock + duration, kind))
         clock += duration
-    return clock, exposed_s
+    return clock, exposed_s, recompute_s

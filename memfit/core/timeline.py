@@ -37,6 +37,7 @@ class Timeline:
         peak_bytes: the highest device bytes seen.
         step_time_s: end of the last action.
         exposed_transfer_s: compute time spent waiting for copies (what swapping costs).
+        recompute_s: compute time spent re-running forward ops (what recomputing costs).
         peak_label: the action at the peak.
     """
 
@@ -44,6 +45,7 @@ class Timeline:
     peak_bytes: int
     step_time_s: float
     exposed_transfer_s: float = 0.0
+    recompute_s: float = 0.0
     intervals: tuple[Interval, ...] = ()
     memory_labels: tuple[str, ...] = ()
     memory_bytes: tuple[int, ...] = ()
@@ -60,6 +62,7 @@ class Timeline:
             peak_bytes=int(data["peak_bytes"]),
             step_time_s=float(data["step_time_s"]),
             exposed_transfer_s=float(data.get("exposed_transfer_s", 0.0)),
+            recompute_s=float(data.get("recompute_s", 0.0)),
             intervals=tuple(Interval(**i) for i in data.get("intervals", ())),
             memory_labels=tuple(data.get("memory_labels", ())),
             memory_bytes=tuple(int(b) for b in data.get("memory_bytes", ())),

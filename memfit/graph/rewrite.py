@@ -15,14 +15,20 @@ can read what was inserted where.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
 import memfit.graph.ops  # noqa: F401  (registers torch.ops.memfit.*)
 from memfit.core.costgraph import CostGraph
 from memfit.core.plan import Plan, Swap
+from memfit.core.recompute import lower_recompute
 from memfit.core.schedule import Action, PlanError, lower
 from memfit.graph.analyze import storage_key, tensors_in
+from memfit.graph.rng import RNG_REPLAY_BEGIN, RNG_REPLAY_END, RNG_SAVE, is_random
+
+REBUILT = -1  # the copy index of a recomputed tensor's rebuilt copy
 
 
 def storage_owners(graph_module: fx.GraphModule) -> dict:
@@ -70,7 +76,10 @@ class _Rewriter:
         self.owner = storage_owners(graph_module)
         self.swapped = sorted(plan.swapped, key=lambda name: graph.index[graph.tensors[name].producer])
         self.out_key = {name: key for key, name in enumerate(self.swapped)}
-        self.roots = {name: self._root(graph_module, name) for name in self.swapped}
+        self.graph_module = graph_module
+        self.roots: dict[str, fx.Node] = {}
+        for name in self.swapped:
+            self.root_of(name)
         self.redirect: dict[tuple[str, str], int] = {}
         for name in self.swapped:
             decision = plan.decision(name)
@@ -82,6 +91,19 @@ class _Rewriter:
         self.copies: dict[tuple[str, int], fx.Node] = {}
         self.copy_key: dict[tuple[str, int], int] = {}
         self.replayed: dict[tuple[fx.Node, str, int], fx.Node] = {}
+        recompute = lower_recompute(graph, plan)
+        for consumer, renamed in recompute.redirect.items():
+            for name in renamed:
+                self.redirect[(consumer, name)] = REBUILT
+        self.recomputed = set(plan.recomputed)
+        self.outputs = {op.name: op.outputs for op in graph.ops}
+        reruns = [op for op in recompute.reads if is_random(self.old[op])]
+        self.rng_key = {op: key for key, op in enumerate(reruns)}
+
+    def root_of(self, name: str) -> fx.Node:
+        if name not in self.roots:
+            self.roots[name] = self._root(self.graph_module, name)
+        return self.roots[name]
 
     def _root(self, graph_module: fx.GraphModule, name: str) -> fx.Node:
         """The first node whose value is the whole storage of tensor ``name``: what gets copied."""
@@ -116,7 +138,7 @@ class _Rewriter:
 
     def _replay(self, node: fx.Node, name: str, copy: int) -> fx.Node:
         """``node`` (the swapped storage or a view of it) rebuilt on swapped-in copy ``copy``."""
-        if node is self.roots[name]:
+        if node is self.root_of(name):
             return self.copies[(name, copy)]
         memo = (node, name, copy)
         if memo in self.replayed:
@@ -125,7 +147,7 @@ class _Rewriter:
         if node.op != "call_function" or base is None:
             raise PlanError(
                 f"cannot swap {name!r}: {node.name} reads it without being a view of "
-                f"{self.roots[name].name}; keep this tensor"
+                f"{self.root_of(name).name}; keep this tensor"
             )
         new_base = self._replay(base, name, copy)
         args, kwargs = fx.map_arg((node.args, node.kwargs), lambda a: new_base if a is base else self.env[a])
@@ -149,7 +171,13 @@ class _Rewriter:
     def run(self, action: Action) -> None:
         ops = torch.ops.memfit
         if action.kind == "compute":
+            if action.op in self.rng_key:  # a random op re-run later: remember its state
+                node = self.old[action.op]
+                self._call(RNG_SAVE, (self._anchor(node, self.env.get), self.rng_key[action.op]),
+                           "rng_save", action.op)
             self.emit(self.old[action.op])
+        elif action.kind == "recompute":
+            self._rerun(self.old[action.op])
         elif action.kind == "swap_out":
             root = self.emit(self.roots[action.tensor])
             args = (root, self.out_key[action.tensor])
@@ -165,6 +193,53 @@ class _Rewriter:
             copy = (action.tensor, action.copy)
             args = (self.copies[copy], self.copy_key[copy])
             self._call(ops.wait.default, args, "wait", action.tensor, action.copy)
+
+
+    # ---- recomputation -------------------------------------------------------------------------
+
+    def _rerun(self, node: fx.Node) -> None:
+        """Re-run a forward op on rebuilt inputs and register its rebuilt outputs."""
+
+        def read(arg: fx.Node) -> fx.Node:
+            for tensor in tensors_in(arg.meta.get("val")):
+                name = self.owner.get(storage_key(tensor))
+                if name in self.recomputed and (name, REBUILT) in self.copies:
+                    return self._replay(arg, name, REBUILT)
+            return self.emit(arg)
+
+        args, kwargs = fx.map_arg((node.args, node.kwargs), read)
+        key = self.rng_key.get(node.name)
+        anchor = self._anchor(node, read) if key is not None else None
+        if key is not None:
+            self._call(RNG_REPLAY_BEGIN, (anchor, key), "rng_replay_begin", node.name)
+        clone = self.graph.create_node("call_function", node.target, args, kwargs,
+                                       name=f"memfit_recompute_{node.name}")
+        clone.meta = {**node.meta, "memfit": {"kind": "recompute", "tensor": node.name, "copy": -1}}
+        if key is not None:
+            self._call(RNG_REPLAY_END, (anchor, key), "rng_replay_end", node.name)
+        for name in self.outputs[node.name]:
+            if name in self.recomputed:
+                self.copies[(name, REBUILT)] = self._rebuilt_root(node, clone, name)
+
+    def _rebuilt_root(self, node: fx.Node, clone: fx.Node, name: str) -> fx.Node:
+        """The re-run's counterpart of the node that covers ``name``'s whole storage."""
+        root = self.root_of(name)
+        if root is node:
+            return clone
+        if root.target is operator.getitem and root.args[0] is node:
+            item = self.graph.create_node("call_function", operator.getitem, (clone, root.args[1]),
+                                          name=f"memfit_{root.name}_rebuilt")
+            item.meta = {**root.meta, "memfit": {"kind": "recompute", "tensor": name, "copy": -1}}
+            return item
+        raise PlanError(f"cannot recompute {name!r}: its storage is not an output of {node.name}")
+
+    @staticmethod
+    def _anchor(node: fx.Node, lookup) -> fx.Node:
+        """A tensor input of ``node`` (mapped by ``lookup``) that orders and places the rng ops."""
+        for arg in node.all_input_nodes:
+            if isinstance(arg.meta.get("val"), torch.Tensor):
+                return lookup(arg)
+        raise PlanError(f"{node.name} has no tensor input to anchor its random state on")
 
 
 def rewrite(graph_module: fx.GraphModule, graph: CostGraph, plan: Plan) -> fx.GraphModule:

@@ -6,8 +6,9 @@ and the command line reach it the same way.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 from memfit.core.costgraph import CostGraph
 from memfit.core.hardware import Hardware
@@ -44,6 +45,16 @@ def get_strategy(name: str) -> Strategy:
         return _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown strategy {name!r}: use one of {sorted(_REGISTRY)}") from None
+
+
+def check_params(name: str, params: Mapping[str, Any]) -> None:
+    """Validate a strategy's parameters without a graph, so bad ones fail before any capture.
+
+    Each strategy module defines ``check_params(**params)``, raising ``ValueError`` that names
+    the accepted values.
+    """
+    module = sys.modules[get_strategy(name).__module__]
+    module.check_params(**params)
 
 
 def strategy_names() -> tuple[str, ...]:

@@ -10,6 +10,12 @@ from memfit.core.schedule import lower, memory_profile
 from memfit.strategies import register
 
 
+def check_params(**params) -> None:
+    """keep takes no parameters."""
+    if params:
+        raise ValueError(f"strategy 'keep' takes no parameters, got {sorted(params)}")
+
+
 @register("keep")
 def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, **params) -> Plan:
     """Keep every tensor: the plan of the unmodified step.
@@ -18,8 +24,7 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, 
         ValueError: if any parameter is given (keep has none).
         BudgetError: if a budget is given and the unplanned peak exceeds it.
     """
-    if params:
-        raise ValueError(f"strategy 'keep' takes no parameters, got {sorted(params)}")
+    check_params(**params)
     result = Plan("keep", graph_hash=graph.structure_hash, budget_bytes=budget_bytes,
                   hardware=hardware.name)
     if budget_bytes is not None:

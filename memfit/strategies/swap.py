@@ -113,6 +113,11 @@ def _names(name: str, value: object) -> tuple[str, ...]:
     raise ValueError(f"swap: {name} must be a string or a list of strings, got {value!r}")
 
 
+def check_params(**params) -> None:
+    """Validate swap's parameters (TFLMS's Table 2) without a graph."""
+    SwapConfig.from_params(params)
+
+
 @register("swap")
 def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, **params) -> Plan:
     """Swap activations to host memory as TFLMS does; with a budget, tune it to fit.

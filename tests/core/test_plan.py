@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from memfit.core.plan import KEEP, Keep, Plan, Swap, SwapIn
+from memfit.core.plan import KEEP, Keep, Plan, Recompute, Swap, SwapIn
 
 
 def example_plan() -> Plan:
@@ -50,10 +50,16 @@ def test_swap_needs_a_swap_in():
         Swap(())
 
 
-@pytest.mark.parametrize("decision", [{"type": "Recompute"}, {"reason": "no type"}])
+def test_recompute_round_trips_through_json():
+    plan = Plan("x", {"a": Recompute("cheap to rebuild")})
+    assert Plan.from_json(plan.to_json()) == plan
+    assert plan.recomputed == ("a",)
+
+
+@pytest.mark.parametrize("decision", [{"type": "Offload"}, {"reason": "no type"}])
 def test_unknown_decision_type_is_rejected(decision):
     data = {"strategy": "x", "decisions": {"a": decision}}
-    with pytest.raises(ValueError, match="unknown decision type .* expected 'Keep' or 'Swap'"):
+    with pytest.raises(ValueError, match="unknown decision type .* expected 'Keep', 'Swap' or 'Recompute'"):
         Plan.from_json(data)
 
 

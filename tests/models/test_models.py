@@ -1,4 +1,4 @@
-"""Acceptance on real models: swap at half the peak and at swap's minimum.
+"""Acceptance on real models: swap (half the peak, swap's minimum) and checkpoint modes.
 
 For a deep MLP, transformers GPT-2 (4 layers, dropout on), a ResNet-50-shaped transformers
 ResNet (BatchNorm in training mode) and MONAI's 3D UNet: gradients, loss and buffer updates are
@@ -127,3 +127,24 @@ def test_swap_at_the_smallest_budget_it_reaches(reference):
     assert_same_as_keep(reference, model, loss)
     assert_peak_within(step)
     assert step.measured.peak_bytes <= minimum_bytes
+
+
+BLOCKS = {  # module-path globs of each model's repeated blocks, as torch.utils.checkpoint wraps
+    "mlp": ["3", "11", "19", "27"],
+    "gpt2": ["transformer.h.*"],
+    "resnet50": ["resnet.encoder.stages.*.layers.*"],
+    "unet3d": ["model.*"],
+}
+
+
+@pytest.mark.parametrize("mode", ["speed", "blocks"])
+def test_checkpoint_modes_are_bitwise_and_predicted(reference, mode):
+    example, keep = reference["example"], reference["keep"]
+    checkpoints = BLOCKS[example.name] if mode == "blocks" else mode
+    model = copy.deepcopy(reference["initial"])
+    step, loss = run_step(model, example.loss_fn, reference["inputs"], strategy="checkpoint",
+                          checkpoints=checkpoints)
+    assert step.plan.recomputed
+    assert_same_as_keep(reference, model, loss)
+    assert step.measured.peak_bytes == step.predicted.peak_bytes
+    assert step.measured.peak_bytes <= keep.measured.peak_bytes

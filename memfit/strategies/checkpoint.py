@@ -1,0 +1,218 @@
+"""Gradient checkpointing as in openai/gradient-checkpointing: keep checkpoints, recompute the rest.
+
+Three ways to choose the checkpoints (``checkpoints=``):
+
+- ``"memory"``: graph separators (articulation points, or small separator sets from a min-fill
+  tree decomposition when there are none), about sqrt(n) of them evenly spaced; with a budget,
+  as many as the budget needs, picking the count with the least recompute time that fits.
+- ``"speed"``: keep the outputs of expensive ops (matmul, convolution, attention) and recompute
+  the cheap ones, in chains of at most ``max_chain`` ops from a kept value.
+- a list of module-path globs (``"transformer.h.*"``: the outputs of each matching module, as
+  ``torch.utils.checkpoint`` around every block would keep) or op / tensor names.
+
+Every other forward tensor is recomputed: freed after its last forward use and rebuilt once,
+right before the first backward op that needs it (``Recompute``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Sequence
+
+from memfit.core.costgraph import CostGraph, Op
+from memfit.core.errors import BudgetError
+from memfit.core.hardware import Hardware
+from memfit.core.plan import Plan, Recompute
+from memfit.core.schedule import live_buffers, lower, memory_profile
+from memfit.core.simulate import simulate
+from memfit.strategies import register
+
+EXPENSIVE_KINDS = frozenset({
+    "aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten.matmul", "aten.linear",
+    "aten.convolution", "aten._convolution", "aten.cudnn_convolution",
+    "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._flash_attention_forward", "aten._efficient_attention_forward",
+})
+
+
+def check_params(checkpoints: str | Sequence[str] = "memory", max_chain: int = 4,
+                 **unknown) -> None:
+    """Validate checkpoint's parameters without a graph."""
+    if unknown:
+        raise ValueError(f"strategy 'checkpoint' got unknown parameters {sorted(unknown)}; "
+                         "it accepts checkpoints= and max_chain=")
+    if not isinstance(max_chain, int) or isinstance(max_chain, bool) or max_chain < 1:
+        raise ValueError(f"max_chain must be a positive int, got {max_chain!r}")
+    is_list = isinstance(checkpoints, (list, tuple)) and all(isinstance(c, str) for c in checkpoints)
+    if checkpoints not in ("memory", "speed") and not (is_list and checkpoints):
+        raise ValueError(f"checkpoints must be 'memory', 'speed' or a non-empty list of module-path "
+                         f"globs or op names, got {checkpoints!r}")
+
+
+@register("checkpoint")
+def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, *,
+         checkpoints: str | Sequence[str] = "memory", max_chain: int = 4, **unknown) -> Plan:
+    """Keep checkpoints and recompute every other forward tensor.
+
+    Args:
+        checkpoints: ``"memory"`` (sqrt(n) separators; default), ``"speed"`` (keep matmul /
+            conv / attention outputs) or a list of module-path globs and op names.
+        max_chain: in ``"speed"`` mode, the longest chain of cheap ops recomputed from one kept
+            value (default 4); longer chains are cut by keeping a value, so a rebuild never
+            replays a whole residual stream.
+
+    Raises:
+        ValueError: for an unknown parameter or mode, or a list that matches nothing.
+        BudgetError: if no choice of checkpoints of this mode fits ``budget_bytes``.
+    """
+    check_params(checkpoints, max_chain, **unknown)
+    params = {"checkpoints": checkpoints, "max_chain": max_chain}
+    if checkpoints == "memory":
+        return _memory_mode(graph, hardware, budget_bytes, params)
+    if checkpoints == "speed":
+        kept = _speed_checkpoints(graph, max_chain)
+    else:
+        kept = _listed_checkpoints(graph, checkpoints)
+    made = recompute_all_but(graph, kept, hardware, budget_bytes, params)
+    _check_budget(graph, made, budget_bytes)
+    return made
+
+
+def recompute_all_but(graph: CostGraph, kept: Iterable[str], hardware: Hardware,
+                      budget_bytes: int | None, params: dict) -> Plan:
+    """A plan that recomputes every forward tensor except ``kept`` (and step outputs)."""
+    kept = set(kept)
+    phase = {op.name: op.phase for op in graph.ops}
+    decisions = {
+        name: Recompute("not a checkpoint")
+        for name, tensor in graph.tensors.items()
+        if tensor.producer is not None and phase[tensor.producer] == "forward"
+        and not tensor.is_output and name not in kept
+    }
+    return Plan("checkpoint", decisions, graph_hash=graph.structure_hash, params=params,
+                budget_bytes=budget_bytes, hardware=hardware.name)
+
+
+def _check_budget(graph: CostGraph, made: Plan, budget_bytes: int | None) -> None:
+    if budget_bytes is None:
+        return
+    schedule = lower(graph, made)
+    profile = memory_profile(schedule)
+    if profile.peak_bytes > budget_bytes:
+        dominant = live_buffers(schedule, profile.peak_index)
+        raise BudgetError(budget_bytes, profile.peak_bytes, dominant, strategy="checkpoint")
+
+
+def _speed_checkpoints(graph: CostGraph, max_chain: int) -> set[str]:
+    """Outputs of expensive ops, plus values whose rebuild would cost more memory than it saves.
+
+    A cheap op is recomputed only when each of its inputs is resident, saved for the backward
+    pass anyway, or recomputed itself: rebuilding ``relu(mm)`` from an ``mm`` output that nothing
+    else keeps would keep that output instead, which saves nothing. Chains of recomputed ops are
+    cut at ``max_chain``.
+    """
+    saved = {t.name for t in graph.saved_tensors()}
+    depth: dict[str, int] = {}  # recomputed tensor -> ops between it and a kept value
+    kept: set[str] = set()
+    for op in graph.forward_ops:
+        chain = 1 + max((depth.get(t, 0) for t in op.inputs), default=0)
+        sources_free = all(
+            t in saved or t in depth or graph.tensors[t].producer is None for t in op.inputs
+        )
+        for tensor in op.outputs:
+            if op.kind in EXPENSIVE_KINDS or chain > max_chain or not sources_free:
+                kept.add(tensor)
+            else:
+                depth[tensor] = chain
+    return kept
+
+
+def _listed_checkpoints(graph: CostGraph, patterns: Sequence[str]) -> set[str]:
+    """Tensors named, or leaving a module instance whose path matches a glob."""
+    kept: set[str] = set()
+    for pattern in patterns:
+        found = _by_name(graph, pattern) or _module_outputs(graph, pattern)
+        if not found:
+            raise ValueError(f"checkpoint {pattern!r} matches no op, tensor or module path; "
+                             "module paths look like 'transformer.h.*' or 'layer1.0'")
+        kept |= found
+    return kept
+
+
+def _by_name(graph: CostGraph, name: str) -> set[str]:
+    if name in graph.tensors:
+        return {name}
+    if name in graph.index:
+        return set(graph.op(name).outputs)
+    return set()
+
+
+def _module_outputs(graph: CostGraph, pattern: str) -> set[str]:
+    """Forward tensors made inside a matching module instance and read outside it."""
+    phase = {op.name: op.phase for op in graph.ops}
+    kept = set()
+    for op in graph.forward_ops:
+        instance = _instance(op, pattern)
+        if instance is None:
+            continue
+        for tensor in op.outputs:
+            readers = [graph.op(c) for c in graph.tensors[tensor].consumers if phase[c] == "forward"]
+            if any(not _inside(reader.scope, instance) for reader in readers):
+                kept.add(tensor)
+    return kept
+
+
+def _instance(op: Op, pattern: str) -> str | None:
+    """The shortest prefix of the op's module path that matches ``pattern``."""
+    parts = op.scope.split(".") if op.scope else []
+    for end in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:end])
+        if fnmatch.fnmatchcase(prefix, pattern):
+            return prefix
+    return None
+
+
+def _inside(scope: str, instance: str) -> bool:
+    return scope == instance or scope.startswith(instance + ".")
+
+
+def _memory_mode(graph: CostGraph, hardware: Hardware, budget_bytes: int | None,
+                 params: dict) -> Plan:
+    """sqrt(n) separators; with a budget, the separator count that fits with least recompute."""
+    from memfit.core import graphs  # the separator algorithms (networkx)
+
+    points = graphs.articulation_points(graph)
+    enough = max(2, round(len(graph.forward_ops) ** 0.5 / 2))
+    candidates = [(p,) for p in points] if len(points) >= enough else list(graphs.separator_sets(graph))
+    if not candidates:
+        raise ValueError("this graph has no separators to checkpoint at; name checkpoints "
+                         "explicitly (checkpoints=[...]) or use checkpoints='speed'")
+    counts = range(1, len(candidates) + 1) if budget_bytes is not None else [
+        max(1, round(len(graph.forward_ops) ** 0.5))]
+    best: tuple[float, Plan] | None = None
+    smallest: tuple[int, Plan] | None = None
+    for count in counts:
+        chosen = graphs.evenly_spaced(candidates, min(count, len(candidates)))
+        kept = {t for separator in chosen for t in _separator_tensors(graph, separator)}
+        made = recompute_all_but(graph, kept, hardware, budget_bytes, {**params, "count": count})
+        timeline = simulate(graph, made, hardware, record_intervals=False)
+        if smallest is None or timeline.peak_bytes < smallest[0]:
+            smallest = (timeline.peak_bytes, made)
+        if budget_bytes is None or timeline.peak_bytes <= budget_bytes:
+            if best is None or timeline.step_time_s < best[0]:
+                best = (timeline.step_time_s, made)
+    if best is None:
+        assert smallest is not None and budget_bytes is not None
+        _check_budget(graph, smallest[1], budget_bytes)
+    assert best is not None
+    return best[1]
+
+
+def _separator_tensors(graph: CostGraph, separator: Sequence[str]) -> set[str]:
+    """The storages a separator's ops hold: their outputs, or what a view op aliases."""
+    tensors: set[str] = set()
+    for name in separator:
+        op = graph.op(name)
+        tensors |= set(op.outputs or op.inputs[:1])
+    return tensors
