@@ -40,10 +40,11 @@ BENCH_MODELS = (
     BenchModel("GPT-2 (4 layers, width 128, sequence 256)",
                lambda: examples.gpt2(layers=4, width=128, heads=4, vocab=256, sequence=256), 4,
                "-"),
-    BenchModel("ResNet-50-shaped (widths 16-128, 128x128 images)",
-               lambda: examples.resnet50_shaped(image=128), 4, "4.7x (ResNet-50)"),
-    BenchModel("3D U-Net (MONAI, 48^3 volumes)", lambda: examples.unet3d(size=48), 2,
-               "2x (3D U-Net)"),
+    BenchModel("ResNet-50-shaped (stage widths 32-256, 128x128 images)",
+               lambda: examples.resnet50_shaped(widths=(32, 64, 128, 256), image=128), 4,
+               "4.7x (ResNet-50)"),
+    BenchModel("3D U-Net (MONAI, channels 4-32, 48^3 volumes)",
+               lambda: examples.unet3d(channels=(4, 8, 16, 32), size=48), 2, "2x (3D U-Net)"),
 )
 
 

@@ -114,10 +114,12 @@ def cpu_sections() -> list[str]:
         "measured run whose peak is shown.\n",
         table(CAPACITY_HEADERS, capacity),
         "\n## Executor overhead (CPU)\n",
-        "Median of 3 steps after a warm-up; memfit with `measure=False` (no tracker).\n",
+        "Eager and memfit steps timed in turn (eager, keep, eager, keep, ...), median of 5 each "
+        "after a warm-up; memfit with `measure=False` (no tracker). CPU times on a shared "
+        "machine drift between runs; compare within a row.\n",
         table(OVERHEAD_HEADERS, overhead),
         f"\n## {gpt2.name}, batch {gpt2.base_batch}: the alternatives side by side\n",
-        "One process, one batch, one seed; step time is the median of 3 after a warm-up "
+        "One process, one batch, one seed; step time is the median of 5 after a warm-up "
         "(compile, capture and planning happen in the warm-up).\n",
         table(ALTERNATIVE_HEADERS, alternatives),
         "\nThis GPT-2 has dropout 0.1. A method whose loss is bitwise eager's but whose gradients "

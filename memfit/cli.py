@@ -143,7 +143,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("memfit bench: the bench package is not importable; run it from a source checkout "
               "of memfit (the repository root), e.g. `cd memfit && memfit bench`", file=sys.stderr)
         return 2
-    return bench_main(["--out", args.out] + (["--gpu"] if args.gpu else []))
+    return bench_main((["--out", args.out] if args.out else []) + (["--gpu"] if args.gpu else []))
 
 
 # ---- the parser ----------------------------------------------------------------------------------
@@ -191,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="run the benchmark, write RESULTS.md",
                                 epilog=EXAMPLES_HELP, formatter_class=raw)
     bench.add_argument("--gpu", action="store_true", help="the CUDA part (host link, GPT-2 medium)")
-    bench.add_argument("--out", default="bench/RESULTS.md", help="where to write the results")
+    bench.add_argument("--out", help="where to write the results (default bench/RESULTS.md, "
+                       "bench/RESULTS-gpu.md with --gpu)")
     bench.set_defaults(run=cmd_bench)
     return parser
 
