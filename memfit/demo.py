@@ -144,6 +144,9 @@ def _same(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> bool
 def run_demo(config: DemoConfig, tick: Callable[[], None] = lambda: None) -> DemoResult:
     """Train unplanned, then under ``strategy="swap"`` at ``config.budget``; compare the two.
 
+    Deterministic algorithms are on while it runs (and restored after), so that bitwise equality
+    is a fair test of the rewrite rather than of kernel selection.
+
     Args:
         config: model size, steps and budget.
         tick: called after every step (a progress bar's ``update``).
@@ -151,7 +154,15 @@ def run_demo(config: DemoConfig, tick: Callable[[], None] = lambda: None) -> Dem
     Raises:
         BudgetError: if swapping cannot reach the budget for this model (lower the budget less).
     """
+    deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
+    try:
+        return _run_both(config, tick)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _run_both(config: DemoConfig, tick: Callable[[], None]) -> DemoResult:
     example = examples.gpt2(layers=config.layers, width=config.width, heads=config.heads,
                             vocab=config.vocab, sequence=config.sequence,
                             batch_size=config.batch_size, seed=config.seed)
