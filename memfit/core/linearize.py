@@ -51,8 +51,8 @@ def linearize(graph: CostGraph) -> CostGraph:
     Example:
         >>> linearize(graph).ops  # a leaf made first is now made just before its reader
     """
-    order = _as_late_as_possible(graph)
-    if order is None or order == [op.name for op in graph.ops]:
+    order = as_late_as_possible_order(graph)
+    if order is None or order == tuple(op.name for op in graph.ops):
         return graph
     reordered = CostGraph.build(
         (graph.op(name) for name in order), graph.tensors.values(), graph.name
@@ -83,8 +83,12 @@ def _working_bytes(graph: CostGraph, op: Op) -> int:
     return own + sum(tensors[t].size_bytes for t in op.inputs if tensors[t].producer is not None)
 
 
-def _as_late_as_possible(graph: CostGraph) -> list[str] | None:
-    """The new op order, or ``None`` if no forward order respects the fixed ops' positions."""
+def as_late_as_possible_order(graph: CostGraph) -> tuple[str, ...] | None:
+    """The op names in as-late-as-possible order (see ``linearize``), with no peak check.
+
+    ``None`` if no forward order fits around the fixed ops (a forward op that reads a backward
+    op's value placed after it, say).
+    """
     index = graph.index
     slots = [i for i, op in enumerate(graph.ops) if op.phase == "forward"]
     waiting = _waiting_on(graph)
@@ -129,4 +133,4 @@ def _as_late_as_possible(graph: CostGraph) -> list[str] | None:
             pending[source] -= 1
             if pending[source] == 0:
                 make_ready(source)
-    return order
+    return tuple(order)
