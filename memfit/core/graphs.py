@@ -240,6 +240,31 @@ def _tree_path_separators(
     return [s for s in dict.fromkeys(sets) if s and INPUT not in s and LOSS not in s]
 
 
+def _level_cuts(undirected: nx.Graph, depth: Mapping[str, int], max_size: int) -> list[frozenset]:
+    """For each depth ``d``, the nodes at depth ``d`` or less with a neighbour deeper than ``d``.
+
+    Removing such a cut leaves no edge between the shallower and the deeper nodes, so it
+    separates the input (depth 0) from the loss (the deepest) whenever it holds neither. It finds
+    what min-fill misses on three or more towers, where min-fill first contracts each tower's
+    chain (fill 1) and never meets the towers level by level (fill 2 or more): the cut at each
+    depth is one node per tower. Cuts of more than ``2 * max_size`` nodes are skipped.
+    """
+    enters: dict[int, list[str]] = {}
+    leaves: dict[int, list[str]] = {}
+    for node in undirected:
+        reach = max((depth[n] for n in undirected[node]), default=0)
+        if reach > depth[node]:  # in the cuts of depths depth[node] .. reach - 1
+            enters.setdefault(depth[node], []).append(node)
+            leaves.setdefault(reach, []).append(node)
+    cuts, active = [], set()
+    for level in range(max(depth.values(), default=0)):
+        active.update(enters.get(level, ()))
+        active.difference_update(leaves.get(level, ()))
+        if len(active) <= 2 * max_size and INPUT not in active and LOSS not in active:
+            cuts.append(frozenset(active))
+    return cuts
+
+
 def _minimal(undirected: nx.Graph, separator: frozenset) -> frozenset:
     """The minimal separator inside ``separator`` closest to the loss side.
 
@@ -256,10 +281,10 @@ def separator_sets(graph: CostGraph, max_size: int = 4) -> tuple[tuple[str, ...]
     """Small sets of forward ops that separate the input from the loss, ordered along the graph.
 
     Found from a min-fill tree decomposition of ``separation_graph`` (intersections of adjacent
-    bags on the input-to-loss path), each shrunk to a minimal separator, plus the
-    articulation points as sets of one (a set holding one is dropped: that op alone does
-    better). Each set is sorted in execution order; sets are ordered
-    by their last, then their first member's position.
+    bags on the input-to-loss path) and from cuts between depth levels (``_level_cuts``), each
+    shrunk to a minimal separator, plus the articulation points as sets of one (a set holding
+    one is dropped: that op alone does better). Each set is sorted in execution order; sets are
+    ordered by their last, then their first member's position.
 
     Args:
         max_size: the largest set returned (default 4). Keeping a set keeps all of it, so large
@@ -281,7 +306,8 @@ def separator_sets(graph: CostGraph, max_size: int = 4) -> tuple[tuple[str, ...]
     losses = loss_ops(graph)
     points = articulation_points(graph)
     found = {frozenset((point,)) for point in points}
-    for candidate in _tree_path_separators(undirected, rank, max_size):
+    candidates = _tree_path_separators(undirected, rank, max_size)
+    for candidate in dict.fromkeys([*candidates, *_level_cuts(undirected, depth, max_size)]):
         if not candidate.isdisjoint(points) or len(candidate) > 2 * max_size:
             continue  # an articulation point alone does better; a huge bag hides no small set
         minimal = candidate if len(candidate) <= 2 else _minimal(undirected, candidate)

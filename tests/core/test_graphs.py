@@ -200,6 +200,19 @@ def test_two_towers_have_one_node_per_tower_at_every_depth():
     assert_minimal_separators(graph, sets)
 
 
+def test_three_towers_have_one_node_per_tower_at_every_depth():
+    """Min-fill contracts each tower first here; the cuts between depth levels find the sets."""
+    graph = synthetic.multi_tower(3, 4)
+    sets = separator_sets(graph)
+    assert sets == (
+        ("stem",),
+        *((f"t0_{d}", f"t1_{d}", f"t2_{d}") for d in range(4)),
+        ("join",),
+    )
+    assert_minimal_separators(graph, sets)
+    assert separator_sets(graph, max_size=2) == (("stem",), ("join",))
+
+
 def test_separator_sets_of_chains_and_resnets_are_their_articulation_points():
     for graph in (synthetic.chain(12), synthetic.resnet_like(4)):
         assert separator_sets(graph) == tuple((p,) for p in articulation_points(graph))
