@@ -256,7 +256,8 @@ def _level_cuts(undirected: nx.Graph, depth: Mapping[str, int], max_size: int) -
         if reach > depth[node]:  # in the cuts of depths depth[node] .. reach - 1
             enters.setdefault(depth[node], []).append(node)
             leaves.setdefault(reach, []).append(node)
-    cuts, active = [], set()
+    cuts: list[frozenset] = []
+    active: set[str] = set()
     for level in range(max(depth.values(), default=0)):
         active.update(enters.get(level, ()))
         active.difference_update(leaves.get(level, ()))
