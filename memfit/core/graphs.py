@@ -14,7 +14,8 @@ Note:
       its multi-output op), and one that aliases only resident data (``t(weight)``) is dropped:
       it can always be recomputed for free, and it links no two layers.
     - A virtual ``memfit_input`` node joins the forward ops that read a user input (not the
-      parameters: every layer reads a weight, and joining them would hide every separator).
+      parameters: every layer reads a weight, and joining them would hide every separator; nor
+      targets and labels, read only at the loss, which would make a shortcut around the net).
     - A virtual ``memfit_loss`` node joins the op that makes the loss (the last forward-made step
       output). It is *not* joined to every forward leaf: layer-norm statistics, dropout masks and
       BatchNorm running stats are forward leaves read only by backward, and joining them to the
@@ -96,10 +97,8 @@ def _owner_dag(graph: CostGraph) -> nx.DiGraph:
         owner_source, owner_target = owners[source], owners[target]
         if owner_source and owner_target and owner_source != owner_target:
             dag.add_edge(owner_source, owner_target)
-    user_inputs = {
-        t.name for t in graph.tensors.values() if t.producer is None and t.role == "input"
-    }
-    readers = {owners[op.name] for op in graph.forward_ops if user_inputs.intersection(op.inputs)}
+    model_inputs = _model_inputs(graph)
+    readers = {owners[op.name] for op in graph.forward_ops if model_inputs.intersection(op.inputs)}
     readers.discard(None)
     if not readers:  # nothing reads a user input (a generator from noise): start at the roots
         readers = {node for node in dag if dag.in_degree(node) == 0}
@@ -108,6 +107,28 @@ def _owner_dag(graph: CostGraph) -> nx.DiGraph:
     dag.add_node(LOSS, size_bytes=0, time_s=0.0, index=len(graph.ops))
     dag.add_edges_from((loss, LOSS) for loss in loss_ops(graph) if loss in dag)
     return dag
+
+
+def _model_inputs(graph: CostGraph) -> set[str]:
+    """User inputs first read in the first half of the forward pass.
+
+    Note:
+        Targets and labels are user inputs too, but they are read at the loss; joining their
+        readers to the virtual input would add a shortcut from the input to the loss around the
+        whole network, and no op in between would separate anything.
+    """
+    forward = graph.forward_ops
+    if not forward:
+        return set()
+    midpoint = graph.index[forward[len(forward) // 2].name]
+    user_inputs = {
+        t.name for t in graph.tensors.values() if t.producer is None and t.role == "input"
+    }
+    first_read: dict[str, int] = {}
+    for op in forward:
+        for tensor in user_inputs.intersection(op.inputs):
+            first_read.setdefault(tensor, graph.index[op.name])
+    return {tensor for tensor, at in first_read.items() if at <= midpoint}
 
 
 def loss_ops(graph: CostGraph) -> tuple[str, ...]:
