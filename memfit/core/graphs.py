@@ -13,9 +13,14 @@ Note:
       Each such op is merged into the forward op that allocated that storage (a ``getitem`` into
       its multi-output op), and one that aliases only resident data (``t(weight)``) is dropped:
       it can always be recomputed for free, and it links no two layers.
-    - A virtual ``memfit_input`` node joins the forward ops that read a user input (not the
-      parameters: every layer reads a weight, and joining them would hide every separator; nor
-      targets and labels, read only at the loss, which would make a shortcut around the net).
+    - Ops computed from data alone (a label one-hot, an attention mask, position ids, a random
+      leaf) are dropped, as openai's package does by walking forward from the parameters: they
+      can be recomputed from resident inputs (and the saved random state) at any time, and
+      keeping them would link every layer that reads them (a causal mask links all layers).
+      Only ops that read a parameter, or depend on one that does, remain.
+    - A virtual ``memfit_input`` node joins the ops that remain with no forward inputs (the
+      first layer; not each op that reads a user input: the loss reads the targets, and joining
+      it would make a shortcut past every layer).
     - A virtual ``memfit_loss`` node joins the op that makes the loss (the last forward-made step
       output). It is *not* joined to every forward leaf: layer-norm statistics, dropout masks and
       BatchNorm running stats are forward leaves read only by backward, and joining them to the
@@ -88,7 +93,8 @@ def storage_owners(graph: CostGraph) -> dict[str, str | None]:
 
 
 def _owner_dag(graph: CostGraph) -> nx.DiGraph:
-    """``forward_graph`` with views merged into their owners and the virtual input and loss."""
+    """``forward_graph`` with views merged into their owners, data-only ops dropped, and the
+    virtual input and loss (see the module note)."""
     full = forward_graph(graph)
     owners = storage_owners(graph)
     dag = nx.DiGraph()
@@ -97,38 +103,27 @@ def _owner_dag(graph: CostGraph) -> nx.DiGraph:
         owner_source, owner_target = owners[source], owners[target]
         if owner_source and owner_target and owner_source != owner_target:
             dag.add_edge(owner_source, owner_target)
-    model_inputs = _model_inputs(graph)
-    readers = {owners[op.name] for op in graph.forward_ops if model_inputs.intersection(op.inputs)}
-    readers.discard(None)
-    if not readers:  # nothing reads a user input (a generator from noise): start at the roots
-        readers = {node for node in dag if dag.in_degree(node) == 0}
+    dag = dag.subgraph(_learned(graph, dag, owners)).copy()
+    roots = [node for node in dag if dag.in_degree(node) == 0]
     dag.add_node(INPUT, size_bytes=0, time_s=0.0, index=-1)
-    dag.add_edges_from((INPUT, reader) for reader in readers)
+    dag.add_edges_from((INPUT, root) for root in roots)
     dag.add_node(LOSS, size_bytes=0, time_s=0.0, index=len(graph.ops))
     dag.add_edges_from((loss, LOSS) for loss in loss_ops(graph) if loss in dag)
     return dag
 
 
-def _model_inputs(graph: CostGraph) -> set[str]:
-    """User inputs first read in the first half of the forward pass.
-
-    Note:
-        Targets and labels are user inputs too, but they are read at the loss; joining their
-        readers to the virtual input would add a shortcut from the input to the loss around the
-        whole network, and no op in between would separate anything.
-    """
-    forward = graph.forward_ops
-    if not forward:
-        return set()
-    midpoint = graph.index[forward[len(forward) // 2].name]
-    user_inputs = {
-        t.name for t in graph.tensors.values() if t.producer is None and t.role == "input"
+def _learned(graph: CostGraph, dag: nx.DiGraph, owners: Mapping[str, str | None]) -> set[str]:
+    """The owner ops that read a parameter or depend on one that does (all, if that is none)."""
+    parameters = {t.name for t in graph.tensors.values() if t.role == "parameter"}
+    seeds = {
+        owner
+        for op in graph.forward_ops
+        if (owner := owners[op.name]) is not None and parameters.intersection(op.inputs)
     }
-    first_read: dict[str, int] = {}
-    for op in forward:
-        for tensor in user_inputs.intersection(op.inputs):
-            first_read.setdefault(tensor, graph.index[op.name])
-    return {tensor for tensor, at in first_read.items() if at <= midpoint}
+    learned: set[str] = set(seeds).union(*(nx.descendants(dag, seed) for seed in seeds))
+    if not learned.intersection(loss_ops(graph)):
+        return set(dag)  # the loss does not depend on a parameter: keep every op
+    return learned
 
 
 def loss_ops(graph: CostGraph) -> tuple[str, ...]:

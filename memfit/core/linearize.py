@@ -25,11 +25,25 @@ from memfit.core.costgraph import CostGraph, Op
 from memfit.core.plan import Plan
 from memfit.core.schedule import peak_bytes
 
-RANDOM_MARKERS = ("rand", "dropout", "bernoulli")
+# Substrings of the kinds of ops that draw from the random generator. A false match only pins
+# an op's order among the random ops, which is always safe; a miss could change the numbers.
+RANDOM_MARKERS = (
+    "rand",  # rand, randn, randint, randperm, *_like, inductor_random
+    "dropout",
+    "bernoulli",
+    "uniform",
+    "normal",  # aten.normal, log_normal
+    "multinomial",
+    "poisson",
+    "exponential",
+    "geometric",
+    "cauchy",
+    "rrelu",
+)
 
 
 def is_random(op: Op) -> bool:
-    """Whether ``op`` draws from the random generator (``aten.rand*``, dropout, bernoulli)."""
+    """Whether ``op`` draws from the random generator (``aten.rand*``, dropout, bernoulli, ...)."""
     kind = op.kind.lower()
     return any(marker in kind for marker in RANDOM_MARKERS)
 
@@ -49,7 +63,8 @@ def linearize(graph: CostGraph) -> CostGraph:
         op's value, or when it would raise the peak of keeping everything (see the module note).
 
     Example:
-        >>> linearize(graph).ops  # a leaf made first is now made just before its reader
+        A chain ``m{i} = mm(m{i-1}, r{i})`` whose random leaves were traced first,
+        ``r1 r2 m0 m1 m2``, becomes ``r1 m0 m1 r2 m2``: ``r2`` is drawn just before ``m2``.
     """
     order = as_late_as_possible_order(graph)
     if order is None or order == tuple(op.name for op in graph.ops):

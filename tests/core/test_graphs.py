@@ -133,13 +133,13 @@ def test_articulation_points_are_exactly_the_single_separators(size, seed, max_i
 
 
 def view_step() -> CostGraph:
-    """``a = mm(x)``; ``v = view(a)``; ``wt = t(w)``; ``ln`` makes (out, mean); ``g0``/``g1`` pick
+    """``a = mm(x, w)``; ``v = view(a)``; ``wt = t(w)``; ``ln`` makes (out, mean); ``g0``/``g1`` pick
     them; ``b = mm(g0, wt)``; ``loss = sum(b)``; backward reads ``mean`` through ``g1``.
 
     Views and getitems allocate nothing; ``g1`` is a forward leaf read only by backward.
     """
     ops = [
-        Op("a", "aten.mm", "forward", inputs=("x",), outputs=("a",)),
+        Op("a", "aten.mm", "forward", inputs=("x", "w"), outputs=("a",)),
         Op("v", "aten.view", "forward", inputs=("a",), depends_on=("a",)),
         Op("wt", "aten.t", "forward", inputs=("w",)),
         Op("ln", "aten.native_layer_norm", "forward", inputs=("a",), outputs=("ln", "ln.1"),
@@ -174,6 +174,28 @@ def test_views_merge_into_the_storage_they_alias():
     # neither the weight view (which every layer has) nor the statistics read only by backward
     # make shortcuts: every op that allocates is a separator, the loss excepted
     assert articulation_points(graph) == ("a", "ln", "b")
+
+
+def test_values_computed_from_data_alone_link_no_layers():
+    """A mask made from the input ids is read by every layer and the targets by the loss; both
+    are resident-derived, so neither hides the layers' separators (openai walks forward from
+    the parameters for the same reason)."""
+    ops = [Op("mask", "aten.lt", "forward", inputs=("ids",), outputs=("mask",))]
+    ops.append(Op("h0", "aten.mm", "forward", inputs=("x", "w0"), outputs=("h0",)))
+    ops += [
+        Op(f"h{i}", "aten.mm", "forward", inputs=(f"h{i - 1}", f"w{i}", "mask"),
+           outputs=(f"h{i}",), depends_on=(f"h{i - 1}", "mask"))
+        for i in range(1, 4)
+    ]  # fmt: skip
+    ops.append(Op("loss", "aten.sub", "forward", inputs=("h3", "y"), outputs=("loss",),
+                  depends_on=("h3",)))  # fmt: skip
+    tensors = [Tensor(name, 8, "input") for name in ("ids", "x", "y")]
+    tensors += [Tensor(f"w{i}", 8, "parameter") for i in range(4)]
+    tensors += [Tensor(name, 64, "activation") for name in ("mask", "h0", "h1", "h2", "h3")]
+    tensors.append(Tensor("loss", 4, "activation", is_output=True))
+    graph = CostGraph.build(ops, tensors, name="masked")
+    assert "mask" not in separation_graph(graph)
+    assert articulation_points(graph) == ("h0", "h1", "h2", "h3")
 
 
 # ---- separator sets ------------------------------------------------------------------------------
