@@ -1,0 +1,321 @@
+"""Optimal recomputation for a chain: Griewank's revolve and a dynamic program under a byte budget.
+
+The model. A chain of ``l`` forward steps F_1..F_l: step i reads activation a_{i-1} and allocates
+a_i (a_0 is the input: resident, never counted, never freed). Then a ``Loss`` reads a_l and
+allocates the loss (``loss_bytes``, lives to the end); a_l is freed (nothing else reads it) and the
+seed gradient g_l is allocated. Then the backward steps B_l..B_1 run in that order: B_i reads
+a_{i-1} and g_i, allocates g_{i-1} (none for i = 1: the input needs no gradient) and its step
+outputs (``output_bytes``: weight gradients, live to the end), then frees g_i and a_{i-1}.
+
+Memory is counted like ``memfit.core.schedule``: in program order, an operation allocates its
+outputs, the high-water mark is taken, then dead buffers are freed. So F_i holds a_{i-1} and a_i at
+once. A schedule may drop any activation (``Free``) and recompute it later by re-running forward
+steps from the nearest earlier live activation, any number of times; recomputed activations may be
+kept as checkpoints for later backward steps (the revolve setting). The forward pass itself runs
+every F_i once; *recompute time* is the time of every further forward step.
+
+Note:
+    Griewank's convention (``revolve_forward_steps``): ``slots`` snapshots *including* the one that
+    holds x_0, plus one working state that is not counted and is advanced in place; the reverse
+    step of step i (forward-and-back of step i) is not counted, so t(l, c) counts the forward steps
+    that reach x_{l-1} from x_0 first time and every recomputation. ``revolve_extra_steps`` removes
+    the first l - 1 of those, which a training step's forward pass does anyway. In this module's
+    byte model with unit activations and no gradient/output/loss bytes, a budget of ``c + 1`` units
+    buys exactly revolve's ``c`` slots: a_0 is free, and the working state costs two units while
+    F_i holds input and output (tested for l <= 30).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
+
+import numpy as np
+
+from memfit.solvers._chain_tables import ChainTables
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Run F_step: needs a_{step-1} live; allocates a_step."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class Loss:
+    """Read a_l, allocate the loss, free a_l, allocate the seed gradient g_l (once)."""
+
+
+@dataclass(frozen=True)
+class Backward:
+    """Run B_step: needs a_{step-1} and g_step; allocates g_{step-1}; frees g_step, a_{step-1}."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class Free:
+    """Drop activation a_step (step >= 1) from memory."""
+
+    step: int
+
+
+Operation = Forward | Loss | Backward | Free
+_OPERATION_KINDS = {
+    "forward": Forward, "backward": Backward, "free": Free, "loss": lambda step: Loss(),
+}
+
+
+@dataclass(frozen=True)
+class ChainCosts:
+    """Per-step costs of a chain; index i - 1 describes step i (a_i, g_i, F_i, B_i).
+
+    Args:
+        forward_time_s: run time of F_1..F_l.
+        backward_time_s: run time of B_1..B_l.
+        activation_bytes: bytes of a_1..a_l (a_0 is resident and not listed).
+        gradient_bytes: bytes of g_1..g_l; empty means zeros (activation-only accounting, as in
+            the pebble game).
+        output_bytes: bytes each B_i allocates that live to the end (weight gradients); empty
+            means zeros.
+        loss_bytes: bytes of the loss, allocated by ``Loss`` and live to the end.
+        in_place_forward: when True, a ``Forward(i)`` followed at once by ``Free(i - 1)``
+            overwrites a_{i-1} (the sliding pebble game, and revolve's working state); the
+            default False counts a_{i-1} and a_i together, as memfit's program-order liveness
+            does.
+    """
+
+    forward_time_s: tuple[float, ...]
+    backward_time_s: tuple[float, ...]
+    activation_bytes: tuple[int, ...]
+    gradient_bytes: tuple[int, ...] = ()
+    output_bytes: tuple[int, ...] = ()
+    loss_bytes: int = 0
+    in_place_forward: bool = False
+
+    def __post_init__(self) -> None:
+        steps = len(self.forward_time_s)
+        if steps < 1:
+            raise ValueError("a chain needs at least one step")
+        fields = {
+            "forward_time_s": tuple(float(v) for v in self.forward_time_s),
+            "backward_time_s": tuple(float(v) for v in self.backward_time_s),
+            "activation_bytes": tuple(int(v) for v in self.activation_bytes),
+            "gradient_bytes": tuple(int(v) for v in self.gradient_bytes) or (0,) * steps,
+            "output_bytes": tuple(int(v) for v in self.output_bytes) or (0,) * steps,
+        }
+        for name, values in fields.items():
+            if len(values) != steps:
+                raise ValueError(f"{name} has {len(values)} entries, expected one per step ({steps})")
+            if min(values) < 0:
+                raise ValueError(f"{name} must not be negative")
+            object.__setattr__(self, name, values)
+        if self.loss_bytes < 0:
+            raise ValueError("loss_bytes must not be negative")
+
+    @property
+    def steps(self) -> int:
+        return len(self.forward_time_s)
+
+    @staticmethod
+    def uniform(steps: int, activation_bytes: int = 1, time_s: float = 1.0,
+                in_place_forward: bool = False) -> ChainCosts:
+        """Unit chain: every F_i takes ``time_s``, B_i twice that, activations ``activation_bytes``."""
+        return ChainCosts((time_s,) * steps, (2 * time_s,) * steps, (activation_bytes,) * steps,
+                          in_place_forward=in_place_forward)
+
+
+@dataclass(frozen=True)
+class ChainSchedule:
+    """A checked schedule: its operations, recompute time and exact peak (see ``simulate_chain``)."""
+
+    operations: tuple[Operation, ...]
+    recompute_time_s: float
+    peak_bytes: int
+
+
+class ChainReplay(NamedTuple):
+    recompute_time_s: float
+    peak_bytes: int
+
+
+# ---- revolve --------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=None)
+def revolve_forward_steps(steps: int, slots: int) -> int:
+    """Griewank's t(l, c): fewest forward steps to reverse ``steps`` steps with ``slots`` snapshots.
+
+    The classical recurrence: advance j steps from the snapshot of x_0, snapshot x_j, reverse the
+    last l - j steps with one snapshot fewer, then the first j steps with all of them:
+    t(l, c) = min_j j + t(l - j, c - 1) + t(j, c); t(1, c) = 0; t(l, 1) = l (l - 1) / 2.
+
+    Raises:
+        ValueError: if ``steps`` or ``slots`` is below 1 (x_0 itself needs a snapshot).
+    """
+    if steps < 1 or slots < 1:
+        raise ValueError("revolve needs steps >= 1 and slots >= 1 (one slot holds x_0)")
+    if steps == 1:
+        return 0
+    if slots == 1:
+        return (steps - 1) + revolve_forward_steps(steps - 1, 1)
+    if slots >= steps - 1:
+        return steps - 1  # every state but x_{l-1} fits in a snapshot: one sweep
+    return min(
+        split + revolve_forward_steps(steps - split, slots - 1) + revolve_forward_steps(split, slots)
+        for split in range(1, steps)
+    )
+
+
+def revolve_extra_steps(steps: int, slots: int) -> int:
+    """Forward steps beyond the training step's own forward pass: t(l, c) - (l - 1).
+
+    Zero when ``slots >= steps - 1``; (l - 1)(l - 2) / 2 with one slot (only x_0 stored; the
+    working state x_{l-1} left by the forward pass is used once). See the module note.
+    """
+    return revolve_forward_steps(steps, slots) - (steps - 1)
+
+
+def revolve_closed_form(steps: int, slots: int) -> int:
+    """Griewank's binomial formula, as an independent check of ``revolve_forward_steps``.
+
+    beta(c, r) = C(c + r, c) is the longest chain that c snapshots reverse when no step runs more
+    than r times; with r the least such that l <= beta(c, r), t(l, c) = r l - beta(c + 1, r - 1).
+    """
+    if steps < 1 or slots < 1:
+        raise ValueError("revolve needs steps >= 1 and slots >= 1")
+    repeats = 0
+    while math.comb(slots + repeats, slots) < steps:
+        repeats += 1
+    previous = math.comb(slots + 1 + repeats - 1, slots + 1) if repeats >= 1 else 0
+    return repeats * steps - previous
+
+
+# ---- replay ---------------------------------------------------------------------------------------
+
+
+def simulate_chain(operations: tuple[Operation, ...] | list[Operation], costs: ChainCosts) -> ChainReplay:
+    """Replay ``operations`` on the chain, checking each, and return (recompute_time_s, peak_bytes).
+
+    The peak counts activations a_1..a_l, gradients, step outputs and the loss as the module
+    docstring says; a_0 and parameters are resident and left out.
+
+    Raises:
+        ValueError: naming the first operation whose inputs are missing, or a schedule that does
+            not run every backward step once, in order.
+    """
+    steps = costs.steps
+    activation = (0, *costs.activation_bytes)
+    gradient = (0, *costs.gradient_bytes)
+    output = (0, *costs.output_bytes)
+    live: set[int] = {0}
+    runs = [0] * (steps + 1)
+    live_bytes = peak_bytes = 0
+    next_backward = None  # the step whose gradient is live
+    for index, operation in enumerate(operations):
+        where = f"operation {index} ({operation})"
+        if isinstance(operation, Forward):
+            step = operation.step
+            if not 1 <= step <= steps or step - 1 not in live or step in live:
+                raise ValueError(f"{where}: needs a_{step - 1} live and a_{step} not yet live")
+            if step == steps and next_backward is not None:
+                raise ValueError(f"{where}: the last step runs once, before the loss")
+            live.add(step)
+            runs[step] += 1
+            live_bytes += activation[step]
+            overwrite = operations[index + 1] if index + 1 < len(operations) else None
+            if costs.in_place_forward and overwrite == Free(step - 1):
+                live_bytes -= activation[step - 1]  # a_{step-1} overwritten; Free is then a no-op
+                live.discard(step - 1)
+                live.add(-(step - 1))  # remember that the Free that follows is accounted for
+            peak_bytes = max(peak_bytes, live_bytes)
+        elif isinstance(operation, Loss):
+            if steps not in live or next_backward is not None:
+                raise ValueError(f"{where}: the loss needs a_{steps} and runs once")
+            live_bytes += costs.loss_bytes
+            peak_bytes = max(peak_bytes, live_bytes)
+            live.discard(steps)
+            live_bytes += gradient[steps] - activation[steps]
+            peak_bytes = max(peak_bytes, live_bytes)
+            next_backward = steps
+        elif isinstance(operation, Backward):
+            step = operation.step
+            if step != next_backward or step - 1 not in live:
+                raise ValueError(f"{where}: expected B_{next_backward} with a_{step - 1} live")
+            live_bytes += gradient[step - 1] + output[step]
+            peak_bytes = max(peak_bytes, live_bytes)
+            live_bytes -= gradient[step]
+            if step > 1:
+                live.discard(step - 1)
+                live_bytes -= activation[step - 1]
+            next_backward = step - 1
+        elif isinstance(operation, Free) and -operation.step in live and operation.step > 0:
+            live.discard(-operation.step)
+        elif isinstance(operation, Free):
+            if operation.step < 1 or operation.step not in live:
+                raise ValueError(f"{where}: a_{operation.step} is not a live activation")
+            live.discard(operation.step)
+            live_bytes -= activation[operation.step]
+        else:
+            raise TypeError(f"{where}: not a chain operation")
+    if next_backward != 0:
+        raise ValueError("the schedule stops before B_1: every backward step must run")
+    recompute_time_s = math.fsum(
+        (count - 1) * time_s for count, time_s in zip(runs[1:], costs.forward_time_s, strict=True)
+    )
+    return ChainReplay(recompute_time_s, peak_bytes)
+
+
+# ---- dynamic program -----------------------------------------------------------------------------
+
+
+def solve_chain(
+    forward_time_s: tuple[float, ...] | list[float],
+    backward_time_s: tuple[float, ...] | list[float],
+    activation_bytes: tuple[int, ...] | list[int],
+    budget_bytes: int,
+    *,
+    gradient_bytes: tuple[int, ...] | list[int] = (),
+    output_bytes: tuple[int, ...] | list[int] = (),
+    loss_bytes: int = 0,
+    memory_units: int = 400,
+) -> ChainSchedule | None:
+    """The schedule of least recompute time whose peak fits ``budget_bytes``; None if none does.
+
+    Args:
+        forward_time_s, backward_time_s, activation_bytes, gradient_bytes, output_bytes,
+            loss_bytes: the chain, as ``ChainCosts`` describes it.
+        budget_bytes: the most live bytes allowed (a_0 and parameters excluded).
+        memory_units: how finely the DP counts memory (default 400). When every size and the
+            budget share a divisor that gives at most this many units the DP is exact; otherwise
+            sizes are rounded *up* to units of ceil(budget / memory_units) bytes, so the schedule
+            always fits but may recompute a little more than the true optimum. Time and memory
+            of the DP grow linearly with it.
+
+    Example:
+        >>> schedule = solve_chain([1.0] * 4, [2.0] * 4, [10] * 4, budget_bytes=30)
+        >>> schedule.recompute_time_s, schedule.peak_bytes
+        (1.0, 30)
+    """
+    costs = ChainCosts(
+        tuple(forward_time_s), tuple(backward_time_s), tuple(activation_bytes),
+        tuple(gradient_bytes), tuple(output_bytes), loss_bytes,
+    )
+    return solve_chain_costs(costs, budget_bytes, memory_units=memory_units)
+
+
+def solve_chain_costs(costs: ChainCosts, budget_bytes: int, memory_units: int = 400) -> ChainSchedule | None:
+    """``solve_chain`` on a ``ChainCosts``: fill the DP tables, rebuild the schedule, replay it."""
+    if budget_bytes < 0 or memory_units < 1:
+        raise ValueError("budget_bytes must be >= 0 and memory_units >= 1")
+    tables = ChainTables.fill(costs, budget_bytes, memory_units)
+    if not np.isfinite(tables.sweep[0, tables.budget_units]):
+        return None
+    operations = tuple(_OPERATION_KINDS[kind](step) for kind, step in tables.operations())
+    replay = simulate_chain(operations, costs)
+    if replay.peak_bytes > budget_bytes:  # the rounding is conservative: this is a bug if it fires
+        raise AssertionError(f"DP schedule peaks at {replay.peak_bytes} > {budget_bytes} bytes")
+    return ChainSchedule(operations, replay.recompute_time_s, replay.peak_bytes)
