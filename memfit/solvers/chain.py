@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import NamedTuple
 
 import numpy as np
@@ -64,9 +64,13 @@ class Free:
 
 
 Operation = Forward | Loss | Backward | Free
-_OPERATION_KINDS = {
-    "forward": Forward, "backward": Backward, "free": Free, "loss": lambda step: Loss(),
-}
+
+
+def _operation(kind: str, step: int) -> Operation:
+    """The operation a DP table entry ``(kind, step)`` stands for."""
+    if kind == "loss":
+        return Loss()
+    return {"forward": Forward, "backward": Backward, "free": Free}[kind](step)
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,7 @@ class ChainReplay(NamedTuple):
 # ---- revolve --------------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=None)
+@cache
 def revolve_forward_steps(steps: int, slots: int) -> int:
     """Griewank's t(l, c): fewest forward steps to reverse ``steps`` steps with ``slots`` snapshots.
 
@@ -314,7 +318,7 @@ def solve_chain_costs(costs: ChainCosts, budget_bytes: int, memory_units: int = 
     tables = ChainTables.fill(costs, budget_bytes, memory_units)
     if not np.isfinite(tables.sweep[0, tables.budget_units]):
         return None
-    operations = tuple(_OPERATION_KINDS[kind](step) for kind, step in tables.operations())
+    operations = tuple(_operation(kind, step) for kind, step in tables.operations())
     replay = simulate_chain(operations, costs)
     if replay.peak_bytes > budget_bytes:  # the rounding is conservative: this is a bug if it fires
         raise AssertionError(f"DP schedule peaks at {replay.peak_bytes} > {budget_bytes} bytes")
