@@ -68,9 +68,13 @@ Operation = Forward | Loss | Backward | Free
 
 def _operation(kind: str, step: int) -> Operation:
     """The operation a DP table entry ``(kind, step)`` stands for."""
-    if kind == "loss":
-        return Loss()
-    return {"forward": Forward, "backward": Backward, "free": Free}[kind](step)
+    if kind == "forward":
+        return Forward(step)
+    if kind == "backward":
+        return Backward(step)
+    if kind == "free":
+        return Free(step)
+    return Loss()
 
 
 @dataclass(frozen=True)
