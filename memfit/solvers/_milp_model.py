@@ -184,7 +184,7 @@ class MilpModel:
 
     def _free_columns(self, stage: int, op: int) -> list[Key]:
         """FREE[stage, i, op] for the storages op may free, each bounded by what forbids it."""
-        problem, keys = self.problem, []
+        problem, keys = self.problem, list[Key]()
         if ("R", stage, op) not in self.columns_by_key:
             return keys
         for source in (*problem.reads[op], op):
