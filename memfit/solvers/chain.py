@@ -15,14 +15,24 @@ kept as checkpoints for later backward steps (the revolve setting). The forward 
 every F_i once; *recompute time* is the time of every further forward step.
 
 Note:
-    Griewank's convention (``revolve_forward_steps``): ``slots`` snapshots *including* the one that
-    holds x_0, plus one working state that is not counted and is advanced in place; the reverse
-    step of step i (forward-and-back of step i) is not counted, so t(l, c) counts the forward steps
-    that reach x_{l-1} from x_0 first time and every recomputation. ``revolve_extra_steps`` removes
-    the first l - 1 of those, which a training step's forward pass does anyway. In this module's
-    byte model with unit activations and no gradient/output/loss bytes, a budget of ``c + 1`` units
-    buys exactly revolve's ``c`` slots: a_0 is free, and the working state costs two units while
-    F_i holds input and output (tested for l <= 30).
+    Revolve's conventions (``revolve_forward_steps``, Griewank & Walther ch. 12): ``slots`` = c
+    snapshots *including* the one holding x_0; one working state, not counted, advanced in place;
+    the reverse of step i runs from x_{i-1} and its forward part is not counted, so x_l is never
+    stored; t(l, c) counts every advance, the first sweep x_0 -> x_{l-1} included. So
+    t(l, 1) = l (l - 1) / 2 and t(l, c >= l - 1) = l - 1. ``revolve_extra_steps`` = t - (l - 1):
+    the advances beyond the training step's own forward pass (0 with enough slots, (l - 1)(l - 2)
+    / 2 with one). This byte model reproduces revolve exactly (tested l <= 24, c <= 6) with
+    ``in_place_forward=True``, unit a_1..a_{l-1}, a_l of 0 bytes and a budget of c units: a_0 is
+    free here but takes revolve's first slot, the working state is free there but costs a unit
+    here. Without in-place steps F_i holds input and output at once, and a budget of c units is
+    worth at least c - 1 slots and at most c (tested l <= 24, c <= 7): 2 units cost
+    floor((l - 1)² / 4) extra steps, between (l - 2)(l - 1) / 2 and revolve's two slots.
+
+    The DP is exact over *persistent* schedules: an activation is either a passing intermediate
+    of one advance (freed by the next forward step) or kept until the backward step that reads
+    it, the class revolve's and Beaumont et al.'s DPs optimise over. Keeping an activation for
+    a while and then dropping it to recompute it later can do better on heterogeneous chains
+    (6 of 1500 random instances of up to 6 steps; ``solve_milp``'s schedules include those).
 """
 
 from __future__ import annotations

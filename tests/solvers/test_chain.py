@@ -71,6 +71,16 @@ def test_dp_on_the_sliding_pebble_chain_equals_revolve():
             assert forward_runs - steps == revolve_extra_steps(steps, slots)
 
 
+def test_dp_without_in_place_steps_sits_between_revolve_slot_counts():
+    """Out of place, c units buy at least revolve's c - 1 slots and at most its c slots."""
+    for last_bytes in (0, 1):
+        for steps in range(2, 20):
+            for units in range(2, 7):
+                costs = ChainCosts((1.0,) * steps, (1.0,) * steps, (1,) * (steps - 1) + (last_bytes,))
+                extra = solve_chain_costs(costs, units).recompute_time_s
+                assert revolve_extra_steps(steps, units) <= extra <= revolve_extra_steps(steps, units - 1)
+
+
 # ---- the article's three schedules ----------------------------------------------------------------
 
 ARTICLE = {  # steps: (default peak, memory-poor extra steps, sqrt peak, sqrt extra steps)
