@@ -233,6 +233,7 @@ def simulate_chain(operations: tuple[Operation, ...] | list[Operation], costs: C
     runs = [0] * (steps + 1)
     live_bytes = peak_bytes = 0
     next_backward = None  # the step whose gradient is live
+    overwritten = 0  # an in-place Forward(i) has already taken a_{i-1}'s bytes off
     for index, operation in enumerate(operations):
         where = f"operation {index} ({operation})"
         if isinstance(operation, Forward):
@@ -244,11 +245,10 @@ def simulate_chain(operations: tuple[Operation, ...] | list[Operation], costs: C
             live.add(step)
             runs[step] += 1
             live_bytes += activation[step]
-            overwrite = operations[index + 1] if index + 1 < len(operations) else None
-            if costs.in_place_forward and overwrite == Free(step - 1):
-                live_bytes -= activation[step - 1]  # a_{step-1} overwritten; Free is then a no-op
-                live.discard(step - 1)
-                live.add(-(step - 1))  # remember that the Free that follows is accounted for
+            following = operations[index + 1] if index + 1 < len(operations) else None
+            if costs.in_place_forward and step > 1 and following == Free(step - 1):
+                live_bytes -= activation[step - 1]  # overwritten: the Free that follows is counted
+                overwritten = step - 1
             peak_bytes = max(peak_bytes, live_bytes)
         elif isinstance(operation, Loss):
             if steps not in live or next_backward is not None:
@@ -270,8 +270,9 @@ def simulate_chain(operations: tuple[Operation, ...] | list[Operation], costs: C
                 live.discard(step - 1)
                 live_bytes -= activation[step - 1]
             next_backward = step - 1
-        elif isinstance(operation, Free) and -operation.step in live and operation.step > 0:
-            live.discard(-operation.step)
+        elif isinstance(operation, Free) and operation.step == overwritten:
+            live.discard(operation.step)
+            overwritten = 0
         elif isinstance(operation, Free):
             if operation.step < 1 or operation.step not in live:
                 raise ValueError(f"{where}: a_{operation.step} is not a live activation")
@@ -337,3 +338,60 @@ def solve_chain_costs(costs: ChainCosts, budget_bytes: int, memory_units: int = 
     if replay.peak_bytes > budget_bytes:  # the rounding is conservative: this is a bug if it fires
         raise AssertionError(f"DP schedule peaks at {replay.peak_bytes} > {budget_bytes} bytes")
     return ChainSchedule(operations, replay.recompute_time_s, replay.peak_bytes)
+
+
+
+# ---- the article's fixed schedules ----------------------------------------------------------------
+# Measured by ``simulate_chain`` with unit activations and no gradient bytes (the pebble game):
+# default: peak l, 0 extra steps; memory_poor: peak 2 (F's input and output), l (l - 1) / 2;
+# sqrt (k = ⌈√l⌉): peak max(k + 1, 2k - 2) for l = k², l - ⌈l / k⌉ extra (< one forward pass).
+
+
+def default_schedule(steps: int) -> tuple[Operation, ...]:
+    """Keep every activation: the forward pass, the loss, the backward pass (O(l) memory)."""
+    return (*(Forward(step) for step in range(1, steps + 1)), Loss(),
+            *(Backward(step) for step in range(steps, 0, -1)))
+
+
+def memory_poor_schedule(steps: int) -> tuple[Operation, ...]:
+    """Keep nothing but the input: each B_i recomputes a_{i-1} from a_0 (O(1) memory, O(l²) time).
+
+    This is the article's strategy (forget each node as soon as it is consumed), so even a_{l-1},
+    which the forward pass has just made, is dropped and recomputed for B_l.
+    """
+    operations: list[Operation] = [*_advance(0, steps), Loss()]
+    for step in range(steps, 0, -1):
+        operations += _advance(0, step - 1)
+        operations.append(Backward(step))
+    return tuple(operations)
+
+
+def sqrt_schedule(steps: int, every: int | None = None) -> tuple[Operation, ...]:
+    """Checkpoints a_k, a_2k, ... (k = ⌈√l⌉ unless ``every`` is given); each segment recomputed once.
+
+    The forward pass keeps only the checkpoints. The backward pass takes the segments last to
+    first: it recomputes and keeps the segment's activations from its checkpoint, then runs its
+    backward steps. Every F_i runs at most twice: one extra forward pass at most.
+    """
+    every = every or max(1, math.ceil(math.sqrt(steps)))
+    checkpoints = [step for step in range(every, steps, every)]
+    operations: list[Operation] = []
+    for step in range(1, steps + 1):
+        operations.append(Forward(step))
+        if step - 1 >= 1 and step - 1 not in checkpoints:
+            operations.append(Free(step - 1))
+    operations.append(Loss())
+    bounds = [0, *checkpoints, steps]
+    for start, end in reversed(list(zip(bounds, bounds[1:], strict=False))):
+        operations += [Forward(step) for step in range(start + 1, end)]
+        operations += [Backward(step) for step in range(end, start, -1)]
+    return tuple(operations)
+
+
+def _advance(start: int, end: int) -> list[Operation]:
+    operations: list[Operation] = []
+    for step in range(start + 1, end + 1):
+        operations.append(Forward(step))
+        if step - 1 > start:
+            operations.append(Free(step - 1))
+    return operations

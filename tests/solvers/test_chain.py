@@ -15,14 +15,16 @@ from memfit.solvers.chain import (
     Forward,
     Free,
     Loss,
+    default_schedule,
+    memory_poor_schedule,
     revolve_closed_form,
     revolve_extra_steps,
     revolve_forward_steps,
     simulate_chain,
     solve_chain,
     solve_chain_costs,
+    sqrt_schedule,
 )
-from memfit.solvers.chain_schedules import default_schedule, memory_poor_schedule, sqrt_schedule
 from tests.solvers.chain_brute_force import brute_force_recompute_time_s
 
 # ---- revolve -------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from memfit.core.costgraph import CostGraph
 from memfit.core.plan import Plan
 from memfit.core.schedule import peak_bytes
 from memfit.solvers.chain import ChainCosts, solve_chain_costs
-from memfit.solvers.chain_schedules import chain_costs_from_graph
+from memfit.solvers.chain_graph import chain_costs_from_graph
 from memfit.solvers.milp import MilpSolution, solve_milp
 
 SMALL = {"size_bytes": 1024, "weight_bytes": 16, "input_bytes": 1024}
