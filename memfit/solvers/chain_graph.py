@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memfit.core.costgraph import CostGraph, Op
+from memfit.core.costgraph import CostGraph, Op, Tensor
 from memfit.solvers.chain import ChainCosts
 
 
@@ -49,3 +49,38 @@ def chain_costs_from_graph(graph: CostGraph) -> ChainCosts:
 def _bytes(graph: CostGraph, op: Op, outputs: bool) -> int:
     """Bytes of ``op``'s storages that the step returns (``outputs``) or that die (not)."""
     return sum(graph.tensors[t].size_bytes for t in op.outputs if graph.tensors[t].is_output == outputs)
+
+
+def chain_graph(costs: ChainCosts, name: str = "chain") -> CostGraph:
+    """The CostGraph of a ``ChainCosts`` (the inverse of ``chain_costs_from_graph``).
+
+    Ops F1..Fl, ``loss``, ``seed``, Bl..B1 with storages a0 (the resident input, 0 bytes),
+    a1..al, ``loss``, g1..gl and w1..wl (B_i's returned outputs). The MILP on it optimises over
+    the same schedules as ``simulate_chain`` with ``in_place_forward=False``.
+    """
+    if costs.in_place_forward:
+        raise ValueError("a CostGraph has no in-place steps: use in_place_forward=False")
+    steps = costs.steps
+    tensors = [Tensor("a0", 0, "input"), Tensor("loss", costs.loss_bytes, "activation", is_output=True)]
+    ops: list[Op] = []
+    for step in range(1, steps + 1):
+        tensors.append(Tensor(f"a{step}", costs.activation_bytes[step - 1], "activation"))
+        ops.append(Op(f"F{step}", "chain.forward", "forward", inputs=(f"a{step - 1}",),
+                      outputs=(f"a{step}",), depends_on=(f"F{step - 1}",) if step > 1 else (),
+                      time_s=costs.forward_time_s[step - 1]))
+    ops.append(Op("loss", "chain.loss", "forward", inputs=(f"a{steps}",), outputs=("loss",),
+                  depends_on=(f"F{steps}",)))
+    tensors.append(Tensor(f"g{steps}", costs.gradient_bytes[steps - 1], "gradient"))
+    ops.append(Op("seed", "chain.seed", "backward", inputs=("loss",), outputs=(f"g{steps}",),
+                  depends_on=("loss",)))
+    for step in range(steps, 0, -1):
+        tensors.append(Tensor(f"w{step}", costs.output_bytes[step - 1], "gradient", is_output=True))
+        outputs: tuple[str, ...] = (f"w{step}",)
+        if step > 1:
+            tensors.append(Tensor(f"g{step - 1}", costs.gradient_bytes[step - 2], "gradient"))
+            outputs = (f"g{step - 1}", f"w{step}")
+        ops.append(Op(f"B{step}", "chain.backward", "backward", inputs=(f"g{step}", f"a{step - 1}"),
+                      outputs=outputs, time_s=costs.backward_time_s[step - 1],
+                      depends_on=("seed" if step == steps else f"B{step + 1}",
+                                  *((f"F{step - 1}",) if step > 1 else ()))))
+    return CostGraph.build(ops, tensors, name=name)

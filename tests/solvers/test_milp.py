@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections import defaultdict
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memfit.core import synthetic
 from memfit.core.costgraph import CostGraph
 from memfit.core.plan import Plan
 from memfit.core.schedule import peak_bytes
 from memfit.solvers.chain import ChainCosts, solve_chain_costs
-from memfit.solvers.chain_graph import chain_costs_from_graph
+from memfit.solvers.chain_graph import chain_costs_from_graph, chain_graph
 from memfit.solvers.milp import MilpSolution, solve_milp
+from tests.solvers.chain_brute_force import brute_force_recompute_time_s
 
 SMALL = {"size_bytes": 1024, "weight_bytes": 16, "input_bytes": 1024}
 
@@ -148,3 +152,51 @@ def test_time_limit_is_respected():
     solution = solve_milp(graph, budget_bytes, time_limit_s=0.05)
     assert solution.status in ("time_limit", "feasible", "optimal")
     assert solution.solve_time_s < 5
+
+
+# ---- the MILP is the true optimum on small chains, persistent or not -------------------------------
+
+
+@st.composite
+def small_chains(draw):
+    steps = draw(st.integers(1, 5))
+    optional = st.one_of(st.just([]), st.lists(st.integers(0, 9), min_size=steps, max_size=steps))
+    costs = ChainCosts(
+        forward_time_s=tuple(draw(st.lists(st.sampled_from([0.5, 1.0, 1.5, 2.25, 3.0]),
+                                           min_size=steps, max_size=steps))),
+        backward_time_s=(1.0,) * steps,
+        activation_bytes=tuple(draw(st.lists(st.integers(1, 9), min_size=steps, max_size=steps))),
+        gradient_bytes=tuple(draw(optional)),
+        output_bytes=tuple(draw(optional)),
+        loss_bytes=draw(st.integers(0, 3)),
+    )
+    return costs, draw(st.integers(1, 12 * steps + 10))
+
+
+@settings(max_examples=40, deadline=None)
+@given(small_chains())
+def test_milp_equals_exhaustive_search_over_all_chain_schedules(case):
+    costs, budget_bytes = case
+    graph = chain_graph(costs)
+    assert chain_costs_from_graph(graph) == costs and graph.resident_bytes == 0
+    solution = solve_milp(graph, budget_bytes, time_limit_s=30)
+    best = brute_force_recompute_time_s(costs, budget_bytes, persistent=False)
+    if best == math.inf:
+        assert solution.status == "infeasible"
+        return
+    assert solution.status == "optimal"
+    assert_valid(graph, solution, budget_bytes)
+    assert solution.recompute_time_s == pytest.approx(best, abs=1e-9)
+    schedule = solve_chain_costs(costs, budget_bytes)
+    assert schedule is not None and solution.recompute_time_s <= schedule.recompute_time_s + 1e-9
+
+
+def test_milp_drops_a_checkpoint_early_where_the_dp_cannot():
+    """The chain of test_chain.py's non-persistent case: keep a_1 from the forward pass, use it
+    to make a_2 again, drop it before B_3, recompute it for B_2."""
+    costs = ChainCosts((1.48, 1.59, 1.13, 1.36), (1.0,) * 4, (2, 5, 4, 4), output_bytes=(1, 0, 1, 3),
+                       loss_bytes=2)
+    solution = solve_milp(chain_graph(costs), 12)
+    assert solution.recompute_time_s == pytest.approx(1.48 + 1.59)
+    assert solution.computed[7:9] == (("F2", "B3"), ("F1", "B2"))
+    assert solve_chain_costs(costs, 12).recompute_time_s == pytest.approx(1.48 + 1.59 + 1.48)
