@@ -15,12 +15,17 @@ inputs, parameters), returned storages from their producer on, and each op's oth
 while live. Within stage t, ``U[t, k]`` is the memory after op k runs (its outputs allocated,
 nothing freed yet) and must stay within the budget; after op k, the storages of k and of the ops
 it reads are freed when no later op of the stage reads them and they are not kept into t + 1
-(``FREE[t, i, k]``, only upper-bounded: freeing earlier is always allowed, so the solver frees
-wherever that helps). A storage kept but unread in a stage is counted for the whole stage, so
-``S`` never keeps one longer than it must. On a chain this is the accounting of
-``memfit.solvers.chain`` (tested: same optimum as the chain DP; the MILP can also drop a checkpoint
-early and recompute it, which the DP's persistent schedules cannot, so on some heterogeneous
-chains it is lower).
+(``FREE[t, i, k]``, only upper-bounded: leaving a dead storage unfreed only costs memory, so the
+solver frees wherever that helps, and ``peak_bytes`` is replayed with every free made). A storage
+kept into a stage counts from the stage's start until a reader in the stage frees it. The unit is
+the op, not the storage: an op's non-returned outputs live and die together, which over-counts
+when they die apart (a backward op's gradients for two different inputs); on chains each op has
+one such output, so nothing is lost there.
+
+On a chain this is exactly the accounting of ``memfit.solvers.chain`` (``chain_graph`` and
+``chain_costs_from_graph`` convert): the MILP equals an exhaustive search over *all* chain
+schedules, and the chain DP wherever the best schedule is persistent (tested). It is lower than the
+DP where dropping a kept checkpoint early and recomputing it pays off.
 
 Example:
     >>> from memfit.core import synthetic
