@@ -200,3 +200,16 @@ def test_milp_drops_a_checkpoint_early_where_the_dp_cannot():
     assert solution.recompute_time_s == pytest.approx(1.48 + 1.59)
     assert solution.computed[7:9] == (("F2", "B3"), ("F1", "B2"))
     assert solve_chain_costs(costs, 12).recompute_time_s == pytest.approx(1.48 + 1.59 + 1.48)
+
+
+@pytest.mark.parametrize("graph", [
+    synthetic.resnet_like(2, **SMALL), synthetic.multi_tower(2, 2, **SMALL),
+    synthetic.random_dag(8, seed=1, weight_bytes=16),
+], ids=lambda graph: graph.name)
+def test_at_the_unmodified_peak_nothing_is_recomputed_and_the_peaks_agree(graph):
+    """The MILP's memory accounting is memfit.core.schedule's on the unmodified step."""
+    keep_all = peak_bytes(graph, Plan("keep"))
+    solution = solve_milp(graph, keep_all)
+    assert solution.recompute_time_s == 0.0 and solution.peak_bytes == keep_all
+    tighter = solve_milp(graph, keep_all - 1)
+    assert tighter.recompute_time_s > 0 or not tighter.found
