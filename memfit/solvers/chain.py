@@ -40,12 +40,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cache
 from typing import NamedTuple
 
 import numpy as np
 
 from memfit.solvers._chain_tables import ChainTables
+from memfit.solvers.revolve import revolve_closed_form, revolve_extra_steps, revolve_forward_steps
+
+__all__ = [
+    "Backward", "ChainCosts", "ChainReplay", "ChainSchedule", "Forward", "Free", "Loss",
+    "Operation", "default_schedule", "memory_poor_schedule", "revolve_closed_form",
+    "revolve_extra_steps", "revolve_forward_steps", "simulate_chain", "solve_chain",
+    "solve_chain_costs", "sqrt_schedule",
+]
 
 
 @dataclass(frozen=True)
@@ -161,58 +168,6 @@ class ChainReplay(NamedTuple):
     peak_bytes: int
 
 
-# ---- revolve --------------------------------------------------------------------------------------
-
-
-@cache
-def revolve_forward_steps(steps: int, slots: int) -> int:
-    """Griewank's t(l, c): fewest forward steps to reverse ``steps`` steps with ``slots`` snapshots.
-
-    The classical recurrence: advance j steps from the snapshot of x_0, snapshot x_j, reverse the
-    last l - j steps with one snapshot fewer, then the first j steps with all of them:
-    t(l, c) = min_j j + t(l - j, c - 1) + t(j, c); t(1, c) = 0; t(l, 1) = l (l - 1) / 2.
-
-    Raises:
-        ValueError: if ``steps`` or ``slots`` is below 1 (x_0 itself needs a snapshot).
-    """
-    if steps < 1 or slots < 1:
-        raise ValueError("revolve needs steps >= 1 and slots >= 1 (one slot holds x_0)")
-    if steps == 1:
-        return 0
-    if slots == 1:
-        return (steps - 1) + revolve_forward_steps(steps - 1, 1)
-    if slots >= steps - 1:
-        return steps - 1  # every state but x_{l-1} fits in a snapshot: one sweep
-    return min(
-        split + revolve_forward_steps(steps - split, slots - 1) + revolve_forward_steps(split, slots)
-        for split in range(1, steps)
-    )
-
-
-def revolve_extra_steps(steps: int, slots: int) -> int:
-    """Forward steps beyond the training step's own forward pass: t(l, c) - (l - 1).
-
-    Zero when ``slots >= steps - 1``; (l - 1)(l - 2) / 2 with one slot (only x_0 stored; the
-    working state x_{l-1} left by the forward pass is used once). See the module note.
-    """
-    return revolve_forward_steps(steps, slots) - (steps - 1)
-
-
-def revolve_closed_form(steps: int, slots: int) -> int:
-    """Griewank's binomial formula, as an independent check of ``revolve_forward_steps``.
-
-    beta(c, r) = C(c + r, c) is the longest chain that c snapshots reverse when no step runs more
-    than r times; with r the least such that l <= beta(c, r), t(l, c) = r l - beta(c + 1, r - 1).
-    """
-    if steps < 1 or slots < 1:
-        raise ValueError("revolve needs steps >= 1 and slots >= 1")
-    repeats = 0
-    while math.comb(slots + repeats, slots) < steps:
-        repeats += 1
-    previous = math.comb(slots + 1 + repeats - 1, slots + 1) if repeats >= 1 else 0
-    return repeats * steps - previous
-
-
 # ---- replay ---------------------------------------------------------------------------------------
 
 
@@ -226,67 +181,85 @@ def simulate_chain(operations: tuple[Operation, ...] | list[Operation], costs: C
         ValueError: naming the first operation whose inputs are missing, or a schedule that does
             not run every backward step once, in order.
     """
-    steps = costs.steps
-    activation = (0, *costs.activation_bytes)
-    gradient = (0, *costs.gradient_bytes)
-    output = (0, *costs.output_bytes)
-    live: set[int] = {0}
-    runs = [0] * (steps + 1)
-    live_bytes = peak_bytes = 0
-    next_backward = None  # the step whose gradient is live
-    overwritten = 0  # an in-place Forward(i) has already taken a_{i-1}'s bytes off
+    state = _ReplayState(costs)
     for index, operation in enumerate(operations):
-        where = f"operation {index} ({operation})"
-        if isinstance(operation, Forward):
-            step = operation.step
-            if not 1 <= step <= steps or step - 1 not in live or step in live:
-                raise ValueError(f"{where}: needs a_{step - 1} live and a_{step} not yet live")
-            if step == steps and next_backward is not None:
-                raise ValueError(f"{where}: the last step runs once, before the loss")
-            live.add(step)
-            runs[step] += 1
-            live_bytes += activation[step]
-            following = operations[index + 1] if index + 1 < len(operations) else None
-            if costs.in_place_forward and step > 1 and following == Free(step - 1):
-                live_bytes -= activation[step - 1]  # overwritten: the Free that follows is counted
-                overwritten = step - 1
-            peak_bytes = max(peak_bytes, live_bytes)
-        elif isinstance(operation, Loss):
-            if steps not in live or next_backward is not None:
-                raise ValueError(f"{where}: the loss needs a_{steps} and runs once")
-            live_bytes += costs.loss_bytes
-            peak_bytes = max(peak_bytes, live_bytes)
-            live.discard(steps)
-            live_bytes += gradient[steps] - activation[steps]
-            peak_bytes = max(peak_bytes, live_bytes)
-            next_backward = steps
-        elif isinstance(operation, Backward):
-            step = operation.step
-            if step != next_backward or step - 1 not in live:
-                raise ValueError(f"{where}: expected B_{next_backward} with a_{step - 1} live")
-            live_bytes += gradient[step - 1] + output[step]
-            peak_bytes = max(peak_bytes, live_bytes)
-            live_bytes -= gradient[step]
-            if step > 1:
-                live.discard(step - 1)
-                live_bytes -= activation[step - 1]
-            next_backward = step - 1
-        elif isinstance(operation, Free) and operation.step == overwritten:
-            live.discard(operation.step)
-            overwritten = 0
-        elif isinstance(operation, Free):
-            if operation.step < 1 or operation.step not in live:
-                raise ValueError(f"{where}: a_{operation.step} is not a live activation")
-            live.discard(operation.step)
-            live_bytes -= activation[operation.step]
-        else:
-            raise TypeError(f"{where}: not a chain operation")
-    if next_backward != 0:
+        following = operations[index + 1] if index + 1 < len(operations) else None
+        try:
+            state.apply(operation, following)
+        except ValueError as error:
+            raise ValueError(f"operation {index} ({operation}): {error}") from None
+    if state.next_backward != 0:
         raise ValueError("the schedule stops before B_1: every backward step must run")
     recompute_time_s = math.fsum(
-        (count - 1) * time_s for count, time_s in zip(runs[1:], costs.forward_time_s, strict=True)
+        (count - 1) * time_s for count, time_s in zip(state.runs[1:], costs.forward_time_s, strict=True)
     )
-    return ChainReplay(recompute_time_s, peak_bytes)
+    return ChainReplay(recompute_time_s, state.peak_bytes)
+
+
+class _ReplayState:
+    """Live activations and bytes while a schedule replays; one method per operation kind."""
+
+    def __init__(self, costs: ChainCosts) -> None:
+        self.costs, self.steps = costs, costs.steps
+        self.activation = (0, *costs.activation_bytes)
+        self.gradient = (0, *costs.gradient_bytes)
+        self.output = (0, *costs.output_bytes)
+        self.live: set[int] = {0}
+        self.runs = [0] * (self.steps + 1)
+        self.live_bytes = self.peak_bytes = 0
+        self.next_backward: int | None = None  # the step whose gradient is live
+        self.overwritten = 0  # an in-place Forward(i) has already taken a_{i-1}'s bytes off
+
+    def allocate(self, size_bytes: int) -> None:
+        self.live_bytes += size_bytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def drop(self, step: int) -> None:
+        self.live.discard(step)
+        self.live_bytes -= self.activation[step]
+
+    def apply(self, operation: Operation, following: Operation | None) -> None:
+        if isinstance(operation, Forward):
+            self.forward(operation.step, following)
+        elif isinstance(operation, Loss):
+            if self.steps not in self.live or self.next_backward is not None:
+                raise ValueError(f"the loss needs a_{self.steps} and runs once")
+            self.allocate(self.costs.loss_bytes)
+            self.drop(self.steps)
+            self.allocate(self.gradient[self.steps])
+            self.next_backward = self.steps
+        elif isinstance(operation, Backward):
+            step = operation.step
+            if step != self.next_backward or step - 1 not in self.live:
+                raise ValueError(f"expected B_{self.next_backward} with a_{step - 1} live")
+            self.allocate(self.gradient[step - 1] + self.output[step])
+            self.live_bytes -= self.gradient[step]
+            if step > 1:
+                self.drop(step - 1)
+            self.next_backward = step - 1
+        elif isinstance(operation, Free):
+            if operation.step < 1 or operation.step not in self.live:
+                raise ValueError(f"a_{operation.step} is not a live activation")
+            if operation.step == self.overwritten:
+                self.live.discard(operation.step)
+                self.overwritten = 0
+            else:
+                self.drop(operation.step)
+        else:
+            raise TypeError(f"{operation!r} is not a chain operation")
+
+    def forward(self, step: int, following: Operation | None) -> None:
+        if not 1 <= step <= self.steps or step - 1 not in self.live or step in self.live:
+            raise ValueError(f"needs a_{step - 1} live and a_{step} not yet live")
+        if step == self.steps and self.next_backward is not None:
+            raise ValueError("the last step runs once, before the loss")
+        self.live.add(step)
+        self.runs[step] += 1
+        overwrite = self.costs.in_place_forward and step > 1 and following == Free(step - 1)
+        if overwrite:  # a_{step-1} is overwritten: the Free that follows is counted here
+            self.live_bytes -= self.activation[step - 1]
+            self.overwritten = step - 1
+        self.allocate(self.activation[step])
 
 
 # ---- dynamic program -----------------------------------------------------------------------------
