@@ -23,18 +23,6 @@ def brute_force_recompute_time_s(costs: ChainCosts, budget_bytes: int,
     also remembers which activation the last operation made). ``persistent=False`` searches every
     schedule.
     """
-    steps = costs.steps
-    activation = (0, *costs.activation_bytes)
-    gradient = (0, *costs.gradient_bytes)
-    output = (0, *costs.output_bytes)
-    forward = (0.0, *costs.forward_time_s)
-
-    def resident(live: frozenset[int], phase: int) -> int:
-        held = sum(activation[i] for i in live)
-        if phase == BEFORE_LOSS:
-            return held
-        return held + costs.loss_bytes + gradient[phase] + sum(output[phase + 1:])
-
     start = (frozenset(), BEFORE_LOSS, 0)  # (live, phase, activation the last operation made)
     best = {start: 0.0}
     counter = itertools.count()
@@ -45,27 +33,7 @@ def brute_force_recompute_time_s(costs: ChainCosts, budget_bytes: int,
             continue
         if phase == 0:
             return time_s - math.fsum(costs.forward_time_s)
-        now = resident(live, phase)
-        edges = []
-        for step in () if persistent else live:
-            edges.append((0.0, live - {step}, phase, now))
-        for step in range(1, steps + 1):
-            available = step == 1 or step - 1 in live
-            if not available or step in live or (step == steps and phase != BEFORE_LOSS):
-                continue
-            high = now + activation[step]
-            edges.append((forward[step], live | {step}, phase, high))
-            if step > 1 and (fresh == step - 1 or not persistent):  # F_step, drop its input
-                overwrite = activation[step - 1] if costs.in_place_forward else 0
-                edges.append((forward[step], (live - {step - 1}) | {step}, phase, high - overwrite))
-        if phase == BEFORE_LOSS and steps in live:
-            high = max(now + costs.loss_bytes,
-                       now + costs.loss_bytes - activation[steps] + gradient[steps])
-            edges.append((0.0, live - {steps}, steps, high))
-        if phase > 0 and (phase == 1 or phase - 1 in live):
-            high = now + gradient[phase - 1] + output[phase]
-            edges.append((0.0, live - {phase - 1}, phase - 1, high))
-        for cost_s, new_live, new_phase, high in edges:
+        for cost_s, new_live, new_phase, high in _moves(costs, live, phase, fresh, persistent):
             if high > budget_bytes:
                 continue
             made = next(iter(new_live - live), 0)
@@ -74,3 +42,31 @@ def brute_force_recompute_time_s(costs: ChainCosts, budget_bytes: int,
                 best[state] = time_s + cost_s
                 heapq.heappush(queue, (time_s + cost_s, next(counter), state))
     return math.inf
+
+
+def _moves(costs: ChainCosts, live: frozenset[int], phase: int, fresh: int,
+           persistent: bool) -> list[tuple[float, frozenset[int], int, int]]:
+    """Every operation allowed in a state: (forward time, live after, phase after, high bytes)."""
+    steps = costs.steps
+    activation = (0, *costs.activation_bytes)
+    gradient = (0, *costs.gradient_bytes)
+    output = (0, *costs.output_bytes)
+    now = sum(activation[i] for i in live)
+    if phase != BEFORE_LOSS:
+        now += costs.loss_bytes + gradient[phase] + sum(output[phase + 1:])
+    moves = [(0.0, live - {step}, phase, now) for step in (() if persistent else live)]
+    for step in range(1, steps + 1):
+        available = step == 1 or step - 1 in live
+        if not available or step in live or (step == steps and phase != BEFORE_LOSS):
+            continue
+        time_s, high = costs.forward_time_s[step - 1], now + activation[step]
+        moves.append((time_s, live | {step}, phase, high))
+        if step > 1 and (fresh == step - 1 or not persistent):  # F_step, then drop its input
+            overwrite = activation[step - 1] if costs.in_place_forward else 0
+            moves.append((time_s, (live - {step - 1}) | {step}, phase, high - overwrite))
+    if phase == BEFORE_LOSS and steps in live:
+        high = max(now + costs.loss_bytes, now + costs.loss_bytes - activation[steps] + gradient[steps])
+        moves.append((0.0, live - {steps}, steps, high))
+    if phase > 0 and (phase == 1 or phase - 1 in live):
+        moves.append((0.0, live - {phase - 1}, phase - 1, now + gradient[phase - 1] + output[phase]))
+    return moves
