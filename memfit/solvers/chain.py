@@ -286,7 +286,8 @@ def solve_chain(
             budget share a divisor that gives at most this many units the DP is exact; otherwise
             sizes are rounded *up* to units of ceil(budget / memory_units) bytes, so the schedule
             always fits but may recompute a little more than the true optimum. Time and memory
-            of the DP grow linearly with it.
+            grow linearly with it: O(l³ units) time, O(l² units) memory (l = 100 with 400
+            units: about 1 s and 50 MB; l = 200: about 7 s and 200 MB).
 
     Example:
         >>> schedule = solve_chain([1.0] * 4, [2.0] * 4, [10] * 4, budget_bytes=30)
