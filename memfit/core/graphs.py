@@ -282,19 +282,25 @@ def _level_cuts(undirected: nx.Graph, depth: Mapping[str, int], max_size: int) -
     return cuts
 
 
-def _minimal(undirected: nx.Graph, separator: frozenset) -> frozenset:
-    """The minimal separator inside ``separator`` closest to the loss side.
+def _next_to(undirected: nx.Graph, separator: frozenset, end: str) -> frozenset:
+    """The members of ``separator`` next to ``end``'s component once ``separator`` is removed."""
+    side = nx.node_connected_component(nx.restricted_view(undirected, separator, []), end)
+    return frozenset(v for v in separator if not side.isdisjoint(undirected[v]))
 
-    Keep the members next to the loss's component, then of those the ones next to the input's
-    component in what remains: each kept member touches both sides, so none can be dropped.
+
+def _minimal(undirected: nx.Graph, separator: frozenset, minimal: bool) -> frozenset:
+    """The members of ``separator`` next to the loss side, then (``minimal``) the input side.
+
+    Each member kept in both passes touches both sides, so none can be dropped; after the first
+    pass alone, each member is still read by what comes after it (see ``separator_sets``).
     """
-    loss_side = nx.node_connected_component(nx.restricted_view(undirected, separator, []), LOSS)
-    near_loss = {v for v in separator if not loss_side.isdisjoint(undirected[v])}
-    input_side = nx.node_connected_component(nx.restricted_view(undirected, near_loss, []), INPUT)
-    return frozenset(v for v in near_loss if not input_side.isdisjoint(undirected[v]))
+    near_loss = _next_to(undirected, separator, LOSS)
+    return _next_to(undirected, near_loss, INPUT) if minimal else near_loss
 
 
-def separator_sets(graph: CostGraph, max_size: int = 4) -> tuple[tuple[str, ...], ...]:
+def separator_sets(
+    graph: CostGraph, max_size: int = 4, minimal: bool = True
+) -> tuple[tuple[str, ...], ...]:
     """Small sets of forward ops that separate the input from the loss, ordered along the graph.
 
     Found from a min-fill tree decomposition of ``separation_graph`` (intersections of adjacent
@@ -307,6 +313,10 @@ def separator_sets(graph: CostGraph, max_size: int = 4) -> tuple[tuple[str, ...]
         max_size: the largest set returned (default 4). Keeping a set keeps all of it, so large
             sets cost memory for little recomputation saved; the article's multi-tower example
             needs one node per tower.
+        minimal: return minimal separators only (default). A U-Net's outermost skip makes its
+            two ends the only minimal separators of everything between them; with ``False``,
+            sets are only trimmed to the members the rest of the pass reads, which keeps the
+            nested cuts (``{d0, d1, d2}``: the skip sources so far and the current level).
 
     Example:
         >>> separator_sets(synthetic.multi_tower(2, 3))[1]
@@ -325,11 +335,12 @@ def separator_sets(graph: CostGraph, max_size: int = 4) -> tuple[tuple[str, ...]
     found = {frozenset((point,)) for point in points}
     candidates = _tree_path_separators(undirected, rank, max_size)
     for candidate in dict.fromkeys([*candidates, *_level_cuts(undirected, depth, max_size)]):
-        if not candidate.isdisjoint(points) or len(candidate) > 2 * max_size:
+        if (minimal and not candidate.isdisjoint(points)) or len(candidate) > 2 * max_size:
             continue  # an articulation point alone does better; a huge bag hides no small set
-        minimal = candidate if len(candidate) <= 2 else _minimal(undirected, candidate)
-        if len(minimal) <= max_size and all(_candidate(undirected, v, losses) for v in minimal):
-            found.add(minimal)
+        short = minimal and len(candidate) <= 2  # no point inside: already minimal
+        trimmed = candidate if short else _minimal(undirected, candidate, minimal)
+        if len(trimmed) <= max_size and all(_candidate(undirected, v, losses) for v in trimmed):
+            found.add(trimmed)
     index = graph.index
     ordered = [tuple(sorted(s, key=index.__getitem__)) for s in found if s]
     return tuple(sorted(ordered, key=lambda s: (index[s[-1]], index[s[0]], s)))
