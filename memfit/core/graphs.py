@@ -120,7 +120,9 @@ def _learned(graph: CostGraph, dag: nx.DiGraph, owners: Mapping[str, str | None]
         for op in graph.forward_ops
         if (owner := owners[op.name]) is not None and parameters.intersection(op.inputs)
     }
-    learned: set[str] = set(seeds).union(*(nx.descendants(dag, seed) for seed in seeds))
+    marked = dag.copy()
+    marked.add_edges_from(("memfit_parameters", seed) for seed in seeds)
+    learned: set[str] = nx.descendants(marked, "memfit_parameters") if seeds else set()
     if not learned.intersection(loss_ops(graph)):
         return set(dag)  # the loss does not depend on a parameter: keep every op
     return learned
