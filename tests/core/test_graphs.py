@@ -284,6 +284,8 @@ def test_separator_sets_of_random_dags_are_minimal_separators(size, seed, max_in
     assert all(1 <= len(s) <= 3 for s in sets)
     assert {s[0] for s in sets if len(s) == 1} == set(articulation_points(graph))
     assert_minimal_separators(graph, sets)
+    for found in separator_sets(graph, max_size=3, minimal=False):
+        assert separates(graph, found), found
 
 
 # ---- sqrt(n) -------------------------------------------------------------------------------------
