@@ -197,9 +197,9 @@ class MinFillAlong:
     """Networkx's min-fill elimination heuristic, ties broken by ``rank`` (depth, then order).
 
     A callable for ``treewidth_decomp``. Fill-ins live in a heap and only the nodes within two
-    steps of the last eliminated node are rescored (only their fill can change), so a graph of
-    thousands of ops decomposes in well under a second, where rescanning every node per step
-    (networkx's ``min_fill_in_heuristic``) takes a minute.
+    steps of the last eliminated node are rescored (only their fill can change): networkx's
+    ``min_fill_in_heuristic`` rescans every node at every step, quadratic in the graph's size
+    (seconds at a thousand ops, where this takes a fraction of one).
 
     Note:
         Networkx breaks ties by degree, which on a two-tower graph eats one tower first and gives
@@ -307,9 +307,9 @@ def separator_sets(
 
     Found from a min-fill tree decomposition of ``separation_graph`` (intersections of adjacent
     bags on the input-to-loss path) and from cuts between depth levels (``_level_cuts``), each
-    shrunk to a minimal separator, plus the articulation points as sets of one (a set holding
-    one is dropped: that op alone does better). Each set is sorted in execution order; sets are
-    ordered by their last, then their first member's position.
+    shrunk to a minimal separator, plus the articulation points as sets of one (with
+    ``minimal``, a set holding one is dropped: that op alone does better). Each set is sorted in
+    execution order; sets are ordered by their last, then their first member's position.
 
     Args:
         max_size: the largest set returned (default 4). Keeping a set keeps all of it, so large
@@ -372,8 +372,8 @@ def sqrt_checkpoints(graph: CostGraph) -> tuple[tuple[str, ...], ...]:
     """About sqrt(n) checkpoint sets evenly spaced along the forward pass (openai's 'memory' mode).
 
     ``n`` is the number of forward ops that allocate. Articulation points are used when there are
-    at least that many (each set then has one op); otherwise separator sets (``separator_sets``),
-    which include the articulation points.
+    at least sqrt(n) of them (each set then has one op); otherwise minimal separator sets
+    (``separator_sets``), which include the articulation points.
 
     Example:
         >>> len(sqrt_checkpoints(synthetic.chain(100)))
