@@ -120,7 +120,9 @@ def _learned(graph: CostGraph, dag: nx.DiGraph, owners: Mapping[str, str | None]
         for op in graph.forward_ops
         if (owner := owners[op.name]) is not None and parameters.intersection(op.inputs)
     }
-    learned: set[str] = set(seeds).union(*(nx.descendants(dag, seed) for seed in seeds))
+    marked = dag.copy()
+    marked.add_edges_from(("memfit_parameters", seed) for seed in seeds)
+    learned: set[str] = nx.descendants(marked, "memfit_parameters") if seeds else set()
     if not learned.intersection(loss_ops(graph)):
         return set(dag)  # the loss does not depend on a parameter: keep every op
     return learned
@@ -195,9 +197,9 @@ class MinFillAlong:
     """Networkx's min-fill elimination heuristic, ties broken by ``rank`` (depth, then order).
 
     A callable for ``treewidth_decomp``. Fill-ins live in a heap and only the nodes within two
-    steps of the last eliminated node are rescored (only their fill can change), so a graph of
-    thousands of ops decomposes in well under a second, where rescanning every node per step
-    (networkx's ``min_fill_in_heuristic``) takes a minute.
+    steps of the last eliminated node are rescored (only their fill can change): networkx's
+    ``min_fill_in_heuristic`` rescans every node at every step, quadratic in the graph's size
+    (seconds at a thousand ops, where this takes a fraction of one).
 
     Note:
         Networkx breaks ties by degree, which on a two-tower graph eats one tower first and gives
@@ -282,31 +284,41 @@ def _level_cuts(undirected: nx.Graph, depth: Mapping[str, int], max_size: int) -
     return cuts
 
 
-def _minimal(undirected: nx.Graph, separator: frozenset) -> frozenset:
-    """The minimal separator inside ``separator`` closest to the loss side.
+def _next_to(undirected: nx.Graph, separator: frozenset, end: str) -> frozenset:
+    """The members of ``separator`` next to ``end``'s component once ``separator`` is removed."""
+    side = nx.node_connected_component(nx.restricted_view(undirected, separator, []), end)
+    return frozenset(v for v in separator if not side.isdisjoint(undirected[v]))
 
-    Keep the members next to the loss's component, then of those the ones next to the input's
-    component in what remains: each kept member touches both sides, so none can be dropped.
+
+def _minimal(undirected: nx.Graph, separator: frozenset, minimal: bool) -> frozenset:
+    """The members of ``separator`` next to the loss side, then (``minimal``) the input side.
+
+    Each member kept in both passes touches both sides, so none can be dropped; after the first
+    pass alone, each member is still read by what comes after it (see ``separator_sets``).
     """
-    loss_side = nx.node_connected_component(nx.restricted_view(undirected, separator, []), LOSS)
-    near_loss = {v for v in separator if not loss_side.isdisjoint(undirected[v])}
-    input_side = nx.node_connected_component(nx.restricted_view(undirected, near_loss, []), INPUT)
-    return frozenset(v for v in near_loss if not input_side.isdisjoint(undirected[v]))
+    near_loss = _next_to(undirected, separator, LOSS)
+    return _next_to(undirected, near_loss, INPUT) if minimal else near_loss
 
 
-def separator_sets(graph: CostGraph, max_size: int = 4) -> tuple[tuple[str, ...], ...]:
+def separator_sets(
+    graph: CostGraph, max_size: int = 4, minimal: bool = True
+) -> tuple[tuple[str, ...], ...]:
     """Small sets of forward ops that separate the input from the loss, ordered along the graph.
 
     Found from a min-fill tree decomposition of ``separation_graph`` (intersections of adjacent
     bags on the input-to-loss path) and from cuts between depth levels (``_level_cuts``), each
-    shrunk to a minimal separator, plus the articulation points as sets of one (a set holding
-    one is dropped: that op alone does better). Each set is sorted in execution order; sets are
-    ordered by their last, then their first member's position.
+    shrunk to a minimal separator, plus the articulation points as sets of one (with
+    ``minimal``, a set holding one is dropped: that op alone does better). Each set is sorted in
+    execution order; sets are ordered by their last, then their first member's position.
 
     Args:
         max_size: the largest set returned (default 4). Keeping a set keeps all of it, so large
             sets cost memory for little recomputation saved; the article's multi-tower example
             needs one node per tower.
+        minimal: return minimal separators only (default). A U-Net's outermost skip makes its
+            two ends the only minimal separators of everything between them; with ``False``,
+            sets are only trimmed to the members the rest of the pass reads, which keeps the
+            nested cuts (``{d0, d1, d2}``: the skip sources so far and the current level).
 
     Example:
         >>> separator_sets(synthetic.multi_tower(2, 3))[1]
@@ -325,11 +337,12 @@ def separator_sets(graph: CostGraph, max_size: int = 4) -> tuple[tuple[str, ...]
     found = {frozenset((point,)) for point in points}
     candidates = _tree_path_separators(undirected, rank, max_size)
     for candidate in dict.fromkeys([*candidates, *_level_cuts(undirected, depth, max_size)]):
-        if not candidate.isdisjoint(points) or len(candidate) > 2 * max_size:
+        if (minimal and not candidate.isdisjoint(points)) or len(candidate) > 2 * max_size:
             continue  # an articulation point alone does better; a huge bag hides no small set
-        minimal = candidate if len(candidate) <= 2 else _minimal(undirected, candidate)
-        if len(minimal) <= max_size and all(_candidate(undirected, v, losses) for v in minimal):
-            found.add(minimal)
+        short = minimal and len(candidate) <= 2  # no point inside: already minimal
+        trimmed = candidate if short else _minimal(undirected, candidate, minimal)
+        if len(trimmed) <= max_size and all(_candidate(undirected, v, losses) for v in trimmed):
+            found.add(trimmed)
     index = graph.index
     ordered = [tuple(sorted(s, key=index.__getitem__)) for s in found if s]
     return tuple(sorted(ordered, key=lambda s: (index[s[-1]], index[s[0]], s)))
@@ -359,8 +372,8 @@ def sqrt_checkpoints(graph: CostGraph) -> tuple[tuple[str, ...], ...]:
     """About sqrt(n) checkpoint sets evenly spaced along the forward pass (openai's 'memory' mode).
 
     ``n`` is the number of forward ops that allocate. Articulation points are used when there are
-    at least that many (each set then has one op); otherwise separator sets (``separator_sets``),
-    which include the articulation points.
+    at least sqrt(n) of them (each set then has one op); otherwise minimal separator sets
+    (``separator_sets``), which include the articulation points.
 
     Example:
         >>> len(sqrt_checkpoints(synthetic.chain(100)))

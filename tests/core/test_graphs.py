@@ -235,6 +235,37 @@ def test_three_towers_have_one_node_per_tower_at_every_depth():
     assert separator_sets(graph, max_size=2) == (("stem",), ("join",))
 
 
+def unet(levels: int) -> CostGraph:
+    """Down ``d0..``, a middle, up ``..u0``; each ``u{i}`` also reads the skip ``d{i}``."""
+    nodes = [Node("stem", ())]
+    previous = "stem"
+    for name in [*(f"d{i}" for i in range(levels)), "mid"]:
+        nodes.append(Node(name, (previous,)))
+        previous = name
+    for i in reversed(range(levels)):
+        nodes.append(Node(f"u{i}", (previous, f"d{i}")))
+        previous = f"u{i}"
+    nodes.append(Node("head", (previous,)))
+    return synthetic.from_forward(nodes, name="unet")
+
+
+def test_unet_nested_cuts_need_non_minimal_sets():
+    graph = unet(4)
+    # the outer skip d0 -> u0 spans everything between: its ends are the only minimal separators
+    assert separator_sets(graph) == (("stem",), ("d0",), ("u0",), ("head",))
+    sets = separator_sets(graph, minimal=False)
+    for depth in range(1, 4):
+        assert tuple(f"d{i}" for i in range(depth + 1)) in sets  # skip sources so far + level
+    assert ("d0", "d1", "u2") in sets
+    for found in sets:
+        assert separates(graph, found)
+        after = reference_graph(graph)
+        after.remove_nodes_from(found)
+        loss_side = nx.node_connected_component(after, LOSS)
+        # every member is read by what is recomputed after it: none is dead weight
+        assert all(not loss_side.isdisjoint(reference_graph(graph)[v]) for v in found), found
+
+
 def test_separator_sets_of_chains_and_resnets_are_their_articulation_points():
     for graph in (synthetic.chain(12), synthetic.resnet_like(4)):
         assert separator_sets(graph) == tuple((p,) for p in articulation_points(graph))
@@ -253,6 +284,8 @@ def test_separator_sets_of_random_dags_are_minimal_separators(size, seed, max_in
     assert all(1 <= len(s) <= 3 for s in sets)
     assert {s[0] for s in sets if len(s) == 1} == set(articulation_points(graph))
     assert_minimal_separators(graph, sets)
+    for found in separator_sets(graph, max_size=3, minimal=False):
+        assert separates(graph, found), found
 
 
 # ---- sqrt(n) -------------------------------------------------------------------------------------
