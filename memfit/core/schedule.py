@@ -163,8 +163,8 @@ def lower(graph: CostGraph, plan: Plan) -> Schedule:
             for consumer in swap_in.consumers:
                 redirect.setdefault(consumer, {})[name] = buffer
     recompute = lower_recompute(graph, plan)
-    for consumer, renamed in recompute.redirect.items():
-        redirect.setdefault(consumer, {}).update(renamed)
+    for consumer, rebuilt_reads in recompute.redirect.items():
+        redirect.setdefault(consumer, {}).update(rebuilt_reads)
     buffer_bytes.update(recompute.buffer_bytes)
     actions: list[Action] = []
     for op in graph.ops:  # the hot loop of every simulation: skip work for untouched ops

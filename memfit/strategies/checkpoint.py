@@ -19,6 +19,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable, Sequence
 
+from memfit.core import graphs
 from memfit.core.costgraph import CostGraph, Op
 from memfit.core.errors import BudgetError
 from memfit.core.hardware import Hardware
@@ -180,8 +181,6 @@ def _inside(scope: str, instance: str) -> bool:
 def _memory_mode(graph: CostGraph, hardware: Hardware, budget_bytes: int | None,
                  params: dict) -> Plan:
     """sqrt(n) separators; with a budget, the separator count that fits with least recompute."""
-    from memfit.core import graphs  # the separator algorithms (networkx)
-
     points = graphs.articulation_points(graph)
     enough = max(2, round(len(graph.forward_ops) ** 0.5 / 2))
     candidates = [(p,) for p in points] if len(points) >= enough else list(graphs.separator_sets(graph))

@@ -7,6 +7,7 @@ within the budget, and the simulator's predicted peak is within 1% (or 1 MiB) of
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -137,7 +138,7 @@ BLOCKS = {  # module-path globs of each model's repeated blocks, as torch.utils.
 }
 
 
-@pytest.mark.parametrize("mode", ["speed", "blocks"])
+@pytest.mark.parametrize("mode", ["memory", "speed", "blocks"])
 def test_checkpoint_modes_are_bitwise_and_predicted(reference, mode):
     example, keep = reference["example"], reference["keep"]
     checkpoints = BLOCKS[example.name] if mode == "blocks" else mode
@@ -148,3 +149,25 @@ def test_checkpoint_modes_are_bitwise_and_predicted(reference, mode):
     assert_same_as_keep(reference, model, loss)
     assert step.measured.peak_bytes == step.predicted.peak_bytes
     assert step.measured.peak_bytes <= keep.measured.peak_bytes
+
+
+def test_hundred_layer_mlp_memory_mode_is_sqrt_n():
+    """Activation peak within 2x of 2 sqrt(n) layer outputs, for at most one extra forward."""
+    example = examples.mlp(depth=100, width=64, batch_size=512)
+    inputs = example.inputs()
+    keep, keep_loss = run_step(copy.deepcopy(example.model), example.loss_fn, inputs,
+                               strategy="keep")
+    model = copy.deepcopy(example.model)
+    step, loss = run_step(model, example.loss_fn, inputs, strategy="checkpoint",
+                          checkpoints="memory")
+    assert torch.equal(loss, keep_loss)
+    for a, b in zip(model.parameters(), keep.model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    graph = step.graph
+    gradients = sum(t.size_bytes for t in graph.tensors.values() if t.is_output)
+    layer_bytes = 512 * 64 * 4
+    activation_peak = step.measured.peak_bytes - graph.resident_bytes - gradients
+    assert activation_peak <= 2 * 2 * math.sqrt(100) * layer_bytes
+    assert step.measured.peak_bytes == step.predicted.peak_bytes
+    forward_s = sum(op.time_s for op in graph.forward_ops)
+    assert step.predicted.recompute_s <= forward_s
