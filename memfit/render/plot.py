@@ -184,8 +184,8 @@ def memory_plot(timelines: Mapping[str, Timeline], path: str | Path,
     figure, axes = plt.subplots(rows, 1, figsize=(10, 4.2 * rows), squeeze=False,
                                 height_ratios=[3, 1.4][:rows])
     _memory_panel(axes[0][0], timelines, budget_bytes, x_axis)
-    axes[0][0].set_xlabel("program position (0 = first action, 1 = last)" if x_axis == "position"
-                          else "simulated time (ms)")
+    position_label = "program position (fraction of the step's ops run)"
+    axes[0][0].set_xlabel(position_label if x_axis == "position" else "simulated time (ms)")
     axes[0][0].set_title(title)
     if gantt_name is not None:
         _gantt_panel(axes[1][0], gantt_name, timelines[gantt_name])
