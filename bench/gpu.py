@@ -104,21 +104,34 @@ def gpu_sections(log: Callable[[str], None]) -> list[str] | None:
                                               ("both at once (sum)", f"{both / 1e9:.1f}")]),
                 f"\nmemfit's profile: d2h {hardware.d2h_bytes_per_s / 1e9:.1f} GB/s, h2d "
                 f"{hardware.h2d_bytes_per_s / 1e9:.1f} GB/s, duplex {hardware.duplex}.\n"]
+    return sections + gpt2_sections(device, hardware, log)
+
+
+def _failed(what: str, error: Exception) -> tuple:
+    return (f"{what}: failed", "-", "-", "-", "-", "-", f"{type(error).__name__}: {error}"[:200])
+
+
+def gpt2_sections(device: torch.device, hardware: Hardware,
+                  log: Callable[[str], None]) -> list[str]:
+    """The GPT-2 medium table; a part that fails gets a row saying why (the rest still runs)."""
     rows = []
     try:
         batch = choose_batch(device, hardware)
-        gc.collect()
-        torch.cuda.empty_cache()
-        for strategy in ("keep", "swap"):
-            log(f"GPT-2 medium, batch {batch}, strategy {strategy}")
-            rows.append(gpt2_row(strategy, batch, device, hardware))
-            gc.collect()  # the step's model and program go before the next one is built
-            torch.cuda.empty_cache()
     except Exception as error:  # report what failed on the GPU rather than lose the link table
-        rows.append(("failed", "-", "-", "-", "-", "-", f"{type(error).__name__}: {error}"[:200]))
-    sections += ["GPT-2 medium (24 layers, width 1024, sequence 1024, float32), one step; peaks "
-                 "by torch.cuda.max_memory_allocated, step time the median of 3 after a warm-up; "
-                 "predictions on the measured profile:\n",
-                 table(("run", "batch", "predicted peak", "measured peak", "predicted step time",
-                        "measured step time", "swapped / saved"), rows)]
-    return sections
+        batch = 0
+        rows.append(_failed("choosing the batch", error))
+    gc.collect()
+    torch.cuda.empty_cache()
+    for strategy in ("keep", "swap") if batch else ():
+        log(f"GPT-2 medium, batch {batch}, strategy {strategy}")
+        try:
+            rows.append(gpt2_row(strategy, batch, device, hardware))
+        except Exception as error:
+            rows.append(_failed(strategy, error))
+        gc.collect()  # the step's model and program go before the next one is built
+        torch.cuda.empty_cache()
+    return ["GPT-2 medium (24 layers, width 1024, sequence 1024, float32), one step; peaks by "
+            "torch.cuda.max_memory_allocated, step time the median of 3 after a warm-up; "
+            "predictions on the measured profile:\n",
+            table(("run", "batch", "predicted peak", "measured peak", "predicted step time",
+                   "measured step time", "swapped / saved"), rows)]
