@@ -121,6 +121,7 @@ def model_rows(bench: BenchModel, log: Callable[[str], None]) -> tuple[tuple, tu
     ratio = f"{with_batch / without_batch:.2f}x" if without_batch else "-"
     capacity = (bench.name, base, mib(keep.measured.peak_bytes),
                 mib(swap_all.measured.peak_bytes),
+                mib(swap_all.predicted.peak_bytes + swap_all.compiled.outside_bytes),
                 ms(swap_all.baseline.step_time_s), ms(swap_all.predicted.step_time_s),
                 mib(budget_bytes), f"{without_batch} ({mib(without_peak)})",
                 f"{with_batch} ({mib(with_peak)})", ratio, bench.tflms_ratio)
@@ -149,7 +150,8 @@ def overhead_row(name: str, example: examples.Example, batch: int) -> tuple:
 
 
 CAPACITY_HEADERS = ("model", "base batch", "unplanned peak (measured)",
-                    "swap-all peak (measured)", "H100 step unplanned (simulated)",
+                    "swap-all peak (measured)", "swap-all peak (predicted)",
+                    "H100 step unplanned (simulated)",
                     "H100 step swap-all (simulated)", "fixed budget",
                     "largest batch without memfit (measured peak)",
                     "largest batch with memfit swap (measured peak)", "ratio", "TFLMS reported")
