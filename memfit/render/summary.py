@@ -110,6 +110,10 @@ def plan_summary(planned: Planned, width: int = 100, depth: int = 3) -> str:
                      f"{plan.swap_in_count} swap-ins; by module scope:")
         lines.append(fit_table(("scope", "tensors", "bytes", "swap-ins"),
                                [(s, n, format_bytes(b), k) for s, n, b, k in groups], width))
+    recomputed = getattr(plan, "recomputed", ())
+    if recomputed:
+        lines.append(f"recomputed: {len(recomputed)} tensors, "
+                     f"{format_bytes(sum(graph.tensors[n].size_bytes for n in recomputed))}")
     tuned = {k: v for k, v in plan.params.items() if k in ("n_tensors", "lb", "swap_branches")}
     if tuned:
         lines.append("parameters: " + ", ".join(f"{k}={v}" for k, v in tuned.items()))
