@@ -19,7 +19,7 @@ from bench.common import median_time_s, mib, ms
 from memfit import examples
 from memfit.core.hardware import Hardware
 from memfit.render.text import table
-from memfit.runtime.probe import _best_time_s
+from memfit.runtime.probe import measure_link
 
 LINK_BYTES = 256 * 2**20
 DEVICE_FRACTION = 0.7  # headroom for the allocator's fragmentation and the CUDA context
@@ -28,28 +28,8 @@ GPT2_MEDIUM = dict(layers=24, width=1024, heads=16, vocab=50257, sequence=1024)
 
 def link_rates(device: torch.device) -> tuple[float, float, float]:
     """Pinned copy bytes/s device->host alone, host->device alone, and both at once (summed)."""
-    elements = LINK_BYTES // 4
-    device_source, device_target = (torch.empty(elements, device=device) for _ in range(2))
-    host_source, host_target = (torch.empty(elements, pin_memory=True) for _ in range(2))
-    d2h_stream, h2d_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
-
-    def d2h() -> None:
-        with torch.cuda.stream(d2h_stream):
-            host_target.copy_(device_source, non_blocking=True)
-
-    def h2d() -> None:
-        with torch.cuda.stream(h2d_stream):
-            device_target.copy_(host_source, non_blocking=True)
-
-    def both() -> None:
-        d2h()
-        h2d()
-
-    def sync() -> None:
-        torch.cuda.synchronize(device)
-
-    return (LINK_BYTES / _best_time_s(d2h, sync, 5), LINK_BYTES / _best_time_s(h2d, sync, 5),
-            2 * LINK_BYTES / _best_time_s(both, sync, 5))
+    link = measure_link(device, LINK_BYTES)
+    return link.d2h_bytes_per_s, link.h2d_bytes_per_s, link.both_bytes_per_s
 
 
 def choose_batch(device: torch.device, hardware: Hardware) -> int:

@@ -17,7 +17,6 @@ Note:
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import traceback
 from collections.abc import Callable, Sequence
@@ -120,7 +119,7 @@ def capture(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor) ->
     """
     check_inputs(inputs)
     if any(t.device.type == "meta" for t in inputs):
-        model = _meta_copy(model)
+        inputs = _fake_inputs(model, inputs)
     step = _StepModule(model, loss_fn)
     with _record_scopes(model), contextlib.ExitStack() as stack:
         try:
@@ -204,9 +203,23 @@ def _record_scopes(model: torch.nn.Module):
             entered.pop().__exit__(None, None, None)
 
 
-def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """The model with its parameters and buffers on the meta device, to capture without data."""
-    return copy.deepcopy(model).to("meta")
+def _fake_inputs(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> tuple:
+    """Meta inputs as fake tensors on the model's device: shapes to trace, no data, no copy.
+
+    Note:
+        aot export reuses the fake mode of fake inputs; a meta *model* instead breaks on code
+        that makes real tensors on the model's device while tracing (transformers' caches).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        return tuple(
+            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+            if t.device.type == "meta" else mode.from_tensor(t)
+            for t in inputs
+        )
 
 
 def _explain(error: BaseException) -> str:

@@ -63,7 +63,8 @@ def plan_example(model: str, batch_size: int | None, model_args: Mapping[str, An
     except TypeError as error:
         raise ValueError(f"bad --model-arg for {model}: {error}") from None
     batch = batch_size or example.batch_size
-    captured = capture(example.model, example.loss_fn, *example.inputs(batch))
+    inputs = tuple(t.to("meta") for t in example.inputs(batch))  # shapes only: nothing runs
+    captured = capture(example.model, example.loss_fn, *inputs)
     graph = analyze(captured, profile, name=example.name)
     made, baseline, budget_bytes = make_plan(graph, profile, parsed, chosen, params)
     return Planned(model, batch, graph, made, baseline, simulate(graph, made, profile),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -104,7 +105,8 @@ def _measure_cuda(device: torch.device) -> Hardware:
         "bfloat16": _matmul_flops_per_s(8192, torch.bfloat16, device, sync, 5),
     }
     flops_per_s["float16"] = flops_per_s["bfloat16"]
-    d2h_bytes_per_s, h2d_bytes_per_s, duplex = _measure_link(device, 256 * 2**20, sync)
+    link = measure_link(device, 256 * 2**20)
+    d2h_bytes_per_s, h2d_bytes_per_s, duplex = link.d2h_bytes_per_s, link.h2d_bytes_per_s, link.duplex
     properties = torch.cuda.get_device_properties(device)
     return Hardware(
         name=f"measured-{properties.name}",
@@ -119,8 +121,21 @@ def _measure_cuda(device: torch.device) -> Hardware:
     )
 
 
-def _measure_link(device: torch.device, size_bytes: int, sync) -> tuple[float, float, bool]:
+class LinkRates(NamedTuple):
+    """Pinned copy rates of the host link, each direction alone and both at once (summed)."""
+
+    d2h_bytes_per_s: float
+    h2d_bytes_per_s: float
+    both_bytes_per_s: float
+    duplex: bool
+
+
+def measure_link(device: torch.device, size_bytes: int = 256 * 2**20) -> LinkRates:
     """Pinned copy rates device→host and host→device, alone and both at once (two streams)."""
+
+    def sync() -> None:
+        torch.cuda.synchronize(device)
+
     device_source = torch.empty(size_bytes // 4, device=device)
     device_target = torch.empty_like(device_source)
     host_target = torch.empty(size_bytes // 4, pin_memory=True)
@@ -143,7 +158,7 @@ def _measure_link(device: torch.device, size_bytes: int, sync) -> tuple[float, f
     h2d_bytes_per_s = size_bytes / _best_time_s(h2d, sync, 5)
     both_bytes_per_s = 2 * size_bytes / _best_time_s(both, sync, 5)
     duplex = both_bytes_per_s >= DUPLEX_RATIO * (d2h_bytes_per_s + h2d_bytes_per_s) / 2
-    return d2h_bytes_per_s, h2d_bytes_per_s, duplex
+    return LinkRates(d2h_bytes_per_s, h2d_bytes_per_s, both_bytes_per_s, duplex)
 
 
 def _host_memory_bytes(default_bytes: int) -> int:

@@ -86,3 +86,16 @@ def test_non_scalar_loss_and_non_tensor_inputs_are_refused():
         capture(model, lambda m, x: m(x), torch.randn(2, 4))
     with pytest.raises(ValueError, match="tensors only"):
         capture(model, lambda m, x, k: m(x).sum() * k, torch.randn(2, 4), 3)
+
+
+def test_real_models_plan_from_meta_inputs():
+    """A CPU laptop plans a GPU step without data: meta inputs, no allocation of activations."""
+    import memfit
+
+    for build in (examples.gpt2, examples.resnet50_shaped, examples.unet3d):
+        example = build()
+        inputs = tuple(t.to("meta") for t in example.inputs())
+        plan = memfit.plan(example.model, example.loss_fn, *inputs, budget="0.5",
+                           hardware="h100-pcie")
+        assert plan.swapped and plan.hardware == "h100-pcie", example.name
+        assert all(p.grad is None for p in example.model.parameters())
