@@ -67,6 +67,19 @@ KEEP = Keep()
 
 
 @dataclass(frozen=True)
+class Rerun:
+    """Re-run forward op ``op`` right before op ``before``: a new instance of its outputs.
+
+    Later readers of those outputs read the newest instance, and each instance is freed after its
+    last reader, so a sequence of re-runs can express any recomputation schedule: a value rebuilt
+    several times (revolve, the memory-poor chain), or rebuilt in the forward pass.
+    """
+
+    op: str
+    before: str
+
+
+@dataclass(frozen=True)
 class Plan:
     """The decisions for one captured graph.
 
@@ -77,6 +90,8 @@ class Plan:
         params: the strategy parameters actually used (after any tuning).
         budget_bytes: the device budget it was made for, if any.
         hardware: the name of the ``Hardware`` profile it was made for.
+        reruns: explicit re-runs, in program order (schedules from the optimal solvers); each
+            ``Recompute`` decision adds its own re-run on top.
     """
 
     strategy: str
@@ -85,6 +100,7 @@ class Plan:
     params: Mapping[str, Any] = field(default_factory=dict)
     budget_bytes: int | None = None
     hardware: str = ""
+    reruns: tuple[Rerun, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "decisions", MappingProxyType(dict(self.decisions)))
@@ -117,6 +133,7 @@ class Plan:
             "budget_bytes": self.budget_bytes,
             "hardware": self.hardware,
             "decisions": {name: _decision_json(d) for name, d in self.decisions.items()},
+            "reruns": [[r.op, r.before] for r in self.reruns],
         }
 
     @staticmethod
@@ -128,6 +145,7 @@ class Plan:
             budget_bytes=data.get("budget_bytes"),
             hardware=data.get("hardware", ""),
             decisions={name: _decision_from_json(d) for name, d in data["decisions"].items()},
+            reruns=tuple(Rerun(op, before) for op, before in data.get("reruns", ())),
         )
 
     def save(self, path: str | Path) -> None:

@@ -1,69 +1,60 @@
-"""Lowering of ``Recompute`` decisions: which producers re-run, where, reading what.
+"""Re-runs: which forward ops run again, right before which op, and whose readers they serve.
 
-A recomputed tensor's producer re-runs once, right before the first backward op that needs it,
-directly or through another recomputed tensor (the rebuild of a segment runs in one go, as in
-Chen et al.'s sqrt(n) checkpointing). A re-run reads the rebuilt copy of each recomputed input
-and the original of everything else, which stretches those originals' lifetimes to the re-run:
-that is what makes them checkpoints.
+Two sources feed one list. A ``Recompute`` decision re-runs its tensor's producer once, right
+before the first backward op that needs it, directly or to rebuild another recomputed tensor (a
+segment is rebuilt in one go, as in Chen et al.'s sqrt(n) checkpointing). ``Plan.reruns`` lists
+explicit re-runs (schedules from the optimal solvers), which may rebuild a value many times.
+
+A re-run makes a new *instance* of its op's outputs; ``schedule.lower`` points later readers at
+the newest instance of every output a re-run *replaces*, and the liveness walk frees each
+instance after its last reader. A kept input read by a re-run lives until then: that is what
+makes it a checkpoint.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from memfit.core.costgraph import CostGraph
 from memfit.core.plan import Plan, Recompute
 
 
-def rebuilt_buffer(tensor: str) -> str:
-    """The name of the device buffer that holds the rebuilt copy of ``tensor``."""
-    return f"{tensor}#re"
+def rebuilt_buffer(tensor: str, instance: int) -> str:
+    """The name of the device buffer holding re-run number ``instance``'s copy of ``tensor``."""
+    return f"{tensor}#re{instance}"
 
 
 @dataclass(frozen=True)
-class RecomputeLowering:
-    """What the recompute decisions add to the program.
+class PlannedRerun:
+    """One re-run: ``op`` runs again right before ``before``; later readers of the tensors in
+    ``replaces`` read its new instance (its other outputs die unread)."""
 
-    Args:
-        reruns_before: backward op -> producers re-run right before it, in execution order.
-        reads: re-run op -> the buffers it reads (rebuilt copies where its inputs are recomputed).
-        redirect: backward consumer -> {recomputed tensor: rebuilt buffer it reads instead}.
-        buffer_bytes: size of every rebuilt buffer.
-    """
-
-    reruns_before: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    reads: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    redirect: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
-    buffer_bytes: Mapping[str, int] = field(default_factory=dict)
+    op: str
+    before: str
+    replaces: frozenset[str]
 
 
-def lower_recompute(graph: CostGraph, plan: Plan) -> RecomputeLowering:
-    """Where each recomputed tensor's producer re-runs, and what the backward ops then read."""
+def planned_reruns(graph: CostGraph, plan: Plan) -> dict[str, list[PlannedRerun]]:
+    """Re-runs grouped by the op they precede, in program order."""
+    grouped: dict[str, list[PlannedRerun]] = {}
+    for rerun in _decided_reruns(graph, plan) + [
+        PlannedRerun(r.op, r.before, frozenset(graph.op(r.op).outputs)) for r in plan.reruns
+    ]:
+        grouped.setdefault(rerun.before, []).append(rerun)
+    return grouped
+
+
+def _decided_reruns(graph: CostGraph, plan: Plan) -> list[PlannedRerun]:
+    """The re-runs ``Recompute`` decisions imply: each producer once, before its first need."""
     recomputed = {name for name, d in plan.decisions.items() if isinstance(d, Recompute)}
     if not recomputed:
-        return RecomputeLowering()
+        return []
     deadline = _deadlines(graph, recomputed)
-    reruns_before: dict[str, list[str]] = {}
-    for producer in sorted(deadline, key=graph.index.__getitem__):
-        reruns_before.setdefault(graph.ops[deadline[producer]].name, []).append(producer)
-    reads = {
-        producer: tuple(rebuilt_buffer(t) if t in recomputed else t for t in graph.op(producer).inputs)
-        for producer in deadline
-    }
-    redirect: dict[str, dict[str, str]] = {}
-    for name in recomputed:
-        for consumer in graph.tensors[name].consumers:
-            if graph.op(consumer).phase != "forward":
-                redirect.setdefault(consumer, {})[name] = rebuilt_buffer(name)
-    buffer_bytes = {
-        rebuilt_buffer(t): graph.tensors[t].size_bytes
-        for producer in deadline
-        for t in graph.op(producer).outputs
-    }
-    return RecomputeLowering(
-        {op: tuple(names) for op, names in reruns_before.items()}, reads, redirect, buffer_bytes
-    )
+    return [
+        PlannedRerun(producer, graph.ops[deadline[producer]].name,
+                     frozenset(recomputed.intersection(graph.op(producer).outputs)))
+        for producer in sorted(deadline, key=graph.index.__getitem__)
+    ]
 
 
 def _deadlines(graph: CostGraph, recomputed: set[str]) -> dict[str, int]:
@@ -84,3 +75,37 @@ def _deadlines(graph: CostGraph, recomputed: set[str]) -> dict[str, int]:
             if source in recomputed:
                 pending.append((graph.tensors[source].producer, position))  # type: ignore[arg-type]
     return deadline
+
+
+def memory_poor_reruns(graph: CostGraph) -> tuple[tuple[str, str], ...]:
+    """``(op, before)`` re-runs that rebuild, right before every backward op, what it reads from
+    the forward pass, from the graph inputs up: the article's memory-poor strategy, O(1) memory
+    for O(n^2) compute on a chain. Useful as the far end of the trade-off and as a test of
+    re-runs that rebuild a value many times.
+    """
+    phase = {op.name: op.phase for op in graph.ops}
+    reruns: list[tuple[str, str]] = []
+    for op in graph.ops:
+        if op.phase == "forward":
+            continue
+        needed = {graph.tensors[t].producer for t in op.inputs if not graph.tensors[t].is_output}
+        needed = {p for p in needed if p is not None and phase[p] == "forward"}
+        for producer in _ancestors(graph, needed):
+            reruns.append((producer, op.name))
+    return tuple(reruns)
+
+
+def _ancestors(graph: CostGraph, producers: set[str]) -> list[str]:
+    """``producers`` and every forward op they need, in execution order."""
+    found: set[str] = set()
+    pending = list(producers)
+    while pending:
+        name = pending.pop()
+        if name in found:
+            continue
+        found.add(name)
+        for tensor in graph.op(name).inputs:
+            producer = graph.tensors[tensor].producer
+            if producer is not None:
+                pending.append(producer)
+    return sorted((n for n in found if graph.op(n).outputs), key=graph.index.__getitem__)

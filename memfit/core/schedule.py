@@ -20,7 +20,7 @@ from typing import Literal
 
 from memfit.core.costgraph import CostGraph
 from memfit.core.plan import Plan, Recompute, Swap
-from memfit.core.recompute import lower_recompute, rebuilt_buffer
+from memfit.core.recompute import planned_reruns, rebuilt_buffer
 
 ActionKind = Literal["compute", "swap_out", "swap_in", "wait", "recompute"]
 
@@ -53,7 +53,7 @@ class Action:
         if self.kind == "compute":
             return self.op
         if self.kind == "recompute":
-            return f"recompute({self.op})"
+            return f"recompute({self.op}#{self.copy})"
         suffix = f"#{self.copy}" if self.copy >= 0 else ""
         return f"{self.kind}({self.tensor}{suffix})"
 
@@ -84,6 +84,7 @@ def check_plan(graph: CostGraph, plan: Plan) -> None:
             f"this plan was made for graph {plan.graph_hash}, not {graph.structure_hash}: "
             "plan again for this model and input shape"
         )
+    _check_reruns(graph, plan)
     for name, decision in plan.decisions.items():
         if name not in graph.tensors:
             raise PlanError(f"the plan names tensor {name!r}, which is not in the graph")
@@ -119,6 +120,20 @@ def check_plan(graph: CostGraph, plan: Plan) -> None:
                         f"swap-in of {name!r} is issued after {swap_in.after!r}, too late for {consumer!r}"
                     )
                 served.add(consumer)
+
+
+def _check_reruns(graph: CostGraph, plan: Plan) -> None:
+    for rerun in plan.reruns:
+        for name in (rerun.op, rerun.before):
+            if name not in graph.index:
+                raise PlanError(f"a re-run names unknown op {name!r}")
+        op = graph.op(rerun.op)
+        if op.phase != "forward" or not op.outputs:
+            raise PlanError(f"only forward ops that allocate can be re-run, not {rerun.op!r}")
+        if graph.index[rerun.before] <= graph.index[rerun.op]:
+            raise PlanError(f"re-run of {rerun.op!r} before {rerun.before!r}, which runs earlier")
+        if any(isinstance(plan.decision(t), Swap) for t in op.inputs):
+            raise PlanError(f"re-running {rerun.op!r} reads a swapped tensor: not supported yet")
 
 
 def _check_recompute(graph: CostGraph, plan: Plan, name: str) -> None:
@@ -162,20 +177,20 @@ def lower(graph: CostGraph, plan: Plan) -> Schedule:
             waits_before.setdefault(first, []).append(Action("wait", first, name, copy))
             for consumer in swap_in.consumers:
                 redirect.setdefault(consumer, {})[name] = buffer
-    recompute = lower_recompute(graph, plan)
-    for consumer, rebuilt_reads in recompute.redirect.items():
-        redirect.setdefault(consumer, {}).update(rebuilt_reads)
-    buffer_bytes.update(recompute.buffer_bytes)
+    reruns = planned_reruns(graph, plan)
+    newest: dict[str, str] = {}  # tensor -> the instance later readers read (re-runs replace)
     actions: list[Action] = []
+    instances = 0
     for op in graph.ops:  # the hot loop of every simulation: skip work for untouched ops
-        for producer in recompute.reruns_before.get(op.name, ()):
-            rebuilt = tuple(rebuilt_buffer(t) for t in graph.op(producer).outputs)
-            actions.append(Action("recompute", producer, reads=recompute.reads[producer],
-                                  allocates=rebuilt))
+        for rerun in reruns.get(op.name, ()):
+            actions.append(_rerun_action(graph, rerun, instances, newest, buffer_bytes))
+            instances += 1
         if op.name in waits_before:
             actions.extend(waits_before[op.name])
         renamed = redirect.get(op.name)
-        reads = op.inputs if renamed is None else tuple(renamed.get(t, t) for t in op.inputs)
+        if newest:
+            renamed = {**{t: newest[t] for t in op.inputs if t in newest}, **(renamed or {})}
+        reads = op.inputs if not renamed else tuple(renamed.get(t, t) for t in op.inputs)
         actions.append(Action("compute", op.name, reads=reads, allocates=op.outputs))
         if swapped:
             for tensor in op.outputs:
@@ -185,6 +200,19 @@ def lower(graph: CostGraph, plan: Plan) -> Schedule:
             actions.extend(swap_ins_after[op.name])
     outputs = frozenset(name for name, t in graph.tensors.items() if t.is_output)
     return Schedule(tuple(actions), MappingProxyType(buffer_bytes), graph.resident_bytes, outputs)
+
+
+def _rerun_action(graph: CostGraph, rerun, instance: int, newest: dict[str, str],
+                  buffer_bytes: dict[str, int]) -> Action:
+    """A re-run reads the newest instance of each input and makes a new one of its outputs."""
+    op = graph.op(rerun.op)
+    reads = tuple(newest.get(t, t) for t in op.inputs)
+    allocates = tuple(rebuilt_buffer(t, instance) for t in op.outputs)
+    for tensor, buffer in zip(op.outputs, allocates, strict=True):
+        buffer_bytes[buffer] = graph.tensors[tensor].size_bytes
+        if tensor in rerun.replaces:
+            newest[tensor] = buffer
+    return Action("recompute", rerun.op, copy=instance, reads=reads, allocates=allocates)
 
 
 @dataclass(frozen=True)

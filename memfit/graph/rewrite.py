@@ -22,13 +22,10 @@ import torch.fx as fx
 
 import memfit.graph.ops  # noqa: F401  (registers torch.ops.memfit.*)
 from memfit.core.costgraph import CostGraph
-from memfit.core.plan import Plan, Swap
-from memfit.core.recompute import lower_recompute
-from memfit.core.schedule import Action, PlanError, lower
+from memfit.core.plan import Plan
+from memfit.core.schedule import Action, PlanError, copy_buffer, lower
 from memfit.graph.analyze import storage_key, tensors_in
 from memfit.graph.rng import RNG_REPLAY_BEGIN, RNG_REPLAY_END, RNG_SAVE, is_random
-
-REBUILT = -1  # the copy index of a recomputed tensor's rebuilt copy
 
 
 def storage_owners(graph_module: fx.GraphModule) -> dict:
@@ -67,38 +64,35 @@ def _dense(tensor: torch.Tensor) -> bool:
 
 
 class _Rewriter:
-    """Builds the rewritten graph action by action (one instance per rewrite)."""
+    """Builds the rewritten graph action by action (one instance per rewrite).
 
-    def __init__(self, graph_module: fx.GraphModule, graph: CostGraph, plan: Plan):
+    Every device buffer that is not an original storage (a swapped-in copy, a re-run's instance)
+    maps to the fx node that plays its *root* (the node covering its whole storage); a reader
+    gets, for each argument, the buffer its action reads, with any view chain replayed on it.
+    """
+
+    def __init__(self, graph_module: fx.GraphModule, graph: CostGraph, plan: Plan,
+                 actions: tuple[Action, ...]):
+        self.graph_module = graph_module
+        self.cost = graph
         self.old = {node.name: node for node in graph_module.graph.nodes}
         self.graph = fx.Graph()
         self.env: dict[fx.Node, fx.Node] = {}
         self.owner = storage_owners(graph_module)
-        self.swapped = sorted(plan.swapped, key=lambda name: graph.index[graph.tensors[name].producer])
-        self.out_key = {name: key for key, name in enumerate(self.swapped)}
-        self.graph_module = graph_module
+        swapped = sorted(plan.swapped, key=lambda name: graph.index[graph.tensors[name].producer])
+        self.out_key = {name: key for key, name in enumerate(swapped)}
         self.roots: dict[str, fx.Node] = {}
-        for name in self.swapped:
+        for name in swapped:
             self.root_of(name)
-        self.redirect: dict[tuple[str, str], int] = {}
-        for name in self.swapped:
-            decision = plan.decision(name)
-            assert isinstance(decision, Swap)
-            for copy, swap_in in enumerate(decision.swap_ins):
-                for consumer in swap_in.consumers:
-                    self.redirect[(consumer, name)] = copy
+        self.buffers: dict[str, fx.Node] = {}  # copy or instance buffer -> its root node
         self.host: dict[str, fx.Node] = {}
-        self.copies: dict[tuple[str, int], fx.Node] = {}
-        self.copy_key: dict[tuple[str, int], int] = {}
-        self.replayed: dict[tuple[fx.Node, str, int], fx.Node] = {}
-        recompute = lower_recompute(graph, plan)
-        for consumer, renamed in recompute.redirect.items():
-            for name in renamed:
-                self.redirect[(consumer, name)] = REBUILT
-        self.recomputed = set(plan.recomputed)
-        self.outputs = {op.name: op.outputs for op in graph.ops}
-        reruns = [op for op in recompute.reads if is_random(self.old[op])]
-        self.rng_key = {op: key for key, op in enumerate(reruns)}
+        self.copy_key: dict[str, int] = {}
+        self.replayed: dict[tuple[fx.Node, str, str], fx.Node] = {}
+        self.read_buffers = {buffer for action in actions for buffer in action.reads}
+        rerun_ops = {a.op for a in actions if a.kind == "recompute"}
+        random_ops = sorted((op for op in rerun_ops if is_random(self.old[op])), key=graph.index.get)
+        self.rng_key = {op: key for key, op in enumerate(random_ops)}
+        self.reading: dict[str, str] = {}  # tensor -> buffer, for the action being emitted
 
     def root_of(self, name: str) -> fx.Node:
         if name not in self.roots:
@@ -114,114 +108,109 @@ class _Rewriter:
                     return node
                 break
         raise PlanError(
-            f"tensor {name!r} has no node that covers its whole storage, so it cannot be swapped; "
-            "exclude it (excl_types / excl_scopes) or keep it"
+            f"tensor {name!r} has no node that covers its whole storage, so it cannot be swapped "
+            "or recomputed; keep it (e.g. excl_types / excl_scopes, or list it as a checkpoint)"
         )
 
     # ---- emitting nodes ------------------------------------------------------------------------
 
     def emit(self, node: fx.Node) -> fx.Node:
-        """Copy an original node (once), reading swapped-in copies where the plan says."""
+        """Copy an original node (once), its arguments read from the buffers its action reads."""
         if node in self.env:
             return self.env[node]
-        new = self.graph.node_copy(node, lambda arg: self._arg(node, arg))
+        new = self.graph.node_copy(node, self._arg)
         self.env[node] = new
         return new
 
-    def _arg(self, consumer: fx.Node, arg: fx.Node) -> fx.Node:
+    def _arg(self, arg: fx.Node) -> fx.Node:
         for tensor in tensors_in(arg.meta.get("val")):
             name = self.owner.get(storage_key(tensor))
-            copy = self.redirect.get((consumer.name, name)) if name else None
-            if copy is not None:
-                return self._replay(arg, name, copy)
-        return self.emit(arg) if arg not in self.env else self.env[arg]
+            buffer = self.reading.get(name) if name else None
+            if buffer is not None and buffer != name:
+                return self._replay(arg, name, buffer)
+        return self.emit(arg)
 
-    def _replay(self, node: fx.Node, name: str, copy: int) -> fx.Node:
-        """``node`` (the swapped storage or a view of it) rebuilt on swapped-in copy ``copy``."""
+    def _replay(self, node: fx.Node, name: str, buffer: str) -> fx.Node:
+        """``node`` (tensor ``name``'s storage or a view of it) rebuilt on device buffer ``buffer``."""
         if node is self.root_of(name):
-            return self.copies[(name, copy)]
-        memo = (node, name, copy)
+            return self.buffers[buffer]
+        memo = (node, name, buffer)
         if memo in self.replayed:
             return self.replayed[memo]
         base = next((a for a in node.all_input_nodes if self._holds(a, name)), None)
         if node.op != "call_function" or base is None:
             raise PlanError(
-                f"cannot swap {name!r}: {node.name} reads it without being a view of "
+                f"cannot swap or recompute {name!r}: {node.name} reads it without being a view of "
                 f"{self.root_of(name).name}; keep this tensor"
             )
-        new_base = self._replay(base, name, copy)
+        new_base = self._replay(base, name, buffer)
         args, kwargs = fx.map_arg((node.args, node.kwargs), lambda a: new_base if a is base else self.env[a])
         replayed = self.graph.create_node("call_function", node.target, args, kwargs,
-                                          name=f"memfit_{node.name}_on_copy{copy}")
-        replayed.meta = {**node.meta, "memfit": {"kind": "view_replay", "tensor": name, "copy": copy}}
+                                          name=f"memfit_{node.name}_view")
+        replayed.meta = {**node.meta, "memfit": {"kind": "view_replay", "tensor": name,
+                                                 "buffer": buffer}}
         self.replayed[memo] = replayed
         return replayed
 
     def _holds(self, node: fx.Node, name: str) -> bool:
         return any(self.owner.get(storage_key(t)) == name for t in tensors_in(node.meta.get("val")))
 
-    def _call(self, op, args: tuple, kind: str, name: str, copy: int = -1) -> fx.Node:
+    def _call(self, op, args: tuple, kind: str, name: str, buffer: str = "") -> fx.Node:
         # a memfit_ prefix never collides with an original name, which must survive unchanged
         node = self.graph.create_node("call_function", op, args, name=f"memfit_{kind}")
-        node.meta["memfit"] = {"kind": kind, "tensor": name, "copy": copy}
+        node.meta["memfit"] = {"kind": kind, "tensor": name, "buffer": buffer}
         return node
 
     # ---- actions -------------------------------------------------------------------------------
 
     def run(self, action: Action) -> None:
         ops = torch.ops.memfit
+        if action.kind in ("compute", "recompute"):
+            self.reading = dict(zip(self.cost.op(action.op).inputs, action.reads, strict=True))
         if action.kind == "compute":
             if action.op in self.rng_key:  # a random op re-run later: remember its state
-                node = self.old[action.op]
-                self._call(RNG_SAVE, (self._anchor(node, self.env.get), self.rng_key[action.op]),
-                           "rng_save", action.op)
+                anchor = self._anchor(self.old[action.op], self._arg)
+                self._call(RNG_SAVE, (anchor, self.rng_key[action.op]), "rng_save", action.op)
             self.emit(self.old[action.op])
         elif action.kind == "recompute":
-            self._rerun(self.old[action.op])
+            self._rerun(self.old[action.op], action)
         elif action.kind == "swap_out":
-            root = self.emit(self.roots[action.tensor])
+            root = self.emit(self.root_of(action.tensor))
             args = (root, self.out_key[action.tensor])
             self.host[action.tensor] = self._call(ops.swap_out.default, args, "swap_out", action.tensor)
         elif action.kind == "swap_in":
-            key = len(self.copy_key)
-            self.copy_key[(action.tensor, action.copy)] = key
-            device = self.roots[action.tensor].meta["val"].device
-            args = (self.host[action.tensor], self.out_key[action.tensor], key, device)
-            node = self._call(ops.swap_in.default, args, "swap_in", action.tensor, action.copy)
-            self.copies[(action.tensor, action.copy)] = node
+            buffer = copy_buffer(action.tensor, action.copy)
+            self.copy_key[buffer] = len(self.copy_key)
+            device = self.root_of(action.tensor).meta["val"].device
+            args = (self.host[action.tensor], self.out_key[action.tensor], self.copy_key[buffer], device)
+            self.buffers[buffer] = self._call(ops.swap_in.default, args, "swap_in", action.tensor, buffer)
         elif action.kind == "wait":
-            copy = (action.tensor, action.copy)
-            args = (self.copies[copy], self.copy_key[copy])
-            self._call(ops.wait.default, args, "wait", action.tensor, action.copy)
-
+            buffer = copy_buffer(action.tensor, action.copy)
+            args = (self.buffers[buffer], self.copy_key[buffer])
+            self._call(ops.wait.default, args, "wait", action.tensor, buffer)
+        self.reading = {}
 
     # ---- recomputation -------------------------------------------------------------------------
 
-    def _rerun(self, node: fx.Node) -> None:
-        """Re-run a forward op on rebuilt inputs and register its rebuilt outputs."""
-
-        def read(arg: fx.Node) -> fx.Node:
-            for tensor in tensors_in(arg.meta.get("val")):
-                name = self.owner.get(storage_key(tensor))
-                if name in self.recomputed and (name, REBUILT) in self.copies:
-                    return self._replay(arg, name, REBUILT)
-            return self.emit(arg)
-
-        args, kwargs = fx.map_arg((node.args, node.kwargs), read)
+    def _rerun(self, node: fx.Node, action: Action) -> None:
+        """Re-run a forward op on the buffers it reads; register the instances others read."""
+        args, kwargs = fx.map_arg((node.args, node.kwargs), self._arg)
         key = self.rng_key.get(node.name)
-        anchor = self._anchor(node, read) if key is not None else None
+        anchor = self._anchor(node, self._arg) if key is not None else None
         if key is not None:
             self._call(RNG_REPLAY_BEGIN, (anchor, key), "rng_replay_begin", node.name)
         clone = self.graph.create_node("call_function", node.target, args, kwargs,
                                        name=f"memfit_recompute_{node.name}")
-        clone.meta = {**node.meta, "memfit": {"kind": "recompute", "tensor": node.name, "copy": -1}}
+        clone.meta = {**node.meta, "memfit": {"kind": "recompute", "tensor": node.name,
+                                              "buffer": ",".join(action.allocates)}}
         if key is not None:
             self._call(RNG_REPLAY_END, (anchor, key), "rng_replay_end", node.name)
-        for name in self.outputs[node.name]:
-            if name in self.recomputed:
-                self.copies[(name, REBUILT)] = self._rebuilt_root(node, clone, name)
+        outputs = self.cost.op(node.name).outputs
+        for name, buffer in zip(outputs, action.allocates, strict=True):
+            if buffer in self.read_buffers:
+                self.buffers[buffer] = self._rebuilt_root(node, clone, name, buffer)
 
-    def _rebuilt_root(self, node: fx.Node, clone: fx.Node, name: str) -> fx.Node:
+    def _rebuilt_root(self, node: fx.Node, clone: fx.Node, name: str, buffer: str) -> fx.Node:
         """The re-run's counterpart of the node that covers ``name``'s whole storage."""
         root = self.root_of(name)
         if root is node:
@@ -229,7 +218,8 @@ class _Rewriter:
         if root.target is operator.getitem and root.args[0] is node:
             item = self.graph.create_node("call_function", operator.getitem, (clone, root.args[1]),
                                           name=f"memfit_{root.name}_rebuilt")
-            item.meta = {**root.meta, "memfit": {"kind": "recompute", "tensor": name, "copy": -1}}
+            item.meta = {**root.meta, "memfit": {"kind": "recompute", "tensor": name,
+                                                 "buffer": buffer}}
             return item
         raise PlanError(f"cannot recompute {name!r}: its storage is not an output of {node.name}")
 
@@ -250,7 +240,7 @@ def rewrite(graph_module: fx.GraphModule, graph: CostGraph, plan: Plan) -> fx.Gr
             reads through non-view ops.
     """
     schedule = lower(graph, plan)
-    rewriter = _Rewriter(graph_module, graph, plan)
+    rewriter = _Rewriter(graph_module, graph, plan, schedule.actions)
     for node in graph_module.graph.nodes:  # inputs and constants first, in their order
         if node.op in ("placeholder", "get_attr"):
             rewriter.emit(node)

@@ -1,0 +1,44 @@
+"""The memory-poor strategy of the gradient-checkpointing article: keep nothing, rebuild all.
+
+Right before every backward op, each forward value it reads is rebuilt from the graph inputs,
+so activations need O(1) memory on a chain, for O(n^2) recomputation. It is the far end of the
+trade-off that the other strategies interpolate, and it exercises re-runs that rebuild one value
+many times (``Plan.reruns``).
+"""
+
+from __future__ import annotations
+
+from memfit.core.costgraph import CostGraph
+from memfit.core.errors import BudgetError
+from memfit.core.hardware import Hardware
+from memfit.core.plan import Plan, Rerun
+from memfit.core.recompute import memory_poor_reruns
+from memfit.core.schedule import live_buffers, lower, memory_profile
+from memfit.strategies import register
+
+
+def check_params(**params) -> None:
+    """memory-poor takes no parameters."""
+    if params:
+        raise ValueError(f"strategy 'memory-poor' takes no parameters, got {sorted(params)}")
+
+
+@register("memory-poor")
+def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, **params) -> Plan:
+    """Rebuild every forward value from the inputs before each backward op that reads it.
+
+    Raises:
+        ValueError: if any parameter is given.
+        BudgetError: if even this does not fit ``budget_bytes``.
+    """
+    check_params(**params)
+    reruns = tuple(Rerun(op, before) for op, before in memory_poor_reruns(graph))
+    made = Plan("memory-poor", {}, graph_hash=graph.structure_hash, budget_bytes=budget_bytes,
+                hardware=hardware.name, reruns=reruns)
+    if budget_bytes is not None:
+        schedule = lower(graph, made)
+        profile = memory_profile(schedule)
+        if profile.peak_bytes > budget_bytes:
+            dominant = live_buffers(schedule, profile.peak_index)
+            raise BudgetError(budget_bytes, profile.peak_bytes, dominant, strategy="memory-poor")
+    return made
