@@ -88,8 +88,13 @@ def memory_poor_reruns(graph: CostGraph) -> tuple[tuple[str, str], ...]:
     for op in graph.ops:
         if op.phase == "forward":
             continue
-        needed = {graph.tensors[t].producer for t in op.inputs if not graph.tensors[t].is_output}
-        needed = {p for p in needed if p is not None and phase[p] == "forward"}
+        needed = {
+            producer
+            for t in op.inputs
+            if not graph.tensors[t].is_output
+            and (producer := graph.tensors[t].producer) is not None
+            and phase[producer] == "forward"
+        }
         for producer in _ancestors(graph, needed):
             reruns.append((producer, op.name))
     return tuple(reruns)
