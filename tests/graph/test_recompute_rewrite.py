@@ -54,3 +54,17 @@ def test_values_rebuilt_many_times_stay_bitwise_and_predicted():
     assert poor.measured.peak_bytes == poor.predicted.peak_bytes < keep.measured.peak_bytes
     reruns = [r.op for r in poor.plan.reruns]
     assert len(reruns) > len(set(reruns))  # some values are rebuilt more than once
+
+
+def test_optimal_recompute_runs_bitwise_on_a_real_graph():
+    example = examples.mlp(depth=3, width=32, batch_size=256)
+    inputs = example.inputs()
+    keep = memfit.compile(copy.deepcopy(example.model), example.loss_fn, strategy="keep")
+    keep(*inputs)
+    best = memfit.compile(copy.deepcopy(example.model), example.loss_fn, budget="0.8",
+                          strategy="optimal-recompute")
+    best(*inputs)
+    for a, b in zip(keep.model.parameters(), best.model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    assert best.plan.reruns
+    assert best.measured.peak_bytes == best.predicted.peak_bytes <= best.compiled.budget_bytes

@@ -1,0 +1,45 @@
+"""optimal-recompute: the MILP's schedule as re-runs; it fits, and never recomputes more."""
+
+import pytest
+
+from memfit.core import synthetic
+from memfit.core.errors import BudgetError
+from memfit.core.hardware import get_hardware
+from memfit.core.plan import Plan
+from memfit.core.simulate import simulate
+from memfit.solvers.milp import solve_milp
+from memfit.strategies import get_strategy
+
+HARDWARE = get_hardware("h100-pcie")
+
+
+def keep_peak(graph):
+    return simulate(graph, Plan("keep"), HARDWARE).peak_bytes
+
+
+@pytest.mark.parametrize("graph", [synthetic.chain(8), synthetic.resnet_like(2)],
+                         ids=["chain8", "resnet2"])
+def test_fits_equals_the_milp_and_beats_checkpointing(graph):
+    budget = int(0.8 * keep_peak(graph))
+    made = get_strategy("optimal-recompute")(graph, HARDWARE, budget)
+    timeline = simulate(graph, made, HARDWARE)
+    assert timeline.peak_bytes <= budget
+    assert timeline.recompute_s == pytest.approx(solve_milp(graph, budget).recompute_time_s)
+    try:
+        checkpointed = get_strategy("checkpoint")(graph, HARDWARE, budget)
+    except BudgetError:
+        return  # checkpointing cannot even fit: nothing to compare
+    assert timeline.recompute_s <= simulate(graph, checkpointed, HARDWARE).recompute_s + 1e-12
+
+
+def test_errors_say_what_to_do():
+    graph = synthetic.chain(4)
+    strategy = get_strategy("optimal-recompute")
+    with pytest.raises(ValueError, match="needs a budget"):
+        strategy(graph, HARDWARE)
+    with pytest.raises(ValueError, match="max_ops"):
+        strategy(graph, HARDWARE, keep_peak(graph), max_ops=5)
+    with pytest.raises(ValueError, match="unknown parameters"):
+        strategy(graph, HARDWARE, keep_peak(graph), speed=1)
+    with pytest.raises(BudgetError):
+        strategy(graph, HARDWARE, graph.resident_bytes)
