@@ -21,12 +21,11 @@ from collections.abc import Iterable, Sequence
 
 from memfit.core import graphs
 from memfit.core.costgraph import CostGraph, Op
-from memfit.core.errors import BudgetError
 from memfit.core.hardware import Hardware
 from memfit.core.plan import Plan, Recompute
-from memfit.core.schedule import live_buffers, lower, memory_profile
 from memfit.core.simulate import simulate
 from memfit.strategies import register
+from memfit.strategies._fit import require_fit
 
 EXPENSIVE_KINDS = frozenset({
     "aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten.matmul", "aten.linear",
@@ -76,8 +75,7 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, 
     else:
         kept = _listed_checkpoints(graph, checkpoints)
     made = recompute_all_but(graph, kept, hardware, budget_bytes, params)
-    _check_budget(graph, made, budget_bytes)
-    return made
+    return require_fit(graph, made, budget_bytes)
 
 
 def recompute_all_but(graph: CostGraph, kept: Iterable[str], hardware: Hardware,
@@ -93,16 +91,6 @@ def recompute_all_but(graph: CostGraph, kept: Iterable[str], hardware: Hardware,
     }
     return Plan("checkpoint", decisions, graph_hash=graph.structure_hash, params=params,
                 budget_bytes=budget_bytes, hardware=hardware.name)
-
-
-def _check_budget(graph: CostGraph, made: Plan, budget_bytes: int | None) -> None:
-    if budget_bytes is None:
-        return
-    schedule = lower(graph, made)
-    profile = memory_profile(schedule)
-    if profile.peak_bytes > budget_bytes:
-        dominant = live_buffers(schedule, profile.peak_index)
-        raise BudgetError(budget_bytes, profile.peak_bytes, dominant, strategy="checkpoint")
 
 
 def _speed_checkpoints(graph: CostGraph, max_chain: int) -> set[str]:
@@ -203,7 +191,7 @@ def _memory_mode(graph: CostGraph, hardware: Hardware, budget_bytes: int | None,
                 best = (timeline.step_time_s, made)
     if best is None:
         assert smallest is not None and budget_bytes is not None
-        _check_budget(graph, smallest[1], budget_bytes)
+        require_fit(graph, smallest[1], budget_bytes)
     assert best is not None
     return best[1]
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from memfit.core.costgraph import CostGraph
-from memfit.core.errors import BudgetError
 from memfit.core.hardware import Hardware
 from memfit.core.plan import Plan
-from memfit.core.schedule import lower, memory_profile
 from memfit.strategies import register
+from memfit.strategies._fit import require_fit
 
 
 def check_params(**params) -> None:
@@ -27,8 +26,4 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, 
     check_params(**params)
     result = Plan("keep", graph_hash=graph.structure_hash, budget_bytes=budget_bytes,
                   hardware=hardware.name)
-    if budget_bytes is not None:
-        peak = memory_profile(lower(graph, result)).peak_bytes
-        if peak > budget_bytes:
-            raise BudgetError(budget_bytes, peak, strategy="keep")
-    return result
+    return require_fit(graph, result, budget_bytes)

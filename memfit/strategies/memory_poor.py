@@ -9,12 +9,11 @@ many times (``Plan.reruns``).
 from __future__ import annotations
 
 from memfit.core.costgraph import CostGraph
-from memfit.core.errors import BudgetError
 from memfit.core.hardware import Hardware
 from memfit.core.plan import Plan, Rerun
 from memfit.core.recompute import memory_poor_reruns
-from memfit.core.schedule import live_buffers, lower, memory_profile
 from memfit.strategies import register
+from memfit.strategies._fit import require_fit
 
 
 def check_params(**params) -> None:
@@ -35,10 +34,4 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, 
     reruns = tuple(Rerun(op, before) for op, before in memory_poor_reruns(graph))
     made = Plan("memory-poor", {}, graph_hash=graph.structure_hash, budget_bytes=budget_bytes,
                 hardware=hardware.name, reruns=reruns)
-    if budget_bytes is not None:
-        schedule = lower(graph, made)
-        profile = memory_profile(schedule)
-        if profile.peak_bytes > budget_bytes:
-            dominant = live_buffers(schedule, profile.peak_index)
-            raise BudgetError(budget_bytes, profile.peak_bytes, dominant, strategy="memory-poor")
-    return made
+    return require_fit(graph, made, budget_bytes)
