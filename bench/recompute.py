@@ -43,6 +43,11 @@ BUDGET_FRACTIONS = (0.9, 0.7, 0.5, 0.3)  # of the unplanned peak, for memfit and
 COMPILE_BUDGETS = (0.9, 0.7, 0.5, 0.3)  # torch._functorch activation_memory_budget values
 REPEATS = 3  # timed steps per method after the warm-up; the median is reported
 OPTIMAL = "optimal-recompute"
+EAGER_BY_PROFILER = "eager, peak by the profiler (compiled rows' 100%)"
+SINGLE_THREAD_NOTE = (
+    "Every method runs on one intra-op thread: on a 2-core machine shared with other jobs, two "
+    "OpenMP threads competing with another process made single steps up to 10x slower at random "
+    "(a 85 ms ResNet step took 6.7 s), which no median of 3 survives.")
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,10 @@ def _eager_builder(example: examples.Example, inputs: tuple, paths: Sequence[str
 
     def build():
         model = wrap_blocks(copy.deepcopy(example.model), paths)
+        config = getattr(model, "config", None)
+        if paths and getattr(config, "use_cache", False):
+            config.use_cache = False  # as transformers does under gradient checkpointing: a
+            # key/value cache handed into a checkpointed block would be filled twice
         model.train()
         return model, eager_step(model, example.loss_fn, inputs), None
 
@@ -317,7 +326,10 @@ def _compiled_rows(result: ModelResult, compiled: list[Method], eager_run: Calla
     """Each compiled method alone (its own dynamo cache), timed in turn with eager."""
     start_bytes = result.eager_peak_bytes["start"]
     if compiled:
-        result.eager_peak_bytes["profiler"] = _profiled_peak(eager_model, eager_run, start_bytes)
+        peak_bytes = _profiled_peak(eager_model, eager_run, start_bytes)
+        result.eager_peak_bytes["profiler"] = peak_bytes
+        result.rows.append(Row("eager", EAGER_BY_PROFILER, "profiler", peak_bytes,
+                               gradients="reference"))
     for method in compiled:
         log(f"recompute {result.name}: {method.name}")
         row, model, run = _warm_up(method, result.reference_gradients)
@@ -346,7 +358,7 @@ def measure_model(bench: RecomputeModel, log: Callable[[str], None],
     eager_model, eager_run = _tracked_rows(result, tracked, inputs, repeats, log)
     compiled = [m for m in every if m.peak_method == "profiler"]
     _compiled_rows(result, compiled, eager_run, eager_model, repeats, log)
-    order = {m.name: index for index, m in enumerate(every)}
+    order = {m.name: index for index, m in enumerate(every)} | {EAGER_BY_PROFILER: 0.5}
     result.rows.sort(key=lambda row: order[row.name])
     return result
 
@@ -368,53 +380,15 @@ def render_rows(result: ModelResult) -> list[tuple]:
         ratio = (f"{row.step_time_s / row.eager_step_time_s:.2f}x"
                  if row.step_time_s and row.eager_step_time_s else "-")
         predicted = mib(row.predicted_bytes) if row.predicted_bytes is not None else "-"
-        rendered.append((row.name, mib(row.peak_bytes), share, row.peak_method,
-                         ms(row.step_time_s or 0.0), ratio, predicted, row.gradients))
+        step = ms(row.step_time_s) if row.step_time_s is not None else "-"
+        rendered.append((row.name, mib(row.peak_bytes), share, row.peak_method, step, ratio,
+                         predicted, row.gradients))
     return rendered
 
 
-def plot(results: Sequence[ModelResult], path) -> None:
-    """One panel per model: measured peak (MiB) against step time (ms), a series per family."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    styles = {"eager": ("k", "*"), "torch.utils.checkpoint": ("tab:blue", "s"),
-              "torch.compile budget": ("tab:orange", "^"),
-              "memfit checkpoint modes": ("tab:green", "D"),
-              "memfit checkpoint memory, budget": ("tab:green", "o"),
-              "memfit keep / swap": ("tab:gray", "x"), "optimal": ("tab:red", "P")}
-    figure, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.8), squeeze=False)
-    for axis, result in zip(axes[0], results, strict=True):
-        for family, (color, marker) in styles.items():
-            points = sorted((r.peak_bytes / 2**20, r.step_time_s * 1e3) for r in result.rows
-                            if r.family == family and r.peak_bytes and r.step_time_s)
-            if points:
-                joined = "-" if family in ("torch.compile budget", "optimal",
-                                           "memfit checkpoint memory, budget") else ""
-                axis.plot(*zip(*points, strict=True), linestyle=joined or "none", color=color,
-                          marker=marker, markersize=8, label=family, alpha=0.85)
-        axis.set_title(result.name, fontsize=10)
-        axis.set_xlabel("measured peak (MiB)")
-        axis.set_ylabel("step time, median (ms)")
-        axis.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-
-
-def _gpt2_without_cache() -> examples.Example:
-    """GPT-2 with ``use_cache=False``, as transformers sets it under gradient checkpointing: a
-    key/value cache handed into a checkpointed block would be filled twice."""
-    example = examples.gpt2(layers=6, width=192, heads=4, vocab=256, sequence=256)
-    example.model.config.use_cache = False
-    return example
-
-
 RECOMPUTE_MODELS = (
-    RecomputeModel("GPT-2 (6 layers, width 192, sequence 256, batch 4)", _gpt2_without_cache, 4,
+    RecomputeModel("GPT-2 (6 layers, width 192, sequence 256, batch 4)",
+                   lambda: examples.gpt2(layers=6, width=192, heads=4, vocab=256, sequence=256), 4,
                    ("GPT2Block",), "a transformer block `transformer.h.<i>` (6)"),
     RecomputeModel("ResNet-50-shaped (stage widths 32-256, 128x128 images, batch 4)",
                    lambda: examples.resnet50_shaped(widths=(32, 64, 128, 256), image=128), 4,
@@ -432,14 +406,21 @@ def recompute_section(log: Callable[[str], None], plot_path=None,
                       models: Sequence[RecomputeModel] = RECOMPUTE_MODELS) -> str:
     """The Markdown section of RESULTS.md; draws the curves to ``plot_path`` when given."""
     results, parts = [], []
-    for bench in models:
-        started = time.perf_counter()
-        result = measure_model(bench, log)
-        results.append(result)
-        log(f"recompute {bench.name}: {time.perf_counter() - started:.0f} s")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see SINGLE_THREAD_NOTE
+    try:
+        for bench in models:
+            started = time.perf_counter()
+            results.append(measure_model(bench, log))
+            log(f"recompute {bench.name}: {time.perf_counter() - started:.0f} s")
+    finally:
+        torch.set_num_threads(threads)
+    for bench, result in zip(models, results, strict=True):
         parts += [f"\n### {bench.name}\n", f"A block is {bench.block_description}.\n",
                   table(RECOMPUTE_HEADERS, render_rows(result))]
     if plot_path is not None:
+        from bench.recompute_plot import plot
+
         plot(results, plot_path)
     optimal = (f"The `{OPTIMAL}` rows are the optimal schedule at the same budgets." if OPTIMAL
                in memfit.strategy_names() else f"The optimal schedule (`{OPTIMAL}`) is not "
@@ -454,7 +435,7 @@ def recompute_section(log: Callable[[str], None], plot_path=None,
         f"{REPEATS} steps after a warm-up, the tracker's methods timed in turn (a, b, c, a, ...), "
         "each compiled method in turn with eager, so `x eager` compares within one group. "
         "Memfit budgets are fractions of the unplanned (predicted) peak; memfit runs with "
-        "`measure=False`. " + optimal,
+        "`measure=False`. " + SINGLE_THREAD_NOTE + " " + optimal,
         f"\n![memory / step-time curves]({Path(plot_path).name if plot_path else 'recompute.png'})"
         "\n",
     ]
