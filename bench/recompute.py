@@ -422,6 +422,8 @@ def recompute_section(log: Callable[[str], None], plot_path=None,
         from bench.recompute_plot import plot
 
         plot(results, plot_path)
+    if OPTIMAL not in memfit.strategy_names():
+        log(f"recompute: strategy {OPTIMAL!r} is not available yet; no optimal rows")
     optimal = (f"The `{OPTIMAL}` rows are the optimal schedule at the same budgets." if OPTIMAL
                in memfit.strategy_names() else f"The optimal schedule (`{OPTIMAL}`) is not "
                "available yet in this build: no rows for it.")
