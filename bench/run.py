@@ -2,7 +2,8 @@
 
 Every figure in the file is measured by the run that wrote it (the H100 step times are the
 simulator's, and say so). CPU part: per-model capacity under a fixed budget, executor overhead,
-GPT-2 beside the alternatives, the line count. ``--gpu``: the host link and a GPT-2 medium step.
+GPT-2 beside the alternatives, recomputation
+curves (bench/recompute.py), the line count. ``--gpu``: the host link and a GPT-2 medium step.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def line_counts() -> str:
 
 
 def cpu_sections() -> list[str]:
-    """The CPU part: capacity, overhead, alternatives."""
+    """The CPU part: capacity, overhead, alternatives, recomputation curves."""
     from bench.alternatives import ALTERNATIVE_HEADERS, alternative_rows
     from bench.models import (
         BENCH_MODELS,
@@ -93,6 +94,7 @@ def cpu_sections() -> list[str]:
         PLANNING_HARDWARE,
         model_rows,
     )
+    from bench.recompute import recompute_section
 
     capacity, overhead = [], []
     for bench in BENCH_MODELS:
@@ -103,6 +105,7 @@ def cpu_sections() -> list[str]:
         log(f"{bench.name}: {time.perf_counter() - started:.0f} s")
     gpt2 = BENCH_MODELS[0]
     alternatives = alternative_rows(gpt2.build(), gpt2.base_batch, log)
+    recompute = recompute_section(log, plot_path=ROOT / "bench" / "recompute.png")
     return [
         "## Capacity under a fixed budget\n",
         "Peaks are measured on this CPU by memfit's dispatch tracker (device bytes of the step: "
@@ -124,7 +127,8 @@ def cpu_sections() -> list[str]:
         table(ALTERNATIVE_HEADERS, alternatives),
         "\nThis GPT-2 has dropout 0.1. A method whose loss is bitwise eager's but whose gradients "
         "differ computed its backward pass from values other than its forward pass's (a "
-        "recomputed dropout that draws a new mask would do this).",
+        "recomputed dropout that draws a new mask would do this).\n",
+        recompute,
     ]
 
 

@@ -1,0 +1,444 @@
+"""Recomputation on the CPU (issue #3): memory / step-time curves of every way to trade time for memory.
+
+For each model, in one process, on one batch with one seed: eager; ``torch.utils.checkpoint``
+around every block and around every other block; ``torch.compile(backend="aot_eager")`` under
+``activation_memory_budget``; memfit's ``checkpoint`` modes and budgets; memfit ``keep`` and
+``swap`` for reference; and the optimal schedule once the ``optimal-recompute`` strategy exists.
+
+Peaks are the step's device bytes: parameters and inputs plus the step's own peak above them, by
+memfit's dispatch tracker, or by the profiler's allocator events for compiled code (a dispatch
+mode would disable it). Step times are medians of timed steps run in turn (a, b, c, a, b, c, ...)
+after a warm-up, so that the load of a shared machine falls on every method alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import memfit
+from bench.common import (
+    compare_gradients,
+    eager_step,
+    gradients,
+    interleaved_medians_s,
+    mib,
+    ms,
+    profiled_peak_above_start,
+)
+from memfit import examples
+from memfit.core.errors import BudgetError
+from memfit.render.text import table
+from memfit.runtime.measure import measure_peak
+
+SEED = 0
+BUDGET_FRACTIONS = (0.9, 0.7, 0.5, 0.3)  # of the unplanned peak, for memfit and optimal
+COMPILE_BUDGETS = (0.9, 0.7, 0.5, 0.3)  # torch._functorch activation_memory_budget values
+REPEATS = 3  # timed steps per method after the warm-up; the median is reported
+OPTIMAL = "optimal-recompute"
+EAGER_BY_PROFILER = "eager, peak by the profiler (compiled rows' 100%)"
+SINGLE_THREAD_NOTE = (
+    "Every method runs on one intra-op thread: on a 2-core machine shared with other jobs, two "
+    "OpenMP threads competing with another process made single steps up to 10x slower at random "
+    "(a 85 ms ResNet step took 6.7 s), which no median of 3 survives.")
+
+
+@dataclass(frozen=True)
+class RecomputeModel:
+    """A model at its bench size and what a "block" is for it.
+
+    Args:
+        block_types: class names of the modules wrapped by ``torch.utils.checkpoint`` and named
+            as memfit checkpoints; a match nested inside another match is not a block.
+        block_description: the same in words, for the table's caption.
+    """
+
+    name: str
+    build: Callable[[], examples.Example]
+    batch_size: int
+    block_types: tuple[str, ...]
+    block_description: str
+
+
+@dataclass
+class Method:
+    """One way to run the step: ``build()`` returns ``(model, run, memfit step or None)``."""
+
+    family: str  # the plot's series
+    name: str
+    peak_method: str  # "tracker" or "profiler"
+    build: Callable[[], tuple[nn.Module, Callable[[], torch.Tensor], memfit.Step | None]]
+    compile_budget: float | None = None  # activation_memory_budget for compiled methods
+
+
+@dataclass
+class Row:
+    """What was measured for one method; ``note`` explains a failure instead of numbers."""
+
+    family: str
+    name: str
+    peak_method: str
+    peak_bytes: int | None = None  # parameters and inputs included
+    step_time_s: float | None = None
+    eager_step_time_s: float | None = None  # eager timed in the same interleaved group
+    predicted_bytes: int | None = None
+    gradients: str = "-"
+    note: str = ""
+
+
+@dataclass
+class ModelResult:
+    """The rows of one model, and the eager peaks each measuring method compares with."""
+
+    name: str
+    rows: list[Row] = field(default_factory=list)
+    eager_peak_bytes: dict[str, int] = field(default_factory=dict)  # by peak method; "start":
+    # the bytes of parameters and inputs, which the profiler does not see
+    reference_gradients: dict[str, torch.Tensor] | None = None  # eager's
+
+
+def block_paths(model: nn.Module, block_types: Sequence[str]) -> list[str]:
+    """Module paths of the blocks, in definition order, outermost matches only."""
+    paths: list[str] = []
+    for path, module in model.named_modules():
+        inside = any(path.startswith(outer + ".") for outer in paths)
+        if type(module).__name__ in block_types and not inside:
+            paths.append(path)
+    return paths
+
+
+class Checkpointed(nn.Module):
+    """``torch.utils.checkpoint`` around one block: what a user wraps by hand.
+
+    Note:
+        Non-reentrant, as the PyTorch docs recommend; it restores the RNG state for the
+        recomputation, so dropout draws the same mask twice.
+    """
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.checkpointed = block
+
+    def forward(self, *args, **kwargs):
+        return checkpoint(self.checkpointed, *args, use_reentrant=False, **kwargs)
+
+
+def wrap_blocks(model: nn.Module, paths: Sequence[str]) -> nn.Module:
+    """Replace each module at ``paths`` with a ``Checkpointed`` wrapper, in place."""
+    for path in paths:
+        parent_path, _, child = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        setattr(parent, child, Checkpointed(getattr(parent, child)))
+    return model
+
+
+def _eager_builder(example: examples.Example, inputs: tuple, paths: Sequence[str] = ()):
+    """Eager PyTorch on a fresh copy, with ``torch.utils.checkpoint`` around ``paths``."""
+
+    def build():
+        model = wrap_blocks(copy.deepcopy(example.model), paths)
+        config = getattr(model, "config", None)
+        if paths and getattr(config, "use_cache", False):
+            config.use_cache = False  # as transformers does under gradient checkpointing: a
+            # key/value cache handed into a checkpointed block would be filled twice
+        model.train()
+        return model, eager_step(model, example.loss_fn, inputs), None
+
+    return build
+
+
+def _compiled_builder(example: examples.Example, inputs: tuple, budget: float):
+    """``torch.compile(backend="aot_eager")`` with ``activation_memory_budget`` set while it runs.
+
+    Note:
+        The budget is read when the joint graph is partitioned, at the first call; each
+        compiled method starts from ``torch._dynamo.reset()`` so no graph compiled under another
+        budget is reused.
+    """
+
+    def build():
+        torch._dynamo.reset()
+        model = copy.deepcopy(example.model)
+        compiled = torch.compile(model, backend="aot_eager")
+
+        def run() -> torch.Tensor:
+            model.zero_grad(set_to_none=True)
+            with torch._functorch.config.patch(activation_memory_budget=budget):
+                loss = example.loss_fn(compiled, *inputs)
+                loss.backward()
+            return loss.detach()
+
+        return model, run, None
+
+    return build
+
+
+def _memfit_builder(example: examples.Example, inputs: tuple, **options):
+    """``memfit.compile`` on a fresh copy, tracker off (the bench measures from outside)."""
+
+    def build():
+        model = copy.deepcopy(example.model)
+        step = memfit.compile(model, example.loss_fn, measure=False, **options)
+
+        def run() -> torch.Tensor:
+            model.zero_grad(set_to_none=True)
+            return step(*inputs).detach()
+
+        return model, run, step
+
+    return build
+
+
+def methods(example: examples.Example, inputs: tuple, paths: Sequence[str],
+            fractions: Sequence[float] = BUDGET_FRACTIONS,
+            compile_budgets: Sequence[float] = COMPILE_BUDGETS) -> list[Method]:
+    """Every method of the section, eager first (the reference the others compare with)."""
+    found = [
+        Method("eager", "eager", "tracker", _eager_builder(example, inputs)),
+        Method("torch.utils.checkpoint", "torch.utils.checkpoint, every block", "tracker",
+               _eager_builder(example, inputs, paths)),
+        Method("torch.utils.checkpoint", "torch.utils.checkpoint, every other block", "tracker",
+               _eager_builder(example, inputs, paths[::2])),
+    ]
+    found += [Method("torch.compile budget", f"torch.compile aot_eager, "
+                     f"activation_memory_budget {budget}", "profiler",
+                     _compiled_builder(example, inputs, budget), budget)
+              for budget in compile_budgets]
+
+    def planned(family: str, name: str, **options) -> Method:
+        return Method(family, name, "tracker", _memfit_builder(example, inputs, **options))
+
+    found += [
+        planned("memfit checkpoint modes", 'memfit checkpoint "memory" (no budget: sqrt(n))',
+                strategy="checkpoint", checkpoints="memory"),
+        planned("memfit checkpoint modes", 'memfit checkpoint "speed"', strategy="checkpoint",
+                checkpoints="speed"),
+        planned("memfit checkpoint modes", "memfit checkpoint, the blocks' outputs",
+                strategy="checkpoint", checkpoints=list(paths)),
+    ]
+    found += [planned("memfit checkpoint memory, budget", f'memfit checkpoint "memory", '
+                      f"budget {fraction:.0%}", strategy="checkpoint", checkpoints="memory",
+                      budget=fraction) for fraction in fractions]
+    found += [planned("memfit keep / swap", 'memfit "keep"', strategy="keep"),
+              planned("memfit keep / swap", 'memfit "swap", budget 50%', strategy="swap",
+                      budget=0.5)]
+    if OPTIMAL in memfit.strategy_names():  # HOOK: the lead's optimal schedule, once it lands
+        found += [planned("optimal", f"memfit {OPTIMAL}, budget {fraction:.0%}",
+                          strategy=OPTIMAL, budget=fraction) for fraction in fractions]
+    return found
+
+
+def _failure(error: Exception) -> str:
+    """A row's note for a method that could not run: the budget error's minimum, or the error."""
+    if isinstance(error, BudgetError):
+        return (f"does not fit: budget {mib(error.budget_bytes)}, this mode's minimum "
+                f"{mib(error.minimum_bytes)}")
+    message = str(error).strip().splitlines()[0][:100] if str(error).strip() else ""
+    return f"failed: {type(error).__name__}: {message}"
+
+
+def _warm_up(method: Method, reference: dict | None):
+    """Build and run ``method`` once (compile, capture and plan happen here); compare gradients.
+
+    Returns:
+        ``(row, model, run)``; ``run`` is ``None`` when the method failed (the row says why).
+    """
+    row = Row(method.family, method.name, method.peak_method)
+    try:
+        model, run, step = method.build()
+        torch.manual_seed(SEED)
+        run()
+    except Exception as error:  # a bench must report a failing method, not stop
+        row.note = _failure(error)
+        return row, None, None
+    found = _unwrapped_gradients(model)
+    row.gradients = "reference" if reference is None else compare_gradients(reference, found)
+    if step is not None:
+        row.predicted_bytes = step.predicted.peak_bytes + step.compiled.outside_bytes
+    return row, model, run
+
+
+def _unwrapped_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Gradients by the parameter names of the unwrapped model (``Checkpointed`` adds a level)."""
+    return {name.replace(".checkpointed.", "."): grad for name, grad in gradients(model).items()}
+
+
+def _seeded(run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``run`` after reseeding, so every timed step draws the same dropout masks."""
+
+    def seeded() -> torch.Tensor:
+        torch.manual_seed(SEED)
+        return run()
+
+    return seeded
+
+
+def _tracked_peak(model: nn.Module, run: Callable, inputs: tuple) -> tuple[int, int]:
+    """(peak bytes with parameters and inputs, bytes of parameters and inputs), by the tracker."""
+    model.zero_grad(set_to_none=True)
+    measured = measure_peak(run, track=(list(model.parameters()), inputs))
+    return measured.peak_bytes, measured.start_bytes
+
+
+def _tracked_rows(result: ModelResult, tracked: list[Method], inputs: tuple, repeats: int,
+                  log: Callable[[str], None]) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    """Warm up, measure the peak of, then time in turn every tracker-measured method.
+
+    Returns:
+        eager's model and run, for the compiled methods to be timed beside; its peak and the bytes of
+        parameters and inputs land in ``result.eager_peak_bytes``.
+    """
+    reference, timed = None, []
+    for method in tracked:
+        log(f"recompute {result.name}: {method.name}")
+        row, model, run = _warm_up(method, reference)
+        result.rows.append(row)
+        if run is None:
+            continue
+        if reference is None:
+            reference = _unwrapped_gradients(model)
+        row.peak_bytes, start_bytes = _tracked_peak(model, run, inputs)
+        result.eager_peak_bytes.setdefault("tracker", row.peak_bytes)
+        result.eager_peak_bytes.setdefault("start", start_bytes)
+        timed.append((row, model, _seeded(run)))
+    medians = interleaved_medians_s([run for _, _, run in timed], repeats=repeats)
+    for (row, _, _), median in zip(timed, medians, strict=True):
+        row.step_time_s, row.eager_step_time_s = median, medians[0]
+    result.reference_gradients = reference
+    return timed[0][1], timed[0][2]
+
+
+def _profiled_peak(model: nn.Module, run: Callable, start_bytes: int) -> int:
+    """Peak bytes with parameters and inputs, by the profiler (compiled code runs under it)."""
+    model.zero_grad(set_to_none=True)
+    return start_bytes + profiled_peak_above_start(run)
+
+
+def _compiled_rows(result: ModelResult, compiled: list[Method], eager_run: Callable,
+                   eager_model: nn.Module, repeats: int, log: Callable[[str], None]) -> None:
+    """Each compiled method alone (its own dynamo cache), timed in turn with eager."""
+    start_bytes = result.eager_peak_bytes["start"]
+    if compiled:
+        peak_bytes = _profiled_peak(eager_model, eager_run, start_bytes)
+        result.eager_peak_bytes["profiler"] = peak_bytes
+        result.rows.append(Row("eager", EAGER_BY_PROFILER, "profiler", peak_bytes,
+                               gradients="reference"))
+    for method in compiled:
+        log(f"recompute {result.name}: {method.name}")
+        row, model, run = _warm_up(method, result.reference_gradients)
+        result.rows.append(row)
+        if run is None:
+            continue
+        row.peak_bytes = _profiled_peak(model, run, start_bytes)
+        eager_s, row.step_time_s = interleaved_medians_s([eager_run, _seeded(run)], repeats)
+        row.eager_step_time_s = eager_s
+    torch._dynamo.reset()
+
+
+def measure_model(bench: RecomputeModel, log: Callable[[str], None],
+                  fractions: Sequence[float] = BUDGET_FRACTIONS,
+                  compile_budgets: Sequence[float] = COMPILE_BUDGETS,
+                  repeats: int = REPEATS) -> ModelResult:
+    """Every method's row for one model (eager's row first)."""
+    example = bench.build()
+    inputs = example.inputs(bench.batch_size)
+    paths = block_paths(example.model, bench.block_types)
+    if not paths:
+        raise ValueError(f"{bench.name}: no module of types {bench.block_types}")
+    every = methods(example, inputs, paths, fractions, compile_budgets)
+    result = ModelResult(bench.name)
+    tracked = [m for m in every if m.peak_method == "tracker"]
+    eager_model, eager_run = _tracked_rows(result, tracked, inputs, repeats, log)
+    compiled = [m for m in every if m.peak_method == "profiler"]
+    _compiled_rows(result, compiled, eager_run, eager_model, repeats, log)
+    order = {m.name: index for index, m in enumerate(every)} | {EAGER_BY_PROFILER: 0.5}
+    result.rows.sort(key=lambda row: order[row.name])
+    return result
+
+
+RECOMPUTE_HEADERS = ("method", "measured peak", "% of eager", "measured by",
+                     f"step time (median of {REPEATS})", "x eager", "memfit predicted peak",
+                     "gradients vs eager")
+
+
+def render_rows(result: ModelResult) -> list[tuple]:
+    """Table rows; a method that did not run shows why in place of its peak."""
+    rendered = []
+    for row in result.rows:
+        if row.peak_bytes is None:
+            rendered.append((row.name, row.note, "-", row.peak_method, "-", "-", "-", "-"))
+            continue
+        eager_bytes = result.eager_peak_bytes.get(row.peak_method)
+        share = f"{row.peak_bytes / eager_bytes:.0%}" if eager_bytes else "-"
+        ratio = (f"{row.step_time_s / row.eager_step_time_s:.2f}x"
+                 if row.step_time_s and row.eager_step_time_s else "-")
+        predicted = mib(row.predicted_bytes) if row.predicted_bytes is not None else "-"
+        step = ms(row.step_time_s) if row.step_time_s is not None else "-"
+        rendered.append((row.name, mib(row.peak_bytes), share, row.peak_method, step, ratio,
+                         predicted, row.gradients))
+    return rendered
+
+
+RECOMPUTE_MODELS = (
+    RecomputeModel("GPT-2 (6 layers, width 192, sequence 256, batch 4)",
+                   lambda: examples.gpt2(layers=6, width=192, heads=4, vocab=256, sequence=256), 4,
+                   ("GPT2Block",), "a transformer block `transformer.h.<i>` (6)"),
+    RecomputeModel("ResNet-50-shaped (stage widths 32-256, 128x128 images, batch 4)",
+                   lambda: examples.resnet50_shaped(widths=(32, 64, 128, 256), image=128), 4,
+                   ("ResNetBottleNeckLayer",),
+                   "a bottleneck layer `resnet.encoder.stages.<i>.layers.<j>` (16)"),
+    RecomputeModel("3D U-Net (MONAI, channels 4-32, 48^3 volumes, batch 2)",
+                   lambda: examples.unet3d(channels=(4, 8, 16, 32), size=48), 2,
+                   ("ResidualUnit", "Convolution"),
+                   "a MONAI `ResidualUnit` (4 down, 3 up) or an up-sampling `Convolution` "
+                   "(3), outermost only"),
+)
+
+
+def recompute_section(log: Callable[[str], None], plot_path=None,
+                      models: Sequence[RecomputeModel] = RECOMPUTE_MODELS) -> str:
+    """The Markdown section of RESULTS.md; draws the curves to ``plot_path`` when given."""
+    results, parts = [], []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see SINGLE_THREAD_NOTE
+    try:
+        for bench in models:
+            started = time.perf_counter()
+            results.append(measure_model(bench, log))
+            log(f"recompute {bench.name}: {time.perf_counter() - started:.0f} s")
+    finally:
+        torch.set_num_threads(threads)
+    for bench, result in zip(models, results, strict=True):
+        parts += [f"\n### {bench.name}\n", f"A block is {bench.block_description}.\n",
+                  table(RECOMPUTE_HEADERS, render_rows(result))]
+    if plot_path is not None:
+        from bench.recompute_plot import plot
+
+        plot(results, plot_path)
+    if OPTIMAL not in memfit.strategy_names():
+        log(f"recompute: strategy {OPTIMAL!r} is not available yet; no optimal rows")
+    optimal = (f"The `{OPTIMAL}` rows are the optimal schedule at the same budgets." if OPTIMAL
+               in memfit.strategy_names() else f"The optimal schedule (`{OPTIMAL}`) is not "
+               "available yet in this build: no rows for it.")
+    intro = [
+        "## Recomputation: memory / step-time curves\n",
+        "On this CPU, where recomputing costs real time. Per model, one process, one batch, one "
+        "seed. Measured peak: the step's device bytes, parameters and inputs included, by "
+        "memfit's dispatch tracker, or for torch.compile by the profiler's allocator events (a "
+        "dispatch mode disables compiled code) plus the same parameter and input bytes; % of "
+        "eager compares with eager measured the same way. Step time: the median of "
+        f"{REPEATS} steps after a warm-up, the tracker's methods timed in turn (a, b, c, a, ...), "
+        "each compiled method in turn with eager, so `x eager` compares within one group. "
+        "Memfit budgets are fractions of the unplanned (predicted) peak; memfit runs with "
+        "`measure=False`. " + SINGLE_THREAD_NOTE + " " + optimal,
+        f"\n![memory / step-time curves]({Path(plot_path).name if plot_path else 'recompute.png'})"
+        "\n",
+    ]
+    return "\n".join(intro + parts)

@@ -1,0 +1,46 @@
+"""The recomputation benchmark's core on a tiny MLP: every row present, memfit's gradients exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.recompute import RecomputeModel, measure_model, render_rows
+from memfit import examples
+
+TINY = RecomputeModel("tiny MLP", lambda: examples.mlp(depth=4, width=32, batch_size=64), 64,
+                      ("Linear",), "a Linear layer")
+
+
+@pytest.fixture(scope="module")
+def result():
+    return measure_model(TINY, log=lambda message: None, fractions=(0.9, 0.05),
+                         compile_budgets=(0.5,), repeats=1)
+
+
+def test_every_method_has_a_row(result):
+    names = [row.name for row in result.rows]
+    assert names[0] == "eager"
+    assert "torch.utils.checkpoint, every block" in names
+    assert "torch.utils.checkpoint, every other block" in names
+    assert "torch.compile aot_eager, activation_memory_budget 0.5" in names
+    assert 'memfit checkpoint "speed"' in names
+    assert 'memfit checkpoint "memory", budget 90%' in names
+    assert len(render_rows(result)) == len(names)
+
+
+def test_memfit_rows_are_bitwise_and_measured(result):
+    memfit_rows = [row for row in result.rows if row.name.startswith("memfit")]
+    fitted = [row for row in memfit_rows if not row.note]
+    assert len(fitted) >= 5
+    assert all(row.gradients == "bitwise" for row in fitted)
+    assert all(row.peak_bytes and row.predicted_bytes and row.step_time_s for row in fitted)
+
+
+def test_an_impossible_budget_says_it_does_not_fit(result):
+    (row,) = [r for r in result.rows if r.name == 'memfit checkpoint "memory", budget 5%']
+    assert row.note.startswith("does not fit") and row.peak_bytes is None
+
+
+def test_checkpoint_every_block_is_bitwise(result):
+    (row,) = [r for r in result.rows if r.name == "torch.utils.checkpoint, every block"]
+    assert row.gradients == "bitwise"
