@@ -424,7 +424,9 @@ def recompute_section(log: Callable[[str], None], plot_path=None,
         plot(results, plot_path)
     if OPTIMAL not in memfit.strategy_names():
         log(f"recompute: strategy {OPTIMAL!r} is not available yet; no optimal rows")
-    optimal = (f"The `{OPTIMAL}` rows are the optimal schedule at the same budgets." if OPTIMAL
+    optimal = (f"The `{OPTIMAL}` rows ask Checkmate's MILP for the optimal schedule at the same "
+               "budgets; it takes graphs of up to `max_ops` ops, and where a captured model is "
+               "larger the row says so (the chain-of-blocks DP for those is still to come)." if OPTIMAL
                in memfit.strategy_names() else f"The optimal schedule (`{OPTIMAL}`) is not "
                "available yet in this build: no rows for it.")
     intro = [
