@@ -13,12 +13,13 @@ from collections.abc import Callable
 
 import torch
 
-import memfit
 from bench.common import (
     compare_gradients,
+    compiled_step,
     eager_step,
     gradients,
     median_time_s,
+    memfit_step,
     mib,
     ms,
     profiled_peak_above_start,
@@ -43,31 +44,10 @@ def _methods(example: examples.Example, inputs: tuple) -> list[tuple[str, str, C
         return model, eager_step(model, example.loss_fn, inputs)
 
     def compiled():
-        torch._dynamo.reset()
-        model = copy.deepcopy(example.model)
-        fast = torch.compile(model, backend="aot_eager")
-
-        def run() -> torch.Tensor:
-            model.zero_grad(set_to_none=True)
-            with torch._functorch.config.patch(activation_memory_budget=0.5):
-                loss = example.loss_fn(fast, *inputs)
-                loss.backward()
-            return loss.detach()
-
-        return model, run
+        return compiled_step(example, inputs, 0.5)
 
     def planned(**options):
-        def build():
-            model = copy.deepcopy(example.model)
-            step = memfit.compile(model, example.loss_fn, measure=False, **options)
-
-            def run() -> torch.Tensor:
-                model.zero_grad(set_to_none=True)
-                return step(*inputs).detach()
-
-            return model, run
-
-        return build
+        return lambda: memfit_step(example, inputs, **options)[:2]
 
     return [
         ("eager", "tracker", eager),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import tempfile
@@ -117,3 +118,43 @@ def mib(size_bytes: float) -> str:
 
 def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds >= 0.01 else f"{seconds * 1e3:.3f} ms"
+
+
+def compiled_step(example, inputs: tuple, budget: float) -> tuple[torch.nn.Module, Callable]:
+    """A fresh copy under ``torch.compile(backend="aot_eager")`` with ``activation_memory_budget``.
+
+    Returns ``(model, run)``; ``run()`` zeroes the gradients and does one step.
+
+    Note:
+        The budget is read when the joint graph is partitioned, at the first call, so this starts
+        from ``torch._dynamo.reset()``: no graph compiled under another budget is reused.
+    """
+    torch._dynamo.reset()
+    model = copy.deepcopy(example.model)
+    compiled = torch.compile(model, backend="aot_eager")
+
+    def run() -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            loss = example.loss_fn(compiled, *inputs)
+            loss.backward()
+        return loss.detach()
+
+    return model, run
+
+
+def memfit_step(example, inputs: tuple, **options):
+    """A fresh copy under ``memfit.compile`` with its tracker off (the bench measures from outside).
+
+    Returns ``(model, run, step)``.
+    """
+    import memfit
+
+    model = copy.deepcopy(example.model)
+    step = memfit.compile(model, example.loss_fn, measure=False, **options)
+
+    def run() -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        return step(*inputs).detach()
+
+    return model, run, step

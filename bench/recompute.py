@@ -26,9 +26,11 @@ from torch.utils.checkpoint import checkpoint
 import memfit
 from bench.common import (
     compare_gradients,
+    compiled_step,
     eager_step,
     gradients,
     interleaved_medians_s,
+    memfit_step,
     mib,
     ms,
     profiled_peak_above_start,
@@ -155,45 +157,11 @@ def _eager_builder(example: examples.Example, inputs: tuple, paths: Sequence[str
 
 
 def _compiled_builder(example: examples.Example, inputs: tuple, budget: float):
-    """``torch.compile(backend="aot_eager")`` with ``activation_memory_budget`` set while it runs.
-
-    Note:
-        The budget is read when the joint graph is partitioned, at the first call; each
-        compiled method starts from ``torch._dynamo.reset()`` so no graph compiled under another
-        budget is reused.
-    """
-
-    def build():
-        torch._dynamo.reset()
-        model = copy.deepcopy(example.model)
-        compiled = torch.compile(model, backend="aot_eager")
-
-        def run() -> torch.Tensor:
-            model.zero_grad(set_to_none=True)
-            with torch._functorch.config.patch(activation_memory_budget=budget):
-                loss = example.loss_fn(compiled, *inputs)
-                loss.backward()
-            return loss.detach()
-
-        return model, run, None
-
-    return build
+    return lambda: (*compiled_step(example, inputs, budget), None)
 
 
 def _memfit_builder(example: examples.Example, inputs: tuple, **options):
-    """``memfit.compile`` on a fresh copy, tracker off (the bench measures from outside)."""
-
-    def build():
-        model = copy.deepcopy(example.model)
-        step = memfit.compile(model, example.loss_fn, measure=False, **options)
-
-        def run() -> torch.Tensor:
-            model.zero_grad(set_to_none=True)
-            return step(*inputs).detach()
-
-        return model, run, step
-
-    return build
+    return lambda: memfit_step(example, inputs, **options)
 
 
 def methods(example: examples.Example, inputs: tuple, paths: Sequence[str],
