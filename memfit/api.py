@@ -7,6 +7,7 @@ A new input shape re-captures and re-plans; the same shape reuses the plan.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +44,8 @@ class Compiled:
     predicted: Timeline  # the planned step, simulated
     budget_bytes: int | None
     outside_bytes: int  # device bytes outside the graph (existing .grad) at planning time
-    measured: list[Timeline] = field(default_factory=list)
+    # the last few measured steps; bounded, as a training loop calls a step thousands of times
+    measured: deque[Timeline] = field(default_factory=lambda: deque(maxlen=8))
 
 
 class Step:
@@ -228,9 +230,13 @@ def _device_of(tensors) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_strategy(strategy: str, params: Mapping[str, Any]) -> None:
-    """Fail at compile time, not at the first step, on an unknown strategy or parameter."""
-    check_params(strategy, params)
+def resolve_budget_and_strategy(budget, strategy: str | None, params: Mapping[str, Any]) -> tuple[Budget | None, str]:
+    """Parse the budget and pick the strategy (swap with a budget, keep without); check its
+    parameters now, so a mistake fails at ``compile``, not at the first step."""
+    parsed = parse_budget(budget)
+    chosen = strategy or ("swap" if parsed is not None else "keep")
+    check_params(chosen, params)
+    return parsed, chosen
 
 
 def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float | None = None,
@@ -259,9 +265,7 @@ def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float
         >>> loss = step(input_ids, labels)
         >>> print(step.report())
     """
-    parsed = parse_budget(budget)
-    chosen = strategy or ("swap" if parsed is not None else "keep")
-    _check_strategy(chosen, params)
+    parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
     return Step(model, loss_fn, parsed, chosen, hardware, measure, params)
 
 
@@ -273,9 +277,7 @@ def plan(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor,
     Raises:
         BudgetError, ValueError, CaptureError: as ``compile``.
     """
-    parsed = parse_budget(budget)
-    chosen = strategy or ("swap" if parsed is not None else "keep")
-    _check_strategy(chosen, params)
+    parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
     resolved = get_hardware(hardware)
     captured = capture(model, loss_fn, *inputs)
     graph = analyze(captured, resolved, name=type(model).__name__)

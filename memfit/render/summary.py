@@ -48,15 +48,13 @@ def plan_example(model: str, batch_size: int | None, model_args: Mapping[str, An
         BudgetError: if the strategy cannot reach the budget.
     """
     from memfit import examples
-    from memfit.api import make_plan
+    from memfit.api import make_plan, resolve_budget_and_strategy
     from memfit.core.hardware import get_hardware
     from memfit.core.simulate import simulate
-    from memfit.core.units import parse_budget
     from memfit.graph.analyze import analyze
     from memfit.graph.capture import capture
 
-    parsed = parse_budget(budget)
-    chosen = strategy or ("swap" if parsed is not None else "keep")
+    parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
     profile = get_hardware(hardware)
     try:
         example = examples.EXAMPLES[model](**model_args)
