@@ -1,15 +1,23 @@
-"""The least recomputation that fits a budget: Checkmate's MILP, solved by HiGHS, as re-runs.
+"""The least recomputation that fits a budget: an exact MILP on small graphs, a DP over separator
+blocks on whole models.
 
-The MILP (``memfit.solvers.milp``) decides, before every op of the step, which forward ops to run
-again; each such decision becomes a ``Rerun(op, before)`` in the plan, so a value may be rebuilt
-many times, as the optimum often wants. Its memory accounting is memfit's own (program order,
-resident bytes included), and the plan is checked by simulation before it is returned.
+Two solvers, picked by size (``method="auto"``):
 
-Note:
-    The MILP has one binary per (stage, op) pair, so it is for graphs of up to a few hundred ops
-    (``max_ops``); a captured transformer or ResNet is larger. For those, a dynamic program over
-    the chain of separator blocks is the next step; until then this strategy refuses them with a
-    clear error instead of running for hours.
+- ``"milp"``: Checkmate's MILP (``memfit.solvers.milp``) on HiGHS decides, before every op, which
+  forward ops to run again; each decision becomes a ``Rerun(op, before)``, so a value may be
+  rebuilt many times, as the optimum often wants. It has one binary per (stage, op) pair, so it
+  is for graphs of up to ``max_ops`` ops (100 by default: seconds to a minute here).
+- ``"segments"``: the chain of separator blocks (``memfit.solvers.segments``): each segment of
+  blocks is kept, rebuilt whole from the separator before it, or rebuilt but for its matmul /
+  conv / attention outputs; the DP picks the split with the least recompute time whose exact
+  profile fits. Captured transformers, ResNets and U-Nets (a thousand ops) plan in a second or
+  a few.
+
+The answer is never slower than the article's two fixed modes at the same budget: the
+``checkpoint`` strategy's ``"memory"`` and ``"speed"`` plans are priced too, and one of them is
+returned when it recomputes less (the DP's segments keep the separators they end on, where
+``"speed"`` may recompute a cheap separator, so at ``"speed"``'s own peak it can lose by a few
+bytes). ``plan.params["solver"]`` says which plan won.
 """
 
 from __future__ import annotations
@@ -17,17 +25,27 @@ from __future__ import annotations
 from memfit.core.costgraph import CostGraph
 from memfit.core.errors import BudgetError
 from memfit.core.hardware import Hardware
-from memfit.core.plan import Plan, Rerun
+from memfit.core.plan import Plan, Recompute, Rerun
+from memfit.core.rerun_profile import RerunProfiler
 from memfit.core.simulate import simulate
+from memfit.solvers import segments
 from memfit.solvers.milp import solve_milp
 from memfit.strategies import register
 
+METHODS = ("auto", "milp", "segments")
+MAX_BLOCKS = 48  # blocks beyond this are merged: the table grows with their square (see below)
+_TIGHTEN_ROUNDS = 6  # re-solves with a budget lowered by the assembled plan's excess
+_TABLES: dict[tuple, tuple[segments.Blocks, list[segments.Segment]]] = {}  # small cache
 
-def check_params(max_ops: int = 250, time_limit_s: float = 60.0, **unknown) -> None:
+
+def check_params(method: str = "auto", max_ops: int = 100, time_limit_s: float = 60.0,
+                 **unknown) -> None:
     """Validate optimal-recompute's parameters without a graph."""
     if unknown:
         raise ValueError(f"strategy 'optimal-recompute' got unknown parameters {sorted(unknown)}; "
-                         "it accepts max_ops= and time_limit_s=")
+                         "it accepts method=, max_ops= and time_limit_s=")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if not isinstance(max_ops, int) or isinstance(max_ops, bool) or max_ops < 1:
         raise ValueError(f"max_ops must be a positive int, got {max_ops!r}")
     if not isinstance(time_limit_s, (int, float)) or time_limit_s <= 0:
@@ -36,25 +54,36 @@ def check_params(max_ops: int = 250, time_limit_s: float = 60.0, **unknown) -> N
 
 @register("optimal-recompute")
 def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, *,
-         max_ops: int = 250, time_limit_s: float = 60.0, **unknown) -> Plan:
+         method: str = "auto", max_ops: int = 100, time_limit_s: float = 60.0,
+         **unknown) -> Plan:
     """The recomputation schedule with the least recompute time whose peak fits ``budget_bytes``.
 
     Args:
-        max_ops: the largest graph handed to the MILP (default 250 ops, about a minute here).
+        method: ``"milp"`` (exact, small graphs), ``"segments"`` (the separator-block DP) or
+            ``"auto"``: the MILP up to ``max_ops`` ops, the DP above.
+        max_ops: the largest graph handed to the MILP (default 100 ops: seconds to a minute here).
         time_limit_s: HiGHS's time limit; a schedule found but not proven optimal is still used.
 
     Raises:
-        ValueError: for bad parameters, no budget, or a graph larger than ``max_ops``.
+        ValueError: for bad parameters, no budget, or ``method="milp"`` on a graph larger than
+            ``max_ops``.
         BudgetError: if no recomputation schedule fits the budget.
     """
-    check_params(max_ops, time_limit_s, **unknown)
+    check_params(method, max_ops, time_limit_s, **unknown)
     if budget_bytes is None:
         raise ValueError("optimal-recompute needs a budget: memfit.compile(..., budget='0.5')")
-    if len(graph.ops) > max_ops:
-        raise ValueError(
-            f"this graph has {len(graph.ops)} ops, more than the MILP's max_ops={max_ops}; "
-            "raise max_ops (the solve grows fast) or use strategy='checkpoint' with a budget"
-        )
+    params = {"method": method, "max_ops": max_ops, "time_limit_s": time_limit_s}
+    if method == "milp" or (method == "auto" and len(graph.ops) <= max_ops):
+        if len(graph.ops) > max_ops:
+            raise ValueError(
+                f"this graph has {len(graph.ops)} ops, more than the MILP's max_ops={max_ops}; "
+                "raise max_ops (the solve grows fast) or use method='segments'")
+        return _milp_plan(graph, hardware, budget_bytes, params, time_limit_s)
+    return _segment_plan(graph, hardware, budget_bytes, params)
+
+
+def _milp_plan(graph: CostGraph, hardware: Hardware, budget_bytes: int, params: dict,
+               time_limit_s: float) -> Plan:
     solution = solve_milp(graph, budget_bytes, time_limit_s=time_limit_s)
     if not solution.found:
         minimum = simulate(graph, _memory_poor(graph), hardware, record_intervals=False).peak_bytes
@@ -65,12 +94,91 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, 
     )
     made = Plan("optimal-recompute", graph_hash=graph.structure_hash, budget_bytes=budget_bytes,
                 hardware=hardware.name, reruns=reruns,
-                params={"max_ops": max_ops, "time_limit_s": time_limit_s,
-                        "milp_status": solution.status})
+                params={**params, "solver": "milp", "milp_status": solution.status})
     predicted = simulate(graph, made, hardware, record_intervals=False).peak_bytes
     if predicted > budget_bytes:  # the MILP's accounting is an upper bound; this is a safeguard
         raise BudgetError(budget_bytes, predicted, strategy="optimal-recompute")
     return made
+
+
+def _segment_plan(graph: CostGraph, hardware: Hardware, budget_bytes: int, params: dict) -> Plan:
+    """The DP's plan, or the checkpoint modes' if one of them recomputes less."""
+    profiler = RerunProfiler(graph)
+    found: list[tuple[float, str, frozenset[str]]] = []
+    recomputed = _segment_recomputed(graph, profiler, budget_bytes)
+    if recomputed is not None:
+        found.append((profiler.profile(recomputed).recompute_s, "segments", recomputed))
+    for mode in ("speed", "memory"):
+        chosen = _checkpoint_recomputed(graph, hardware, budget_bytes, mode)
+        if chosen is not None and profiler.profile(chosen).peak_bytes <= budget_bytes:
+            found.append((profiler.profile(chosen).recompute_s, f"checkpoint {mode}", chosen))
+    if not found:
+        raise BudgetError(budget_bytes, _least_fitting(graph, profiler, budget_bytes),
+                          strategy="optimal-recompute")
+    time_s, solver, chosen = min(found, key=lambda item: (item[0], item[1] != "segments"))
+    made = Plan("optimal-recompute", {t: Recompute("optimal segment") for t in sorted(chosen)},
+                graph_hash=graph.structure_hash, budget_bytes=budget_bytes,
+                hardware=hardware.name, params={**params, "solver": solver})
+    peak = simulate(graph, made, hardware, record_intervals=False).peak_bytes
+    if peak > budget_bytes:  # the profiler is exact; this guards against drift
+        raise BudgetError(budget_bytes, peak, strategy="optimal-recompute")
+    return made
+
+
+def _segment_recomputed(graph: CostGraph, profiler: RerunProfiler,
+                        budget_bytes: int) -> frozenset[str] | None:
+    """The DP's recomputed tensors, re-solved with a tighter budget while the assembled plan's
+    exact peak is over (the decomposition is exact on the graphs we know; this is the net)."""
+    blocks, table = _table(graph)
+    target = budget_bytes
+    for _ in range(_TIGHTEN_ROUNDS):
+        chosen = segments.solve_segments(table, blocks.count, target)
+        if chosen is None:
+            return None
+        recomputed = frozenset().union(*(s.recomputed for s in chosen))
+        peak = profiler.profile(recomputed).peak_bytes
+        if peak <= budget_bytes:
+            return recomputed
+        target -= peak - budget_bytes
+    return None
+
+
+def _least_fitting(graph: CostGraph, profiler: RerunProfiler, budget_bytes: int) -> int:
+    """The smallest budget the DP fits (by bisection: feasibility grows with the budget)."""
+    low, high = budget_bytes, int(profiler.keep_high.max(initial=0))
+    if _segment_recomputed(graph, profiler, high) is None:
+        return high
+    while high - low > max(1, high // 1000):
+        middle = (low + high) // 2
+        if _segment_recomputed(graph, profiler, middle) is None:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
+def _table(graph: CostGraph) -> tuple[segments.Blocks, list[segments.Segment]]:
+    """The priced segments of ``graph``: they do not depend on the budget, so a budget sweep
+    prices them once."""
+    key = (graph.structure_hash, tuple(op.time_s for op in graph.ops))
+    if key not in _TABLES:
+        from memfit.strategies.checkpoint import _speed_checkpoints
+
+        blocks = segments.find_blocks(graph, max_blocks=MAX_BLOCKS)
+        _TABLES.clear()
+        _TABLES[key] = (blocks, segments.segment_table(graph, blocks, _speed_checkpoints(graph, 4)))
+    return _TABLES[key]
+
+
+def _checkpoint_recomputed(graph: CostGraph, hardware: Hardware, budget_bytes: int,
+                           mode: str) -> frozenset[str] | None:
+    from memfit.strategies.checkpoint import plan as checkpoint
+
+    try:
+        made = checkpoint(graph, hardware, budget_bytes, checkpoints=mode)
+    except (BudgetError, ValueError):
+        return None
+    return frozenset(t for t, d in made.decisions.items() if isinstance(d, Recompute))
 
 
 def _memory_poor(graph: CostGraph) -> Plan:

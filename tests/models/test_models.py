@@ -1,4 +1,5 @@
-"""Acceptance on real models: swap (half the peak, swap's minimum) and checkpoint modes.
+"""Acceptance on real models: swap (half the peak, swap's minimum), checkpoint modes and
+optimal-recompute.
 
 For a deep MLP, transformers GPT-2 (4 layers, dropout on), a ResNet-50-shaped transformers
 ResNet (BatchNorm in training mode) and MONAI's 3D UNet: gradients, loss and buffer updates are
@@ -149,6 +150,21 @@ def test_checkpoint_modes_are_bitwise_and_predicted(reference, mode):
     assert_same_as_keep(reference, model, loss)
     assert step.measured.peak_bytes == step.predicted.peak_bytes
     assert step.measured.peak_bytes <= keep.measured.peak_bytes
+
+
+@pytest.mark.parametrize("mode", ["memory", "speed"])
+def test_optimal_recompute_never_recomputes_more_than_a_checkpoint_mode(reference, mode):
+    """At the measured peak of a checkpoint mode, optimal-recompute fits with no more recompute."""
+    example = reference["example"]
+    fixed, _ = run_step(copy.deepcopy(reference["initial"]), example.loss_fn, reference["inputs"],
+                        strategy="checkpoint", checkpoints=mode)
+    budget = fixed.measured.peak_bytes
+    model = copy.deepcopy(reference["initial"])
+    step, loss = run_step(model, example.loss_fn, reference["inputs"], budget=budget,
+                          strategy="optimal-recompute")
+    assert_same_as_keep(reference, model, loss)
+    assert step.measured.peak_bytes == step.predicted.peak_bytes <= budget
+    assert step.predicted.recompute_s <= fixed.predicted.recompute_s * (1 + 1e-9)
 
 
 def test_hundred_layer_mlp_memory_mode_is_sqrt_n():

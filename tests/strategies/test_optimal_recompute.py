@@ -38,8 +38,36 @@ def test_errors_say_what_to_do():
     with pytest.raises(ValueError, match="needs a budget"):
         strategy(graph, HARDWARE)
     with pytest.raises(ValueError, match="max_ops"):
-        strategy(graph, HARDWARE, keep_peak(graph), max_ops=5)
+        strategy(graph, HARDWARE, keep_peak(graph), method="milp", max_ops=5)
+    with pytest.raises(ValueError, match="method must be one of"):
+        strategy(graph, HARDWARE, keep_peak(graph), method="fastest")
     with pytest.raises(ValueError, match="unknown parameters"):
         strategy(graph, HARDWARE, keep_peak(graph), speed=1)
     with pytest.raises(BudgetError):
         strategy(graph, HARDWARE, graph.resident_bytes)
+
+
+def test_large_graphs_go_to_the_segment_dp_and_fit():
+    graph = synthetic.resnet_like(12)  # 112 ops: above the MILP's default max_ops
+    budget = int(0.7 * keep_peak(graph))
+    made = get_strategy("optimal-recompute")(graph, HARDWARE, budget)
+    assert made.params["solver"] in ("segments", "checkpoint speed", "checkpoint memory")
+    timeline = simulate(graph, made, HARDWARE)
+    assert timeline.peak_bytes <= budget
+    for mode in ("memory", "speed"):
+        try:
+            fixed = get_strategy("checkpoint")(graph, HARDWARE, budget, checkpoints=mode)
+        except BudgetError:
+            continue
+        assert timeline.recompute_s <= simulate(graph, fixed, HARDWARE).recompute_s + 1e-12
+
+
+def test_segment_dp_budget_error_names_its_smallest_fit():
+    graph = synthetic.chain(30)
+    strategy = get_strategy("optimal-recompute")
+    with pytest.raises(BudgetError) as error:
+        strategy(graph, HARDWARE, graph.resident_bytes + 1, method="segments")
+    smallest = error.value.minimum_bytes
+    assert graph.resident_bytes < smallest < keep_peak(graph)
+    made = strategy(graph, HARDWARE, smallest, method="segments")
+    assert simulate(graph, made, HARDWARE).peak_bytes <= smallest

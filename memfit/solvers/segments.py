@@ -1,0 +1,278 @@
+"""Least recomputation under a byte budget for whole captured steps: a DP over separator blocks.
+
+Checkmate's MILP (``memfit.solvers.milp``) is exact but has one binary per (stage, op) pair, so
+it stops at a few hundred ops; a captured transformer or ResNet step has a thousand. This reduces
+the step to a chain, as the gradient-checkpointing article does: nested graph separators cut the
+forward pass into *blocks*, and a plan is a split of the blocks into *segments*. A segment is
+either kept whole, or rebuilt in one go from the kept separator before it, recomputing all its
+tensors (``"all"``: Chen's sqrt(n) segments) or only the cheap ones (``"cheap"``: matmul, conv
+and attention outputs inside stay kept, the openai package's "speed" mode inside one segment).
+
+Pricing. Every candidate segment is priced once, exactly, by ``RerunProfiler`` (the memory
+profile of the plan that recomputes that segment alone): its recompute time, its ``need`` (the
+highest live bytes at the positions its blocks own: their forward ops, and the backward ops and
+re-runs that read their tensors) and its ``carried`` change (the most it adds to memory while
+other blocks run; negative: the bytes it frees). Since a kept separator cuts every path, the
+profile of a whole plan is the Keep profile plus each segment's change, and at a position owned
+by segment ``s`` the segments before ``s`` contribute their carried change. So a plan fits when,
+for every segment, ``need + sum(carried of the segments before it) <= budget``: a knapsack-like
+chain DP over (block, carried bytes) with Pareto fronts, no discretisation of the budget.
+
+The decomposition is exact when segments touch only their own positions; where a graph breaks
+that (a value read across a separator in the backward pass only), ``solve_segments`` checks the
+assembled plan with the exact profiler and tightens the budget by the excess until it fits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import networkx as nx
+import numpy as np
+
+from memfit.core import graphs
+from memfit.core.costgraph import CostGraph
+from memfit.core.rerun_profile import RerunProfiler
+
+OPTIONS = ("all", "cheap")
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The forward pass cut at nested separators.
+
+    Args:
+        separators: the cuts, input side first; block ``b`` ends with ``separators[b]`` and the
+            last block (``len(separators)``) holds the loss.
+        droppable: per block, the storages a segment may recompute: made by the block's forward
+            ops, not its closing separator's, not step outputs, not made from data alone.
+        closing: per block, the storages its closing separator holds (neighbouring separator
+            sets may share some: a tower that did not advance between two cuts).
+        owner: per op of the graph, the block whose segment prices that position.
+    """
+
+    separators: tuple[tuple[str, ...], ...]
+    droppable: tuple[frozenset[str], ...]
+    closing: tuple[frozenset[str], ...]
+    owner: np.ndarray
+
+    @property
+    def count(self) -> int:
+        return len(self.droppable)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Blocks ``first..last`` recomputed with ``option`` (``"keep"``: nothing recomputed)."""
+
+    first: int
+    last: int
+    option: str
+    recomputed: frozenset[str]
+    recompute_s: float
+    need_bytes: int
+    carried_bytes: int
+
+
+def find_blocks(graph: CostGraph, max_blocks: int | None = None) -> Blocks:
+    """Cut the forward pass at nested separator sets (``graphs.separator_sets``).
+
+    Args:
+        max_blocks: merge neighbouring blocks (dropping the separators between the blocks with
+            the fewest droppable bytes) until at most this many remain; the table of segments
+            grows with its square.
+    """
+    undirected = graphs.separation_graph(graph)
+    nested, closures = _nested(undirected, graphs.separator_sets(graph))
+    owners = graphs.storage_owners(graph)
+    block_of = _block_of_owner(undirected, closures)
+    if max_blocks is not None and len(nested) + 1 > max_blocks:
+        keep = _thinned(graph, nested, owners, block_of, max_blocks - 1)
+        nested = [nested[i] for i in keep]
+        closures = [closures[i] for i in keep]
+        block_of = _block_of_owner(undirected, closures)
+    count = len(nested) + 1
+    op_block = {
+        op.name: block_of[owner]
+        for op in graph.forward_ops
+        if (owner := owners[op.name]) is not None and owner in block_of
+    }
+    droppable: list[set[str]] = [set() for _ in range(count)]
+    closing: list[set[str]] = [set() for _ in range(count)]
+    for number, separator in enumerate(nested):
+        for name in separator:
+            closing[number] |= {t for t in graph.op(name).outputs if not graph.tensors[t].is_output}
+    for op in graph.forward_ops:
+        block = op_block.get(op.name)
+        if block is None:
+            continue
+        for tensor in op.outputs:
+            if not graph.tensors[tensor].is_output and tensor not in closing[block]:
+                droppable[block].add(tensor)
+    return Blocks(tuple(nested), tuple(frozenset(d) for d in droppable),
+                  tuple(frozenset(c) for c in closing), _position_owners(graph, op_block))
+
+
+def _nested(undirected: nx.Graph, candidates: Sequence[tuple[str, ...]]
+            ) -> tuple[list[tuple[str, ...]], list[frozenset[str]]]:
+    """The candidates that form a chain of cuts, each strictly further from the input."""
+    nested: list[tuple[str, ...]] = []
+    closures: list[frozenset[str]] = []
+    for separator in candidates:
+        rest = undirected.subgraph(set(undirected) - set(separator))
+        if graphs.INPUT not in rest:
+            continue
+        closure = frozenset(nx.node_connected_component(rest, graphs.INPUT)) | set(separator)
+        if graphs.LOSS in closure or (closures and not closures[-1] < closure):
+            continue
+        nested.append(separator)
+        closures.append(closure)
+    return nested, closures
+
+
+def _block_of_owner(undirected: nx.Graph, closures: Sequence[frozenset[str]]) -> dict[str, int]:
+    """Owner op -> the first block whose closure holds it (the last block otherwise)."""
+    block_of: dict[str, int] = {}
+    for node in undirected:
+        if node in (graphs.INPUT, graphs.LOSS):
+            continue
+        block_of[node] = next((b for b, c in enumerate(closures) if node in c), len(closures))
+    return block_of
+
+
+def _thinned(graph: CostGraph, nested: Sequence[tuple[str, ...]], owners: Mapping[str, str | None],
+             block_of: Mapping[str, int], cuts: int) -> list[int]:
+    """Indices of ``cuts`` separators to keep: merge the lightest neighbouring blocks first."""
+    weight = [0] * (len(nested) + 1)
+    for op in graph.forward_ops:
+        owner = owners[op.name]
+        if owner is not None and owner in block_of:
+            weight[block_of[owner]] += sum(graph.tensors[t].size_bytes for t in op.outputs)
+    kept = list(range(len(nested)))
+    spans = [[w] for w in weight]  # block weights between kept cuts
+    while len(kept) > max(cuts, 0):
+        lightest = min(range(len(kept)), key=lambda i: sum(spans[i]) + sum(spans[i + 1]))
+        spans[lightest] = spans[lightest] + spans.pop(lightest + 1)
+        kept.pop(lightest)
+    return kept
+
+
+def _position_owners(graph: CostGraph, op_block: Mapping[str, int]) -> np.ndarray:
+    """Per op, the block pricing its position (see the module note)."""
+    producer_block = {
+        tensor: op_block[op.name]
+        for op in graph.forward_ops if op.name in op_block for tensor in op.outputs
+    }
+    owner = np.zeros(len(graph.ops), dtype=np.int64)
+    previous = 0
+    for index, op in enumerate(graph.ops):
+        if op.phase == "forward":
+            previous = op_block.get(op.name, previous)
+            owner[index] = previous
+    following = 0
+    for index in range(len(graph.ops) - 1, -1, -1):
+        op = graph.ops[index]
+        if op.phase == "forward":
+            continue
+        read = [producer_block[t] for t in op.inputs if t in producer_block]
+        if read:
+            following = max(read)
+        owner[index] = following
+    return owner
+
+
+def segment_table(graph: CostGraph, blocks: Blocks, cheap_kept: Iterable[str],
+                  max_length: int | None = None) -> list[Segment]:
+    """Every candidate segment, priced (see the module note).
+
+    Args:
+        cheap_kept: the storages a ``"cheap"`` segment keeps (expensive ops' outputs).
+        max_length: the longest ``"all"`` segment in blocks (default: about twice sqrt(blocks),
+            the article's segment length with room to spare: a longer one rebuilds more at once
+            than it saves in kept separators). ``"cheap"`` segments may span everything: their
+            rebuilds are short chains, so their cost does not grow with their length.
+    """
+    profiler = RerunProfiler(graph)
+    cheap_kept = frozenset(cheap_kept)
+    longest = {"all": max_length or max(4, math.ceil(2 * math.sqrt(blocks.count)) + 1),
+               "cheap": blocks.count}
+    table: list[Segment] = []
+    for first in range(blocks.count):
+        table.append(_priced(profiler, blocks, first, first, "keep", frozenset()))
+        for last in range(first, blocks.count):
+            everything = frozenset().union(
+                *blocks.droppable[first: last + 1], *blocks.closing[first: last]
+            ) - blocks.closing[last] - (blocks.closing[first - 1] if first else frozenset())
+            for option, recomputed in (("all", everything), ("cheap", everything - cheap_kept)):
+                if recomputed and last - first < longest[option]:
+                    table.append(_priced(profiler, blocks, first, last, option, recomputed))
+    return table
+
+
+def _priced(profiler: RerunProfiler, blocks: Blocks, first: int, last: int, option: str,
+            recomputed: frozenset[str]) -> Segment:
+    if recomputed:
+        profile = profiler.profile(recomputed)
+        high, time_s = profile.high_bytes, profile.recompute_s
+    else:
+        high, time_s = profiler.keep_high, 0.0
+    own = (blocks.owner >= first) & (blocks.owner <= last)
+    later = blocks.owner > last
+    need = int(high[own].max(initial=0))
+    carried = int((high[later] - profiler.keep_high[later]).max()) if later.any() else 0
+    return Segment(first, last, option, recomputed, time_s, need, carried)
+
+
+@dataclass(frozen=True)
+class _State:
+    carried_bytes: int
+    time_s: float
+    segment: Segment | None
+    previous: _State | None
+
+
+def solve_segments(table: Sequence[Segment], count: int, budget_bytes: int
+                   ) -> tuple[Segment, ...] | None:
+    """The segments covering blocks ``0..count-1`` with the least recompute time whose priced
+    peak fits ``budget_bytes``; ``None`` if none does."""
+    starting: dict[int, list[Segment]] = {}
+    for segment in table:
+        starting.setdefault(segment.first, []).append(segment)
+    fronts: list[list[_State]] = [[] for _ in range(count + 1)]
+    fronts[0] = [_State(0, 0.0, None, None)]
+    quantum = max(1, budget_bytes // 4096)  # carried bytes closer than this count as equal
+    for first in range(count):
+        fronts[first] = _pareto(fronts[first], quantum)
+        for state in fronts[first]:
+            for segment in starting.get(first, ()):
+                if segment.need_bytes + state.carried_bytes > budget_bytes:
+                    continue
+                fronts[segment.last + 1].append(_State(
+                    state.carried_bytes + segment.carried_bytes, state.time_s + segment.recompute_s,
+                    segment, state))
+    if not fronts[count]:
+        return None
+    best: _State | None = min(fronts[count], key=lambda s: s.time_s)
+    chosen: list[Segment] = []
+    while best is not None and best.segment is not None:
+        chosen.append(best.segment)
+        best = best.previous
+    return tuple(reversed(chosen))
+
+
+def _pareto(states: list[_State], quantum: int) -> list[_State]:
+    """The states no other beats on both carried bytes (to within ``quantum``) and time.
+
+    Of states whose carried bytes round up to the same multiple of ``quantum``, the fastest
+    stands for all, with the rounded-up bytes: a little pessimistic, never over the budget.
+    """
+    front: list[_State] = []
+    for state in sorted(states, key=lambda s: (-(-s.carried_bytes // quantum), s.time_s)):
+        rounded = -(-state.carried_bytes // quantum) * quantum
+        if not front or state.time_s < front[-1].time_s:
+            if front and front[-1].carried_bytes == rounded:
+                continue
+            front.append(_State(rounded, state.time_s, state.segment, state.previous))
+    return front
