@@ -102,7 +102,8 @@ def _milp_plan(graph: CostGraph, hardware: Hardware, budget_bytes: int, params: 
 
 
 def _segment_plan(graph: CostGraph, hardware: Hardware, budget_bytes: int, params: dict) -> Plan:
-    """The DP's plan, or the checkpoint modes' if one of them recomputes less."""
+    """The DP's plan, or the checkpoint modes' if one recomputes less; memory-poor's as the last
+    resort below the DP's reach."""
     profiler = RerunProfiler(graph)
     found: list[tuple[float, str, frozenset[str]]] = []
     recomputed = _segment_recomputed(graph, profiler, budget_bytes)
@@ -113,8 +114,7 @@ def _segment_plan(graph: CostGraph, hardware: Hardware, budget_bytes: int, param
         if chosen is not None and profiler.profile(chosen).peak_bytes <= budget_bytes:
             found.append((profiler.profile(chosen).recompute_s, f"checkpoint {mode}", chosen))
     if not found:
-        raise BudgetError(budget_bytes, _least_fitting(graph, profiler, budget_bytes),
-                          strategy="optimal-recompute")
+        return _memory_poor_fit(graph, hardware, profiler, budget_bytes, params)
     time_s, solver, chosen = min(found, key=lambda item: (item[0], item[1] != "segments"))
     made = Plan("optimal-recompute", {t: Recompute("optimal segment") for t in sorted(chosen)},
                 graph_hash=graph.structure_hash, budget_bytes=budget_bytes,
@@ -123,6 +123,20 @@ def _segment_plan(graph: CostGraph, hardware: Hardware, budget_bytes: int, param
     if peak > budget_bytes:  # the profiler is exact; this guards against drift
         raise BudgetError(budget_bytes, peak, strategy="optimal-recompute")
     return made
+
+
+def _memory_poor_fit(graph: CostGraph, hardware: Hardware, profiler: RerunProfiler,
+                     budget_bytes: int, params: dict) -> Plan:
+    """Memory-poor's plan (rebuild everything before each backward op) if it fits: below the
+    DP's smallest peak it is the only recomputation plan we have, at O(n^2) recompute."""
+    poor = _memory_poor(graph)
+    peak = simulate(graph, poor, hardware, record_intervals=False).peak_bytes
+    if peak > budget_bytes:
+        smallest = min(peak, _least_fitting(graph, profiler, budget_bytes))
+        raise BudgetError(budget_bytes, smallest, strategy="optimal-recompute")
+    return Plan("optimal-recompute", graph_hash=graph.structure_hash, budget_bytes=budget_bytes,
+                hardware=hardware.name, reruns=poor.reruns,
+                params={**params, "solver": "memory-poor"})
 
 
 def _segment_recomputed(graph: CostGraph, profiler: RerunProfiler,

@@ -71,3 +71,15 @@ def test_segment_dp_budget_error_names_its_smallest_fit():
     assert graph.resident_bytes < smallest < keep_peak(graph)
     made = strategy(graph, HARDWARE, smallest, method="segments")
     assert simulate(graph, made, HARDWARE).peak_bytes <= smallest
+
+
+def test_below_the_dp_reach_memory_poor_still_fits():
+    graph = synthetic.resnet_like(12)
+    strategy = get_strategy("optimal-recompute")
+    poor = simulate(graph, get_strategy("memory-poor")(graph, HARDWARE), HARDWARE).peak_bytes
+    with pytest.raises(BudgetError) as error:
+        strategy(graph, HARDWARE, poor - 1)
+    assert error.value.minimum_bytes == poor
+    made = strategy(graph, HARDWARE, poor)
+    assert made.params["solver"] == "memory-poor"
+    assert simulate(graph, made, HARDWARE).peak_bytes <= poor
