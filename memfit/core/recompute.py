@@ -47,9 +47,18 @@ def planned_reruns(graph: CostGraph, plan: Plan) -> dict[str, list[PlannedRerun]
 def _decided_reruns(graph: CostGraph, plan: Plan) -> list[PlannedRerun]:
     """The re-runs ``Recompute`` decisions imply: each producer once, before its first need."""
     recomputed = {name for name, d in plan.decisions.items() if isinstance(d, Recompute)}
-    if not recomputed:
-        return []
-    deadline = _deadlines(graph, recomputed)
+    return decided_reruns(graph, recomputed) if recomputed else []
+
+
+def decided_reruns(graph: CostGraph, recomputed: set[str],
+                   first_late_reader: dict[str, int] | None = None) -> list[PlannedRerun]:
+    """The re-runs that recomputing ``recomputed`` implies, in program order.
+
+    Args:
+        first_late_reader: tensor -> position of its first reader outside the forward pass
+            (computed here when not given; planners pricing many plans pass it in).
+    """
+    deadline = _deadlines(graph, recomputed, first_late_reader)
     return [
         PlannedRerun(producer, graph.ops[deadline[producer]].name,
                      frozenset(recomputed.intersection(graph.op(producer).outputs)))
@@ -57,15 +66,26 @@ def _decided_reruns(graph: CostGraph, plan: Plan) -> list[PlannedRerun]:
     ]
 
 
-def _deadlines(graph: CostGraph, recomputed: set[str]) -> dict[str, int]:
+def first_late_readers(graph: CostGraph) -> dict[str, int]:
+    """Tensor -> position of its first reader outside the forward pass (tensors read there)."""
+    found: dict[str, int] = {}
+    for position, op in enumerate(graph.ops):
+        if op.phase != "forward":
+            for tensor in op.inputs:
+                found.setdefault(tensor, position)
+    return found
+
+
+def _deadlines(graph: CostGraph, recomputed: set[str],
+               first_late_reader: dict[str, int] | None = None) -> dict[str, int]:
     """Producer -> position of the first backward op needing it (directly or through a re-run)."""
+    late_reader = first_late_readers(graph) if first_late_reader is None else first_late_reader
     deadline: dict[str, int] = {}
     pending: list[tuple[str, int]] = []
     for name in recomputed:
-        tensor = graph.tensors[name]
-        late = [graph.index[c] for c in tensor.consumers if graph.op(c).phase != "forward"]
-        if late and tensor.producer is not None:
-            pending.append((tensor.producer, min(late)))
+        producer = graph.tensors[name].producer
+        if name in late_reader and producer is not None:
+            pending.append((producer, late_reader[name]))
     while pending:  # an explicit stack: segments can be thousands of ops long
         producer, position = pending.pop()
         if deadline.get(producer, len(graph.ops)) <= position:

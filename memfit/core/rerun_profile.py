@@ -11,14 +11,15 @@ reader), and a test holds the two equal on synthetic and captured graphs.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 from memfit.core.costgraph import CostGraph
-from memfit.core.plan import Plan, Recompute
-from memfit.core.recompute import PlannedRerun, planned_reruns
+from memfit.core.plan import Plan
+from memfit.core.recompute import PlannedRerun, decided_reruns, first_late_readers
 from memfit.core.schedule import lower, memory_profile
 
 
@@ -60,12 +61,14 @@ class RerunProfiler:
         self._produced_at = {
             name: index[t.producer] for name, t in graph.tensors.items() if t.producer is not None
         }
+        self._first_late_reader = first_late_readers(graph)
 
     def profile(self, recomputed: Iterable[str]) -> RerunProfile:
         """The profile of ``Plan(decisions={t: Recompute() for t in recomputed})``."""
         graph = self.graph
-        plan = Plan("segment", {name: Recompute() for name in recomputed})
-        grouped = planned_reruns(graph, plan)
+        grouped: dict[str, list[PlannedRerun]] = {}
+        for rerun in decided_reruns(graph, set(recomputed), self._first_late_reader):
+            grouped.setdefault(rerun.before, []).append(rerun)
         count = np.zeros(len(graph.ops), dtype=np.int64)
         for before, reruns in grouped.items():
             count[graph.index[before]] = len(reruns)
@@ -119,24 +122,30 @@ class _RerunWalk:
 
     def changes(self) -> list[tuple[int, int, int]]:
         """(first action, last action, signed bytes) of every changed lifetime."""
-        profiler, compute_at = self.profiler, self.compute_at
+        profiler, compute_at = self.profiler, self.compute_at.tolist()  # plain ints: fast lookups
         graph = profiler.graph
         last_read = dict(self.rerun_reads)
         for tensor, replacements in self.replaced.items():
-            for reader in profiler._readers[tensor]:
-                buffer = tensor
-                for before_index, instance in replacements:
-                    if before_index <= reader:
-                        buffer = instance
-                last_read[buffer] = max(int(compute_at[reader]), last_read.get(buffer, -1))
+            readers = profiler._readers[tensor]
+            for number, (before_index, instance) in enumerate(replacements):
+                until = replacements[number + 1][0] if number + 1 < len(replacements) else None
+                first = bisect.bisect_left(readers, before_index)
+                end = len(readers) if until is None else bisect.bisect_left(readers, until)
+                if end > first:  # readers in [before, next re-run) read this instance
+                    last_read[instance] = max(compute_at[readers[end - 1]],
+                                              last_read.get(instance, -1))
+            first = bisect.bisect_left(readers, replacements[0][0])
+            if first:  # readers before the first re-run read the original
+                last_read[tensor] = max(compute_at[readers[first - 1]],
+                                        last_read.get(tensor, -1))
         changes: list[tuple[int, int, int]] = []
         for tensor in {*self.replaced, *(b for b in self.rerun_reads if b in graph.tensors)}:
             info = graph.tensors[tensor]
             if info.is_output or tensor not in profiler._produced_at:
                 continue  # step outputs and resident tensors are never freed
-            start = int(compute_at[profiler._produced_at[tensor]])
+            start = compute_at[profiler._produced_at[tensor]]
             readers = profiler._readers[tensor]
-            old_end = max(start, int(compute_at[readers[-1]])) if readers else start
+            old_end = max(start, compute_at[readers[-1]]) if readers else start
             if tensor not in self.replaced:
                 last_read[tensor] = max(last_read[tensor], old_end)
             new_end = max(start, last_read.get(tensor, start))
@@ -151,16 +160,18 @@ class _RerunWalk:
 def _high_delta(changes: list[tuple[int, int, int]], length: int) -> np.ndarray:
     """Bytes to add to the Keep profile while each action of the new program runs."""
     difference = np.zeros(length + 1, dtype=np.int64)
-    for start, end, size_bytes in changes:  # live while action a runs: start <= a <= end
-        difference[start] += size_bytes
-        difference[end + 1] -= size_bytes
+    if changes:
+        start, end, size = np.asarray(changes, dtype=np.int64).T
+        np.add.at(difference, start, size)  # live while action a runs: start <= a <= end
+        np.add.at(difference, end + 1, -size)
     return np.cumsum(difference[:-1])
 
 
 def _live_delta(changes: list[tuple[int, int, int]], compute_at: np.ndarray) -> np.ndarray:
     """Bytes to add to the Keep live bytes right after each original op."""
     difference = np.zeros(int(compute_at[-1]) + 2, dtype=np.int64)
-    for start, end, size_bytes in changes:  # live after action a: start <= a < end
-        difference[start] += size_bytes
-        difference[end] -= size_bytes
+    if changes:
+        start, end, size = np.asarray(changes, dtype=np.int64).T
+        np.add.at(difference, start, size)  # live after action a: start <= a < end
+        np.add.at(difference, end, -size)
     return np.cumsum(difference[:-1])[compute_at]
