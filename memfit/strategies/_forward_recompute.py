@@ -14,6 +14,8 @@ Note:
     of re-run time, together with the producers of its inputs that would otherwise have to be
     kept alive for it (a *segment*, at most ``MAX_SEGMENT_OPS`` ops). A move is taken only if it
     lowers the peak (or the number of actions at it), so the result never has a higher peak.
+    A move that only shrank a plateau may turn out unneeded once the peak is lower, so at the
+    end each added re-run is dropped again if the peak stays as low without it.
 """
 
 from __future__ import annotations
@@ -86,7 +88,21 @@ def recompute_in_forward(graph: CostGraph, plan: Plan, hardware: Hardware,
         if moved is None:
             break
         state = moved
-    return state.plan
+    return _pruned(graph, state.plan, keep=set(plan.reruns))
+
+
+def _pruned(graph: CostGraph, plan: Plan, keep: set[Rerun]) -> Plan:
+    """``plan`` without the added re-runs its peak does not need (latest first)."""
+    target_bytes = memory_profile(lower(graph, plan)).peak_bytes
+    reruns = list(plan.reruns)
+    for rerun in reversed(plan.reruns):
+        if rerun in keep:
+            continue
+        fewer = [r for r in reruns if r != rerun]
+        tried = _state(graph, replace(plan, reruns=tuple(fewer)))
+        if tried is not None and tried.profile.peak_bytes <= target_bytes:
+            reruns = fewer
+    return replace(plan, reruns=tuple(reruns))
 
 
 def _state(graph: CostGraph, plan: Plan) -> _State | None:

@@ -200,20 +200,20 @@ def _memory_mode(graph: CostGraph, hardware: Hardware, budget_bytes: int | None,
     counts = range(1, len(candidates) + 1) if budget_bytes is not None else [
         max(1, round(len(graph.forward_ops) ** 0.5))]
     best: tuple[float, Plan] | None = None
-    smallest: tuple[int, Plan] | None = None
+    smallest: tuple[int, float, Plan] | None = None  # ties: the faster (forward recompute's base)
     for count in counts:
         chosen = graphs.evenly_spaced(candidates, min(count, len(candidates)))
         kept = {t for separator in chosen for t in _separator_tensors(graph, separator)}
         made = recompute_all_but(graph, kept, hardware, budget_bytes, {**params, "count": count})
         timeline = simulate(graph, made, hardware, record_intervals=False)
-        if smallest is None or timeline.peak_bytes < smallest[0]:
-            smallest = (timeline.peak_bytes, made)
+        if smallest is None or (timeline.peak_bytes, timeline.step_time_s) < smallest[:2]:
+            smallest = (timeline.peak_bytes, timeline.step_time_s, made)
         if budget_bytes is None or timeline.peak_bytes <= budget_bytes:
             if best is None or timeline.step_time_s < best[0]:
                 best = (timeline.step_time_s, made)
     if best is None:
         assert smallest is not None
-        return smallest[1]
+        return smallest[2]
     return best[1]
 
 

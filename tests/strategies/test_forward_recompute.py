@@ -179,3 +179,23 @@ def test_checkpoint_with_forward_recompute_end_to_end():
     measured, predicted = step.measured.peak_bytes, step.predicted.peak_bytes
     assert abs(measured - predicted) <= max(0.01 * measured, MiB)
     assert measured <= budget_bytes < keep.measured.peak_bytes
+
+
+def test_unet_forward_peak_at_the_loss_is_left_alone():
+    """MONAI's 3D UNet under checkpointing peaks at the loss, the end of the forward pass:
+    every skip connection has been read for the last time by then, so no forward re-run
+    frees anything there, and the plan comes back unchanged rather than with useless re-runs.
+    """
+    from memfit import examples
+    from memfit.graph.analyze import analyze
+    from memfit.graph.capture import capture
+
+    example = examples.unet3d(channels=(4, 8, 16), size=16)
+    graph = analyze(capture(example.model, example.loss_fn, *example.inputs()), HARDWARE)
+    backward_only = get_strategy("checkpoint")(graph, HARDWARE, forward_recompute=False)
+    schedule = lower(graph, backward_only)
+    profile = memory_profile(schedule)
+    assert schedule.actions[profile.peak_index].op == "pow_1"  # (output - target) ** 2
+    made = get_strategy("checkpoint")(graph, HARDWARE, forward_recompute=True)
+    assert made.reruns == ()
+    assert peak(graph, made)[0] == profile.peak_bytes
