@@ -71,14 +71,17 @@ def recompute_in_forward(graph: CostGraph, plan: Plan, hardware: Hardware,
         else a plan with the same decisions and more re-runs, whose peak is lower (maybe still
         above the budget: the caller checks).
 
+    Raises:
+        PlanError: if ``plan`` itself does not fit ``graph``.
+
     Example:
         >>> made = recompute_in_forward(graph, checkpoint_plan, get_hardware("cpu"), 2 << 20)
         >>> [(r.op, r.before) for r in made.reruns]   # doctest: +SKIP
         [('side1', 'late1'), ...]
     """
     del hardware  # the signature of a strategy step; times are the graph's
-    state = _state(graph, plan)
-    assert state is not None, "the plan to extend must lower"
+    schedule = lower(graph, plan)
+    state = _State(plan, schedule, memory_profile(schedule))
     for _ in range(MAX_MOVES):
         if budget_bytes is not None and state.profile.peak_bytes <= budget_bytes:
             break
@@ -88,6 +91,8 @@ def recompute_in_forward(graph: CostGraph, plan: Plan, hardware: Hardware,
         if moved is None:
             break
         state = moved
+    if state.plan is plan:
+        return plan
     return _pruned(graph, state.plan, keep=set(plan.reruns))
 
 
