@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -17,13 +17,14 @@ import torch
 from memfit.core.costgraph import CostGraph
 from memfit.core.errors import BudgetError
 from memfit.core.hardware import Hardware, get_hardware
+from memfit.core.linearize import linearize as as_late_as_possible
 from memfit.core.plan import Plan
 from memfit.core.simulate import simulate
 from memfit.core.timeline import Timeline
 from memfit.core.units import Budget, parse_budget
 from memfit.graph.analyze import analyze
 from memfit.graph.capture import Captured, capture, check_inputs, input_signature
-from memfit.graph.rewrite import rewrite
+from memfit.graph.rewrite import reorder, rewrite
 from memfit.runtime.executor import Executor
 from memfit.runtime.measure import measure_peak as _measure_peak
 from memfit.runtime.profile import run_measured
@@ -60,7 +61,7 @@ class Step:
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable, budget: Budget | None,
                  strategy: str, hardware: Hardware | str | None, measure: bool,
-                 params: Mapping[str, Any]) -> None:
+                 params: Mapping[str, Any], linearize: bool = False) -> None:
         self.model = model
         self.loss_fn = loss_fn
         self.budget = budget
@@ -68,6 +69,7 @@ class Step:
         self.hardware_spec = hardware
         self.measure = measure
         self.params = dict(params)
+        self.linearize = linearize
         self._compiled: dict[tuple, Compiled] = {}
         self._last: Compiled | None = None
 
@@ -145,7 +147,7 @@ class Step:
         device = inputs[0].device if inputs else torch.device("cpu")
         hardware = resolve_hardware(self.hardware_spec, device)
         captured = capture(self.model, self.loss_fn, *inputs)
-        graph = analyze(captured, hardware, name=type(self.model).__name__)
+        captured, graph = analyzed(captured, hardware, type(self.model).__name__, self.linearize)
         outside_bytes = sum(
             p.grad.untyped_storage().nbytes() for p in self.model.parameters() if p.grad is not None
         )
@@ -189,6 +191,25 @@ class Step:
         from memfit.render.text import step_report
 
         return step_report(self.compiled)
+
+
+def analyzed(captured: Captured, hardware: Hardware, name: str,
+             linearize: bool) -> tuple[Captured, CostGraph]:
+    """The step's CostGraph; with ``linearize``, the step reordered as late as possible first.
+
+    The fx node order is the program order, so the captured graph itself is reordered and
+    analyzed again: what is planned, rewritten and run is one order (``memfit.core.linearize``
+    keeps random ops in their order and never raises the unplanned peak).
+    """
+    graph = analyze(captured, hardware, name=name)
+    if not linearize:
+        return captured, graph
+    linear = as_late_as_possible(graph)
+    if linear is graph:
+        return captured, graph
+    order = [op.name for op in linear.ops]
+    captured = replace(captured, graph_module=reorder(captured.graph_module, order))
+    return captured, analyze(captured, hardware, name=name)
 
 
 def resolve_hardware(hardware: Hardware | str | None, device: torch.device) -> Hardware:
@@ -241,7 +262,7 @@ def resolve_budget_and_strategy(budget, strategy: str | None, params: Mapping[st
 
 def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float | None = None,
             strategy: str | None = None, hardware: Hardware | str | None = None, *,
-            measure: bool = True, **params: Any) -> Step:
+            measure: bool = True, linearize: bool = False, **params: Any) -> Step:
     """Compile ``loss_fn(model, *inputs)`` into a step that fits ``budget``.
 
     Args:
@@ -255,6 +276,10 @@ def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float
         hardware: a profile name (``"h100-pcie"``, ``"cpu"``, ...) or ``Hardware`` for the cost
             model. Default: ``cpu`` on a CPU, measured on an accelerator.
         measure: measure every step's device peak (cheap; off to shave the tracker's overhead).
+        linearize: reorder the forward pass as late as possible before planning (default
+            ``False``): values made early and read late (side inputs, masks) are made right
+            before their reader. Results are bit for bit the same and the unplanned peak never
+            rises; it costs one more analysis of the captured graph.
         **params: the strategy's parameters, e.g. ``lb=3, ctrld_strategy="direct_order"``.
 
     Raises:
@@ -266,13 +291,15 @@ def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float
         >>> print(step.report())
     """
     parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
-    return Step(model, loss_fn, parsed, chosen, hardware, measure, params)
+    return Step(model, loss_fn, parsed, chosen, hardware, measure, params, linearize)
 
 
 def plan(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor,
          budget: str | int | float | None = None, hardware: Hardware | str = "h100-pcie",
-         strategy: str | None = None, **params: Any) -> Plan:
+         strategy: str | None = None, linearize: bool = False, **params: Any) -> Plan:
     """Plan a step without running it; ``inputs`` may be meta tensors.
+
+    ``linearize`` reorders the forward pass first, as in ``compile``.
 
     Raises:
         BudgetError, ValueError, CaptureError: as ``compile``.
@@ -280,7 +307,7 @@ def plan(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor,
     parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
     resolved = get_hardware(hardware)
     captured = capture(model, loss_fn, *inputs)
-    graph = analyze(captured, resolved, name=type(model).__name__)
+    _, graph = analyzed(captured, resolved, type(model).__name__, linearize)
     made, _, _ = make_plan(graph, resolved, parsed, chosen, params)
     return made
 

@@ -250,3 +250,34 @@ def rewrite(graph_module: fx.GraphModule, graph: CostGraph, plan: Plan) -> fx.Gr
     rewriter.emit(output)
     rewriter.graph.lint()
     return fx.GraphModule(graph_module, rewriter.graph)
+
+
+def reorder(graph_module: fx.GraphModule, order: list[str] | tuple[str, ...]) -> fx.GraphModule:
+    """A new GraphModule whose ``call_function`` nodes run in ``order`` (fx node order is the
+    program order, so this is how a reordered ``CostGraph`` becomes the program).
+
+    Inputs and constants come first in their order, the output last; every node keeps its name
+    and ``meta`` (the fake values ``analyze`` sizes storages by).
+
+    Raises:
+        PlanError: if ``order`` does not name each ``call_function`` node once, or puts a node
+            before one it reads.
+    """
+    nodes = {node.name: node for node in graph_module.graph.nodes}
+    calls = [node.name for node in graph_module.graph.nodes if node.op == "call_function"]
+    if sorted(order) != sorted(calls):
+        raise PlanError("a new order must name every call_function node of the graph once")
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+
+    def lookup(node: fx.Node) -> fx.Node:
+        if node not in env:
+            raise PlanError(f"the new order runs a reader of {node.name} before it")
+        return env[node]
+
+    head = [node for node in graph_module.graph.nodes if node.op in ("placeholder", "get_attr")]
+    for node in (*head, *(nodes[name] for name in order)):
+        env[node] = graph.node_copy(node, lookup)
+    graph.node_copy(graph_module.graph.find_nodes(op="output")[0], lookup)
+    graph.lint()
+    return fx.GraphModule(graph_module, graph)

@@ -12,6 +12,11 @@ Three ways to choose the checkpoints (``checkpoints=``):
 
 Every other forward tensor is recomputed: freed after its last forward use and rebuilt once,
 right before the first backward op that needs it (``Recompute``).
+
+When the peak is in the forward pass (skip connections, a value read by an early and a late
+branch), recomputing for the backward pass cannot lower it; ``forward_recompute`` then also
+frees forward values across that peak and re-runs them before their late forward reader
+(``memfit.strategies._forward_recompute``).
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ from memfit.core import graphs
 from memfit.core.costgraph import CostGraph, Op
 from memfit.core.hardware import Hardware
 from memfit.core.plan import Plan, Recompute
+from memfit.core.schedule import peak_bytes
 from memfit.core.simulate import simulate
 from memfit.strategies import register
 from memfit.strategies._fit import require_fit
+from memfit.strategies._forward_recompute import recompute_in_forward
 
 EXPENSIVE_KINDS = frozenset({
     "aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten.matmul", "aten.linear",
@@ -37,11 +44,14 @@ EXPENSIVE_KINDS = frozenset({
 
 
 def check_params(checkpoints: str | Sequence[str] = "memory", max_chain: int = 4,
-                 **unknown) -> None:
+                 forward_recompute: bool | None = None, **unknown) -> None:
     """Validate checkpoint's parameters without a graph."""
     if unknown:
         raise ValueError(f"strategy 'checkpoint' got unknown parameters {sorted(unknown)}; "
-                         "it accepts checkpoints= and max_chain=")
+                         "it accepts checkpoints=, max_chain= and forward_recompute=")
+    if forward_recompute not in (None, True, False):
+        raise ValueError(f"forward_recompute must be True, False or None (automatic), "
+                         f"got {forward_recompute!r}")
     if not isinstance(max_chain, int) or isinstance(max_chain, bool) or max_chain < 1:
         raise ValueError(f"max_chain must be a positive int, got {max_chain!r}")
     is_list = isinstance(checkpoints, (list, tuple)) and all(isinstance(c, str) for c in checkpoints)
@@ -52,7 +62,8 @@ def check_params(checkpoints: str | Sequence[str] = "memory", max_chain: int = 4
 
 @register("checkpoint")
 def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, *,
-         checkpoints: str | Sequence[str] = "memory", max_chain: int = 4, **unknown) -> Plan:
+         checkpoints: str | Sequence[str] = "memory", max_chain: int = 4,
+         forward_recompute: bool | None = None, **unknown) -> Plan:
     """Keep checkpoints and recompute every other forward tensor.
 
     Args:
@@ -61,21 +72,31 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, 
         max_chain: in ``"speed"`` mode, the longest chain of cheap ops recomputed from one kept
             value (default 4); longer chains are cut by keeping a value, so a rebuild never
             replays a whole residual stream.
+        forward_recompute: also re-run forward values across a peak in the forward pass
+            (see the module note). ``None`` (default): only when a budget is given and the
+            backward-only plan does not fit it; ``True``: always (with no budget, lower the
+            forward peak as far as it goes), for more recompute time; ``False``: never.
 
     Raises:
         ValueError: for an unknown parameter or mode, or a list that matches nothing.
         BudgetError: if no choice of checkpoints of this mode fits ``budget_bytes``.
     """
-    check_params(checkpoints, max_chain, **unknown)
-    params = {"checkpoints": checkpoints, "max_chain": max_chain}
+    check_params(checkpoints, max_chain, forward_recompute, **unknown)
+    params = {"checkpoints": checkpoints, "max_chain": max_chain,
+              "forward_recompute": forward_recompute}
     if checkpoints == "memory":
-        return _memory_mode(graph, hardware, budget_bytes, params)
-    if checkpoints == "speed":
-        kept = _speed_checkpoints(graph, max_chain)
+        made = _memory_mode(graph, hardware, budget_bytes, params)
     else:
-        kept = _listed_checkpoints(graph, checkpoints)
-    made = recompute_all_but(graph, kept, hardware, budget_bytes, params)
+        kept = (_speed_checkpoints(graph, max_chain) if checkpoints == "speed"
+                else _listed_checkpoints(graph, checkpoints))
+        made = recompute_all_but(graph, kept, hardware, budget_bytes, params)
+    if forward_recompute or (forward_recompute is None and not _fits(graph, made, budget_bytes)):
+        made = recompute_in_forward(graph, made, hardware, budget_bytes)
     return require_fit(graph, made, budget_bytes)
+
+
+def _fits(graph: CostGraph, made: Plan, budget_bytes: int | None) -> bool:
+    return budget_bytes is None or peak_bytes(graph, made) <= budget_bytes
 
 
 def recompute_all_but(graph: CostGraph, kept: Iterable[str], hardware: Hardware,
@@ -168,7 +189,8 @@ def _inside(scope: str, instance: str) -> bool:
 
 def _memory_mode(graph: CostGraph, hardware: Hardware, budget_bytes: int | None,
                  params: dict) -> Plan:
-    """sqrt(n) separators; with a budget, the separator count that fits with least recompute."""
+    """sqrt(n) separators; with a budget, the separator count that fits with least recompute,
+    or the one with the lowest peak when none fits (the caller may still lower it)."""
     points = graphs.articulation_points(graph)
     enough = max(2, round(len(graph.forward_ops) ** 0.5 / 2))
     candidates = [(p,) for p in points] if len(points) >= enough else list(graphs.separator_sets(graph))
@@ -178,21 +200,20 @@ def _memory_mode(graph: CostGraph, hardware: Hardware, budget_bytes: int | None,
     counts = range(1, len(candidates) + 1) if budget_bytes is not None else [
         max(1, round(len(graph.forward_ops) ** 0.5))]
     best: tuple[float, Plan] | None = None
-    smallest: tuple[int, Plan] | None = None
+    smallest: tuple[int, float, Plan] | None = None  # ties: the faster (forward recompute's base)
     for count in counts:
         chosen = graphs.evenly_spaced(candidates, min(count, len(candidates)))
         kept = {t for separator in chosen for t in _separator_tensors(graph, separator)}
         made = recompute_all_but(graph, kept, hardware, budget_bytes, {**params, "count": count})
         timeline = simulate(graph, made, hardware, record_intervals=False)
-        if smallest is None or timeline.peak_bytes < smallest[0]:
-            smallest = (timeline.peak_bytes, made)
+        if smallest is None or (timeline.peak_bytes, timeline.step_time_s) < smallest[:2]:
+            smallest = (timeline.peak_bytes, timeline.step_time_s, made)
         if budget_bytes is None or timeline.peak_bytes <= budget_bytes:
             if best is None or timeline.step_time_s < best[0]:
                 best = (timeline.step_time_s, made)
     if best is None:
-        assert smallest is not None and budget_bytes is not None
-        require_fit(graph, smallest[1], budget_bytes)
-    assert best is not None
+        assert smallest is not None
+        return smallest[2]
     return best[1]
 
 
