@@ -13,6 +13,9 @@ Two solvers, picked by size (``method="auto"``):
   profile fits. Captured transformers, ResNets and U-Nets (a thousand ops) plan in a second or
   a few.
 
+Below the DP's reach, when the peak sits in the forward pass (branchy graphs), forward values
+are freed and re-run too (``recompute_in_forward``); memory-poor is the last resort.
+
 The answer is never slower than the article's two fixed modes at the same budget: the
 ``checkpoint`` strategy's ``"memory"`` and ``"speed"`` plans are priced too, and one of them is
 returned when it recomputes less (the DP's segments keep the separators they end on, where
@@ -27,10 +30,12 @@ from memfit.core.errors import BudgetError
 from memfit.core.hardware import Hardware
 from memfit.core.plan import Plan, Recompute, Rerun
 from memfit.core.rerun_profile import RerunProfiler
+from memfit.core.schedule import PlanError
 from memfit.core.simulate import simulate
 from memfit.solvers import segments
 from memfit.solvers.milp import solve_milp
 from memfit.strategies import register
+from memfit.strategies._forward_recompute import recompute_in_forward
 
 METHODS = ("auto", "milp", "segments")
 MAX_BLOCKS = 48  # blocks beyond this are merged: the table grows with their square (see below)
@@ -114,6 +119,9 @@ def _segment_plan(graph: CostGraph, hardware: Hardware, budget_bytes: int, param
         if chosen is not None and profiler.profile(chosen).peak_bytes <= budget_bytes:
             found.append((profiler.profile(chosen).recompute_s, f"checkpoint {mode}", chosen))
     if not found:
+        forward = _with_forward_reruns(graph, hardware, profiler, budget_bytes, params)
+        if forward is not None:
+            return forward
         return _memory_poor_fit(graph, hardware, profiler, budget_bytes, params)
     time_s, solver, chosen = min(found, key=lambda item: (item[0], item[1] != "segments"))
     made = Plan("optimal-recompute", {t: Recompute("optimal segment") for t in sorted(chosen)},
@@ -123,6 +131,25 @@ def _segment_plan(graph: CostGraph, hardware: Hardware, budget_bytes: int, param
     if peak > budget_bytes:  # the profiler is exact; this guards against drift
         raise BudgetError(budget_bytes, peak, strategy="optimal-recompute")
     return made
+
+
+def _with_forward_reruns(graph: CostGraph, hardware: Hardware, profiler: RerunProfiler,
+                         budget_bytes: int, params: dict) -> Plan | None:
+    """The DP's smallest plan plus re-runs in the forward pass, if that fits: for branchy graphs
+    whose peak is in the forward pass, which no backward recomputation lowers."""
+    smallest = _least_fitting(graph, profiler, budget_bytes)
+    recomputed = _segment_recomputed(graph, profiler, smallest)
+    if recomputed is None:
+        return None
+    base = Plan("optimal-recompute", {t: Recompute("optimal segment") for t in sorted(recomputed)},
+                graph_hash=graph.structure_hash, budget_bytes=budget_bytes,
+                hardware=hardware.name, params={**params, "solver": "segments + forward"})
+    try:
+        made = recompute_in_forward(graph, base, hardware, budget_bytes)
+    except PlanError:
+        return None
+    fits = simulate(graph, made, hardware, record_intervals=False).peak_bytes <= budget_bytes
+    return made if fits else None
 
 
 def _memory_poor_fit(graph: CostGraph, hardware: Hardware, profiler: RerunProfiler,

@@ -199,3 +199,14 @@ def test_unet_forward_peak_at_the_loss_is_left_alone():
     made = get_strategy("checkpoint")(graph, HARDWARE, forward_recompute=True)
     assert made.reruns == ()
     assert peak(graph, made)[0] == profile.peak_bytes
+
+
+def test_optimal_recompute_reruns_forward_values_when_backward_recompute_cannot_fit():
+    graph = side_branches(sides=8)
+    backward_only = get_strategy("checkpoint")(graph, HARDWARE, forward_recompute=False)
+    budget_bytes = peak(graph, backward_only)[0] - 6 * MiB
+    made = get_strategy("optimal-recompute")(graph, HARDWARE, budget_bytes, method="segments")
+    assert made.params["solver"] == "segments + forward"
+    assert peak(graph, made)[0] <= budget_bytes
+    poor = get_strategy("memory-poor")(graph, HARDWARE)
+    assert simulate(graph, made, HARDWARE).recompute_s <= simulate(graph, poor, HARDWARE).recompute_s
