@@ -46,14 +46,36 @@ class RerunProfile:
 
 
 class RerunProfiler:
-    """Prices recomputation plans on one graph against its Keep profile (computed once)."""
+    """Prices recomputation plans on one graph against a base plan's profile (computed once).
 
-    def __init__(self, graph: CostGraph) -> None:
+    Args:
+        base: the plan the recomputation is added to: Keep (default) or a swap plan. Its swaps
+            stay as they are; the tensors a priced plan recomputes, and those its re-runs read,
+            must not be swapped by it (memfit does not recompute from a swapped value).
+
+    Raises:
+        ValueError: if ``base`` has re-runs or recomputes.
+    """
+
+    def __init__(self, graph: CostGraph, base: Plan | None = None) -> None:
+        base = base or Plan("keep")
+        if base.reruns or base.recomputed:
+            raise ValueError("the base plan of a RerunProfiler may swap, not recompute")
         self.graph = graph
-        keep = memory_profile(lower(graph, Plan("keep")))
+        self.base = base
+        self.swapped = frozenset(base.swapped)
+        schedule = lower(graph, base)
+        profile = memory_profile(schedule)
         self.resident_bytes = graph.resident_bytes
-        self.keep_high = np.asarray(keep.high_bytes, dtype=np.int64)
-        self.keep_live = np.asarray(keep.live_bytes, dtype=np.int64)
+        self._base_high = np.asarray(profile.high_bytes, dtype=np.int64)
+        self._base_live = np.asarray(profile.live_bytes, dtype=np.int64)
+        self._group_of = _groups(graph, schedule.actions)
+        self._group_start = np.searchsorted(self._group_of, np.arange(len(graph.ops)))
+        self._group_end = np.append(self._group_start[1:], len(schedule.actions)) - 1
+        self._compute = np.asarray(
+            [i for i, a in enumerate(schedule.actions) if a.kind == "compute"], dtype=np.int64)
+        self.keep_high = np.maximum.reduceat(self._base_high, self._group_start)
+        self.keep_live = self._base_live[self._group_end]
         index = graph.index
         self._readers = {
             name: sorted(index[c] for c in t.consumers) for name, t in graph.tensors.items()
@@ -64,36 +86,64 @@ class RerunProfiler:
         self._first_late_reader = first_late_readers(graph)
 
     def profile(self, recomputed: Iterable[str]) -> RerunProfile:
-        """The profile of ``Plan(decisions={t: Recompute() for t in recomputed})``."""
+        """The profile of the base plan plus ``Recompute()`` for every tensor of ``recomputed``."""
         graph = self.graph
+        recomputed = set(recomputed)
         grouped: dict[str, list[PlannedRerun]] = {}
-        for rerun in decided_reruns(graph, set(recomputed), self._first_late_reader):
+        for rerun in decided_reruns(graph, recomputed, self._first_late_reader):
             grouped.setdefault(rerun.before, []).append(rerun)
+        if self.swapped:
+            self._check_unswapped(recomputed, grouped)
         count = np.zeros(len(graph.ops), dtype=np.int64)
         for before, reruns in grouped.items():
             count[graph.index[before]] = len(reruns)
-        offset = np.cumsum(count)  # re-runs placed before or at each op
-        compute_at = np.arange(len(graph.ops), dtype=np.int64) + offset
+        offset = np.cumsum(count)  # re-runs placed before or in each op's group
+        compute_at = self._compute + offset
+        group_start = self._group_start + offset - count  # its re-runs come first
         walk = _RerunWalk(self, compute_at)
         for before in sorted(grouped, key=graph.index.__getitem__):
-            first = int(compute_at[graph.index[before]]) - len(grouped[before])
+            first = int(group_start[graph.index[before]])
             for slot, rerun in enumerate(grouped[before]):
                 walk.rerun(rerun, graph.index[before], first + slot)
         changes = walk.changes()
-        high = self._base_high(count, compute_at) + _high_delta(changes, int(compute_at[-1]) + 1)
-        folded = np.maximum.reduceat(high, compute_at - count)
-        live = self.keep_live + _live_delta(changes, compute_at)
+        length = len(self._base_high) + int(offset[-1])
+        high = self._spread(count, offset, length) + _high_delta(changes, length)
+        folded = np.maximum.reduceat(high, group_start)
+        live = self.keep_live + _live_delta(changes, self._group_end + offset, length)
         time_s = sum(graph.op(r.op).time_s for reruns in grouped.values() for r in reruns)
         return RerunProfile(folded, live, time_s, int(count.sum()))
 
-    def _base_high(self, count: np.ndarray, compute_at: np.ndarray) -> np.ndarray:
-        """The Keep profile spread over the new program: re-run slots hold the live bytes after
-        the op before them."""
-        base = np.empty(int(compute_at[-1]) + 1, dtype=np.int64)
-        before = np.concatenate(([self.resident_bytes], self.keep_live[:-1]))
-        base[:] = np.repeat(before, count + 1)
-        base[compute_at] = self.keep_high
-        return base
+    def _check_unswapped(self, recomputed: set[str], grouped: dict[str, list[PlannedRerun]]) -> None:
+        read = {t for reruns in grouped.values() for r in reruns for t in self.graph.op(r.op).inputs}
+        clash = (recomputed | read) & self.swapped
+        if clash:
+            raise ValueError(f"recomputing reads or drops swapped tensors {sorted(clash)[:4]}")
+
+    def _spread(self, count: np.ndarray, offset: np.ndarray, length: int) -> np.ndarray:
+        """The base profile spread over the new program: re-run slots hold the live bytes after
+        the action before them."""
+        spread = np.empty(length, dtype=np.int64)
+        live_before = np.concatenate(([self.resident_bytes], self._base_live))[self._group_start]
+        slots = np.repeat(self._group_start + offset - count, count) + _ranks(count)
+        spread[slots] = np.repeat(live_before, count)
+        spread[np.arange(len(self._base_high)) + offset[self._group_of]] = self._base_high
+        return spread
+
+
+def _groups(graph: CostGraph, actions) -> np.ndarray:
+    """The op each action belongs to: waits to the op they precede, copies to the op they
+    follow, so each op's actions are contiguous (``lower`` emits them that way)."""
+    index = graph.index
+    return np.asarray([index[a.op] for a in actions], dtype=np.int64)
+
+
+def _ranks(count: np.ndarray) -> np.ndarray:
+    """0, 1, ..., c-1 for each count c, concatenated."""
+    total = int(count.sum())
+    if not total:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.repeat(np.cumsum(count) - count, count)
+    return np.arange(total, dtype=np.int64) - starts
 
 
 class _RerunWalk:
@@ -167,11 +217,11 @@ def _high_delta(changes: list[tuple[int, int, int]], length: int) -> np.ndarray:
     return np.cumsum(difference[:-1])
 
 
-def _live_delta(changes: list[tuple[int, int, int]], compute_at: np.ndarray) -> np.ndarray:
-    """Bytes to add to the Keep live bytes right after each original op."""
-    difference = np.zeros(int(compute_at[-1]) + 2, dtype=np.int64)
+def _live_delta(changes: list[tuple[int, int, int]], after: np.ndarray, length: int) -> np.ndarray:
+    """Bytes to add to the base's live bytes right after each op's last action (``after``)."""
+    difference = np.zeros(length + 1, dtype=np.int64)
     if changes:
         start, end, size = np.asarray(changes, dtype=np.int64).T
         np.add.at(difference, start, size)  # live after action a: start <= a < end
         np.add.at(difference, end, -size)
-    return np.cumsum(difference[:-1])[compute_at]
+    return np.cumsum(difference[:-1])[after]

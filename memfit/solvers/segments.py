@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import networkx as nx
 import numpy as np
@@ -63,9 +63,18 @@ class Blocks:
         return len(self.droppable)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Segment:
-    """Blocks ``first..last`` recomputed with ``option`` (``"keep"``: nothing recomputed)."""
+    """Blocks ``first..last`` recomputed with ``option`` (``"keep"``: nothing recomputed).
+
+    Args:
+        need_bytes: the most bytes live at the positions the segment owns (see module note).
+        carried_bytes: the most it changes memory at positions later segments own.
+        own_positions, own_delta: the ops the segment owns and what it adds to the base
+            profile there: how ``rebased`` prices it on another base plan.
+        touched: the tensors it recomputes or its re-runs read; a base plan that swaps one
+            of them cannot take this segment.
+    """
 
     first: int
     last: int
@@ -74,6 +83,9 @@ class Segment:
     recompute_s: float
     need_bytes: int
     carried_bytes: int
+    own_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    own_delta: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    touched: frozenset[str] = frozenset()
 
 
 def find_blocks(graph: CostGraph, max_blocks: int | None = None) -> Blocks:
@@ -218,11 +230,31 @@ def _priced(profiler: RerunProfiler, blocks: Blocks, first: int, last: int, opti
         high, time_s = profile.high_bytes, profile.recompute_s
     else:
         high, time_s = profiler.keep_high, 0.0
-    own = (blocks.owner >= first) & (blocks.owner <= last)
+    own = np.nonzero((blocks.owner >= first) & (blocks.owner <= last))[0]
     later = blocks.owner > last
     need = int(high[own].max(initial=0))
     carried = int((high[later] - profiler.keep_high[later]).max()) if later.any() else 0
-    return Segment(first, last, option, recomputed, time_s, need, carried)
+    graph = profiler.graph
+    read = {t for name in recomputed if (p := graph.tensors[name].producer)
+            for t in graph.op(p).inputs}
+    return Segment(first, last, option, recomputed, time_s, need, carried, own,
+                   high[own] - profiler.keep_high[own], frozenset(recomputed | read))
+
+
+def rebased(table: Sequence[Segment], base_high: np.ndarray,
+            swapped: frozenset[str]) -> list[Segment]:
+    """The table priced on another base plan (a swap plan, say), given its per-op high bytes
+    (``RerunProfiler(graph, base).keep_high``): segments touching a swapped tensor are dropped,
+    and each need is the base's bytes plus the segment's own change. Approximate where the base
+    has several actions per op (its copies); ``solve_segments``' callers check the assembled
+    plan exactly."""
+    found = []
+    for segment in table:
+        if segment.touched & swapped:
+            continue
+        need = int((base_high[segment.own_positions] + segment.own_delta).max(initial=0))
+        found.append(replace(segment, need_bytes=need))
+    return found
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,7 @@ def _segment_recomputed(graph: CostGraph, profiler: RerunProfiler,
                         budget_bytes: int) -> frozenset[str] | None:
     """The DP's recomputed tensors, re-solved with a tighter budget while the assembled plan's
     exact peak is over (the decomposition is exact on the graphs we know; this is the net)."""
-    blocks, table = _table(graph)
+    blocks, table = priced_segments(graph)
     target = budget_bytes
     for _ in range(_TIGHTEN_ROUNDS):
         chosen = segments.solve_segments(table, blocks.count, target)
@@ -198,7 +198,7 @@ def _least_fitting(graph: CostGraph, profiler: RerunProfiler, budget_bytes: int)
     return high
 
 
-def _table(graph: CostGraph) -> tuple[segments.Blocks, list[segments.Segment]]:
+def priced_segments(graph: CostGraph) -> tuple[segments.Blocks, list[segments.Segment]]:
     """The priced segments of ``graph``: they do not depend on the budget, so a budget sweep
     prices them once."""
     key = (graph.structure_hash, tuple(op.time_s for op in graph.ops))

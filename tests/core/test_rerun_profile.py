@@ -8,23 +8,30 @@ import pytest
 from memfit.core import synthetic
 from memfit.core.plan import Plan, Recompute
 from memfit.core.rerun_profile import RerunProfiler
+from memfit.core.hardware import get_hardware
 from memfit.core.schedule import lower, memory_profile
+from memfit.strategies import get_strategy
 
 
-def folded_profile(graph, recomputed):
-    """High bytes per op (its re-runs folded in), live bytes after it, and the peak, the slow way."""
-    schedule = lower(graph, Plan("test", {name: Recompute() for name in recomputed}))
+def folded_profile(graph, recomputed, base=None):
+    """High bytes per op (its re-runs, waits and copies folded in), live bytes after its last
+    action, and the peak: the slow way, by lowering the whole plan."""
+    decisions = dict(base.decisions) if base else {}
+    decisions.update({name: Recompute() for name in recomputed})
+    schedule = lower(graph, Plan("test", decisions))
     profile = memory_profile(schedule)
     high = np.zeros(len(graph.ops), dtype=np.int64)
     live = np.zeros(len(graph.ops), dtype=np.int64)
-    pending: list[int] = []
+    rerun_high = 0  # re-runs belong to the op they precede
     for action, high_bytes, live_bytes in zip(schedule.actions, profile.high_bytes,
                                               profile.live_bytes, strict=True):
-        pending.append(high_bytes)
-        if action.kind == "compute":
-            high[graph.index[action.op]] = max(pending)
-            live[graph.index[action.op]] = live_bytes
-            pending = []
+        if action.kind == "recompute":
+            rerun_high = max(rerun_high, high_bytes)
+            continue
+        op = graph.index[action.op]
+        high[op] = max(high[op], high_bytes, rerun_high)
+        live[op] = live_bytes
+        rerun_high = 0
     return high, live, profile.peak_bytes
 
 
@@ -73,3 +80,37 @@ def test_recompute_time_is_the_reruns_time():
               if a.kind == "recompute"]
     assert profile.reruns == len(reruns) == 2
     assert profile.recompute_s == pytest.approx(2 * 2e-3)
+
+
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+def test_equals_lowering_on_top_of_a_swap_plan(name):
+    graph = GRAPHS[name]()
+    base = get_strategy("swap")(graph, get_hardware("h100-pcie"), n_tensors=4)
+    assert base.swapped
+    profiler = RerunProfiler(graph, base)
+    swapped = set(base.swapped)
+    candidates = [
+        t for t in recomputable(graph)
+        if t not in swapped and not swapped & set(graph.op(graph.tensors[t].producer).inputs)
+    ]
+    rng = random.Random(1)
+    priced = 0
+    for _ in range(20):
+        chosen = [t for t in rng.sample(candidates, rng.randint(1, len(candidates)))
+                  if not swapped & set(graph.op(graph.tensors[t].producer).inputs)]
+        try:
+            got = profiler.profile(chosen)
+        except ValueError:  # a chain of re-runs reaches a swapped value: refused, as lower does
+            continue
+        high, live, peak = folded_profile(graph, chosen, base)
+        assert got.high_bytes.tolist() == high.tolist()
+        assert got.live_bytes.tolist() == live.tolist()
+        assert got.peak_bytes == peak
+        priced += 1
+    assert priced >= 5
+
+
+def test_a_base_that_recomputes_is_refused():
+    graph = synthetic.chain(6)
+    with pytest.raises(ValueError, match="may swap, not recompute"):
+        RerunProfiler(graph, Plan("x", {"f2": Recompute()}))

@@ -1,0 +1,141 @@
+"""``strategy="auto"``: keep, swap or recompute each tensor for the least step time that fits.
+
+Why a portfolio with hybrids. Swapping costs only the transfer time the copy streams cannot
+hide, and the link carries a fixed number of bytes while the forward pass computes (a PCIe
+Gen5 H100 moves ~52 GB/s against hundreds of TFLOP/s; a GH200's NVLink-C2C ~300 GB/s):
+swapping beyond that stalls the step. Recomputation costs its run time, cheapest per byte
+first. So the fastest plan swaps what the link can carry and recomputes the rest, and where the
+balance lies depends on the hardware profile, not on a rule of thumb.
+
+The candidates, each simulated exactly by ``simulate`` (memory is program-order liveness):
+
+1. ``keep``, if it fits;
+2. recompute only: ``optimal-recompute`` (the separator-block DP, or the MILP on small graphs);
+3. swap only: the TFLMS tuner (``swap``);
+4. the vDNN policies, where registered;
+5. the hybrid: the separator-block DP's recomputation at a budget relaxed by up to what the
+   free swaps save, plus every swap the link carries with no stall (``_link_swap.free_swaps``:
+   both copy queues replayed on the compute timeline, copies back just in time) of a tensor
+   the recomputation does not touch; the fastest that fits, by exact simulation.
+
+The fastest that fits wins; ``plan.params["solver"]`` names it and ``plan.params["candidates"]``
+lists every candidate's simulated step time (``None``: did not fit), which is how ``explain``
+shows what the others would have cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from memfit.core.costgraph import CostGraph
+from memfit.core.errors import BudgetError
+from memfit.core.hardware import Hardware
+from memfit.core.plan import Decision, Plan, Recompute, Swap
+from memfit.core.simulate import simulate
+from memfit.solvers import segments
+from memfit.strategies import get_strategy, register, strategy_names
+from memfit.strategies._link_swap import free_swaps
+from memfit.strategies.optimal_recompute import priced_segments
+
+MIN_SWAP_BYTES = 1 << 16  # smaller copies are mostly link latency
+HYBRID_SHARES = (1.25, 1.0, 0.75, 0.5, 0.25, 0.0)  # budget relaxations, shares of what free swaps save
+VDNN_POLICIES = ("vdnn_all", "vdnn_conv", "vdnn_dyn")
+_TIGHTEN_ROUNDS = 4
+
+
+def check_params(**unknown) -> None:
+    """Validate auto's parameters without a graph (it takes none)."""
+    if unknown:
+        raise ValueError(f"strategy 'auto' got unknown parameters {sorted(unknown)}; it takes "
+                         "none: name a strategy (swap, checkpoint, ...) to set its parameters")
+
+
+@register("auto")
+def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
+         **unknown) -> Plan:
+    """The fastest simulated plan whose peak fits ``budget_bytes`` (Keep without a budget).
+
+    Raises:
+        BudgetError: if no candidate fits; its minimum is the smallest any candidate reached.
+    """
+    check_params(**unknown)
+    keep = Plan("auto", graph_hash=graph.structure_hash, hardware=hardware.name,
+                budget_bytes=budget_bytes, params={"solver": "keep"})
+    keep_timeline = simulate(graph, keep, hardware, record_intervals=False)
+    if budget_bytes is None or keep_timeline.peak_bytes <= budget_bytes:
+        return keep
+    found: dict[str, tuple[float, Plan] | None] = {}
+    smallest = [keep_timeline.peak_bytes]
+
+    def consider(name: str, make: Callable[[], Plan | None]) -> None:
+        try:
+            made = make()
+        except BudgetError as error:
+            smallest.append(error.minimum_bytes)
+            found[name] = None
+            return
+        if made is None:
+            found[name] = None
+            return
+        timeline = simulate(graph, made, hardware, record_intervals=False)
+        smallest.append(timeline.peak_bytes)
+        fits = timeline.peak_bytes <= budget_bytes
+        found[name] = (timeline.step_time_s, made) if fits else None
+
+    consider("recompute", lambda: get_strategy("optimal-recompute")(graph, hardware, budget_bytes))
+    consider("swap", lambda: get_strategy("swap")(graph, hardware, budget_bytes))
+    for policy in VDNN_POLICIES:
+        if policy in strategy_names():
+            consider(policy, lambda p=policy: get_strategy(p)(graph, hardware, budget_bytes))
+    consider("hybrid", lambda: _hybrid(graph, hardware, budget_bytes))
+    fitting = {name: entry for name, entry in found.items() if entry is not None}
+    if not fitting:
+        raise BudgetError(budget_bytes, min(smallest), strategy="auto")
+    name, (_, best) = min(fitting.items(), key=lambda item: item[1][0])
+    candidates = {key: (entry[0] if entry else None) for key, entry in found.items()}
+    return Plan("auto", best.decisions, graph_hash=graph.structure_hash,
+                budget_bytes=budget_bytes, hardware=hardware.name, reruns=best.reruns,
+                params={"solver": name, "from": best.strategy, "candidates": candidates,
+                        **{f"{best.strategy}.{k}": v for k, v in best.params.items()
+                           if k != "candidates"}})
+
+
+def _hybrid(graph: CostGraph, hardware: Hardware, budget_bytes: int) -> Plan | None:
+    """Recompute down to a relaxed budget, then let the free swaps close the gap.
+
+    Every subset of ``free_swaps`` is free too (dropping a copy from a FIFO queue only makes
+    the others land sooner), so the DP's plan at ``budget + x`` is combined with the free swaps
+    of every tensor it does not touch, for a few ``x`` up to what all free swaps save at the
+    unplanned peak; the fastest combination that fits, by exact simulation, wins.
+    """
+    swaps = free_swaps(graph, hardware, min_bytes=MIN_SWAP_BYTES)
+    if not swaps:
+        return None
+    keep_peak = simulate(graph, Plan("keep"), hardware, record_intervals=False).peak_bytes
+    only_swaps = Plan("free swaps", swaps, graph_hash=graph.structure_hash)
+    freed = keep_peak - simulate(graph, only_swaps, hardware, record_intervals=False).peak_bytes
+    best: tuple[float, Plan] | None = None
+    for share in HYBRID_SHARES:
+        made = _recompute_then_swap(graph, hardware, budget_bytes, int(freed * share), swaps)
+        if made is None:
+            continue
+        timeline = simulate(graph, made, hardware, record_intervals=False)
+        if timeline.peak_bytes <= budget_bytes and (best is None or timeline.step_time_s < best[0]):
+            best = (timeline.step_time_s, made)
+    return best[1] if best else None
+
+
+def _recompute_then_swap(graph: CostGraph, hardware: Hardware, budget_bytes: int,
+                         relaxed_bytes: int, swaps: dict[str, Swap]) -> Plan | None:
+    """The DP's recomputation fitting ``budget + relaxed_bytes``, plus the free swaps of the
+    tensors it neither recomputes nor re-reads."""
+    blocks, table = priced_segments(graph)
+    chosen = segments.solve_segments(table, blocks.count, budget_bytes + relaxed_bytes)
+    if chosen is None:
+        return None
+    recomputed = frozenset().union(*(s.recomputed for s in chosen))
+    touched = frozenset().union(*(s.touched for s in chosen))
+    decisions: dict[str, Decision] = {t: s for t, s in swaps.items() if t not in touched}
+    decisions.update({t: Recompute("cheaper than the link") for t in sorted(recomputed)})
+    return Plan("hybrid", decisions, graph_hash=graph.structure_hash, budget_bytes=budget_bytes,
+                hardware=hardware.name, params={"relaxed_bytes": relaxed_bytes})
