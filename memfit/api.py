@@ -7,9 +7,11 @@ A new input shape re-captures and re-plans; the same shape reuses the plan.
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,9 +21,10 @@ from memfit.core.errors import BudgetError
 from memfit.core.hardware import Hardware, get_hardware
 from memfit.core.linearize import linearize as as_late_as_possible
 from memfit.core.plan import Plan
+from memfit.core.schedule import PlanError
 from memfit.core.simulate import simulate
 from memfit.core.timeline import Timeline
-from memfit.core.units import Budget, parse_budget
+from memfit.core.units import Budget, format_bytes, parse_budget
 from memfit.graph.analyze import analyze
 from memfit.graph.capture import Captured, capture, check_inputs, input_signature
 from memfit.graph.rewrite import reorder, rewrite
@@ -30,7 +33,40 @@ from memfit.runtime.measure import measure_peak as _measure_peak
 from memfit.runtime.profile import run_measured
 from memfit.strategies import check_params, get_strategy
 
-__all__ = ["Step", "compile", "plan", "measure_peak"]
+__all__ = ["Step", "Round", "BudgetWarning", "compile", "plan", "measure_peak"]
+
+
+class BudgetWarning(UserWarning):
+    """A measured step ran over the budget and re-planning could not bring it back under."""
+
+
+@dataclass(frozen=True)
+class ClosedLoop:
+    """How a step re-plans after a measured peak over the budget (``CLOSED_LOOP``)."""
+
+    max_rounds: int = 4  # plans per input signature, the first included; then warn
+    margin_fraction: float = 0.1  # the planning budget drops by the excess plus this much of it
+    margin_bytes: int = 512  # ... plus one CUDA allocator block, so rounding cannot undo it
+
+
+CLOSED_LOOP = ClosedLoop()
+
+
+@dataclass(frozen=True)
+class Round:
+    """One plan of the closed loop, in whole-device bytes (bytes outside the graph included).
+
+    Args:
+        planning_budget_bytes: the budget the plan was made for (the user's, in the first round).
+        predicted_peak_bytes: the simulator's peak of that plan.
+        measured_peak_bytes: the highest measured peak of the steps run with it (``None`` before).
+        step_time_s: the measured time of its first step.
+    """
+
+    planning_budget_bytes: int
+    predicted_peak_bytes: int
+    measured_peak_bytes: int | None = None
+    step_time_s: float | None = None
 
 
 @dataclass
@@ -47,6 +83,9 @@ class Compiled:
     outside_bytes: int  # device bytes outside the graph (existing .grad) at planning time
     # the last few measured steps; bounded, as a training loop calls a step thousands of times
     measured: deque[Timeline] = field(default_factory=lambda: deque(maxlen=8))
+    hardware: Hardware | None = None  # the profile it was planned with (the closed loop re-plans)
+    rounds: list[Round] = field(default_factory=list)  # the closed loop, one per plan
+    settled: bool = False  # the closed loop stopped (fits, or warned that it cannot)
 
 
 class Step:
@@ -78,12 +117,18 @@ class Step:
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         """Run forward and backward; accumulate gradients into ``.grad``; return the loss.
 
+        With a budget and ``measure``, a step whose measured peak is over the budget still
+        completes (its gradients are exact), and the next call runs a plan made for a budget
+        lowered by the excess: see ``Step.rounds``. After ``CLOSED_LOOP.max_rounds`` plans, or
+        when no tighter plan exists, it warns (``BudgetWarning``) with the bytes still over.
+
         Raises:
             BudgetError: if the plan cannot fit the budget (raised before anything runs).
             CaptureError: if the step cannot be captured.
         """
         compiled = self.compile_for(*inputs)
         flat = self._flat_inputs(compiled.captured, inputs)  # held: inputs are resident
+        measured = None
         if self.measure:
             existing = [p.grad for p in self.model.parameters() if p.grad is not None]
             outputs, measured = run_measured(compiled.program, list(flat), track=existing)
@@ -92,7 +137,70 @@ class Step:
             outputs = Executor(compiled.program, device=_device_of(flat)).run_flat(list(flat))
         del flat
         loss = self._apply(compiled.captured, outputs)
+        if measured is not None and compiled.budget_bytes is not None:
+            self._close_loop(compiled, measured)
         return loss
+
+    def _close_loop(self, compiled: Compiled, measured: Timeline) -> None:
+        """Record the step in this plan's round; if it ran over, re-plan tighter for the next."""
+        budget_bytes = compiled.budget_bytes
+        assert budget_bytes is not None
+        if not compiled.rounds:
+            compiled.rounds.append(Round(budget_bytes, _whole(compiled)))
+        last = compiled.rounds[-1]
+        compiled.rounds[-1] = replace(
+            last, measured_peak_bytes=max(last.measured_peak_bytes or 0, measured.peak_bytes),
+            step_time_s=measured.step_time_s if last.step_time_s is None else last.step_time_s)
+        excess = measured.peak_bytes - budget_bytes
+        if excess <= 0 or compiled.settled:
+            return
+        over = (f"the measured peak {format_bytes(measured.peak_bytes)} is over the budget "
+                f"{format_bytes(budget_bytes)} by {format_bytes(excess)}")
+        if len(compiled.rounds) >= CLOSED_LOOP.max_rounds:
+            return self._give_up(compiled, f"{over} after {len(compiled.rounds)} plans")
+        margin = int(excess * CLOSED_LOOP.margin_fraction) + CLOSED_LOOP.margin_bytes
+        # the plan's own peak, not just its budget, must drop by the excess: a plan predicted
+        # under its budget leaves that slack for the model's error to eat first
+        planning = min(last.planning_budget_bytes, last.predicted_peak_bytes) - excess - margin
+        try:
+            made, planning = self._replan(compiled, planning, last.predicted_peak_bytes)
+        except (BudgetError, PlanError) as error:
+            return self._give_up(compiled, f"{over}, and no plan fits a tighter "
+                                           f"{format_bytes(planning)}: {error}")
+        assert compiled.hardware is not None
+        predicted = simulate(compiled.graph, made, compiled.hardware)
+        if predicted.peak_bytes >= compiled.predicted.peak_bytes:
+            return self._give_up(compiled, f"{over}, and re-planning for "
+                                           f"{format_bytes(planning)} does not lower the peak")
+        compiled.plan, compiled.predicted = made, predicted
+        compiled.program = rewrite(compiled.captured.graph_module, compiled.graph, made)
+        compiled.rounds.append(Round(planning, _whole(compiled)))
+
+    def _replan(self, compiled: Compiled, planning_bytes: int,
+                predicted_bytes: int) -> tuple[Plan, int]:
+        """A plan for ``planning_bytes``; if none fits, the smallest one under ``predicted_bytes``.
+        Returns the plan and the budget it was made for.
+
+        Note:
+            The excess is what the last plan measured over its prediction; the next plan may
+            swap or recompute the very tensors that caused it, so the tightest plan is worth
+            one measured try before giving up.
+        """
+        assert compiled.hardware is not None
+        plan_for = partial(make_plan, compiled.graph, compiled.hardware, strategy=self.strategy,
+                           params=self.params, outside_bytes=compiled.outside_bytes)
+        try:
+            return plan_for(budget=Budget(bytes=max(planning_bytes, 1)))[0], planning_bytes
+        except BudgetError as error:
+            if error.minimum_bytes >= predicted_bytes:
+                raise
+            return plan_for(budget=Budget(bytes=error.minimum_bytes))[0], error.minimum_bytes
+
+    @staticmethod
+    def _give_up(compiled: Compiled, why: str) -> None:
+        compiled.settled = True
+        warnings.warn(f"memfit: {why.rstrip('.')}. Lower the budget you pass, or shrink the batch.",
+                      BudgetWarning, stacklevel=4)
 
     def _flat_inputs(self, captured: Captured, inputs) -> list[torch.Tensor]:
         """One value per placeholder, bound by descriptor (never by position)."""
@@ -156,7 +264,7 @@ class Step:
         program = rewrite(captured.graph_module, graph, made)
         predicted = simulate(graph, made, hardware)
         return Compiled(captured, graph, made, program, baseline, predicted, budget_bytes,
-                        outside_bytes)
+                        outside_bytes, hardware=hardware)
 
     # ---- reading -------------------------------------------------------------------------------
 
@@ -186,11 +294,21 @@ class Step:
     def measured(self) -> Timeline | None:
         return self.compiled.measured[-1] if self.compiled.measured else None
 
+    @property
+    def rounds(self) -> list[Round]:
+        """The closed loop for the most recent input signature: one ``Round`` per plan."""
+        return self.compiled.rounds
+
     def report(self) -> str:
         """Baseline / predicted / measured peak, predicted / measured time, what was swapped."""
         from memfit.render.text import step_report
 
         return step_report(self.compiled)
+
+
+def _whole(compiled: Compiled) -> int:
+    """The predicted peak of the whole device: the graph's and the bytes outside it."""
+    return compiled.predicted.peak_bytes + compiled.outside_bytes
 
 
 def analyzed(captured: Captured, hardware: Hardware, name: str,

@@ -44,12 +44,29 @@ def step_report(compiled) -> str:
         f"({plan.swap_in_count} swap-ins), exposed transfer "
         f"{_time(compiled.predicted.exposed_transfer_s)} (predicted)",
     ]
-    if measured is not None and measured.peak_bytes > 0:
+    rounds = getattr(compiled, "rounds", ())
+    if rounds:
+        lines.append("closed loop (a measured peak over the budget re-plans for a tighter one):")
+        lines.append(table(("round", "planning budget", "predicted peak", "measured peak",
+                            "step time"), [_round_row(i, r) for i, r in enumerate(rounds, 1)]))
+    judged = next((r for r in reversed(rounds) if r.measured_peak_bytes), None)
+    if judged is not None and judged.measured_peak_bytes:  # the plan that ran, not a newer one
+        gap = (judged.predicted_peak_bytes - judged.measured_peak_bytes) / judged.measured_peak_bytes
+        lines.append(f"prediction gap: {gap:+.2%} of the measured peak")
+    elif measured is not None and measured.peak_bytes > 0:
         gap = (compiled.predicted.peak_bytes + outside - measured.peak_bytes) / measured.peak_bytes
         lines.append(f"prediction gap: {gap:+.2%} of the measured peak")
     if plan.params:
         lines.append("parameters: " + ", ".join(f"{k}={v}" for k, v in plan.params.items()))
     return "\n".join(lines)
+
+
+def _round_row(index: int, round_) -> tuple[object, ...]:
+    measured = round_.measured_peak_bytes
+    return (index, format_bytes(round_.planning_budget_bytes),
+            format_bytes(round_.predicted_peak_bytes),
+            "-" if measured is None else format_bytes(measured),
+            "-" if round_.step_time_s is None else _time(round_.step_time_s))
 
 
 def fit_table(headers: Sequence[str], rows: Sequence[Sequence[object]], width: int) -> str:

@@ -1,0 +1,312 @@
+"""max_batch_size: the largest batch whose step fits a budget, found by planning on meta tensors.
+
+Each tried batch is captured from meta inputs (shapes and dtypes, no data) and planned; it fits
+when the strategy finds a plan under the budget. The search doubles the batch until one does not
+fit, then bisects. With a real device the answer is checked by one measured step.
+
+Example:
+    >>> found = memfit.max_batch_size(model, loss_fn, make_inputs, budget="80GiB",
+    ...                               hardware="h100-pcie")
+    >>> found.batch_size, found.predicted_throughput, found.verified
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memfit.api import Step, analyzed, make_plan, resolve_budget_and_strategy, resolve_hardware
+from memfit.core.errors import BudgetError
+from memfit.core.hardware import Hardware
+from memfit.core.plan import Plan
+from memfit.core.simulate import simulate
+from memfit.core.timeline import Timeline
+from memfit.core.units import Budget, format_bytes
+from memfit.graph.capture import capture
+from memfit.strategies import strategy_names
+
+__all__ = ["Trial", "BatchSearch", "max_batch_size"]
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One batch the search tried.
+
+    Args:
+        batch_size: the batch.
+        fits: whether it fit the budget.
+        how: ``"planned"`` (on meta tensors) or ``"measured"`` (one real step).
+        peak_bytes: the predicted (planned) or measured peak; the smallest reachable peak when
+            planning failed.
+    """
+
+    batch_size: int
+    fits: bool
+    how: str
+    peak_bytes: int
+
+
+@dataclass(frozen=True)
+class BatchSearch:
+    """What ``max_batch_size`` found.
+
+    Args:
+        batch_size: the largest batch that fits.
+        plan: its plan.
+        budget_bytes: the budget, whole device.
+        predicted_peak_bytes: the planned step's predicted peak, whole device.
+        predicted_step_time_s: its predicted step time on ``hardware``.
+        hardware: the profile planned for.
+        tried: every batch tried, in order.
+        verified: the measured timeline of one real step at ``batch_size`` (``None``: not run).
+        note: what the caller should know (the search hit ``max_batch``, verification stepped
+            down), or ``""``.
+    """
+
+    batch_size: int
+    plan: Plan
+    budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_step_time_s: float
+    hardware: str
+    tried: tuple[Trial, ...]
+    verified: Timeline | None = None
+    note: str = ""
+
+    @property
+    def predicted_throughput(self) -> float:
+        """Samples per second at ``batch_size``, predicted."""
+        return self.batch_size / self.predicted_step_time_s if self.predicted_step_time_s else 0.0
+
+    def __str__(self) -> str:
+        from memfit.render.text import table
+
+        rows = [(t.batch_size, t.how, "fits" if t.fits else "over", format_bytes(t.peak_bytes))
+                for t in self.tried]
+        lines = [
+            f"largest batch: {self.batch_size} under {format_bytes(self.budget_bytes)} "
+            f"(strategy {self.plan.strategy!r}, hardware {self.hardware}): predicted peak "
+            f"{format_bytes(self.predicted_peak_bytes)}, step "
+            f"{self.predicted_step_time_s * 1e3:.2f} ms, {self.predicted_throughput:.1f} samples/s",
+            table(("batch", "how", "outcome", "peak"), rows),
+        ]
+        if self.verified is not None:
+            lines.append(f"verified: one measured step peaked at "
+                         f"{format_bytes(self.verified.peak_bytes)}")
+        if self.note:
+            lines.append(self.note)
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class _Planned:
+    batch_size: int
+    plan: Plan
+    predicted: Timeline
+    budget_bytes: int
+    outside_bytes: int  # existing .grad, on the device but outside the graph
+
+
+def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
+                   make_inputs: Callable[[int], tuple[torch.Tensor, ...]],
+                   budget: str | int, hardware: Hardware | str | None = None,
+                   strategy: str | None = None, *, max_batch: int = 1 << 16,
+                   verify: bool | None = None, linearize: bool = False,
+                   **params: Any) -> BatchSearch:
+    """The largest batch whose training step fits ``budget``, planned without running it.
+
+    Args:
+        model: the module (its parameters may be on the meta device when ``verify`` is off).
+        loss_fn: ``loss_fn(model, *inputs) -> scalar tensor``.
+        make_inputs: ``make_inputs(batch_size) -> inputs``; called under the meta device, so it
+            allocates nothing unless it names a device itself (then its tensors become meta).
+        budget: the whole device's bytes: parameters, gradients and inputs included, as in
+            ``compile``. Fractions are not accepted: they depend on the batch.
+        hardware: the profile to plan for (``"h100-pcie"``); default: that of the parameters'
+            device. Throughput is predicted for it.
+        strategy: default ``"auto"`` where registered, else ``"swap"``.
+        max_batch: the largest batch tried (default 65536).
+        verify: run one measured step at the found batch and step down while it does not fit.
+            Default: when the parameters are on a real device (the CPU counts). It runs the step
+            for real and then restores ``.grad`` and buffers as they were.
+        linearize: as in ``compile``.
+        **params: the strategy's parameters.
+
+    Raises:
+        BudgetError: when even batch 1 cannot fit (its message names the smallest peak).
+        ValueError: for a fractional budget or bad strategy parameters.
+
+    Note:
+        Bisection assumes that a batch that fits means every smaller one fits, which holds for
+        the peak of a step but can be broken by a heuristic strategy's plan choices; ``tried``
+        lists what was planned.
+    """
+    parsed, chosen = resolve_budget_and_strategy(budget, _default_strategy(strategy), params)
+    if parsed is None or parsed.bytes is None:
+        raise ValueError(f"max_batch_size needs a budget in bytes ('80GiB'), not {budget!r}: "
+                         "a fraction of the unplanned peak changes with the batch")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    resolved = resolve_hardware(hardware, device)
+    tried: list[Trial] = []
+
+    def attempt(batch: int) -> _Planned | None:
+        try:
+            planned = _plan_batch(model, loss_fn, make_inputs, batch, parsed, chosen, resolved,
+                                  params, linearize)
+        except BudgetError as error:
+            tried.append(Trial(batch, False, "planned", error.minimum_bytes))
+            return None
+        tried.append(Trial(batch, True, "planned", _whole(planned)))
+        return planned
+
+    best = _search(attempt, tried, parsed.bytes, max_batch)
+    if best is None:
+        _plan_batch(model, loss_fn, make_inputs, 1, parsed, chosen, resolved, params, linearize)
+        raise AssertionError("batch 1 fit on a second try")  # the first try raised BudgetError
+    note = f"max_batch={max_batch} fits; raise max_batch to look further" \
+        if best.batch_size == max_batch else ""
+    verified = None
+    if verify if verify is not None else device.type != "meta":
+        best, verified, stepped = _verify(model, loss_fn, make_inputs, best, attempt, tried,
+                                          chosen, resolved, params, linearize)
+        note = " ".join(filter(None, (note, stepped)))
+    return BatchSearch(best.batch_size, best.plan, best.budget_bytes, _whole(best),
+                       best.predicted.step_time_s, resolved.name, tuple(tried), verified, note)
+
+
+def _default_strategy(strategy: str | None) -> str:
+    if strategy is not None:
+        return strategy
+    return "auto" if "auto" in strategy_names() else "swap"
+
+
+def _whole(planned: _Planned) -> int:
+    return planned.predicted.peak_bytes + planned.outside_bytes
+
+
+def _search(attempt: Callable[[int], _Planned | None], tried: list[Trial], budget_bytes: int,
+            max_batch: int) -> _Planned | None:
+    """Grow from batch 1 until a batch does not fit (or ``max_batch``), then close the bracket.
+
+    Note:
+        A step's peak is close to affine in the batch, so each guess aims at the budget on the
+        line through the last two peaks (a failed plan reports the smallest peak it could
+        reach). Growth is at least one and at most 16x per guess; in the bracket, a guess that
+        does not halve it is followed by a bisection, so the search costs at most twice plain
+        bisection, and on an affine peak about four plans.
+    """
+    best = attempt(1)
+    if best is None:
+        return None
+    previous = (0, 0)  # (batch, peak) of the fit before best; (0, 0) means "none yet"
+    high, high_peak = 0, 0  # the smallest batch known not to fit (0: none yet), and its peak
+    while not high:
+        low, low_peak = best.batch_size, _whole(best)
+        if low >= max_batch:
+            return best
+        guess = 2 * low
+        if previous[0]:  # a flat peak (the batch costs nothing yet) grows the most
+            guess = 16 * low if low_peak <= previous[1] else \
+                low + (budget_bytes - low_peak) * (low - previous[0]) // (low_peak - previous[1])
+        guess = min(max(guess, low + 1), 16 * low, max_batch)
+        planned = attempt(guess)
+        if planned is None:
+            high, high_peak = guess, tried[-1].peak_bytes
+        else:
+            previous, best = (low, low_peak), planned
+    low, low_peak = best.batch_size, _whole(best)
+    bisect = False
+    while high - low > 1:
+        middle = (low + high) // 2
+        if not bisect and high_peak > low_peak:
+            guess = low + (budget_bytes - low_peak) * (high - low) // (high_peak - low_peak)
+            middle = min(max(guess, low + 1), high - 1)
+        width = high - low
+        planned = attempt(middle)
+        if planned is None:
+            high, high_peak = middle, tried[-1].peak_bytes
+        else:
+            low, best, low_peak = middle, planned, _whole(planned)
+        bisect = not bisect and 2 * (high - low) > width
+    return best
+
+
+def meta_inputs(make_inputs: Callable[[int], tuple[torch.Tensor, ...]],
+                batch: int) -> tuple[torch.Tensor, ...]:
+    """``make_inputs(batch)`` as meta tensors: made under the meta device, so nothing is filled."""
+    with torch.device("meta"):
+        inputs = make_inputs(batch)
+    return tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs)
+
+
+def _outside_bytes(model: torch.nn.Module) -> int:
+    """Existing ``.grad`` bytes: outside the graph, on the device all the same (as ``compile``)."""
+    return sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
+
+
+def _plan_batch(model, loss_fn, make_inputs, batch, budget, strategy, hardware, params,
+                linearize) -> _Planned:
+    inputs = meta_inputs(make_inputs, batch)
+    captured = capture(model, loss_fn, *inputs)
+    _, graph = analyzed(captured, hardware, type(model).__name__, linearize)
+    outside = _outside_bytes(model)
+    made, _, budget_bytes = make_plan(graph, hardware, budget, strategy, params, outside)
+    assert budget_bytes is not None
+    return _Planned(batch, made, simulate(graph, made, hardware), budget_bytes, outside)
+
+
+def _verify(model, loss_fn, make_inputs, best: _Planned, attempt, tried: list[Trial], strategy,
+            hardware, params, linearize, tries: int = 4) -> tuple[_Planned, Timeline | None, str]:
+    """Measure one real step at ``best``; while it runs over, step down (1, 2, 4, ... smaller)."""
+    found = best.batch_size
+    step_down = 1
+    for _ in range(tries):
+        measured = _measure_step(model, loss_fn, make_inputs, best, strategy, hardware, params,
+                                 linearize)
+        fits = measured.peak_bytes <= best.budget_bytes
+        tried.append(Trial(best.batch_size, fits, "measured", measured.peak_bytes))
+        if fits:
+            stepped = "" if best.batch_size == found else (
+                f"planning found {found}, but its measured step ran over the budget; "
+                f"{best.batch_size} is the largest batch whose measured step fits")
+            return best, measured, stepped
+        smaller = None
+        while smaller is None and best.batch_size - step_down >= 1:
+            smaller = attempt(best.batch_size - step_down)
+            step_down *= 2
+        if smaller is None:
+            break
+        best = smaller
+    return best, None, (f"no measured step fit the budget (tried down to batch "
+                        f"{best.batch_size}); the planned answer is unverified")
+
+
+def _measure_step(model, loss_fn, make_inputs, planned: _Planned, strategy, hardware, params,
+                  linearize) -> Timeline:
+    """One real step at ``planned.batch_size``; ``.grad`` and buffers are restored afterwards."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    grads = {p: None if p.grad is None else p.grad.detach().to("cpu", copy=True)
+             for p in model.parameters()}
+    buffers = {b: b.detach().to("cpu", copy=True) for b in model.buffers()}
+    step = Step(model, loss_fn, Budget(bytes=planned.budget_bytes), strategy, hardware, True,
+                params, linearize)
+    try:
+        inputs = tuple(t.to(device) for t in make_inputs(planned.batch_size))
+        step.compile_for(*inputs).settled = True  # one step, judged here: no closed loop
+        step(*inputs)
+        del inputs
+        assert step.measured is not None
+        return step.measured
+    finally:
+        with torch.no_grad():
+            for parameter, grad in grads.items():
+                if grad is None:
+                    parameter.grad = None
+                elif parameter.grad is not None:
+                    parameter.grad.copy_(grad)
+            for buffer, value in buffers.items():
+                buffer.copy_(value)
+

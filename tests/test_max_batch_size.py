@@ -1,0 +1,83 @@
+"""max_batch_size: the largest batch that fits, found by planning on meta tensors, then measured."""
+
+import pytest
+
+import memfit
+from memfit import examples
+from memfit.search import Trial, _Planned, _search, meta_inputs
+
+BUDGET_BYTES = 1_080_000  # parameters and gradients are ~1.06 MB: room for a batch of about 20
+
+
+def test_the_largest_batch_fits_when_measured_and_the_next_one_does_not():
+    example = examples.mlp(depth=8, width=128)
+    model, loss_fn = example.model, example.loss_fn
+    found = memfit.max_batch_size(model, loss_fn, example.make_inputs, budget=BUDGET_BYTES)
+    batch = found.batch_size
+    assert 10 <= batch <= 40, found
+    assert found.predicted_peak_bytes <= BUDGET_BYTES and found.budget_bytes == BUDGET_BYTES
+    assert found.predicted_throughput == pytest.approx(batch / found.predicted_step_time_s)
+    assert found.verified is not None and found.verified.peak_bytes <= BUDGET_BYTES
+    assert [t.how for t in found.tried][-1] == "measured" and not found.note
+    assert all(p.grad is None for p in model.parameters())  # verifying left no gradients behind
+
+    # the answer, measured independently of the step's own tracker: fits
+    step = memfit.compile(model, loss_fn, budget=BUDGET_BYTES, strategy=found.plan.strategy,
+                          measure=False)
+    inputs = example.make_inputs(batch)
+    step.compile_for(*inputs)  # capture and plan outside the measurement
+    peak = memfit.measure_peak(step, *inputs, track=list(model.parameters()))
+    assert peak <= BUDGET_BYTES
+    # the next batch up: no plan fits
+    with pytest.raises(memfit.BudgetError) as error:
+        memfit.plan(model, loss_fn, *meta_inputs(example.make_inputs, batch + 1),
+                    budget=BUDGET_BYTES, hardware="cpu", strategy=found.plan.strategy)
+    assert error.value.minimum_bytes > BUDGET_BYTES
+    assert f"| {batch + 1} " in str(found) and "over" in str(found)
+
+
+def test_meta_inputs_allocate_nothing():
+    example = examples.mlp(depth=2, width=8)
+    inputs = meta_inputs(example.make_inputs, 1 << 40)  # a terabyte-sized batch, made for free
+    assert all(t.device.type == "meta" for t in inputs) and inputs[0].shape[0] == 1 << 40
+
+
+def test_a_budget_must_be_bytes():
+    example = examples.mlp(depth=2, width=8)
+    with pytest.raises(ValueError, match="bytes"):
+        memfit.max_batch_size(example.model, example.loss_fn, example.make_inputs, budget=0.5)
+
+
+@pytest.mark.parametrize("per_sample", [1, 7, 1000])
+@pytest.mark.parametrize("answer", [1, 2, 3, 17, 100, 4095, 4096])
+def test_the_search_finds_the_boundary_of_any_monotone_peak(answer, per_sample):
+    """Synthetic peaks (affine with a wiggle, steeper past the answer): the exact answer."""
+
+    def peak(batch):  # increasing: the wiggle never undoes a step of per_sample
+        return 10_000 + batch * per_sample + (batch * batch) % per_sample + (batch > answer) * 3 * batch
+
+    budget = peak(answer)
+    tried: list[Trial] = []
+
+    def attempt(batch):
+        fits = peak(batch) <= budget
+        tried.append(Trial(batch, fits, "planned", peak(batch)))
+        return _Planned(batch, None, memfit.Timeline("simulated", peak(batch), 1.0), budget, 0) \
+            if fits else None
+
+    best = _search(attempt, tried, budget, max_batch=4096)
+    expected = max(b for b in range(1, 4097) if peak(b) <= budget)
+    assert best is not None and best.batch_size == expected
+    assert len(tried) <= 2 * 13 + 2
+
+
+def test_nothing_fits_and_everything_fits_up_to_max_batch():
+    assert _search(lambda batch: None, [], 100, max_batch=64) is None
+    tried: list[Trial] = []
+
+    def always(batch):
+        tried.append(Trial(batch, True, "planned", 1))
+        return _Planned(batch, None, memfit.Timeline("simulated", 1, 1.0), 100, 0)
+
+    assert _search(always, tried, 100, max_batch=1000).batch_size == 1000
+    assert len(tried) <= 5
