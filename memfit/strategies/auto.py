@@ -26,6 +26,7 @@ shows what the others would have cost.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from memfit.core.costgraph import CostGraph
 from memfit.core.errors import BudgetError
@@ -82,11 +83,11 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
         fits = timeline.peak_bytes <= budget_bytes
         found[name] = (timeline.step_time_s, made) if fits else None
 
-    consider("recompute", lambda: get_strategy("optimal-recompute")(graph, hardware, budget_bytes))
-    consider("swap", lambda: get_strategy("swap")(graph, hardware, budget_bytes))
+    consider("recompute", partial(get_strategy("optimal-recompute"), graph, hardware, budget_bytes))
+    consider("swap", partial(get_strategy("swap"), graph, hardware, budget_bytes))
     for policy in VDNN_POLICIES:
         if policy in strategy_names():
-            consider(policy, lambda p=policy: get_strategy(p)(graph, hardware, budget_bytes))
+            consider(policy, partial(get_strategy(policy), graph, hardware, budget_bytes))
     consider("hybrid", lambda: _hybrid(graph, hardware, budget_bytes))
     fitting = {name: entry for name, entry in found.items() if entry is not None}
     if not fitting:

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from memfit.core import synthetic
+from memfit.core.hardware import get_hardware
 from memfit.core.plan import Plan, Recompute
 from memfit.core.rerun_profile import RerunProfiler
-from memfit.core.hardware import get_hardware
 from memfit.core.schedule import lower, memory_profile
 from memfit.strategies import get_strategy
 
