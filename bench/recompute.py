@@ -539,7 +539,7 @@ def verdict(result: ModelResult) -> tuple[list[tuple], list[str]]:
         return f"{priced.count('yes')} of {len(priced)}"
 
     lines = [f"Verdict, computed from the rows above (the budget: the alternative's peak in "
-             "memfit's frame, its predicted peak where it is a memfit plan): at each of {len(peaks)} other methods' "
+             f"memfit's frame, its predicted peak where it is a memfit plan): at each of {len(peaks)} other methods' "
              f"measured peaks, the optimal schedule's measured peak is at or below it for "
              f"{count(peaks)}; its predicted recompute time (the planner's objective, memfit's "
              f"cost model) is at or below the alternative's for {count(recomputes)} (those "
