@@ -3,7 +3,9 @@
 For each model, in one process, on one batch with one seed: eager; ``torch.utils.checkpoint``
 around every block and around every other block; ``torch.compile(backend="aot_eager")`` under
 ``activation_memory_budget``; memfit's ``checkpoint`` modes and budgets; memfit ``keep`` and
-``swap`` for reference; and the optimal schedule once the ``optimal-recompute`` strategy exists.
+``swap`` for reference; and the optimal schedule (``optimal-recompute``) at fractions of the
+unplanned peak, then at the measured peak of every other recomputing method and at its own minimum,
+with a computed verdict per model: does the optimal schedule sit on or below each other method?
 
 Peaks are the step's device bytes: parameters and inputs plus the step's own peak above them, by
 memfit's dispatch tracker, or by the profiler's allocator events for compiled code (a dispatch
@@ -78,6 +80,9 @@ class Method:
     peak_method: str  # "tracker" or "profiler"
     build: Callable[[], tuple[nn.Module, Callable[[], torch.Tensor], memfit.Step | None]]
     compile_budget: float | None = None  # activation_memory_budget for compiled methods
+    blocks: tuple[str, ...] = ()  # the blocks torch.utils.checkpoint wraps, to price its re-runs
+    copies: str = ""  # for an optimal row at another method's peak: that method's name
+    budget_bytes: int | None = None  # memfit's budget in bytes, where one was given in bytes
 
 
 @dataclass
@@ -91,6 +96,10 @@ class Row:
     step_time_s: float | None = None
     eager_step_time_s: float | None = None  # eager timed in the same interleaved group
     predicted_bytes: int | None = None
+    predicted_recompute_s: float | None = None  # by memfit's cost model: the planner's objective
+    solver: str = ""  # optimal-recompute's plan.params["solver"]
+    copies: str = ""  # for an optimal row at another method's peak: that method's name
+    budget_bytes: int | None = None
     gradients: str = "-"
     note: str = ""
 
@@ -104,6 +113,7 @@ class ModelResult:
     eager_peak_bytes: dict[str, int] = field(default_factory=dict)  # by peak method; "start":
     # the bytes of parameters and inputs, which the profiler does not see
     reference_gradients: dict[str, torch.Tensor] | None = None  # eager's
+    graph_step: memfit.Step | None = None  # a memfit step that ran: its captured graph
 
 
 def block_paths(model: nn.Module, block_types: Sequence[str]) -> list[str]:
@@ -171,9 +181,9 @@ def methods(example: examples.Example, inputs: tuple, paths: Sequence[str],
     found = [
         Method("eager", "eager", "tracker", _eager_builder(example, inputs)),
         Method("torch.utils.checkpoint", "torch.utils.checkpoint, every block", "tracker",
-               _eager_builder(example, inputs, paths)),
+               _eager_builder(example, inputs, paths), blocks=tuple(paths)),
         Method("torch.utils.checkpoint", "torch.utils.checkpoint, every other block", "tracker",
-               _eager_builder(example, inputs, paths[::2])),
+               _eager_builder(example, inputs, paths[::2]), blocks=tuple(paths[::2])),
     ]
     found += [Method("torch.compile budget", f"torch.compile aot_eager, "
                      f"activation_memory_budget {budget}", "profiler",
@@ -197,10 +207,63 @@ def methods(example: examples.Example, inputs: tuple, paths: Sequence[str],
     found += [planned("memfit keep / swap", 'memfit "keep"', strategy="keep"),
               planned("memfit keep / swap", 'memfit "swap", budget 50%', strategy="swap",
                       budget=0.5)]
-    if OPTIMAL in memfit.strategy_names():  # HOOK: the lead's optimal schedule, once it lands
+    if OPTIMAL in memfit.strategy_names():
         found += [planned("optimal", f"memfit {OPTIMAL}, budget {fraction:.0%}",
                           strategy=OPTIMAL, budget=fraction) for fraction in fractions]
     return found
+
+
+COPIED_FAMILIES = ("torch.utils.checkpoint", "memfit checkpoint modes", "torch.compile budget")
+
+
+def optimal_at(example: examples.Example, inputs: tuple, budget_bytes: int, copies: str = "",
+               peak_method: str = "tracker", **options) -> Method:
+    """``optimal-recompute`` under a budget in bytes: at another method's peak, or at its minimum.
+
+    Note:
+        memfit's budget covers the whole device, parameters and inputs included (its graph's
+        placeholders), as the rows' measured peaks do; bytes outside the graph (existing
+        ``.grad``) come off it, and the bench's steps clear gradients first. So a tracker-measured
+        peak is the budget that means the same thing.
+    """
+    name = (f"memfit {OPTIMAL} at the peak of {copies}" if copies
+            else f"memfit {OPTIMAL} at its minimum")
+    return Method("optimal", name, peak_method,
+                  _memfit_builder(example, inputs, strategy=OPTIMAL, budget=int(budget_bytes),
+                                  **options),
+                  copies=copies, budget_bytes=int(budget_bytes))
+
+
+def copied_budget(row: Row) -> int:
+    """The budget that means ``row``'s measured peak in memfit's frame: its predicted peak when it
+    is a memfit plan (the tracker can read a few KiB below memfit's count, e.g. ResNet's 7.14 MiB
+    for a plan predicted at 7.17 MiB: a budget below a plan's own prediction would refuse the
+    plan itself), else its tracker-measured peak (at or below memfit's frame, so not generous)."""
+    assert row.peak_bytes is not None
+    return row.predicted_bytes if row.predicted_bytes is not None else row.peak_bytes
+
+
+def optimal_minimum_bytes(step: memfit.Step, inputs: tuple) -> int | None:
+    """The least whole-step budget ``optimal-recompute`` fits on ``step``'s captured graph: the
+    strategy's ``BudgetError.minimum_bytes`` for a 1-byte budget, plus the bytes outside the graph."""
+    from memfit.api import resolve_hardware
+    from memfit.strategies import get_strategy
+
+    compiled = step.compiled
+    hardware = resolve_hardware(step.hardware_spec, inputs[0].device)
+    try:
+        get_strategy(OPTIMAL)(compiled.graph, hardware, 1)
+    except BudgetError as error:
+        return error.minimum_bytes + compiled.outside_bytes
+    return None  # it fits one byte: nothing to report
+
+
+def block_recompute_s(graph, blocks: Sequence[str]) -> float:
+    """What ``torch.utils.checkpoint`` around ``blocks`` re-runs, priced by memfit's cost model:
+    every forward op inside a block, once (non-reentrant checkpointing replays the whole block)."""
+    inside = tuple(blocks)
+    return sum(op.time_s for op in graph.ops if op.phase == "forward"
+               and any(op.scope == b or op.scope.startswith(b + ".") for b in inside))
 
 
 def _failure(error: Exception) -> str:
@@ -216,21 +279,25 @@ def _warm_up(method: Method, reference: dict | None):
     """Build and run ``method`` once (compile, capture and plan happen here); compare gradients.
 
     Returns:
-        ``(row, model, run)``; ``run`` is ``None`` when the method failed (the row says why).
+        ``(row, model, run, memfit step or None)``; ``run`` is ``None`` when the method failed
+        (the row says why).
     """
-    row = Row(method.family, method.name, method.peak_method)
+    row = Row(method.family, method.name, method.peak_method, copies=method.copies,
+              budget_bytes=method.budget_bytes)
     try:
         model, run, step = method.build()
         torch.manual_seed(SEED)
         run()
     except Exception as error:  # a bench must report a failing method, not stop
         row.note = _failure(error)
-        return row, None, None
+        return row, None, None, None
     found = _unwrapped_gradients(model)
     row.gradients = "reference" if reference is None else compare_gradients(reference, found)
     if step is not None:
         row.predicted_bytes = step.predicted.peak_bytes + step.compiled.outside_bytes
-    return row, model, run
+        row.predicted_recompute_s = step.predicted.recompute_s
+        row.solver = str(step.plan.params.get("solver", ""))
+    return row, model, run, step
 
 
 def _unwrapped_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -255,31 +322,49 @@ def _tracked_peak(model: nn.Module, run: Callable, inputs: tuple) -> tuple[int, 
     return measured.peak_bytes, measured.start_bytes
 
 
+def _prepare(result: ModelResult, methods_: list[Method], inputs: tuple,
+             log: Callable[[str], None]) -> list[tuple[Row, nn.Module, Callable]]:
+    """Warm up and measure the tracker peak of each method; the first that runs is the reference."""
+    prepared = []
+    for method in methods_:
+        log(f"recompute {result.name}: {method.name}")
+        row, model, run, step = _warm_up(method, result.reference_gradients)
+        result.rows.append(row)
+        if run is None:
+            continue
+        if result.reference_gradients is None:
+            result.reference_gradients = _unwrapped_gradients(model)
+        if step is not None and result.graph_step is None:
+            result.graph_step = step
+        row.peak_bytes, start_bytes = _tracked_peak(model, run, inputs)
+        result.eager_peak_bytes.setdefault("tracker", row.peak_bytes)
+        result.eager_peak_bytes.setdefault("start", start_bytes)
+        prepared.append((row, model, _seeded(run)))
+    return prepared
+
+
 def _tracked_rows(result: ModelResult, tracked: list[Method], inputs: tuple, repeats: int,
-                  log: Callable[[str], None]) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
-    """Warm up, measure the peak of, then time in turn every tracker-measured method.
+                  log: Callable[[str], None],
+                  copies: Callable[[ModelResult], list[Method]] = lambda result: [],
+                  ) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    """Warm up and measure the peak of every tracker-measured method, then of ``copies(result)``
+    (the optimal rows at the peaks just measured), then time them all in turn.
 
     Returns:
         eager's model and run, for the compiled methods to be timed beside; its peak and the bytes of
         parameters and inputs land in ``result.eager_peak_bytes``.
     """
-    reference, timed = None, []
+    timed = _prepare(result, tracked, inputs, log)
+    graph = result.graph_step.graph if result.graph_step is not None else None
     for method in tracked:
-        log(f"recompute {result.name}: {method.name}")
-        row, model, run = _warm_up(method, reference)
-        result.rows.append(row)
-        if run is None:
-            continue
-        if reference is None:
-            reference = _unwrapped_gradients(model)
-        row.peak_bytes, start_bytes = _tracked_peak(model, run, inputs)
-        result.eager_peak_bytes.setdefault("tracker", row.peak_bytes)
-        result.eager_peak_bytes.setdefault("start", start_bytes)
-        timed.append((row, model, _seeded(run)))
+        if method.blocks and graph is not None:
+            (row,) = [r for r in result.rows if r.name == method.name]
+            row.predicted_recompute_s = block_recompute_s(graph, method.blocks)
+    timed += _prepare(result, copies(result), inputs, log)
+    log(f"recompute {result.name}: timing {len(timed)} methods in turn")
     medians = interleaved_medians_s([run for _, _, run in timed], repeats=repeats)
     for (row, _, _), median in zip(timed, medians, strict=True):
         row.step_time_s, row.eager_step_time_s = median, medians[0]
-    result.reference_gradients = reference
     return timed[0][1], timed[0][2]
 
 
@@ -290,8 +375,17 @@ def _profiled_peak(model: nn.Module, run: Callable, start_bytes: int) -> int:
 
 
 def _compiled_rows(result: ModelResult, compiled: list[Method], eager_run: Callable,
-                   eager_model: nn.Module, repeats: int, log: Callable[[str], None]) -> None:
-    """Each compiled method alone (its own dynamo cache), timed in turn with eager."""
+                   eager_model: nn.Module, repeats: int, log: Callable[[str], None],
+                   copy: Callable[[int, str], Method] | None = None) -> None:
+    """Each compiled method alone (its own dynamo cache), timed in turn with eager; with ``copy``,
+    and with ``copy(budget, name)`` (the optimal schedule) at its peak when that is below eager's.
+
+    Note:
+        The profiler sees bytes the tracker cannot (kernel workspaces: 3D convolution's im2col
+        buffers), so a compiled row's peak is moved into memfit's (the tracker's) frame by eager's
+        difference between the two before it becomes a budget, and the optimal row is measured
+        by the profiler, like the row it copies.
+    """
     start_bytes = result.eager_peak_bytes["start"]
     if compiled:
         peak_bytes = _profiled_peak(eager_model, eager_run, start_bytes)
@@ -300,21 +394,41 @@ def _compiled_rows(result: ModelResult, compiled: list[Method], eager_run: Calla
                                gradients="reference"))
     for method in compiled:
         log(f"recompute {result.name}: {method.name}")
-        row, model, run = _warm_up(method, result.reference_gradients)
+        row, model, run, _ = _warm_up(method, result.reference_gradients)
         result.rows.append(row)
         if run is None:
             continue
         row.peak_bytes = _profiled_peak(model, run, start_bytes)
-        eager_s, row.step_time_s = interleaved_medians_s([eager_run, _seeded(run)], repeats)
-        row.eager_step_time_s = eager_s
+        runs, rows = [eager_run, _seeded(run)], [row]
+        eager_profiled = result.eager_peak_bytes["profiler"]
+        if copy is not None and row.peak_bytes < eager_profiled:
+            budget = row.peak_bytes - (eager_profiled - result.eager_peak_bytes["tracker"])
+            optimal = copy(budget, method.name)
+            log(f"recompute {result.name}: {optimal.name}")
+            optimal_row, optimal_model, optimal_run, _ = _warm_up(optimal,
+                                                                  result.reference_gradients)
+            result.rows.append(optimal_row)
+            if optimal_run is not None:
+                optimal_row.peak_bytes = _profiled_peak(optimal_model, optimal_run, start_bytes)
+                runs.append(_seeded(optimal_run))
+                rows.append(optimal_row)
+        eager_s, *medians = interleaved_medians_s(runs, repeats)
+        for timed_row, median in zip(rows, medians, strict=True):
+            timed_row.step_time_s, timed_row.eager_step_time_s = median, eager_s
     torch._dynamo.reset()
 
 
 def measure_model(bench: RecomputeModel, log: Callable[[str], None],
                   fractions: Sequence[float] = BUDGET_FRACTIONS,
                   compile_budgets: Sequence[float] = COMPILE_BUDGETS,
-                  repeats: int = REPEATS) -> ModelResult:
-    """Every method's row for one model (eager's row first)."""
+                  repeats: int = REPEATS, optimal_options: dict | None = None) -> ModelResult:
+    """Every method's row for one model (eager's row first).
+
+    Args:
+        optimal_options: ``optimal-recompute`` parameters for the rows at other methods' peaks
+            and at its minimum (the tests' tiny models ask for a short MILP time limit).
+    """
+    extra = dict(optimal_options or {})
     example = bench.build()
     inputs = example.inputs(bench.batch_size)
     paths = block_paths(example.model, bench.block_types)
@@ -323,11 +437,34 @@ def measure_model(bench: RecomputeModel, log: Callable[[str], None],
     every = methods(example, inputs, paths, fractions, compile_budgets)
     result = ModelResult(bench.name)
     tracked = [m for m in every if m.peak_method == "tracker"]
-    eager_model, eager_run = _tracked_rows(result, tracked, inputs, repeats, log)
+    optimal = OPTIMAL in memfit.strategy_names()
+
+    def copies(result: ModelResult) -> list[Method]:
+        """The optimal schedule at each tracked alternative's peak, then at its own minimum."""
+        if not optimal:
+            return []
+        found = [optimal_at(example, inputs, copied_budget(row), row.name, **extra)
+                 for row in result.rows
+                 if row.family in COPIED_FAMILIES and row.peak_bytes is not None]
+        minimum = (optimal_minimum_bytes(result.graph_step, inputs)
+                   if result.graph_step is not None else None)
+        if minimum is not None:
+            found.append(optimal_at(example, inputs, minimum, **extra))
+        return found
+
+    eager_model, eager_run = _tracked_rows(result, tracked, inputs, repeats, log, copies)
     compiled = [m for m in every if m.peak_method == "profiler"]
-    _compiled_rows(result, compiled, eager_run, eager_model, repeats, log)
+    copy = ((lambda budget, name: optimal_at(example, inputs, budget, name, "profiler", **extra))
+            if optimal else None)
+    _compiled_rows(result, compiled, eager_run, eager_model, repeats, log, copy)
     order = {m.name: index for index, m in enumerate(every)} | {EAGER_BY_PROFILER: 0.5}
-    result.rows.sort(key=lambda row: order[row.name])
+
+    def position(row: Row) -> tuple:  # the methods, then the optimal rows in their copies' order
+        if row.name in order:
+            return (0, order[row.name])
+        return (1, order[row.copies]) if row.copies else (2, 0)
+
+    result.rows.sort(key=position)
     return result
 
 
@@ -352,6 +489,86 @@ def render_rows(result: ModelResult) -> list[tuple]:
         rendered.append((row.name, mib(row.peak_bytes), share, row.peak_method, step, ratio,
                          predicted, row.gradients))
     return rendered
+
+
+VERDICT_HEADERS = ("alternative", "its peak", "optimal's budget (memfit frame)", "optimal's peak",
+                   "peak <=", "step time: alternative / optimal", "step time <=",
+                   "predicted recompute: alternative / optimal", "recompute <=", "optimal's solver")
+
+
+def _at_most(mine: float | None, theirs: float | None, slack: float = 0.0) -> str:
+    if mine is None or theirs is None:
+        return "-"
+    return "yes" if mine <= theirs * (1 + slack) + 1e-12 else "**no**"
+
+
+def verdict(result: ModelResult) -> tuple[list[tuple], list[str]]:
+    """The optimal row at each alternative's peak against that alternative, computed.
+
+    Returns:
+        the verdict table's rows, and summary lines (counts of "yes", the minimum, the solvers).
+    """
+    by_name = {row.name: row for row in result.rows}
+    rows, peaks, times, recomputes = [], [], [], []
+    for optimal in (row for row in result.rows if row.copies):
+        other = by_name[optimal.copies]
+        budget = mib(optimal.budget_bytes) if optimal.budget_bytes is not None else "-"
+        if optimal.peak_bytes is None:
+            rows.append((other.name, mib(other.peak_bytes), budget, optimal.note, "**no**", "-",
+                         "-", "-", "-", "-"))
+            peaks.append("**no**")
+            continue
+
+        def pair(a: float | None, b: float | None, show: Callable[[float], str]) -> str:
+            return f"{show(a) if a is not None else 'n/a'} / {show(b) if b is not None else 'n/a'}"
+
+        peak_ok = _at_most(optimal.peak_bytes, other.peak_bytes)
+        time_ok = _at_most(optimal.step_time_s, other.step_time_s)
+        recompute_ok = _at_most(optimal.predicted_recompute_s, other.predicted_recompute_s)
+        peaks.append(peak_ok)
+        times.append(time_ok)
+        recomputes.append(recompute_ok)
+        rows.append((other.name, mib(other.peak_bytes), budget,
+                     f"{mib(optimal.peak_bytes)} ({optimal.peak_method})", peak_ok,
+                     pair(other.step_time_s, optimal.step_time_s, ms), time_ok,
+                     pair(other.predicted_recompute_s, optimal.predicted_recompute_s, ms),
+                     recompute_ok, optimal.solver or "-"))
+
+    def count(found: list[str]) -> str:
+        priced = [f for f in found if f != "-"]
+        return f"{priced.count('yes')} of {len(priced)}"
+
+    lines = [f"Verdict, computed from the rows above (the budget: the alternative's peak in "
+             f"memfit's frame, its predicted peak where it is a memfit plan): at each of {len(peaks)} other methods' "
+             f"measured peaks, the optimal schedule's measured peak is at or below it for "
+             f"{count(peaks)}; its predicted recompute time (the planner's objective, memfit's "
+             f"cost model) is at or below the alternative's for {count(recomputes)} (those "
+             f"memfit can price: its own plans, and torch.utils.checkpoint as every forward op of "
+             f"the wrapped blocks; torch.compile's partition is not priced); its measured step "
+             f"time is at or below for {count(times)}. Step times are medians of {REPEATS} on a "
+             f"shared 2-core CPU: differences of a few percent are noise."]
+    minimum = [row for row in result.rows if row.family == "optimal" and not row.copies
+               and row.name.endswith("at its minimum")]
+    eager = result.eager_peak_bytes.get("tracker")
+    for row in minimum:
+        if row.peak_bytes is None:
+            lines.append(f"At its own minimum ({mib(row.budget_bytes or 0)}): {row.note}.")
+            continue
+        share = f", {row.peak_bytes / eager:.0%} of eager" if eager else ""
+        lines.append(f"At its own minimum, a budget of {mib(row.budget_bytes or 0)}: measured "
+                     f"peak {mib(row.peak_bytes)}{share}, step time {ms(row.step_time_s or 0)}, "
+                     f"predicted recompute {ms(row.predicted_recompute_s or 0)}, solver "
+                     f"`{row.solver or '-'}`.")
+    keep = by_name.get('memfit "keep"')
+    if keep is not None and keep.step_time_s and keep.eager_step_time_s:
+        lines.append(f'memfit "keep" (no recomputation, no swapping) ran at '
+                     f"{keep.step_time_s / keep.eager_step_time_s:.2f}x eager's step time here: "
+                     "memfit's executor overhead, which every memfit row pays on top of its "
+                     "recomputation and torch.utils.checkpoint / torch.compile do not.")
+    solvers = sorted({row.solver for row in result.rows if row.family == "optimal" and row.solver})
+    lines.append("Solvers that won (`plan.params[\"solver\"]`) across this model's optimal rows: "
+                 + (", ".join(f"`{name}`" for name in solvers) or "none") + ".")
+    return rows, lines
 
 
 RECOMPUTE_MODELS = (
@@ -386,17 +603,30 @@ def recompute_section(log: Callable[[str], None], plot_path=None,
     for bench, result in zip(models, results, strict=True):
         parts += [f"\n### {bench.name}\n", f"A block is {bench.block_description}.\n",
                   table(RECOMPUTE_HEADERS, render_rows(result))]
+        verdict_rows, lines = verdict(result)
+        if verdict_rows:
+            parts += ["\n" + lines[0] + "\n", table(VERDICT_HEADERS, verdict_rows),
+                      "\n" + " ".join(lines[1:]) + "\n"]
     if plot_path is not None:
         from bench.recompute_plot import plot
 
         plot(results, plot_path)
     if OPTIMAL not in memfit.strategy_names():
         log(f"recompute: strategy {OPTIMAL!r} is not available yet; no optimal rows")
-    optimal = (f"The `{OPTIMAL}` rows ask Checkmate's MILP for the optimal schedule at the same "
-               "budgets; it takes graphs of up to `max_ops` ops, and where a captured model is "
-               "larger the row says so (the chain-of-blocks DP for those is still to come)." if OPTIMAL
-               in memfit.strategy_names() else f"The optimal schedule (`{OPTIMAL}`) is not "
-               "available yet in this build: no rows for it.")
+    optimal = (f"The `{OPTIMAL}` rows plan the least recompute time that fits: Checkmate's MILP "
+               "on graphs of up to 100 ops, a DP over separator blocks above (these models have "
+               "hundreds to a thousand ops), and the checkpoint \"memory\" / \"speed\" plans "
+               "priced beside it; the verdict names the solver that won. They run at the same "
+               "fractions as memfit's budgets, then, after the other methods are measured, at "
+               "the measured peak of each torch.utils.checkpoint row, each memfit checkpoint "
+               "mode and each torch.compile row below eager, as a budget in bytes (memfit's "
+               "budget, like the tracker's peak, counts parameters and inputs; a compiled row's "
+               "profiler peak is first lowered by eager's profiler-minus-tracker difference, "
+               "and the optimal row beside it is measured by the profiler and timed in the "
+               "compiled row's group), and at its own minimum (the strategy's "
+               "`BudgetError.minimum_bytes` for a 1-byte budget on the captured graph)." if
+               OPTIMAL in memfit.strategy_names() else f"The optimal schedule (`{OPTIMAL}`) is "
+               "not available in this build: no rows for it.")
     intro = [
         "## Recomputation: memory / step-time curves\n",
         "On this CPU, where recomputing costs real time. Per model, one process, one batch, one "

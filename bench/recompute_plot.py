@@ -47,9 +47,13 @@ def plot(results: Sequence[ModelResult], path: Path | str) -> None:
         for family, (colour, marker, joined) in STYLES.items():
             points = _points(result, family)
             if points:
+                optimal = family == "optimal"
                 axis.plot([p[0] for p in points], [p[1] for p in points], color=colour,
-                          marker=marker, markersize=9, linestyle="-" if joined else "none",
-                          label=family, alpha=0.85)
+                          marker=marker, markersize=10 if optimal else 9,
+                          linestyle="-" if joined else "none", linewidth=2.2 if optimal else 1.5,
+                          zorder=5 if optimal else 2, alpha=0.85,
+                          label="optimal-recompute (every budget, sorted by peak)" if optimal
+                          else family)
         eager_mib = result.eager_peak_bytes.get("tracker", 0) / 2**20
         axis.set_title(f"{result.name}\n(eager: {eager_mib:.1f} MiB by the tracker)", fontsize=9)
         axis.set_xlabel("measured peak, % of eager's (same measuring method)")

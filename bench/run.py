@@ -132,13 +132,56 @@ def cpu_sections() -> list[str]:
     ]
 
 
+RECOMPUTE_TITLE = "## Recomputation: memory / step-time curves"
+SIZE_TITLE = "## Size"
+
+
+def rerun_section(name: str, out: Path, started: float) -> int:
+    """Rerun the ``name`` section alone and put it in place of its old text in ``out``."""
+    from bench.recompute import recompute_section
+
+    assert name == "recompute"
+    old = out.read_text()
+    if RECOMPUTE_TITLE not in old or SIZE_TITLE not in old:
+        print(f"{out} has no {RECOMPUTE_TITLE!r} / {SIZE_TITLE!r} to replace: run the whole "
+              "benchmark instead", file=sys.stderr)
+        return 1
+    section = recompute_section(log, plot_path=ROOT / "bench" / "recompute.png")
+    command = f"python -m bench.run --only {name}" + (f" --out {out}" if out != ROOT / "bench" /
+                                                      "RESULTS.md" else "")
+    stamp = (f"- section \"{RECOMPUTE_TITLE[3:]}\" rerun alone: `{command}`, "
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+             f"{time.perf_counter() - started:.0f} s, CPU, torch {torch.__version__}, load "
+             f"average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other jobs "
+             "share the machine: step times are noisy) (the other sections are from the run "
+             "above)")
+    head, rest = old.split(RECOMPUTE_TITLE, 1)
+    lines = [line for line in head.split("\n") if "rerun alone" not in line]
+    at = next(i for i, line in enumerate(lines) if line.startswith("- run time:"))
+    head = "\n".join(lines[:at + 1] + [stamp] + lines[at + 1:])
+    title, section_body = section.split("\n", 1)
+    assert title == RECOMPUTE_TITLE and SIZE_TITLE in rest  # the Size table is recounted
+    out.write_text(head + RECOMPUTE_TITLE + "\n" + section_body + "\n\n" + SIZE_TITLE + "\n\n"
+                   + line_counts() + "\n")
+    log(f"wrote the {name} section of {out} in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
     parser.add_argument("--gpu", action="store_true", help="run the CUDA part instead")
     parser.add_argument("--out", help="default bench/RESULTS.md (bench/RESULTS-gpu.md with --gpu)")
+    parser.add_argument("--only", choices=("recompute",),
+                        help="rerun one CPU section and splice it into the existing results file "
+                        "(the other sections keep their figures; the Size table is recounted)")
     args = parser.parse_args(argv)
     torch.use_deterministic_algorithms(True)
     started = time.perf_counter()
+    if args.only:
+        if args.gpu:
+            parser.error("--only is for the CPU part")
+        return rerun_section(args.only, Path(args.out or ROOT / "bench" / "RESULTS.md"),
+                             started)
     if args.gpu:
         from bench.gpu import gpu_sections
 

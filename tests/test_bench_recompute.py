@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.recompute import RecomputeModel, measure_model, render_rows
+from bench.recompute import RecomputeModel, measure_model, render_rows, verdict
 from memfit import examples
 
 TINY = RecomputeModel("tiny MLP", lambda: examples.mlp(depth=4, width=32, batch_size=64), 64,
@@ -44,3 +44,29 @@ def test_an_impossible_budget_says_it_does_not_fit(result):
 def test_checkpoint_every_block_is_bitwise(result):
     (row,) = [r for r in result.rows if r.name == "torch.utils.checkpoint, every block"]
     assert row.gradients == "bitwise"
+
+
+def test_optimal_runs_at_every_alternatives_peak_and_at_its_minimum(result):
+    names = [row.name for row in result.rows]
+    for alternative in ("torch.utils.checkpoint, every block",
+                        "torch.utils.checkpoint, every other block",
+                        'memfit checkpoint "memory" (no budget: sqrt(n))',
+                        'memfit checkpoint "speed"', "memfit checkpoint, the blocks' outputs"):
+        assert f"memfit optimal-recompute at the peak of {alternative}" in names
+    assert "memfit optimal-recompute at its minimum" in names
+    by_name = {row.name: row for row in result.rows}
+    for row in (r for r in result.rows if r.copies):
+        other = by_name[row.copies]
+        assert row.budget_bytes == (other.predicted_bytes or other.peak_bytes)  # memfit's frame
+        assert row.peak_bytes is not None and row.peak_bytes <= row.budget_bytes
+        assert row.gradients == "bitwise" and row.solver and row.step_time_s
+
+
+def test_the_verdict_is_computed(result):
+    rows, lines = verdict(result)
+    assert len(rows) == sum(1 for row in result.rows if row.copies)
+    assert all(row[4] == "yes" for row in rows)  # optimal's peak <= the alternative's
+    assert lines[0].startswith("Verdict") and "noise" in lines[0] and "{" not in lines[0]
+    assert any("its own minimum" in line for line in lines)
+    assert any("`milp`" in line for line in lines[1:])
+    assert any("executor overhead" in line for line in lines[1:])
