@@ -14,7 +14,7 @@ import numpy as np
 
 from memfit.core.costgraph import CostGraph
 
-Key = tuple  # ("R", t, i) | ("S", t, i) | ("F", t, i, k) | ("U", t, k)
+Key = tuple  # ("R", t, i) | ("S", t, i) | ("F", t, i, k) | ("U", t, k); swap model: I, J, O, W
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,8 @@ class MilpModel:
     @staticmethod
     def build(problem: StageProblem, budget_bytes: int) -> MilpModel:
         model = MilpModel(problem)
-        model._add_schedule_variables()
+        model._add_schedule_columns()
+        model._add_schedule_rows()
         # memory in units of budget / 1e4, so that HiGHS's tolerances sit far below one tensor
         unit = max(1.0, budget_bytes / 1e4)
         model._add_memory_rows(budget_bytes / unit, unit)
@@ -139,8 +140,8 @@ class MilpModel:
         self.row_lower.append(lower)
         self.row_upper.append(upper)
 
-    def _add_schedule_variables(self) -> None:
-        """R and S with the stage, dependency and keep-or-compute constraints."""
+    def _add_schedule_columns(self) -> None:
+        """R[t, i] (op i runs in stage t) and S[t, i] (op i's outputs kept entering stage t)."""
         problem, stages = self.problem, self.problem.stages
         for stage in range(stages):
             for op in range(stage + 1):
@@ -151,17 +152,30 @@ class MilpModel:
             for op in range(stage):  # keeping an op no later stage reads is never useful
                 useful = any(reader >= stage for reader in problem.readers[op])
                 self.column(("S", stage, op), upper=1.0 if useful else 0.0)
+
+    def _add_schedule_rows(self) -> None:
+        """An op runs only with its sources in memory; outputs are kept only if kept or computed.
+
+        The swap model (``_milp_swap_model``) adds columns I[t, i] (a copy of op i's outputs
+        brought in at the start of stage t, resident from t + 1) and J[t, i] (one brought in for
+        op t itself); the terms name them and ``row`` drops them where they do not exist.
+        """
+        problem, stages = self.problem, self.problem.stages
         for stage in range(stages):
             for op in range(stage + 1):
                 if ("R", stage, op) not in self.columns_by_key:
                     continue
                 for source in problem.reads[op]:
-                    self.row([(("R", stage, op), 1.0), (("R", stage, source), -1.0),
-                              (("S", stage, source), -1.0)], -math.inf, 0.0)
+                    terms = [(("R", stage, op), 1.0), (("R", stage, source), -1.0),
+                             (("S", stage, source), -1.0)]
+                    if op == stage:
+                        terms.append((("J", stage, source), -1.0))
+                    self.row(terms, -math.inf, 0.0)
             if stage + 1 < stages:
                 for op in range(stage + 1):
                     self.row([(("S", stage + 1, op), 1.0), (("S", stage, op), -1.0),
-                              (("R", stage, op), -1.0)], -math.inf, 0.0)
+                              (("R", stage, op), -1.0), (("I", stage, op), -1.0),
+                              (("J", stage, op), -1.0)], -math.inf, 0.0)
 
     def _add_memory_rows(self, budget_units: float, unit: float) -> None:
         """U[t, k] and FREE[t, i, k]: memory after each op of each stage stays within budget."""
@@ -173,7 +187,9 @@ class MilpModel:
                 self.column(("U", stage, op), lower=0.0, upper=budget_units, integer=False)
             returned_now = problem.returned_bytes[stage] / unit
             terms = [(("U", stage, 0), 1.0), (("R", stage, 0), -(dying[0] + (returned_now if stage == 0 else 0)))]
-            terms += [(("S", stage, i), -dying[i]) for i in range(stage)]
+            for i in range(stage):  # kept, or (swap model) being brought in during the stage
+                terms += [(("S", stage, i), -dying[i]), (("I", stage, i), -dying[i]),
+                          (("J", stage, i), -dying[i])]
             self.row(terms, base, base)
             for op in range(1, stage + 1):
                 added = dying[op] + (returned_now if op == stage else 0.0)
