@@ -118,7 +118,7 @@ class Plan:
     budget_bytes: int | None = None
     hardware: str = ""
     reruns: tuple[Rerun, ...] = ()
-    topology_hash: str = ""
+    topology_hash: str = field(default="", compare=False)
     explanation: Explanation | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
