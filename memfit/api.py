@@ -18,9 +18,10 @@ import torch
 
 from memfit.core.costgraph import CostGraph
 from memfit.core.errors import BudgetError
-from memfit.core.hardware import Hardware, get_hardware
+from memfit.core.explain import explain
+from memfit.core.hardware import PROFILES, Hardware, get_hardware
 from memfit.core.linearize import linearize as as_late_as_possible
-from memfit.core.plan import Plan
+from memfit.core.plan import Plan, topology_hash
 from memfit.core.schedule import PlanError
 from memfit.core.simulate import simulate
 from memfit.core.timeline import Timeline
@@ -100,7 +101,8 @@ class Step:
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable, budget: Budget | None,
                  strategy: str, hardware: Hardware | str | None, measure: bool,
-                 params: Mapping[str, Any], linearize: bool = False) -> None:
+                 params: Mapping[str, Any], linearize: bool = False,
+                 plan: Plan | None = None) -> None:
         self.model = model
         self.loss_fn = loss_fn
         self.budget = budget
@@ -109,6 +111,7 @@ class Step:
         self.measure = measure
         self.params = dict(params)
         self.linearize = linearize
+        self.fixed_plan = plan  # a plan given to compile(plan=...): used as is, checked per shape
         self._compiled: dict[tuple, Compiled] = {}
         self._last: Compiled | None = None
 
@@ -260,7 +263,7 @@ class Step:
             p.grad.untyped_storage().nbytes() for p in self.model.parameters() if p.grad is not None
         )
         made, baseline, budget_bytes = make_plan(graph, hardware, self.budget, self.strategy,
-                                                 self.params, outside_bytes)
+                                                 self.params, outside_bytes, self.fixed_plan)
         program = rewrite(captured.graph_module, graph, made)
         predicted = simulate(graph, made, hardware)
         return Compiled(captured, graph, made, program, baseline, predicted, budget_bytes,
@@ -342,24 +345,43 @@ def resolve_hardware(hardware: Hardware | str | None, device: torch.device) -> H
 
 
 def make_plan(graph: CostGraph, hardware: Hardware, budget: Budget | None, strategy: str,
-              params: Mapping[str, Any], outside_bytes: int = 0) -> tuple[Plan, Timeline, int | None]:
+              params: Mapping[str, Any], outside_bytes: int = 0,
+              fixed: Plan | None = None) -> tuple[Plan, Timeline, int | None]:
     """Plan ``graph``: returns the plan, the unplanned step's timeline and the budget in bytes.
 
     The budget covers the whole device; bytes outside the graph (existing ``.grad``) come off it.
+    The plan carries its ``Explanation`` (rows per decision, what-ifs at the budget x0.9 and x1.1:
+    two more plan calls). A ``fixed`` plan (``compile(plan=...)``) is checked and returned as is.
+
+    Raises:
+        BudgetError: if the strategy cannot fit the budget.
+        PlanError: if ``fixed`` was made for another graph, input shape or hardware.
     """
     keep = get_strategy("keep")(graph, hardware)
     baseline = simulate(graph, keep, hardware)
+    if fixed is not None:
+        fixed.check_for(graph, hardware.name)
+        made_for = fixed.explanation.budget_bytes if fixed.explanation else fixed.budget_bytes
+        return fixed, baseline, made_for
     budget_bytes = None
     if budget is not None:
         budget_bytes = budget.to_bytes(baseline.peak_bytes + outside_bytes)
+    chosen = get_strategy(strategy)
+
+    def replan(graph_budget_bytes: int | None) -> Plan:
+        return chosen(graph, hardware, graph_budget_bytes, **params)
+
     if budget_bytes is None:
-        return get_strategy(strategy)(graph, hardware, None, **params), baseline, None
-    try:
-        made = get_strategy(strategy)(graph, hardware, max(budget_bytes - outside_bytes, 1), **params)
-    except BudgetError as error:  # report the whole device, the bytes outside the graph included
-        raise BudgetError(budget_bytes, error.minimum_bytes + outside_bytes, error.dominant,
-                          error.strategy) from None
-    return made, baseline, budget_bytes
+        made = replan(None)
+    else:
+        try:
+            made = replan(max(budget_bytes - outside_bytes, 1))
+        except BudgetError as error:  # report the whole device, the bytes outside the graph included
+            raise BudgetError(budget_bytes, error.minimum_bytes + outside_bytes, error.dominant,
+                              error.strategy) from None
+    explanation = explain(graph, made, hardware, baseline, budget_bytes, outside_bytes, replan)
+    return (replace(made, topology_hash=topology_hash(graph), explanation=explanation), baseline,
+            budget_bytes)
 
 
 def _device_of(tensors) -> torch.device:
@@ -380,7 +402,8 @@ def resolve_budget_and_strategy(budget, strategy: str | None, params: Mapping[st
 
 def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float | None = None,
             strategy: str | None = None, hardware: Hardware | str | None = None, *,
-            measure: bool = True, linearize: bool = False, **params: Any) -> Step:
+            measure: bool = True, linearize: bool = False, plan: Plan | None = None,
+            **params: Any) -> Step:
     """Compile ``loss_fn(model, *inputs)`` into a step that fits ``budget``.
 
     Args:
@@ -398,16 +421,31 @@ def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float
             ``False``): values made early and read late (side inputs, masks) are made right
             before their reader. Results are bit for bit the same and the unplanned peak never
             rises; it costs one more analysis of the captured graph.
+        plan: a ``Plan`` made before (``memfit.plan``, ``step.plan``, ``memfit.Plan.load``), used
+            as is instead of planning; it fixes the budget, strategy and parameters, and its
+            hardware profile is the default ``hardware``. Each input shape is checked against it.
         **params: the strategy's parameters, e.g. ``lb=3, ctrld_strategy="direct_order"``.
 
     Raises:
-        ValueError: for a malformed budget, an unknown strategy or parameter, or a bad value.
+        ValueError: for a malformed budget, an unknown strategy or parameter, or a bad value;
+            for ``plan`` together with a budget, strategy or parameters.
+        PlanError: at the first step, if ``plan`` was made for another graph, input shape or
+            hardware (the message says which, and what to do).
 
     Example:
         >>> step = memfit.compile(model, loss_fn, budget="0.5", strategy="swap")
         >>> loss = step(input_ids, labels)
         >>> print(step.report())
+        >>> step.plan.save("step.plan.json")   # later: memfit.compile(model, loss_fn,
+        >>> #     plan=memfit.Plan.load("step.plan.json"))
     """
+    if plan is not None:
+        if budget is not None or strategy is not None or params:
+            raise ValueError("plan= already fixes the budget, strategy and parameters: pass "
+                             "either plan= or budget/strategy/parameters, not both")
+        if hardware is None and plan.hardware in PROFILES:
+            hardware = plan.hardware
+        return Step(model, loss_fn, None, plan.strategy, hardware, measure, {}, linearize, plan)
     parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
     return Step(model, loss_fn, parsed, chosen, hardware, measure, params, linearize)
 
@@ -417,7 +455,8 @@ def plan(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor,
          strategy: str | None = None, linearize: bool = False, **params: Any) -> Plan:
     """Plan a step without running it; ``inputs`` may be meta tensors.
 
-    ``linearize`` reorders the forward pass first, as in ``compile``.
+    ``linearize`` reorders the forward pass first, as in ``compile``. The plan explains itself
+    (``plan.explain()``), saves (``plan.save(path)``) and runs (``compile(..., plan=plan)``).
 
     Raises:
         BudgetError, ValueError, CaptureError: as ``compile``.

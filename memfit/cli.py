@@ -1,7 +1,7 @@
 """The ``memfit`` command: one thin subcommand per library function.
 
     memfit demo   run the main job: GPT-2 unplanned vs swap at half its peak (memfit.demo)
-    memfit plan   plan a step for a hardware profile without running it (memfit.api.make_plan)
+    memfit plan   plan a step for a hardware profile without running it; print plan.explain()
     memfit show   re-render a saved Timeline JSON as text or PNG (memfit.render)
     memfit bench  write bench/RESULTS.md (bench.run)
 """
@@ -87,7 +87,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Plan the named example on a hardware profile; print what it predicts and what it swaps."""
+    """Plan the named example on a hardware profile; print ``plan.explain()``; save it if asked."""
     from memfit.core.errors import BudgetError
     from memfit.render.summary import plan_example, plan_summary
 
@@ -100,7 +100,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except ValueError as error:  # unknown strategy, parameter, hardware, bad budget
         print(f"memfit plan: {error}", file=sys.stderr)
         return 2
-    print(plan_summary(planned, terminal_width(), args.depth))
+    print(plan_summary(planned, terminal_width(), args.depth, args.rows or None))
     if args.save:
         planned.plan.save(args.save)
         print(f"wrote {args.save}")
@@ -177,8 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--model-arg", type=_key_value, action="append", default=[],
                       metavar="K=V", help="a model size, repeatable: --model-arg layers=24")
     plan.add_argument("--depth", type=_positive_int, default=3,
-                      help="module-path depth to group swapped tensors by (default 3)")
-    plan.add_argument("--save", help="write the plan as JSON")
+                      help="module-path depth to group decisions by (default 3)")
+    plan.add_argument("--rows", type=int, default=40,
+                      help="most per-tensor rows to print, costliest first (0: all; default 40)")
+    plan.add_argument("--save", metavar="PATH",
+                      help="write the plan as JSON; run it later with "
+                           "memfit.compile(model, loss_fn, plan=memfit.Plan.load(PATH))")
     plan.set_defaults(run=cmd_plan)
 
     show = commands.add_parser("show", help="re-render a saved Timeline JSON",

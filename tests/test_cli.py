@@ -22,7 +22,7 @@ def test_plan_prints_the_expected_rows(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "mlp, batch 512:" in out and "hardware h100-pcie" in out
     assert "| unplanned" in out and "| swap (predicted)" in out
-    assert "swapped:" in out and "by module scope" in out
+    assert "swapped," in out and "by module" in out and "what if the budget were" in out
     plan = Plan.load(saved)
     assert plan.strategy == "swap" and plan.swapped
 

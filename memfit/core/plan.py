@@ -9,13 +9,19 @@ therefore lives until the last of them.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    from memfit.core.costgraph import CostGraph
+    from memfit.core.explain import Explanation
+
+FORMAT_VERSION = 1  # of the JSON form; bump when a saved plan would be read differently
 
 @dataclass(frozen=True)
 class Keep:
@@ -92,6 +98,17 @@ class Plan:
         hardware: the name of the ``Hardware`` profile it was made for.
         reruns: explicit re-runs, in program order (schedules from the optimal solvers); each
             ``Recompute`` decision adds its own re-run on top.
+        topology_hash: ``topology_hash`` of the graph (its ops and edges, not its sizes), so that
+            a plan used on another graph can say whether the model or only the shapes differ.
+        explanation: why each decision was made and what it costs (``memfit.core.explain``),
+            filled where the plan is made; it travels with the plan, so a loaded one explains
+            itself. Not part of the plan's identity (``==`` ignores it).
+
+    Example:
+        >>> plan = memfit.plan(model, loss_fn, *meta_inputs, budget="20GiB", hardware="gh200")
+        >>> print(plan.explain())
+        >>> plan.save("step.plan.json")
+        >>> step = memfit.compile(model, loss_fn, plan=memfit.Plan.load("step.plan.json"))
     """
 
     strategy: str
@@ -101,6 +118,8 @@ class Plan:
     budget_bytes: int | None = None
     hardware: str = ""
     reruns: tuple[Rerun, ...] = ()
+    topology_hash: str = field(default="", compare=False)
+    explanation: Explanation | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "decisions", MappingProxyType(dict(self.decisions)))
@@ -123,10 +142,55 @@ class Plan:
     def swap_in_count(self) -> int:
         return sum(len(d.swap_ins) for d in self.decisions.values() if isinstance(d, Swap))
 
+    def explain(self, depth: int = 3, width: int = 100, rows: int | None = 40) -> str:
+        """The decisions grouped by module, the time each costs, and what-if budgets, as text.
+
+        Args:
+            depth: module-path parts to group by (``transformer.h.3``: 3); deeper paths are cut.
+            width: terminal columns; wide tables turn on their side.
+            rows: the most per-tensor rows to print, most costly first (``None``: all).
+        """
+        from memfit.render.explain import explain_text
+
+        return explain_text(self, depth=depth, width=width, rows=rows)
+
+    def check_for(self, graph: CostGraph, hardware: str) -> None:
+        """Raise ``PlanError`` unless this plan was made for ``graph`` on ``hardware``.
+
+        The message says what differs: the hardware profile, the input shapes (same ops, other
+        tensor sizes) or the graph itself, and what to do about it.
+        """
+        from memfit.core.schedule import PlanError
+
+        again = "plan again with memfit.plan(...) for this model and input shape"
+        if self.hardware and self.hardware != hardware:
+            raise PlanError(
+                f"this plan was made for hardware {self.hardware!r}, but the step is planned for "
+                f"{hardware!r}: pass hardware={self.hardware!r} to memfit.compile, or {again} "
+                f"with hardware={hardware!r}"
+            )
+        if not self.graph_hash or self.graph_hash == graph.structure_hash:
+            return
+        if self.topology_hash and self.topology_hash == topology_hash(graph):
+            raise PlanError(
+                f"this plan was made for other input shapes: the ops are the same but tensor "
+                f"sizes differ (graph {self.graph_hash}, this step's {graph.structure_hash}); "
+                f"{again}"
+            )
+        raise PlanError(
+            f"this plan was made for another graph ({self.graph_hash}, this step's is "
+            f"{graph.structure_hash}): another model, loss function, input shape or "
+            f"linearize= setting; {again}"
+        )
+
     # ---- serialisation -------------------------------------------------------------------------
 
     def to_json(self) -> dict:
         return {
+            "format": "memfit.plan",
+            "version": FORMAT_VERSION,
+            "topology_hash": self.topology_hash,
+            "explanation": self.explanation.to_json() if self.explanation else None,
             "strategy": self.strategy,
             "graph_hash": self.graph_hash,
             "params": _jsonable(dict(self.params)),
@@ -138,6 +202,24 @@ class Plan:
 
     @staticmethod
     def from_json(data: Mapping) -> Plan:
+        """A plan from its JSON form.
+
+        Raises:
+            ValueError: for a plan of another format version (made by another memfit), or an
+                unknown decision type.
+        """
+        from memfit.core.explain import Explanation
+
+        version = data.get("version")
+        if version != FORMAT_VERSION:
+            made = "an older memfit" if version is None or (
+                isinstance(version, int) and version < FORMAT_VERSION) else "a newer memfit"
+            raise ValueError(
+                f"this saved plan has format version {version!r}, this memfit reads version "
+                f"{FORMAT_VERSION}: it was made by {made}; plan again with memfit.plan(...) "
+                "and save it with this version"
+            )
+        explanation = data.get("explanation")
         return Plan(
             strategy=data["strategy"],
             graph_hash=data.get("graph_hash", ""),
@@ -146,6 +228,8 @@ class Plan:
             hardware=data.get("hardware", ""),
             decisions={name: _decision_from_json(d) for name, d in data["decisions"].items()},
             reruns=tuple(Rerun(op, before) for op, before in data.get("reruns", ())),
+            topology_hash=data.get("topology_hash", ""),
+            explanation=Explanation.from_json(explanation) if explanation else None,
         )
 
     def save(self, path: str | Path) -> None:
@@ -153,7 +237,27 @@ class Plan:
 
     @staticmethod
     def load(path: str | Path) -> Plan:
-        return Plan.from_json(json.loads(Path(path).read_text()))
+        """Read a plan ``save`` wrote. ``memfit.compile(..., plan=plan)`` checks that it fits.
+
+        Raises:
+            ValueError: if the file is not a memfit plan, or one of another format version.
+        """
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not a memfit plan (not JSON: {error})") from None
+        if not isinstance(data, dict) or "decisions" not in data:
+            raise ValueError(f"{path} is not a memfit plan (no 'decisions'); save one with "
+                             "plan.save(path)")
+        return Plan.from_json(data)
+
+
+def topology_hash(graph: CostGraph) -> str:
+    """A hash of ``graph``'s ops and edges without tensor sizes: equal for two input shapes."""
+    payload = [(op.name, op.kind, op.phase, op.inputs, op.outputs, op.depends_on)
+               for op in graph.ops]
+    roles = sorted((t.name, t.role, t.is_output) for t in graph.tensors.values())
+    return hashlib.sha256(json.dumps([payload, roles]).encode()).hexdigest()[:16]
 
 
 def _decision_json(decision: Decision) -> dict:

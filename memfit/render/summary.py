@@ -6,7 +6,6 @@ its step and plans it (nothing runs). The renderers read only the resulting data
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +14,6 @@ from memfit.core.costgraph import CostGraph
 from memfit.core.plan import Plan
 from memfit.core.timeline import Timeline
 from memfit.core.units import format_bytes
-from memfit.render.text import fit_table
 
 BARS = " ▁▂▃▄▅▆▇█"
 
@@ -73,50 +71,13 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms" if seconds < 0.1 else f"{seconds * 1e3:.1f} ms"
 
 
-def swapped_by_scope(graph: CostGraph, plan: Plan, depth: int) -> list[tuple[str, int, int, int]]:
-    """``(scope, tensors, bytes, swap-ins)`` of the swapped tensors, grouped by the first
-    ``depth`` parts of their producer's module path, in execution order."""
-    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
-    order: dict[str, int] = {}
-    for name in plan.swapped:
-        tensor = graph.tensors[name]
-        assert tensor.producer is not None
-        scope = ".".join(graph.op(tensor.producer).scope.split(".")[:depth]) or "(top level)"
-        order.setdefault(scope, graph.index[tensor.producer])
-        group = groups[scope]
-        group[0] += 1
-        group[1] += tensor.size_bytes
-        group[2] += len(plan.decisions[name].swap_ins)  # type: ignore[union-attr]
-    return [(scope, *groups[scope]) for scope in sorted(groups, key=order.__getitem__)]
-
-
-def plan_summary(planned: Planned, width: int = 100, depth: int = 3) -> str:
-    """Unplanned vs predicted peak and step time, exposed transfer, swapped tensors by scope."""
-    plan, graph = planned.plan, planned.graph
-    budget = format_bytes(planned.budget_bytes) if planned.budget_bytes else "none"
-    rows = [("unplanned", format_bytes(planned.baseline.peak_bytes),
-             _ms(planned.baseline.step_time_s), "-"),
-            (f"{plan.strategy} (predicted)", format_bytes(planned.predicted.peak_bytes),
-             _ms(planned.predicted.step_time_s), _ms(planned.predicted.exposed_transfer_s))]
-    lines = [f"{planned.model}, batch {planned.batch_size}: {len(graph.ops)} ops, "
-             f"{len(graph.saved_tensors())} saved tensors; strategy {plan.strategy!r}, "
-             f"budget {budget}, hardware {plan.hardware}",
-             fit_table(("step", "peak", "step time", "exposed transfer"), rows, width)]
-    groups = swapped_by_scope(graph, plan, depth)
-    if groups:
-        swapped_bytes = sum(bytes_ for _, _, bytes_, _ in groups)
-        lines.append(f"swapped: {len(plan.swapped)} tensors, {format_bytes(swapped_bytes)}, "
-                     f"{plan.swap_in_count} swap-ins; by module scope:")
-        lines.append(fit_table(("scope", "tensors", "bytes", "swap-ins"),
-                               [(s, n, format_bytes(b), k) for s, n, b, k in groups], width))
-    recomputed = getattr(plan, "recomputed", ())
-    if recomputed:
-        lines.append(f"recomputed: {len(recomputed)} tensors, "
-                     f"{format_bytes(sum(graph.tensors[n].size_bytes for n in recomputed))}")
-    tuned = {k: v for k, v in plan.params.items() if k in ("n_tensors", "lb", "swap_branches")}
-    if tuned:
-        lines.append("parameters: " + ", ".join(f"{k}={v}" for k, v in tuned.items()))
-    return "\n".join(lines)
+def plan_summary(planned: Planned, width: int = 100, depth: int = 3,
+                 rows: int | None = 40) -> str:
+    """What ``memfit plan`` prints: the model and graph in one line, then ``plan.explain()``."""
+    graph = planned.graph
+    return (f"{planned.model}, batch {planned.batch_size}: {len(graph.ops)} ops, "
+            f"{len(graph.saved_tensors())} saved tensors\n"
+            + planned.plan.explain(depth=depth, width=width, rows=rows))
 
 
 def sparkline(values: tuple[int, ...], width: int) -> str:

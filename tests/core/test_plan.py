@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from memfit.core.plan import KEEP, Keep, Plan, Recompute, Swap, SwapIn
+from memfit.core.plan import FORMAT_VERSION, KEEP, Keep, Plan, Recompute, Swap, SwapIn
 
 
 def example_plan() -> Plan:
@@ -58,7 +58,7 @@ def test_recompute_round_trips_through_json():
 
 @pytest.mark.parametrize("decision", [{"type": "Offload"}, {"reason": "no type"}])
 def test_unknown_decision_type_is_rejected(decision):
-    data = {"strategy": "x", "decisions": {"a": decision}}
+    data = {"version": FORMAT_VERSION, "strategy": "x", "decisions": {"a": decision}}
     with pytest.raises(ValueError, match="unknown decision type .* expected 'Keep', 'Swap' or 'Recompute'"):
         Plan.from_json(data)
 

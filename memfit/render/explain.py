@@ -1,0 +1,127 @@
+"""``Plan.explain()`` as text: predicted figures, totals by module, decisions, what-if budgets.
+
+Reads only the plan and the ``Explanation`` it carries (``memfit.core.explain``), so a plan loaded
+from JSON renders the same as the one just made.
+"""
+
+from __future__ import annotations
+
+from memfit.core.explain import Explanation, TensorRow
+from memfit.core.plan import Plan, Recompute, Swap
+from memfit.core.units import format_bytes
+from memfit.render.text import fit_table, table
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:.3f} ms" if seconds < 0.1 else f"{seconds * 1e3:.1f} ms"
+
+
+def explain_text(plan: Plan, depth: int = 3, width: int = 100, rows: int | None = 40) -> str:
+    """See ``Plan.explain``."""
+    head = (f"plan: strategy {plan.strategy!r}, hardware {plan.hardware or '-'}, budget "
+            f"{format_bytes(plan.budget_bytes) if plan.budget_bytes else 'none'}, graph "
+            f"{plan.graph_hash or '-'}")
+    shown = {k: v for k, v in plan.params.items() if v not in (None, (), [], "", {})}
+    if shown:  # unset filters left out; tuples and lists alike (a loaded plan has lists)
+        head += "; parameters: " + ", ".join(
+            f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in shown.items())
+    explanation = plan.explanation
+    if explanation is None:
+        return "\n".join([head, "(no explanation recorded: plans made by memfit.plan or "
+                          "memfit.compile carry one)", _bare_decisions(plan)])
+    lines = [head, fit_table(("step", "peak", "step time", "exposed transfer", "recompute"), [
+        ("unplanned", format_bytes(explanation.baseline_peak_bytes),
+         _ms(explanation.baseline_step_time_s), "-", "-"),
+        (f"{plan.strategy} (predicted)", format_bytes(explanation.peak_bytes),
+         _ms(explanation.step_time_s), _ms(explanation.exposed_transfer_s),
+         _ms(explanation.recompute_s)),
+    ], width)]
+    if plan.reruns:
+        lines.append(f"explicit re-runs: {len(plan.reruns)}")
+    decided = explanation.rows
+    counts = {kind: sum(r.decision == kind for r in decided) for kind in ("swap", "recompute")}
+    lines.append(f"{explanation.saved_tensors} saved tensors: {counts['swap']} swapped, "
+                 f"{counts['recompute']} recomputed, the rest kept")
+    if decided:
+        lines += [f"by module (first {depth} parts of the module path):",
+                  _modules(explanation, depth, width), _decisions(decided, rows, width)]
+    lines.append(_what_ifs(explanation, width))
+    return "\n".join(line for line in lines if line)
+
+
+def _modules(explanation: Explanation, depth: int, width: int) -> str:
+    return fit_table(
+        ("module", "swapped", "swap bytes", "recomputed", "recompute bytes", "exposed", "recompute"),
+        [(m.scope, m.swapped, format_bytes(m.swapped_bytes), m.recomputed,
+          format_bytes(m.recomputed_bytes), _ms(m.exposed_s), _ms(m.recompute_s))
+         for m in explanation.by_module(depth)], width)
+
+
+def _decisions(decided: tuple[TensorRow, ...], limit: int | None, width: int) -> str:
+    shown = list(decided)
+    note = f"decisions ({len(decided)} tensors, program order):"
+    if limit is not None and len(decided) > limit:
+        costly = sorted(decided, key=lambda r: (-r.time_paid_s, -r.size_bytes))[:limit]
+        keep = {r.tensor for r in costly}
+        shown = [r for r in decided if r.tensor in keep]
+        note = (f"decisions ({len(decided)} tensors; the {limit} costliest shown, program order; "
+                "plan.explain(rows=None) for all):")
+    return note + "\n" + table(
+        ("tensor", "module", "bytes", "decision", "prefetch after", "time paid", "why"),
+        [(r.tensor, r.scope or "(top level)", format_bytes(r.size_bytes), _decision(r),
+          _prefetch(r), _ms(r.time_paid_s), r.reason or "-") for r in shown])
+
+
+def _decision(row: TensorRow) -> str:
+    if row.decision == "recompute":
+        return f"recompute x{row.reruns}" if row.reruns != 1 else "recompute"
+    if row.decision == "swap" and len(row.prefetch_after) > 1:
+        return f"swap ({len(row.prefetch_after)} swap-ins)"
+    return row.decision
+
+
+def _prefetch(row: TensorRow) -> str:
+    if not row.prefetch_after:
+        return "-"
+    scope = row.prefetch_scopes[0] if row.prefetch_scopes else ""
+    first = row.prefetch_after[0] + (f" ({scope})" if scope else "")
+    more = len(row.prefetch_after) - 1
+    return first + (f" +{more} more" if more else "")
+
+
+def _what_ifs(explanation: Explanation, width: int) -> str:
+    if explanation.budget_bytes is None or not explanation.what_if:
+        return "what if: no budget was given, so there is no budget to vary"
+    rows = []
+    for case in sorted((*explanation.what_if, None), key=lambda c: c.factor if c else 1.0):
+        if case is None:
+            rows.append(("100% (this plan)", format_bytes(explanation.budget_bytes),
+                         format_bytes(explanation.peak_bytes), _ms(explanation.step_time_s),
+                         "+0.0%"))
+        elif not case.fits:
+            rows.append((f"{case.factor:.0%}", format_bytes(case.budget_bytes),
+                         f"does not fit: minimum {format_bytes(case.minimum_bytes or 0)}", "-",
+                         "-"))
+        else:
+            change = ((case.step_time_s or 0.0) / explanation.step_time_s - 1
+                      if explanation.step_time_s else 0.0)
+            rows.append((f"{case.factor:.0%}", format_bytes(case.budget_bytes),
+                         format_bytes(case.peak_bytes or 0), _ms(case.step_time_s),
+                         f"{change:+.1%}"))
+    return "what if the budget were:\n" + fit_table(
+        ("budget", "bytes", "peak", "step time", "vs. this plan"), rows, width)
+
+
+def _bare_decisions(plan: Plan) -> str:
+    rows = []
+    for name, decision in plan.decisions.items():
+        kind = ("swap" if isinstance(decision, Swap) else
+                "recompute" if isinstance(decision, Recompute) else "keep")
+        after = ", ".join(s.after for s in decision.swap_ins) if isinstance(decision, Swap) else "-"
+        rows.append((name, kind, after, decision.reason or "-"))
+    if not rows:
+        return "no decisions: every tensor is kept" + (
+            f" ({len(plan.reruns)} explicit re-runs)" if plan.reruns else "")
+    return table(("tensor", "decision", "prefetch after", "why"), rows)

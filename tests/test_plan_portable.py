@@ -1,0 +1,109 @@
+"""Plans are portable: plan once (meta inputs), explain, save, load, and run the loaded plan with
+bit-for-bit the gradients of the step that planned for itself; a plan for another input shape or
+hardware fails with a message that says which differs and what to do."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import memfit
+from memfit import examples
+from memfit.core.plan import Plan
+
+BUDGET = 0.9  # of the unplanned peak: both strategies fit, and both decide something
+
+
+@pytest.fixture(scope="module")
+def example():
+    return examples.mlp(depth=4, width=64, batch_size=1024)
+
+
+@pytest.fixture(scope="module")
+def swap_plan(example):
+    return plan_for(example, "swap")
+
+
+def plan_for(example, strategy, hardware="cpu"):
+    meta = tuple(t.to("meta") for t in example.inputs())  # shapes only: nothing runs
+    return memfit.plan(example.model, example.loss_fn, *meta, budget=BUDGET, hardware=hardware,
+                       strategy=strategy)
+
+
+def run(step, model, inputs):
+    model.zero_grad(set_to_none=True)
+    loss = step(*inputs)
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("strategy", ["swap", "checkpoint"])
+def test_a_loaded_plan_runs_bit_for_bit_like_the_planned_step(example, swap_plan, strategy,
+                                                              tmp_path):
+    model, inputs = example.model, example.inputs()
+    made = swap_plan if strategy == "swap" else plan_for(example, strategy)
+    assert made.decisions and made.explanation is not None
+    made.save(tmp_path / "step.plan.json")
+    loaded = memfit.Plan.load(tmp_path / "step.plan.json")
+    assert loaded.decisions == made.decisions and loaded.explanation == made.explanation
+
+    planned_step = memfit.compile(model, example.loss_fn, budget=BUDGET, strategy=strategy,
+                                  hardware="cpu", measure=False)
+    loss, grads = run(planned_step, model, inputs)
+    assert planned_step.plan.decisions == loaded.decisions  # meta inputs plan what real ones do
+
+    loaded_step = memfit.compile(model, example.loss_fn, plan=loaded, measure=False)
+    loaded_loss, loaded_grads = run(loaded_step, model, inputs)
+    assert loaded_step.plan is loaded
+    assert torch.equal(loss, loaded_loss)
+    assert grads.keys() == loaded_grads.keys()
+    assert all(torch.equal(grads[name], loaded_grads[name]) for name in grads)
+
+    model.zero_grad(set_to_none=True)  # and both are PyTorch's own gradients
+    example.loss_fn(model, *inputs).backward()
+    assert all(torch.equal(p.grad, grads[name]) for name, p in model.named_parameters())
+
+    # the explanation: every decision, its costs add up to the step's prediction, what-ifs
+    explanation = planned_step.plan.explanation
+    assert {row.tensor for row in explanation.rows} == set(planned_step.plan.decisions)
+    predicted = planned_step.predicted
+    assert sum(r.exposed_s for r in explanation.rows) == pytest.approx(
+        predicted.exposed_transfer_s)
+    assert sum(r.recompute_s for r in explanation.rows) == pytest.approx(predicted.recompute_s)
+    assert (predicted.exposed_transfer_s if strategy == "swap" else predicted.recompute_s) > 0
+    assert explanation.step_time_s == predicted.step_time_s
+    assert [w.factor for w in explanation.what_if] == [0.9, 1.1]
+    text = loaded.explain(rows=None)
+    assert all(f"| {name} " in text for name in loaded.decisions)
+    assert "| 90%" in text and "| 110%" in text
+
+
+def test_a_plan_for_another_input_shape_fails_clearly(example, swap_plan):
+    step = memfit.compile(example.model, example.loss_fn, plan=swap_plan, measure=False)
+    with pytest.raises(memfit.PlanError, match="other input shapes.*plan again with memfit.plan"):
+        step(*example.inputs(512))
+
+
+def test_a_plan_for_another_hardware_fails_clearly(example, swap_plan):
+    step = memfit.compile(example.model, example.loss_fn, hardware="h100-pcie", plan=swap_plan)
+    with pytest.raises(memfit.PlanError, match="made for hardware 'cpu'.*hardware='cpu'"):
+        step.compile_for(*example.inputs())
+
+
+def test_the_plan_s_hardware_is_the_default(example, swap_plan):
+    # as if made with hardware="gh200": compile() on this CPU plans with that profile, not "cpu"
+    made = replace(swap_plan, hardware="gh200")
+    step = memfit.compile(example.model, example.loss_fn, plan=made)
+    assert step.compile_for(*example.inputs()).plan is made
+
+
+def test_plan_with_a_budget_or_strategy_is_refused(example, swap_plan):
+    with pytest.raises(ValueError, match="either plan= or budget"):
+        memfit.compile(example.model, example.loss_fn, budget=0.5, plan=swap_plan)
+    with pytest.raises(ValueError, match="either plan= or budget"):
+        memfit.compile(example.model, example.loss_fn, plan=swap_plan, lb=3)
+
+
+def test_plan_is_public():
+    assert memfit.Plan is Plan and "Plan" in memfit.__all__
