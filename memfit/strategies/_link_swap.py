@@ -40,6 +40,8 @@ def free_swaps(graph: CostGraph, hardware: Hardware, exclude: Iterable[str] = ()
         exclude: tensors not to swap (recomputed ones, say).
         min_bytes: skip tensors smaller than this (each copy pays the link's latency).
     """
+    if not hardware.async_copies:
+        return {}  # every copy stalls the step: nothing is free
     start_s, end_s = _compute_times(graph)
     candidates = _candidates(graph, set(exclude), min_bytes, end_s)
     copied_out = _copies_out(candidates, hardware)

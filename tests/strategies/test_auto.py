@@ -1,0 +1,93 @@
+"""strategy="auto": the fastest simulated plan that fits, whatever mix of keep, swap and
+recompute it takes, chosen from the hardware profile."""
+
+import pytest
+
+from memfit.core import synthetic
+from memfit.core.errors import BudgetError
+from memfit.core.hardware import get_hardware
+from memfit.core.plan import Plan, Recompute, Swap
+from memfit.core.schedule import check_plan
+from memfit.core.simulate import simulate
+from memfit.strategies import get_strategy, strategy_names
+from memfit.strategies._link_swap import free_swaps
+
+GRAPHS = {
+    "chain": lambda: synthetic.chain(24),
+    "resnet_like": lambda: synthetic.resnet_like(8),
+    "towers": lambda: synthetic.multi_tower(2, 10),
+    "random_dag": lambda: synthetic.random_dag(60, seed=3),
+}
+ALTERNATIVES = ("swap", "optimal-recompute", "vdnn_all", "vdnn_conv", "vdnn_dyn")
+
+
+def step_time_if_fits(graph, hardware, strategy, budget_bytes):
+    try:
+        made = get_strategy(strategy)(graph, hardware, budget_bytes)
+    except BudgetError:
+        return None
+    timeline = simulate(graph, made, hardware, record_intervals=False)
+    return timeline.step_time_s if timeline.peak_bytes <= budget_bytes else None
+
+
+@pytest.mark.parametrize("profile", ["h100-pcie", "gh200"])
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+def test_never_slower_than_any_single_technique(name, profile):
+    graph, hardware = GRAPHS[name](), get_hardware(profile)
+    keep_peak = simulate(graph, Plan("keep"), hardware).peak_bytes
+    fitted = 0
+    for fraction in (0.9, 0.7, 0.5, 0.3):
+        budget = int(fraction * keep_peak)
+        try:
+            made = get_strategy("auto")(graph, hardware, budget)
+        except BudgetError as error:
+            assert all(step_time_if_fits(graph, hardware, s, budget) is None for s in ALTERNATIVES
+                       if s in strategy_names())
+            assert error.minimum_bytes > budget
+            continue
+        check_plan(graph, made)
+        timeline = simulate(graph, made, hardware)
+        assert timeline.peak_bytes <= budget
+        assert made.params["candidates"][made.params["solver"]] == pytest.approx(timeline.step_time_s)
+        for strategy in ALTERNATIVES:
+            if strategy in strategy_names():
+                other = step_time_if_fits(graph, hardware, strategy, budget)
+                assert other is None or timeline.step_time_s <= other * (1 + 1e-9), strategy
+        fitted += 1
+    assert fitted >= 2
+
+
+def test_without_a_budget_or_when_everything_fits_it_keeps():
+    graph, hardware = synthetic.chain(8), get_hardware("h100-pcie")
+    assert not get_strategy("auto")(graph, hardware).decisions
+    peak = simulate(graph, Plan("keep"), hardware).peak_bytes
+    assert get_strategy("auto")(graph, hardware, peak).params["solver"] == "keep"
+
+
+def test_the_link_decides_between_swapping_and_recomputing():
+    """A fast link (GH200) swaps for free what a PCIe link must recompute."""
+    graph = synthetic.chain(24, time_s=2e-4)
+    budget = int(0.6 * simulate(graph, Plan("keep"), get_hardware("gh200")).peak_bytes)
+    slow_link = get_hardware("h100-pcie").with_(d2h_bytes_per_s=2e9, h2d_bytes_per_s=2e9)
+    fast = get_strategy("auto")(graph, get_hardware("gh200"), budget)
+    slow = get_strategy("auto")(graph, slow_link, budget)
+    assert any(isinstance(d, Swap) for d in fast.decisions.values())
+    assert sum(isinstance(d, Recompute) for d in slow.decisions.values()) > sum(
+        isinstance(d, Recompute) for d in fast.decisions.values())
+
+
+def test_free_swaps_stall_nothing():
+    graph = synthetic.resnet_like(8)
+    for profile in ("h100-pcie", "gh200"):
+        hardware = get_hardware(profile)
+        swaps = free_swaps(graph, hardware)
+        assert swaps
+        timeline = simulate(graph, Plan("free", swaps), hardware)
+        assert timeline.exposed_transfer_s == 0
+        assert timeline.step_time_s == pytest.approx(simulate(graph, Plan("keep"), hardware).step_time_s)
+    assert free_swaps(graph, get_hardware("cpu")) == {}  # synchronous copies are never free
+
+
+def test_unknown_parameters_are_refused():
+    with pytest.raises(ValueError, match="takes none"):
+        get_strategy("auto")(synthetic.chain(4), get_hardware("h100-pcie"), 1, speed=True)
