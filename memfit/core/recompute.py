@@ -78,22 +78,26 @@ def first_late_readers(graph: CostGraph) -> dict[str, int]:
 
 def _deadlines(graph: CostGraph, recomputed: set[str],
                first_late_reader: dict[str, int] | None = None) -> dict[str, int]:
-    """Producer -> position of the first backward op needing it (directly or through a re-run)."""
+    """Producer -> position of the first backward op needing it (directly or through a re-run).
+
+    One sweep in reverse program order: a producer's deadline is the earliest late reader of
+    its recomputed outputs, or the earliest deadline of a re-run reading them, and every such
+    re-run comes later in the program, so it is settled first.
+    """
     late_reader = first_late_readers(graph) if first_late_reader is None else first_late_reader
+    tensors, index = graph.tensors, graph.index
+    producers = {p for name in recomputed if (p := tensors[name].producer) is not None}
     deadline: dict[str, int] = {}
-    pending: list[tuple[str, int]] = []
-    for name in recomputed:
-        producer = graph.tensors[name].producer
-        if name in late_reader and producer is not None:
-            pending.append((producer, late_reader[name]))
-    while pending:  # an explicit stack: segments can be thousands of ops long
-        producer, position = pending.pop()
-        if deadline.get(producer, len(graph.ops)) <= position:
-            continue
-        deadline[producer] = position
-        for source in graph.op(producer).inputs:
-            if source in recomputed:
-                pending.append((graph.tensors[source].producer, position))  # type: ignore[arg-type]
+    for producer in sorted(producers, key=index.__getitem__, reverse=True):
+        earliest = len(graph.ops)
+        for name in graph.op(producer).outputs:
+            if name not in recomputed:
+                continue
+            earliest = min(earliest, late_reader.get(name, earliest))
+            for consumer in tensors[name].consumers:
+                earliest = min(earliest, deadline.get(consumer, earliest))
+        if earliest < len(graph.ops):
+            deadline[producer] = earliest
     return deadline
 
 

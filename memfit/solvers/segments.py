@@ -257,54 +257,71 @@ def rebased(table: Sequence[Segment], base_high: np.ndarray,
     return found
 
 
-@dataclass(frozen=True)
-class _State:
-    carried_bytes: int
-    time_s: float
-    segment: Segment | None
-    previous: _State | None
+@dataclass
+class _Front:
+    """The DP states reaching one block, as parallel arrays: bytes carried in, recompute time
+    so far, and how each was reached (the segment's index in the table, the state's index in
+    the front of the segment's first block)."""
+
+    carried_bytes: np.ndarray
+    time_s: np.ndarray
+    segment: np.ndarray
+    previous: np.ndarray
+
+    @classmethod
+    def joined(cls, parts: list[_Front]) -> _Front:
+        if not parts:
+            return cls(*(np.zeros(0, dtype=kind) for kind in (np.int64, float, np.int64, np.int64)))
+        return cls(*(np.concatenate([getattr(p, name) for p in parts])
+                     for name in ("carried_bytes", "time_s", "segment", "previous")))
 
 
 def solve_segments(table: Sequence[Segment], count: int, budget_bytes: int
                    ) -> tuple[Segment, ...] | None:
     """The segments covering blocks ``0..count-1`` with the least recompute time whose priced
     peak fits ``budget_bytes``; ``None`` if none does."""
-    starting: dict[int, list[Segment]] = {}
-    for segment in table:
-        starting.setdefault(segment.first, []).append(segment)
-    fronts: list[list[_State]] = [[] for _ in range(count + 1)]
-    fronts[0] = [_State(0, 0.0, None, None)]
+    starting: dict[int, list[int]] = {}
+    for index, segment in enumerate(table):
+        starting.setdefault(segment.first, []).append(index)
+    arriving: list[list[_Front]] = [[] for _ in range(count + 1)]
+    start = np.zeros(1, dtype=np.int64)
+    arriving[0] = [_Front(start, np.zeros(1), start - 1, start - 1)]
+    fronts: list[_Front] = []
     quantum = max(1, budget_bytes // 4096)  # carried bytes closer than this count as equal
     for first in range(count):
-        fronts[first] = _pareto(fronts[first], quantum)
-        for state in fronts[first]:
-            for segment in starting.get(first, ()):
-                if segment.need_bytes + state.carried_bytes > budget_bytes:
-                    continue
-                fronts[segment.last + 1].append(_State(
-                    state.carried_bytes + segment.carried_bytes, state.time_s + segment.recompute_s,
-                    segment, state))
-    if not fronts[count]:
+        front = _pareto(_Front.joined(arriving[first]), quantum)
+        fronts.append(front)
+        for index in starting.get(first, ()):
+            segment = table[index]
+            fits = np.nonzero(front.carried_bytes <= budget_bytes - segment.need_bytes)[0]
+            if fits.size:
+                arriving[segment.last + 1].append(_Front(
+                    front.carried_bytes[fits] + segment.carried_bytes,
+                    front.time_s[fits] + segment.recompute_s,
+                    np.full(fits.size, index), fits))
+    final = _Front.joined(arriving[count])
+    if not final.time_s.size:
         return None
-    best: _State | None = min(fronts[count], key=lambda s: s.time_s)
+    best = int(np.argmin(final.time_s))
     chosen: list[Segment] = []
-    while best is not None and best.segment is not None:
-        chosen.append(best.segment)
-        best = best.previous
+    segment_index, previous = int(final.segment[best]), int(final.previous[best])
+    while segment_index >= 0:
+        segment = table[segment_index]
+        chosen.append(segment)
+        front = fronts[segment.first]
+        segment_index, previous = int(front.segment[previous]), int(front.previous[previous])
     return tuple(reversed(chosen))
 
 
-def _pareto(states: list[_State], quantum: int) -> list[_State]:
+def _pareto(states: _Front, quantum: int) -> _Front:
     """The states no other beats on both carried bytes (to within ``quantum``) and time.
 
     Of states whose carried bytes round up to the same multiple of ``quantum``, the fastest
     stands for all, with the rounded-up bytes: a little pessimistic, never over the budget.
     """
-    front: list[_State] = []
-    for state in sorted(states, key=lambda s: (-(-s.carried_bytes // quantum), s.time_s)):
-        rounded = -(-state.carried_bytes // quantum) * quantum
-        if not front or state.time_s < front[-1].time_s:
-            if front and front[-1].carried_bytes == rounded:
-                continue
-            front.append(_State(rounded, state.time_s, state.segment, state.previous))
-    return front
+    rounded = -(-states.carried_bytes // quantum) * quantum
+    order = np.lexsort((states.time_s, rounded))
+    time_s = states.time_s[order]
+    best_before = np.minimum.accumulate(np.concatenate(([np.inf], time_s[:-1])))
+    kept = order[time_s < best_before]
+    return _Front(rounded[kept], states.time_s[kept], states.segment[kept], states.previous[kept])

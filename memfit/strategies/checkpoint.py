@@ -28,8 +28,8 @@ from memfit.core import graphs
 from memfit.core.costgraph import CostGraph, Op
 from memfit.core.hardware import Hardware
 from memfit.core.plan import Plan, Recompute
+from memfit.core.rerun_profile import RerunProfiler
 from memfit.core.schedule import peak_bytes
-from memfit.core.simulate import simulate
 from memfit.strategies import register
 from memfit.strategies._fit import require_fit
 from memfit.strategies._forward_recompute import recompute_in_forward
@@ -201,16 +201,18 @@ def _memory_mode(graph: CostGraph, hardware: Hardware, budget_bytes: int | None,
         max(1, round(len(graph.forward_ops) ** 0.5))]
     best: tuple[float, Plan] | None = None
     smallest: tuple[int, float, Plan] | None = None  # ties: the faster (forward recompute's base)
+    profiler = RerunProfiler(graph)  # exact for recompute-only plans, and far cheaper than simulate
     for count in counts:
         chosen = graphs.evenly_spaced(candidates, min(count, len(candidates)))
         kept = {t for separator in chosen for t in _separator_tensors(graph, separator)}
         made = recompute_all_but(graph, kept, hardware, budget_bytes, {**params, "count": count})
-        timeline = simulate(graph, made, hardware, record_intervals=False)
-        if smallest is None or (timeline.peak_bytes, timeline.step_time_s) < smallest[:2]:
-            smallest = (timeline.peak_bytes, timeline.step_time_s, made)
-        if budget_bytes is None or timeline.peak_bytes <= budget_bytes:
-            if best is None or timeline.step_time_s < best[0]:
-                best = (timeline.step_time_s, made)
+        profile = profiler.profile(made.recomputed)
+        peak, recompute_s = profile.peak_bytes, profile.recompute_s
+        if smallest is None or (peak, recompute_s) < smallest[:2]:
+            smallest = (peak, recompute_s, made)
+        if budget_bytes is None or peak <= budget_bytes:
+            if best is None or recompute_s < best[0]:
+                best = (recompute_s, made)
     if best is None:
         assert smallest is not None
         return smallest[2]
