@@ -263,7 +263,8 @@ class Step:
             p.grad.untyped_storage().nbytes() for p in self.model.parameters() if p.grad is not None
         )
         made, baseline, budget_bytes = make_plan(graph, hardware, self.budget, self.strategy,
-                                                 self.params, outside_bytes, self.fixed_plan)
+                                                 self.params, outside_bytes, self.fixed_plan,
+                                                 what_ifs=False)
         program = rewrite(captured.graph_module, graph, made)
         predicted = simulate(graph, made, hardware)
         return Compiled(captured, graph, made, program, baseline, predicted, budget_bytes,
@@ -346,12 +347,15 @@ def resolve_hardware(hardware: Hardware | str | None, device: torch.device) -> H
 
 def make_plan(graph: CostGraph, hardware: Hardware, budget: Budget | None, strategy: str,
               params: Mapping[str, Any], outside_bytes: int = 0,
-              fixed: Plan | None = None) -> tuple[Plan, Timeline, int | None]:
+              fixed: Plan | None = None, what_ifs: bool = True) -> tuple[Plan, Timeline, int | None]:
     """Plan ``graph``: returns the plan, the unplanned step's timeline and the budget in bytes.
 
     The budget covers the whole device; bytes outside the graph (existing ``.grad``) come off it.
-    The plan carries its ``Explanation`` (rows per decision, what-ifs at the budget x0.9 and x1.1:
-    two more plan calls). A ``fixed`` plan (``compile(plan=...)``) is checked and returned as is.
+    The plan carries its ``Explanation``: rows per decision and, with ``what_ifs``, the plans at
+    the budget x0.9 and x1.1. Those are two more plan calls, so ``compile`` and the batch search,
+    which plan on the way to running, leave them out; ``memfit.plan`` and ``memfit plan``, whose
+    job is to explain, keep them. A ``fixed`` plan (``compile(plan=...)``) is checked and
+    returned as is.
 
     Raises:
         BudgetError: if the strategy cannot fit the budget.
@@ -379,7 +383,8 @@ def make_plan(graph: CostGraph, hardware: Hardware, budget: Budget | None, strat
         except BudgetError as error:  # report the whole device, the bytes outside the graph included
             raise BudgetError(budget_bytes, error.minimum_bytes + outside_bytes, error.dominant,
                               error.strategy) from None
-    explanation = explain(graph, made, hardware, baseline, budget_bytes, outside_bytes, replan)
+    explanation = explain(graph, made, hardware, baseline, budget_bytes, outside_bytes,
+                          replan if what_ifs else None)
     return (replace(made, topology_hash=topology_hash(graph), explanation=explanation), baseline,
             budget_bytes)
 
@@ -392,10 +397,13 @@ def _device_of(tensors) -> torch.device:
 
 
 def resolve_budget_and_strategy(budget, strategy: str | None, params: Mapping[str, Any]) -> tuple[Budget | None, str]:
-    """Parse the budget and pick the strategy (swap with a budget, keep without); check its
-    parameters now, so a mistake fails at ``compile``, not at the first step."""
+    """Parse the budget and pick the strategy (``auto`` with a budget, ``keep`` without); check
+    its parameters now, so a mistake fails at ``compile``, not at the first step.
+
+    ``auto`` is the default because a user who names only a budget wants the fastest step that
+    fits it, whatever mix of swapping and recomputation that takes on their hardware."""
     parsed = parse_budget(budget)
-    chosen = strategy or ("swap" if parsed is not None else "keep")
+    chosen = strategy or ("auto" if parsed is not None else "keep")
     check_params(chosen, params)
     return parsed, chosen
 
@@ -412,8 +420,10 @@ def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float
         budget: device bytes the step may use at its peak: an int, a size string (``"3GiB"``), or
             a fraction in (0, 1] of the unplanned step's peak (``0.5`` or ``"0.5"``). ``None``: no
             limit.
-        strategy: ``"keep"`` (the unplanned step) or ``"swap"`` (TFLMS). Default: ``"swap"`` with
-            a budget, ``"keep"`` without.
+        strategy: ``"auto"`` (the fastest mix of keep, swap and recompute that fits), ``"keep"``
+            (the unplanned step), ``"swap"`` (TFLMS), ``"checkpoint"``, ``"optimal-recompute"``,
+            ``"vdnn_all"``, ``"vdnn_conv"``, ``"vdnn_dyn"``, ... (``memfit.strategies.
+            strategy_names()``). Default: ``"auto"`` with a budget, ``"keep"`` without.
         hardware: a profile name (``"h100-pcie"``, ``"cpu"``, ...) or ``Hardware`` for the cost
             model. Default: ``cpu`` on a CPU, measured on an accelerator.
         measure: measure every step's device peak (cheap; off to shave the tracker's overhead).
@@ -433,7 +443,7 @@ def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float
             hardware (the message says which, and what to do).
 
     Example:
-        >>> step = memfit.compile(model, loss_fn, budget="0.5", strategy="swap")
+        >>> step = memfit.compile(model, loss_fn, budget="0.5")   # strategy="auto"
         >>> loss = step(input_ids, labels)
         >>> print(step.report())
         >>> step.plan.save("step.plan.json")   # later: memfit.compile(model, loss_fn,

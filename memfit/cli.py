@@ -170,8 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--budget", help="bytes ('3GiB') or a fraction of the unplanned peak (0.5)")
     plan.add_argument("--hardware", default="h100-pcie", help="profile name (default h100-pcie)")
     plan.add_argument("--strategy", default=None,
-                      help="keep | swap | checkpoint | memory-poor | optimal-recompute "
-                           "(default: swap with a budget, else keep)")
+                      help="auto | keep | swap | checkpoint | memory-poor | optimal-recompute | "
+                           "vdnn_all | vdnn_conv | vdnn_dyn (default: auto with a budget, "
+                           "else keep)")
     plan.add_argument("--param", type=_key_value, action="append", default=[], metavar="K=V",
                       help="a strategy parameter, repeatable: --param lb=3")
     plan.add_argument("--model-arg", type=_key_value, action="append", default=[],

@@ -26,7 +26,6 @@ from memfit.core.simulate import simulate
 from memfit.core.timeline import Timeline
 from memfit.core.units import Budget, format_bytes
 from memfit.graph.capture import capture
-from memfit.strategies import strategy_names
 
 __all__ = ["Trial", "BatchSearch", "max_batch_size"]
 
@@ -127,7 +126,7 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
             ``compile``. Fractions are not accepted: they depend on the batch.
         hardware: the profile to plan for (``"h100-pcie"``); default: that of the parameters'
             device. Throughput is predicted for it.
-        strategy: default ``"auto"`` where registered, else ``"swap"``.
+        strategy: default ``"auto"``.
         max_batch: the largest batch tried (default 65536).
         verify: run one measured step at the found batch and step down while it does not fit.
             Default: when the parameters are on a real device (the CPU counts). It runs the step
@@ -144,7 +143,7 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
         the peak of a step but can be broken by a heuristic strategy's plan choices; ``tried``
         lists what was planned.
     """
-    parsed, chosen = resolve_budget_and_strategy(budget, _default_strategy(strategy), params)
+    parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
     if parsed is None or parsed.bytes is None:
         raise ValueError(f"max_batch_size needs a budget in bytes ('80GiB'), not {budget!r}: "
                          "a fraction of the unplanned peak changes with the batch")
@@ -175,12 +174,6 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
         note = " ".join(filter(None, (note, stepped)))
     return BatchSearch(best.batch_size, best.plan, best.budget_bytes, _whole(best),
                        best.predicted.step_time_s, resolved.name, tuple(tried), verified, note)
-
-
-def _default_strategy(strategy: str | None) -> str:
-    if strategy is not None:
-        return strategy
-    return "auto" if "auto" in strategy_names() else "swap"
 
 
 def _whole(planned: _Planned) -> int:
@@ -253,7 +246,8 @@ def _plan_batch(model, loss_fn, make_inputs, batch, budget, strategy, hardware, 
     captured = capture(model, loss_fn, *inputs)
     _, graph = analyzed(captured, hardware, type(model).__name__, linearize)
     outside = _outside_bytes(model)
-    made, _, budget_bytes = make_plan(graph, hardware, budget, strategy, params, outside)
+    made, _, budget_bytes = make_plan(graph, hardware, budget, strategy, params, outside,
+                                      what_ifs=False)
     assert budget_bytes is not None
     return _Planned(batch, made, simulate(graph, made, hardware), budget_bytes, outside)
 

@@ -107,8 +107,26 @@ def test_plan_with_meta_inputs_needs_no_data():
     example = small()
     inputs = tuple(t.to("meta") for t in example.inputs())
     plan = memfit.plan(example.model, example.loss_fn, *inputs, budget="0.7", hardware="h100-pcie")
-    assert plan.hardware == "h100-pcie" and plan.swapped
-    assert plan.budget_bytes is not None
+    assert plan.hardware == "h100-pcie" and plan.strategy == "auto"
+    assert plan.budget_bytes is not None and plan.explanation is not None
+    assert plan.explanation.peak_bytes <= plan.budget_bytes
+
+
+def test_a_budget_alone_plans_with_auto_bit_for_bit():
+    """With a budget and no strategy, the fastest fitting mix runs; its step is the unplanned
+    step's bit for bit and measures within the budget."""
+    example = small()
+    reference_model = copy.deepcopy(example.model)
+    inputs = example.inputs()
+    step = memfit.compile(example.model, example.loss_fn, budget="0.6")
+    loss = step(*inputs)
+    reference = memfit.compile(reference_model, example.loss_fn, strategy="keep")(*inputs)
+    assert step.plan.strategy == "auto" and step.plan.params["solver"] != "keep"
+    assert step.plan.decisions and torch.equal(loss, reference)
+    for (name, p), q in zip(example.model.named_parameters(), reference_model.parameters(),
+                            strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    assert step.measured.peak_bytes <= step.compiled.budget_bytes
 
 
 def test_measure_peak_counts_what_a_call_allocates():

@@ -17,14 +17,24 @@ MLP = ["--model", "mlp", "--model-arg", "depth=8", "--model-arg", "width=32", "-
 
 def test_plan_prints_the_expected_rows(capsys, tmp_path):
     saved = tmp_path / "plan.json"
-    assert main(["plan", *MLP, "--budget", "0.6", "--hardware", "h100-pcie",
-                 "--save", str(saved)]) == 0
+    assert main(["plan", *MLP, "--budget", "0.6", "--hardware", "h100-pcie", "--strategy",
+                 "swap", "--save", str(saved)]) == 0
     out = capsys.readouterr().out
     assert "mlp, batch 512:" in out and "hardware h100-pcie" in out
     assert "| unplanned" in out and "| swap (predicted)" in out
     assert "swapped," in out and "by module" in out and "what if the budget were" in out
     plan = Plan.load(saved)
     assert plan.strategy == "swap" and plan.swapped
+
+
+def test_plan_with_a_budget_defaults_to_auto(capsys, tmp_path):
+    saved = tmp_path / "plan.json"
+    assert main(["plan", *MLP, "--budget", "0.6", "--save", str(saved)]) == 0
+    out = capsys.readouterr().out
+    plan = Plan.load(saved)
+    assert plan.strategy == "auto" and plan.params["solver"] in plan.params["candidates"]
+    assert "| auto (predicted)" in out and "candidates={" in out
+    assert plan.explanation is not None and plan.explanation.peak_bytes <= plan.budget_bytes
 
 
 def test_plan_keep_without_budget_swaps_nothing(capsys):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from memfit.core.explain import Explanation, TensorRow
 from memfit.core.plan import Plan, Recompute, Swap
 from memfit.core.units import format_bytes
-from memfit.render.text import fit_table, table
+from memfit.render.text import fit_table, format_param, table
 
 
 def _ms(seconds: float | None) -> str:
@@ -25,8 +25,7 @@ def explain_text(plan: Plan, depth: int = 3, width: int = 100, rows: int | None 
             f"{plan.graph_hash or '-'}")
     shown = {k: v for k, v in plan.params.items() if v not in (None, (), [], "", {})}
     if shown:  # unset filters left out; tuples and lists alike (a loaded plan has lists)
-        head += "; parameters: " + ", ".join(
-            f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in shown.items())
+        head += "; parameters: " + ", ".join(f"{k}={format_param(v)}" for k, v in shown.items())
     explanation = plan.explanation
     if explanation is None:
         return "\n".join([head, "(no explanation recorded: plans made by memfit.plan or "
@@ -92,8 +91,11 @@ def _prefetch(row: TensorRow) -> str:
 
 
 def _what_ifs(explanation: Explanation, width: int) -> str:
-    if explanation.budget_bytes is None or not explanation.what_if:
+    if explanation.budget_bytes is None:
         return "what if: no budget was given, so there is no budget to vary"
+    if not explanation.what_if:
+        return ("what if: not computed (compile and max_batch_size plan once; memfit.plan and "
+                "`memfit plan` also plan at the budget x0.9 and x1.1)")
     rows = []
     for case in sorted((*explanation.what_if, None), key=lambda c: c.factor if c else 1.0):
         if case is None:

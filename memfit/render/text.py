@@ -57,8 +57,20 @@ def step_report(compiled) -> str:
         gap = (compiled.predicted.peak_bytes + outside - measured.peak_bytes) / measured.peak_bytes
         lines.append(f"prediction gap: {gap:+.2%} of the measured peak")
     if plan.params:
-        lines.append("parameters: " + ", ".join(f"{k}={v}" for k, v in plan.params.items()))
+        lines.append("parameters: " + ", ".join(f"{k}={format_param(v)}"
+                                                for k, v in plan.params.items()))
     return "\n".join(lines)
+
+
+def format_param(value: object) -> str:
+    """A plan parameter as the user wrote it; a mapping of step times (auto's candidates) in ms."""
+    if isinstance(value, tuple):
+        return str(list(value))
+    if isinstance(value, dict) and all(v is None or isinstance(v, float) for v in value.values()):
+        return "{" + ", ".join(
+            f"{k}: {'does not fit' if v is None else f'{v * 1e3:.3f} ms'}" for k, v in value.items()
+        ) + "}"
+    return str(value)
 
 
 def _round_row(index: int, round_) -> tuple[object, ...]:

@@ -10,7 +10,10 @@ balance lies depends on the hardware profile, not on a rule of thumb.
 The candidates, each simulated exactly by ``simulate`` (memory is program-order liveness):
 
 1. ``keep``, if it fits;
-2. recompute only: ``optimal-recompute`` (the separator-block DP, or the MILP on small graphs);
+2. recompute only: ``optimal-recompute``'s separator-block DP, and on graphs of up to
+   ``MILP_MAX_OPS`` ops its MILP too, held to ``MILP_TIME_LIMIT_S`` (its own default of a
+   minute would make auto's planning time depend on HiGHS's luck, three times over with the
+   what-if rows);
 3. swap only: the TFLMS tuner (``swap``);
 4. the vDNN policies, where registered;
 5. the hybrid: the separator-block DP's recomputation at a budget relaxed by up to what the
@@ -41,7 +44,8 @@ from memfit.strategies.optimal_recompute import priced_segments
 MIN_SWAP_BYTES = 1 << 16  # smaller copies are mostly link latency
 HYBRID_SHARES = (1.25, 1.0, 0.75, 0.5, 0.25, 0.0)  # budget relaxations, shares of what free swaps save
 VDNN_POLICIES = ("vdnn_all", "vdnn_conv", "vdnn_dyn")
-_TIGHTEN_ROUNDS = 4
+MILP_MAX_OPS = 100  # optimal-recompute's own default
+MILP_TIME_LIMIT_S = 2.0
 
 
 def check_params(**unknown) -> None:
@@ -83,7 +87,11 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
         fits = timeline.peak_bytes <= budget_bytes
         found[name] = (timeline.step_time_s, made) if fits else None
 
-    consider("recompute", partial(get_strategy("optimal-recompute"), graph, hardware, budget_bytes))
+    recompute = partial(get_strategy("optimal-recompute"), graph, hardware, budget_bytes)
+    consider("recompute", partial(recompute, method="segments"))
+    if len(graph.ops) <= MILP_MAX_OPS:
+        consider("recompute-milp", partial(recompute, method="milp", max_ops=MILP_MAX_OPS,
+                                           time_limit_s=MILP_TIME_LIMIT_S))
     consider("swap", partial(get_strategy("swap"), graph, hardware, budget_bytes))
     for policy in VDNN_POLICIES:
         if policy in strategy_names():

@@ -131,6 +131,53 @@ def test_swap_at_the_smallest_budget_it_reaches(reference):
     assert step.measured.peak_bytes <= minimum_bytes
 
 
+def floor_bytes(graph) -> int:
+    """A peak no plan of keeps, swaps and recomputes can go below, computed without a planner:
+    the graph inputs, the step outputs made so far (gradients live to the end) and one op's
+    operands."""
+    made, made_bytes, floor = set(), 0, 0
+    for op in graph.ops:
+        operands = {t for t in (*op.inputs, *op.outputs)
+                    if graph.tensors[t].producer is not None and t not in made}
+        floor = max(floor, made_bytes + sum(graph.tensors[t].size_bytes for t in operands))
+        for name in op.outputs:
+            if graph.tensors[name].is_output:
+                made.add(name)
+                made_bytes += graph.tensors[name].size_bytes
+    return graph.resident_bytes + floor
+
+
+def auto_step_is_bitwise_and_within(reference, budget):
+    """A budget alone plans with auto (for a GH200's link, so swaps and recomputes mix)."""
+    example = reference["example"]
+    model = copy.deepcopy(reference["initial"])
+    step, loss = run_step(model, example.loss_fn, reference["inputs"], budget=budget,
+                          hardware="gh200")
+    assert step.plan.strategy == "auto" and step.plan.params["solver"] != "keep"
+    assert_same_as_keep(reference, model, loss)
+    assert_peak_within(step)
+
+
+def test_auto_at_half_the_peak(reference):
+    auto_step_is_bitwise_and_within(reference, "0.5")
+
+
+def test_auto_at_thirty_percent_or_at_the_floor(reference):
+    """At 30% of the peak; where no plan can reach that (the floor above it, e.g. ResNet's stem
+    operands), auto must say so with a minimum at or above the floor, and run at that minimum."""
+    keep = reference["keep"]
+    budget = int(0.3 * keep.predicted.peak_bytes)
+    floor = floor_bytes(keep.graph)
+    if floor <= budget:
+        auto_step_is_bitwise_and_within(reference, budget)
+        return
+    with pytest.raises(memfit.BudgetError) as refused:
+        get_strategy("auto")(keep.graph, get_hardware("gh200"), budget)
+    minimum = refused.value.minimum_bytes
+    assert floor <= minimum < 0.5 * keep.predicted.peak_bytes
+    auto_step_is_bitwise_and_within(reference, minimum)
+
+
 BLOCKS = {  # module-path globs of each model's repeated blocks, as torch.utils.checkpoint wraps
     "mlp": ["3", "11", "19", "27"],
     "gpt2": ["transformer.h.*"],
