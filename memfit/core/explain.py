@@ -233,11 +233,19 @@ def _rows(graph: CostGraph, plan: Plan, exposed: Mapping[str, float],
                                "exposed_s": exposed.get(name, 0.0)})
         elif isinstance(decision, Recompute) and producer is not None:
             runs = rebuilt.get(producer.name, [])
+            if not runs and not _read_by_backward(graph, name):
+                continue  # freed after the forward pass as any unsaved value is: nothing to say
             row = TensorRow(**{**asdict(row), "decision": "recompute", "reruns": len(runs),
                                "recompute_s": sum(runs) / sharers[producer.name]})
         rows.append(row)
     position = {t: graph.index[graph.tensors[t].producer or graph.ops[0].name] for t in decided}
     return tuple(sorted(rows, key=lambda r: position[r.tensor]))
+
+
+def _read_by_backward(graph: CostGraph, tensor: str) -> bool:
+    """Whether a backward op reads ``tensor``: a segment's recomputation marks every value
+    inside it, also those only its re-runs would need, and those no step reads again."""
+    return any(graph.op(c).phase != "forward" for c in graph.tensors[tensor].consumers)
 
 
 def _what_if(graph: CostGraph, hardware: Hardware, replan: Callable[[int], Plan],

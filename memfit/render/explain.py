@@ -41,8 +41,9 @@ def explain_text(plan: Plan, depth: int = 3, width: int = 100, rows: int | None 
         lines.append(f"explicit re-runs: {len(plan.reruns)}")
     decided = explanation.rows
     counts = {kind: sum(r.decision == kind for r in decided) for kind in ("swap", "recompute")}
-    lines.append(f"{explanation.saved_tensors} saved tensors: {counts['swap']} swapped, "
-                 f"{counts['recompute']} recomputed, the rest kept")
+    lines.append(f"{explanation.saved_tensors} saved tensors; {counts['swap']} swapped, "
+                 f"{counts['recompute']} recomputed (with the values that rebuild them), the "
+                 "rest kept")
     if decided:
         lines += [f"by module (first {depth} parts of the module path):",
                   _modules(explanation, depth, width), _decisions(decided, rows, width)]
