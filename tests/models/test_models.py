@@ -15,7 +15,10 @@ import torch
 
 import memfit
 from memfit import examples
+from memfit.api import analyzed
 from memfit.core.hardware import get_hardware
+from memfit.core.plan import Plan
+from memfit.core.simulate import simulate
 from memfit.graph.analyze import tensors_in
 from memfit.runtime.executor import Executor
 from memfit.strategies import get_strategy
@@ -234,3 +237,32 @@ def test_hundred_layer_mlp_memory_mode_is_sqrt_n():
     assert step.measured.peak_bytes == step.predicted.peak_bytes
     forward_s = sum(op.time_s for op in graph.forward_ops)
     assert step.predicted.recompute_s <= forward_s
+
+
+AUTO_ALTERNATIVES = {"swap": {}, "optimal-recompute": {"method": "segments"}, "vdnn_all": {},
+                     "vdnn_conv": {}, "vdnn_dyn": {}}
+
+
+@pytest.mark.parametrize("profile", ["h100-pcie", "gh200"])
+def test_auto_is_never_slower_than_one_technique_alone(reference, profile):
+    """The captured step on a GPU profile, from 90% of its unplanned peak down to auto's minimum:
+    auto fits, and no single technique that fits is faster (simulated step times)."""
+    hardware = get_hardware(profile)
+    _, graph = analyzed(reference["keep"].compiled.captured, hardware, "step", False)
+    keep_peak = simulate(graph, Plan("keep"), hardware, record_intervals=False).peak_bytes
+    with pytest.raises(memfit.BudgetError) as refused:
+        get_strategy("auto")(graph, hardware, 1)
+    minimum = refused.value.minimum_bytes
+    budgets = {int(f * keep_peak) for f in (0.9, 0.7, 0.5) if f * keep_peak >= minimum}
+    for budget_bytes in sorted(budgets | {minimum}, reverse=True):
+        made = get_strategy("auto")(graph, hardware, budget_bytes)
+        timeline = simulate(graph, made, hardware, record_intervals=False)
+        assert timeline.peak_bytes <= budget_bytes
+        for strategy, params in AUTO_ALTERNATIVES.items():
+            try:
+                other = get_strategy(strategy)(graph, hardware, budget_bytes, **params)
+            except memfit.BudgetError:
+                continue
+            simulated = simulate(graph, other, hardware, record_intervals=False)
+            if simulated.peak_bytes <= budget_bytes:
+                assert timeline.step_time_s <= simulated.step_time_s * (1 + 1e-9), strategy
