@@ -166,7 +166,7 @@ def splice(old: str, section: str, stamp: str) -> str:
              if not line.startswith(f"- section \"{title[3:]}\" rerun alone")]
     at = next(i for i, line in enumerate(lines) if line.startswith("- run time:"))
     lines.insert(at + 1, stamp)
-    return ("\n".join(lines) + "\n\n" + title + "\n" + body.strip("\n") + "\n\n" + SIZE_TITLE
+    return ("\n".join(lines) + "\n\n" + title + "\n\n" + body.strip("\n") + "\n\n" + SIZE_TITLE
             + "\n\n" + line_counts() + "\n")
 
 

@@ -153,6 +153,7 @@ def test_the_section_is_spliced_before_the_size_table(old_auto):
     old = RESULTS.format(auto=old_auto)
     once = run.splice(old, SECTION, stamp)
     assert once.count(AUTO_TITLE) == 1 and "old figures" not in once
+    assert AUTO_TITLE + "\n\nnew figures\n" in once and "\n\n" + run.SIZE_TITLE + "\n\n" in once
     assert once.index("old curves") < once.index("### a subsection") < once.index(AUTO_TITLE)
     assert once.index(AUTO_TITLE) < once.index("more") < once.index(run.SIZE_TITLE)
     assert "| old | counts |" not in once and "| folder" in once  # the Size table is recounted
