@@ -41,9 +41,13 @@ GOAL_PROFILE = "h100-pcie"
 PLANNING_GOAL_S = 1.0  # issue 4: GPT-2 small planned in under a second
 
 
-def overhead_cell(outcome: Outcome | None, keep_step_s: float) -> str:
-    value = overhead(outcome, keep_step_s)
+def percent_cell(value: float | None) -> str:
+    """An overhead as ``+2.3%``, or ``does not fit`` for ``None``."""
     return "does not fit" if value is None else f"{value * 100:+.1f}%"
+
+
+def overhead_cell(outcome: Outcome | None, keep_step_s: float) -> str:
+    return percent_cell(overhead(outcome, keep_step_s))
 
 
 def goal_verdict(value: float | None, limit: float) -> str:
@@ -59,9 +63,8 @@ def goal_lines(result: ProfileResult) -> list[str]:
     for fraction, limit in GOALS:
         row = next(r for r in result.rows if r.fraction == fraction)
         value = overhead(row.outcomes["auto"], result.keep_step_s)
-        shown = "does not fit" if value is None else f"{value * 100:+.1f}%"
         lines.append(f"- auto at {fraction:.0%} of the peak under {limit:.0%} overhead: "
-                     f"{shown}, **{goal_verdict(value, limit)}**")
+                     f"{percent_cell(value)}, **{goal_verdict(value, limit)}**")
     return lines
 
 
@@ -87,6 +90,8 @@ def fraction_table_rows(result: ModelResult, profile: str) -> list[tuple]:
 
 
 def model_table_rows(results: Sequence[ModelResult]) -> list[tuple]:
+    """Per model and profile: the graph, the unplanned step, auto's minimum, planning times and
+    the largest batches."""
     rows = []
     for result in results:
         for profile, found in result.profiles.items():
