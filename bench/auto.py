@@ -96,20 +96,35 @@ def model_table_rows(results: Sequence[ModelResult]) -> list[tuple]:
     for result in results:
         for profile, found in result.profiles.items():
             auto_s = [row.outcomes["auto"].planning_s for row in found.rows]
-            ratio = f"{found.auto_batch / found.keep_batch:.1f}x" if found.keep_batch else "-"
             rows.append((result.name, result.batch_size, profile, found.ops,
                          mib(found.keep_peak_bytes), ms(found.keep_step_s),
                          f"{found.minimum_bytes / found.keep_peak_bytes:.0%} "
                          f"({mib(found.minimum_bytes)})",
                          f"{result.capture_s:.1f} s", f"{statistics.median(auto_s):.1f} s",
-                         f"batch {found.keep_batch} (keep) -> {found.auto_batch} (auto), "
-                         f"{ratio}"))
+                         batches_cell(found)))
     return rows
+
+
+def batches_cell(found: ProfileResult) -> str:
+    """``11 (14.2/s) -> 136 (0.1/s): 12.4x the batch, 0.01x the throughput``: keep, then auto."""
+    keep, auto = found.keep_largest, found.auto_largest
+    if keep is None or auto is None:
+        return "not searched"
+    ratios = (f": {auto.batch_size / keep.batch_size:.1f}x the batch, "
+              f"{auto.samples_per_s / keep.samples_per_s:.2g}x the throughput"
+              if keep.batch_size and keep.samples_per_s else "")
+    return (f"{keep.batch_size} ({_rate(keep.samples_per_s)}) -> {auto.batch_size} "
+            f"({_rate(auto.samples_per_s)}){ratios}")
+
+
+def _rate(samples_per_s: float) -> str:
+    return f"{samples_per_s:,.0f}/s" if samples_per_s >= 100 else f"{samples_per_s:.3g}/s"
 
 
 MODEL_HEADERS = ("model", "batch", "profile", "ops", "unplanned peak", "unplanned step",
                  "auto's minimum (of the peak)", "capture + analysis",
-                 "auto planning (median of the budgets)", f"largest batch in {BATCH_BUDGET}")
+                 "auto planning (median of the budgets)",
+                 f"largest batch in {BATCH_BUDGET}, keep -> auto (predicted samples/s)")
 
 
 ANCHOR_HEADERS = ("system", "published figure (theirs, not measured here)", "source",
@@ -140,14 +155,14 @@ def anchor_rows(results: Sequence[ModelResult]) -> list[tuple]:
     throughput = [1 / (1 + value) for value in at_third]
     half = next(r for r in first.rows if r.fraction == 0.5)
     recompute = overhead(half.outcomes["recompute-only"], first.keep_step_s)
-    batch_ratio = (f"{first.auto_batch / first.keep_batch:.1f}x" if first.keep_batch else "-")
     return [
         ("vDNN", "VGG-16 at batch 256 in a 12 GB GPU, 18% slower than with enough memory",
          "Rhu et al., vDNN, MICRO 2016",
          f"auto at 50% of the peak on {GOAL_PROFILE}: {spread(at_half, percent)}"),
         ("Capuchin", "7x the largest batch of plain TensorFlow on BERT",
          "Peng et al., Capuchin, ASPLOS 2020",
-         f"auto's largest batch over keep's, {results[0].name}, {GOAL_PROFILE}: {batch_ratio}"),
+         f"largest batch, keep -> auto, {results[0].name}, {GOAL_PROFILE}: "
+         f"{batches_cell(first)}"),
         ("SwapAdvisor", "53-99% of the throughput with infinite GPU memory",
          "Huang, Jin and Li, SwapAdvisor, ASPLOS 2020",
          "auto's throughput at 30% of the peak, as a share of the unplanned step's (all "
@@ -193,9 +208,10 @@ def auto_section(log: Callable[[str], None], models: Sequence[AutoModel] = AUTO_
     started = time.perf_counter()
     results = []
     for bench in models:
-        result = measure_model(bench, log)
+        example = bench.build()
+        result = measure_model(bench, example, log)
         if with_batches:
-            largest_batches(bench, result, log)
+            largest_batches(bench.name, example, result, log)
         results.append(result)
         log(f"auto {bench.name}: {time.perf_counter() - started:.0f} s so far")
     times = planning_times(GPT2_SMALL)
@@ -204,8 +220,10 @@ def auto_section(log: Callable[[str], None], models: Sequence[AutoModel] = AUTO_
               for result in results for profile, found in result.profiles.items()
               for row in found.rows for loss in auto_losses(row)]
     search_note = (f"Largest batches: `memfit.max_batch_size(..., budget=\"{BATCH_BUDGET}\", "
-                   "verify=False)` with `strategy=\"keep\"` (once: the unplanned peak is the "
-                   "same on both profiles) and `\"auto\"`, planned on meta inputs, not run."
+                   "verify=False)` with `strategy=\"keep\"` and `\"auto\"`, planned on meta "
+                   "inputs, not run; beside each, its predicted throughput on the profile: the "
+                   "largest batch is not the fastest one when fitting it takes heavy "
+                   "recomputation."
                    if with_batches else "Largest batches were not searched in this run.")
     parts = [AUTO_TITLE + "\n", intro(search_note),
              f"\n### Goals (issue 4), {goal_model.name} on {GOAL_PROFILE}\n",

@@ -86,6 +86,15 @@ class BudgetRow:
 
 
 @dataclass(frozen=True)
+class LargestBatch:
+    """What ``memfit.max_batch_size`` found for one strategy: the batch and its predicted
+    throughput (a batch that fits only by recomputing heavily can be much slower per sample)."""
+
+    batch_size: int
+    samples_per_s: float
+
+
+@dataclass(frozen=True)
 class ProfileResult:
     """One model on one profile: the unplanned step, the rows, auto's smallest reachable peak."""
 
@@ -95,8 +104,8 @@ class ProfileResult:
     keep_step_s: float
     rows: tuple[BudgetRow, ...]
     minimum_bytes: int
-    auto_batch: int = 0
-    keep_batch: int = 0
+    keep_largest: LargestBatch | None = None  # None: not searched
+    auto_largest: LargestBatch | None = None
 
 
 @dataclass
@@ -190,11 +199,11 @@ def auto_losses(row: BudgetRow) -> list[str]:
     return losses
 
 
-def measure_model(bench: AutoModel, log: Callable[[str], None],
+def measure_model(bench: AutoModel, example: examples.Example, log: Callable[[str], None],
                   profiles: Sequence[str] = PROFILES,
                   fractions: Sequence[float] = FRACTIONS) -> ModelResult:
-    """Capture ``bench`` once on meta inputs, then analyze and plan it on every profile."""
-    example = bench.build()
+    """Capture ``example`` (built by ``bench``) once on meta inputs, then analyze and plan it on
+    every profile."""
     started = time.perf_counter()
     captured = capture(example.model, example.loss_fn,
                        *meta_inputs(example.make_inputs, bench.batch_size))
@@ -207,28 +216,28 @@ def measure_model(bench: AutoModel, log: Callable[[str], None],
     return result
 
 
-def largest_batches(bench: AutoModel, result: ModelResult, log: Callable[[str], None],
-                    budget: str = BATCH_BUDGET, max_batch: int = 1 << 16) -> None:
-    """Fill in each profile's largest batch in ``budget``: keep (once: the unplanned peak does
-    not depend on the profile) and auto (per profile), planned on meta inputs, not run."""
-    example = bench.build()
+def largest_batches(name: str, example: examples.Example, result: ModelResult,
+                    log: Callable[[str], None], budget: str = BATCH_BUDGET,
+                    max_batch: int = 1 << 16) -> None:
+    """Fill in each profile's largest batch in ``budget`` with keep and with auto, planned on
+    meta inputs, not run."""
 
-    def search(strategy: str, profile: str) -> int:
+    def search(strategy: str, profile: str) -> LargestBatch:
         started = time.perf_counter()
         try:
             found = memfit.max_batch_size(example.model, example.loss_fn, example.make_inputs,
                                           budget=budget, hardware=profile, strategy=strategy,
                                           verify=False, max_batch=max_batch)
         except BudgetError:
-            return 0
-        log(f"auto {bench.name}: {strategy} fits batch {found.batch_size} in {budget} on "
-            f"{profile} ({len(found.tried)} plans, {time.perf_counter() - started:.0f} s)")
-        return found.batch_size
+            return LargestBatch(0, 0.0)
+        log(f"auto {name}: {strategy} fits batch {found.batch_size} in {budget} on {profile} "
+            f"({found.predicted_throughput:.1f} samples/s; {len(found.tried)} plans, "
+            f"{time.perf_counter() - started:.0f} s)")
+        return LargestBatch(found.batch_size, found.predicted_throughput)
 
-    keep_batch = search("keep", PROFILES[0])
-    for name, profile in result.profiles.items():
-        result.profiles[name] = replace(profile, keep_batch=keep_batch,
-                                        auto_batch=search("auto", name))
+    for profile, found in result.profiles.items():
+        result.profiles[profile] = replace(found, keep_largest=search("keep", profile),
+                                           auto_largest=search("auto", profile))
 
 
 def planning_times(bench: AutoModel, profile: str = PROFILES[0],

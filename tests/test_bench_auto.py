@@ -4,6 +4,8 @@ recomputing both have a price and the planners disagree."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from bench import run
@@ -13,6 +15,7 @@ from bench.auto import (
     FRACTION_HEADERS,
     MODEL_HEADERS,
     anchor_rows,
+    batches_cell,
     fraction_table_rows,
     goal_lines,
     goal_verdict,
@@ -23,6 +26,7 @@ from bench.auto_plans import (
     MILP,
     PROFILES,
     BudgetRow,
+    LargestBatch,
     ModelResult,
     Outcome,
     ProfileResult,
@@ -126,6 +130,15 @@ def test_the_summary_and_anchor_tables_render(resnet):
     assert [a[0] for a in anchors][:3] == ["vDNN", "Capuchin", "SwapAdvisor"]
     assert all(len(a) == len(ANCHOR_HEADERS) for a in anchors)
     assert "18%" in anchors[0][1] and "7x" in anchors[1][1] and "53-99%" in anchors[2][1]
+    assert rows[0][-1] == "not searched" and "not searched" in anchors[1][3]
+
+
+def test_the_largest_batch_comes_with_its_throughput():
+    found = _profile({0.5: 1.0})
+    found = replace(found, keep_largest=LargestBatch(10, 20.0),
+                    auto_largest=LargestBatch(125, 0.5))
+    assert batches_cell(found) == ("10 (20/s) -> 125 (0.5/s): 12.5x the batch, "
+                                   "0.025x the throughput")
 
 
 RESULTS = """# memfit benchmark results
