@@ -2,8 +2,8 @@
 
 Every figure in the file is measured by the run that wrote it (the H100 step times are the
 simulator's, and say so). CPU part: per-model capacity under a fixed budget, executor overhead,
-GPT-2 beside the alternatives, recomputation
-curves (bench/recompute.py), the line count. ``--gpu``: the host link and a GPT-2 medium step.
+GPT-2 beside the alternatives, recomputation curves
+(bench/recompute.py), auto against the alternatives at real sizes (bench/auto.py), the line count. ``--gpu``: the host link and a GPT-2 medium step.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import platform
 import sys
 import time
 import tokenize
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -85,8 +85,9 @@ def line_counts() -> str:
 
 
 def cpu_sections() -> list[str]:
-    """The CPU part: capacity, overhead, alternatives, recomputation curves."""
+    """The CPU part: capacity, overhead, alternatives, recomputation curves, auto at real sizes."""
     from bench.alternatives import ALTERNATIVE_HEADERS, alternative_rows
+    from bench.auto import auto_section
     from bench.models import (
         BENCH_MODELS,
         CAPACITY_HEADERS,
@@ -129,40 +130,64 @@ def cpu_sections() -> list[str]:
         "differ computed its backward pass from values other than its forward pass's (a "
         "recomputed dropout that draws a new mask would do this).\n",
         recompute,
+        "\n" + auto_section(log),
     ]
 
 
-RECOMPUTE_TITLE = "## Recomputation: memory / step-time curves"
 SIZE_TITLE = "## Size"
+
+
+def section_builders() -> dict[str, Callable[[], str]]:
+    """The CPU sections that can be rerun alone (``--only``), by name; each returns Markdown
+    starting with its ``## `` title."""
+    from bench.auto import auto_section
+    from bench.recompute import recompute_section
+
+    return {
+        "recompute": lambda: recompute_section(log, plot_path=ROOT / "bench" / "recompute.png"),
+        "auto": lambda: auto_section(log),
+    }
+
+
+ONLY_CHOICES = ("recompute", "auto")  # section_builders()'s keys, without importing the sections
+
+
+def splice(old: str, section: str, stamp: str) -> str:
+    """``old`` with ``section`` in place of its earlier copy (the text from its title to the next
+    ``## `` title), or just before the Size table if it had none; ``stamp`` after the run-time
+    line, replacing an earlier stamp of the same section; the Size table recounted."""
+    title, body = section.split("\n", 1)
+    head, _ = old.split(SIZE_TITLE, 1)  # the Size table is last, and recounted
+    if title + "\n" in head:
+        before, after = head.split(title + "\n", 1)
+        following = after.find("\n## ")
+        head = before + (after[following + 1:] if following >= 0 else "")
+    lines = [line for line in head.rstrip("\n").split("\n")
+             if not line.startswith(f"- section \"{title[3:]}\" rerun alone")]
+    at = next(i for i, line in enumerate(lines) if line.startswith("- run time:"))
+    lines.insert(at + 1, stamp)
+    return ("\n".join(lines) + "\n\n" + title + "\n\n" + body.strip("\n") + "\n\n" + SIZE_TITLE
+            + "\n\n" + line_counts() + "\n")
 
 
 def rerun_section(name: str, out: Path, started: float) -> int:
     """Rerun the ``name`` section alone and put it in place of its old text in ``out``."""
-    from bench.recompute import recompute_section
-
-    assert name == "recompute"
     old = out.read_text()
-    if RECOMPUTE_TITLE not in old or SIZE_TITLE not in old:
-        print(f"{out} has no {RECOMPUTE_TITLE!r} / {SIZE_TITLE!r} to replace: run the whole "
-              "benchmark instead", file=sys.stderr)
+    if SIZE_TITLE not in old or "- run time:" not in old:
+        print(f"{out} has no {SIZE_TITLE!r} table or run-time line: run the whole benchmark "
+              "instead", file=sys.stderr)
         return 1
-    section = recompute_section(log, plot_path=ROOT / "bench" / "recompute.png")
+    section = section_builders()[name]()
+    title = section.split("\n", 1)[0]
     command = f"python -m bench.run --only {name}" + (f" --out {out}" if out != ROOT / "bench" /
                                                       "RESULTS.md" else "")
-    stamp = (f"- section \"{RECOMPUTE_TITLE[3:]}\" rerun alone: `{command}`, "
+    stamp = (f"- section \"{title[3:]}\" rerun alone: `{command}`, "
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
              f"{time.perf_counter() - started:.0f} s, CPU, torch {torch.__version__}, load "
              f"average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other jobs "
-             "share the machine: step times are noisy) (the other sections are from the run "
+             "share the machine: timings are noisy) (the other sections are from the run "
              "above)")
-    head, rest = old.split(RECOMPUTE_TITLE, 1)
-    lines = [line for line in head.split("\n") if "rerun alone" not in line]
-    at = next(i for i, line in enumerate(lines) if line.startswith("- run time:"))
-    head = "\n".join(lines[:at + 1] + [stamp] + lines[at + 1:])
-    title, section_body = section.split("\n", 1)
-    assert title == RECOMPUTE_TITLE and SIZE_TITLE in rest  # the Size table is recounted
-    out.write_text(head + RECOMPUTE_TITLE + "\n" + section_body + "\n\n" + SIZE_TITLE + "\n\n"
-                   + line_counts() + "\n")
+    out.write_text(splice(old, section, stamp))
     log(f"wrote the {name} section of {out} in {time.perf_counter() - started:.0f} s")
     return 0
 
@@ -171,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
     parser.add_argument("--gpu", action="store_true", help="run the CUDA part instead")
     parser.add_argument("--out", help="default bench/RESULTS.md (bench/RESULTS-gpu.md with --gpu)")
-    parser.add_argument("--only", choices=("recompute",),
+    parser.add_argument("--only", choices=ONLY_CHOICES,
                         help="rerun one CPU section and splice it into the existing results file "
                         "(the other sections keep their figures; the Size table is recounted)")
     args = parser.parse_args(argv)
