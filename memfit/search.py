@@ -118,7 +118,9 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
     """The largest batch whose training step fits ``budget``, planned without running it.
 
     Args:
-        model: the module (its parameters may be on the meta device when ``verify`` is off).
+        model: the module (its parameters may be on the meta device when ``verify`` is off,
+            if its loss still reaches them there: transformers' GPT-2 does not, and capture
+            refuses it; build such a model on the CPU and let the inputs be meta).
         loss_fn: ``loss_fn(model, *inputs) -> scalar tensor``.
         make_inputs: ``make_inputs(batch_size) -> inputs``; called under the meta device, so it
             allocates nothing unless it names a device itself (then its tensors become meta).

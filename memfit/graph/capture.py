@@ -134,7 +134,26 @@ def capture(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor) ->
     bindings_in = tuple(_bind(n.meta.get("desc")) for n in _placeholders(graph_module))
     output_node = graph_module.graph.find_nodes(op="output")[0]
     bindings_out = tuple(_bind(d) for d in output_node.meta.get("desc", ()))
+    _check_gradients(model, bindings_out, output_node.args[0])
     return Captured(graph_module, bindings_in, bindings_out, input_signature(model, inputs))
+
+
+def _check_gradients(model: torch.nn.Module, outputs: tuple[Binding, ...],
+                     values: Sequence) -> None:
+    """Refuse a step whose backward pass computes no gradient while parameters want one: its
+    plan would price a forward pass only (a model built on the meta device does this: the
+    transformers' loss comes out detached from the meta weights)."""
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    if not trainable or any(b.kind == "gradient" and value is not None
+                            for b, value in zip(outputs, values, strict=True)):
+        return
+    meta = any(p.device.type == "meta" for p in model.parameters())
+    raise CaptureError(
+        f"the captured step computes no gradient for any of the model's {len(trainable)} "
+        "trainable parameters, so there is no backward pass to plan"
+        + ("; the model is on the meta device: build it on the CPU (its weights real) and pass "
+           "meta inputs instead" if meta else "; check that loss_fn's result depends on the "
+           "parameters (no .detach(), no torch.no_grad())"))
 
 
 def _placeholders(graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:

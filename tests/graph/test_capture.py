@@ -99,3 +99,16 @@ def test_real_models_plan_from_meta_inputs():
                            hardware="h100-pcie")
         assert plan.swapped and plan.hardware == "h100-pcie", example.name
         assert all(p.grad is None for p in example.model.parameters())
+
+
+def test_a_step_without_gradients_is_refused_with_the_reason():
+    """A detached loss, or GPT-2 built on the meta device (its loss comes out detached), would
+    plan a forward pass only: refused, saying what to do."""
+    example = examples.mlp(depth=2, width=8)
+    with pytest.raises(CaptureError, match="no gradient.*detach"):
+        capture(example.model, lambda m, x, y: example.loss_fn(m, x, y).detach(), *example.inputs())
+    with torch.device("meta"):
+        meta_gpt2 = examples.gpt2(layers=1)
+    inputs = tuple(t.to("meta") for t in meta_gpt2.inputs())
+    with pytest.raises(CaptureError, match="meta device: build it on the CPU"):
+        capture(meta_gpt2.model, meta_gpt2.loss_fn, *inputs)
