@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from types import MappingProxyType
-from typing import Literal
+from typing import Literal, TypeVar
+
+Found = TypeVar("Found")
 
 Phase = Literal["forward", "backward", "update"]
 TensorRole = Literal["parameter", "buffer", "input", "activation", "gradient"]
@@ -154,6 +156,18 @@ class CostGraph:
 
     def op(self, name: str) -> Op:
         return self.ops[self.index[name]]
+
+    def remembered(self, key: Hashable, make: Callable[[], Found]) -> Found:
+        """``make()``, computed once per graph under ``key``.
+
+        Why: planners ask for the same analyses of a graph (its separators, its unchanged
+        actions) once per candidate and budget, and a graph is frozen, so they never go stale.
+        What ``make`` returns is shared: it must not be changed by its readers.
+        """
+        memo = self.__dict__.setdefault("_remembered", {})
+        if key not in memo:
+            memo[key] = make()
+        return memo[key]
 
     @cached_property
     def users(self) -> Mapping[str, tuple[str, ...]]:

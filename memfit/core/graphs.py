@@ -29,9 +29,10 @@ Note:
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import pairwise
 from typing import TypeVar
 
@@ -57,6 +58,27 @@ INPUT = "memfit_input"
 LOSS = "memfit_loss"
 Item = TypeVar("Item")
 _TOO_WIDE = 1 << 62  # the fill-in given to a node whose bag would exceed ``max_degree + 1``
+Analysis = TypeVar("Analysis")
+
+
+def _per_graph(analysis: Callable[..., Analysis]) -> Callable[..., Analysis]:
+    """Remember ``analysis(graph, *args)`` on the graph itself.
+
+    Why: a plan search asks for the same separators many times (each candidate planner, each
+    budget of a sweep), and on a 10,000-op step building the separation graph and its tree
+    decomposition takes seconds (see ``CostGraph.remembered``). networkx results are frozen,
+    so no caller can change what the next one reads.
+    """
+
+    @functools.wraps(analysis)
+    def remembered(graph: CostGraph, *args, **kwargs) -> Analysis:
+        def make() -> Analysis:
+            found = analysis(graph, *args, **kwargs)
+            return nx.freeze(found) if isinstance(found, nx.Graph) else found
+
+        return graph.remembered((analysis.__name__, args, tuple(sorted(kwargs.items()))), make)
+
+    return remembered
 
 
 def forward_graph(graph: CostGraph) -> nx.DiGraph:
@@ -92,6 +114,7 @@ def storage_owners(graph: CostGraph) -> dict[str, str | None]:
     return owners
 
 
+@_per_graph
 def _owner_dag(graph: CostGraph) -> nx.DiGraph:
     """``forward_graph`` with views merged into their owners, data-only ops dropped, and the
     virtual input and loss (see the module note)."""
@@ -149,6 +172,7 @@ def loss_ops(graph: CostGraph) -> tuple[str, ...]:
     )
 
 
+@_per_graph
 def separation_graph(graph: CostGraph) -> nx.Graph:
     """The undirected forward graph the separator searches run on (see the module note)."""
     return _owner_dag(graph).to_undirected()
@@ -163,6 +187,7 @@ def _connected(undirected: nx.Graph) -> bool:
     return INPUT in undirected and LOSS in undirected and nx.has_path(undirected, INPUT, LOSS)
 
 
+@_per_graph
 def articulation_points(graph: CostGraph) -> tuple[str, ...]:
     """Forward ops whose removal disconnects the input from the loss, in execution order.
 
@@ -300,6 +325,7 @@ def _minimal(undirected: nx.Graph, separator: frozenset, minimal: bool) -> froze
     return _next_to(undirected, near_loss, INPUT) if minimal else near_loss
 
 
+@_per_graph
 def separator_sets(
     graph: CostGraph, max_size: int = 4, minimal: bool = True
 ) -> tuple[tuple[str, ...], ...]:

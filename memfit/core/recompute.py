@@ -13,7 +13,7 @@ makes it a checkpoint.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from memfit.core.costgraph import CostGraph
 from memfit.core.plan import Plan, Recompute
@@ -24,10 +24,10 @@ def rebuilt_buffer(tensor: str, instance: int) -> str:
     return f"{tensor}#re{instance}"
 
 
-@dataclass(frozen=True)
-class PlannedRerun:
+class PlannedRerun(NamedTuple):
     """One re-run: ``op`` runs again right before ``before``; later readers of the tensors in
-    ``replaces`` read its new instance (its other outputs die unread)."""
+    ``replaces`` read its new instance (its other outputs die unread). A named tuple: pricing
+    makes hundreds of thousands."""
 
     op: str
     before: str
@@ -59,10 +59,11 @@ def decided_reruns(graph: CostGraph, recomputed: set[str],
             (computed here when not given; planners pricing many plans pass it in).
     """
     deadline = _deadlines(graph, recomputed, first_late_reader)
+    ops, index = graph.ops, graph.index
     return [
-        PlannedRerun(producer, graph.ops[deadline[producer]].name,
-                     frozenset(recomputed.intersection(graph.op(producer).outputs)))
-        for producer in sorted(deadline, key=graph.index.__getitem__)
+        PlannedRerun(producer, ops[position].name,
+                     frozenset(recomputed.intersection(ops[index[producer]].outputs)))
+        for producer, position in sorted(deadline.items(), key=lambda item: index[item[0]])
     ]
 
 
@@ -85,19 +86,21 @@ def _deadlines(graph: CostGraph, recomputed: set[str],
     re-run comes later in the program, so it is settled first.
     """
     late_reader = first_late_readers(graph) if first_late_reader is None else first_late_reader
-    tensors, index = graph.tensors, graph.index
-    producers = {p for name in recomputed if (p := tensors[name].producer) is not None}
+    tensors, index, ops = graph.tensors, graph.index, graph.ops
+    end = len(ops)
+    positions = {index[p] for name in recomputed if (p := tensors[name].producer) is not None}
     deadline: dict[str, int] = {}
-    for producer in sorted(producers, key=index.__getitem__, reverse=True):
-        earliest = len(graph.ops)
-        for name in graph.op(producer).outputs:
+    for position in sorted(positions, reverse=True):  # the hot loop of recompute pricing
+        op = ops[position]
+        earliest = end
+        for name in op.outputs:
             if name not in recomputed:
                 continue
-            earliest = min(earliest, late_reader.get(name, earliest))
+            earliest = min(earliest, late_reader.get(name, end))
             for consumer in tensors[name].consumers:
-                earliest = min(earliest, deadline.get(consumer, earliest))
-        if earliest < len(graph.ops):
-            deadline[producer] = earliest
+                earliest = min(earliest, deadline.get(consumer, end))
+        if earliest < end:
+            deadline[op.name] = earliest
     return deadline
 
 

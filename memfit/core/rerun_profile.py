@@ -84,14 +84,16 @@ class RerunProfiler:
             name: index[t.producer] for name, t in graph.tensors.items() if t.producer is not None
         }
         self._first_late_reader = first_late_readers(graph)
+        self._freed_bytes = {  # the tensors the liveness walk frees: made here, not returned
+            name: t.size_bytes for name, t in graph.tensors.items()
+            if t.producer is not None and not t.is_output
+        }
 
     def profile(self, recomputed: Iterable[str]) -> RerunProfile:
         """The profile of the base plan plus ``Recompute()`` for every tensor of ``recomputed``."""
         graph = self.graph
         recomputed = set(recomputed)
-        grouped: dict[str, list[PlannedRerun]] = {}
-        for rerun in decided_reruns(graph, recomputed, self._first_late_reader):
-            grouped.setdefault(rerun.before, []).append(rerun)
+        grouped = self._grouped(recomputed)
         if self.swapped:
             self._check_unswapped(recomputed, grouped)
         count = np.zeros(len(graph.ops), dtype=np.int64)
@@ -110,8 +112,21 @@ class RerunProfiler:
         high = self._spread(count, offset, length) + _high_delta(changes, length)
         folded = np.maximum.reduceat(high, group_start)
         live = self.keep_live + _live_delta(changes, self._group_end + offset, length)
-        time_s = sum(graph.op(r.op).time_s for reruns in grouped.values() for r in reruns)
-        return RerunProfile(folded, live, time_s, int(count.sum()))
+        return RerunProfile(folded, live, self._time_s(grouped), int(count.sum()))
+
+    def readers(self, tensor: str) -> list[int]:
+        """Positions of ``tensor``'s readers in the graph, in order."""
+        return self._readers[tensor]
+
+    def _grouped(self, recomputed: set[str]) -> dict[str, list[PlannedRerun]]:
+        grouped: dict[str, list[PlannedRerun]] = {}
+        for rerun in decided_reruns(self.graph, recomputed, self._first_late_reader):
+            grouped.setdefault(rerun.before, []).append(rerun)
+        return grouped
+
+    def _time_s(self, grouped: dict[str, list[PlannedRerun]]) -> float:
+        op = self.graph.op
+        return sum(op(r.op).time_s for reruns in grouped.values() for r in reruns)
 
     def _check_unswapped(self, recomputed: set[str], grouped: dict[str, list[PlannedRerun]]) -> None:
         read = {t for reruns in grouped.values() for r in reruns for t in self.graph.op(r.op).inputs}
@@ -153,57 +168,58 @@ class _RerunWalk:
         self.profiler = profiler
         self.compute_at = compute_at
         self.newest: dict[str, str] = {}
-        self.replaced: dict[str, list[tuple[int, str]]] = {}  # tensor -> (op index, instance)
+        # tensor -> (op index, instance): decided re-runs rebuild each tensor once
+        self.replaced: dict[str, tuple[int, str]] = {}
         self.rerun_reads: dict[str, int] = {}  # buffer -> last re-run reading it
         self.allocated: dict[str, tuple[int, int]] = {}  # instance -> (action, bytes)
 
     def rerun(self, rerun: PlannedRerun, before_index: int, action: int) -> None:
+        """Note re-run ``rerun`` at ``action``; re-runs come in program order, so each read
+        is the latest so far."""
         graph = self.profiler.graph
         op = graph.op(rerun.op)
+        newest, rerun_reads = self.newest, self.rerun_reads
         for tensor in op.inputs:
-            buffer = self.newest.get(tensor, tensor)
-            self.rerun_reads[buffer] = max(action, self.rerun_reads.get(buffer, -1))
+            rerun_reads[newest.get(tensor, tensor)] = action
         for tensor in op.outputs:
             instance = f"{tensor}#{action}"
             self.allocated[instance] = (action, graph.tensors[tensor].size_bytes)
             if tensor in rerun.replaces:
-                self.newest[tensor] = instance
-                self.replaced.setdefault(tensor, []).append((before_index, instance))
+                newest[tensor] = instance
+                self.replaced[tensor] = (before_index, instance)
 
     def changes(self) -> list[tuple[int, int, int]]:
         """(first action, last action, signed bytes) of every changed lifetime."""
-        profiler, compute_at = self.profiler, self.compute_at.tolist()  # plain ints: fast lookups
-        graph = profiler.graph
+        compute_at = self.compute_at.tolist()  # plain ints: fast lookups
+        readers_of, produced_at = self.profiler._readers, self.profiler._produced_at
+        freed_bytes = self.profiler._freed_bytes
         last_read = dict(self.rerun_reads)
-        for tensor, replacements in self.replaced.items():
-            readers = profiler._readers[tensor]
-            for number, (before_index, instance) in enumerate(replacements):
-                until = replacements[number + 1][0] if number + 1 < len(replacements) else None
-                first = bisect.bisect_left(readers, before_index)
-                end = len(readers) if until is None else bisect.bisect_left(readers, until)
-                if end > first:  # readers in [before, next re-run) read this instance
-                    last_read[instance] = max(compute_at[readers[end - 1]],
-                                              last_read.get(instance, -1))
-            first = bisect.bisect_left(readers, replacements[0][0])
-            if first:  # readers before the first re-run read the original
-                last_read[tensor] = max(compute_at[readers[first - 1]],
-                                        last_read.get(tensor, -1))
+        bisect_left = bisect.bisect_left
+        for tensor, (before_index, instance) in self.replaced.items():
+            readers = readers_of[tensor]
+            first = bisect_left(readers, before_index)  # readers from the re-run on read it
+            if first < len(readers):
+                last_read[instance] = max(compute_at[readers[-1]], last_read.get(instance, -1))
+            if first:  # readers before the re-run read the original
+                last_read[tensor] = max(compute_at[readers[first - 1]], last_read.get(tensor, -1))
         changes: list[tuple[int, int, int]] = []
-        for tensor in {*self.replaced, *(b for b in self.rerun_reads if b in graph.tensors)}:
-            info = graph.tensors[tensor]
-            if info.is_output or tensor not in profiler._produced_at:
+        changed = {*self.replaced, *(b for b in self.rerun_reads if b in freed_bytes)}
+        for tensor in changed:
+            size_bytes = freed_bytes.get(tensor)
+            if size_bytes is None:
                 continue  # step outputs and resident tensors are never freed
-            start = compute_at[profiler._produced_at[tensor]]
-            readers = profiler._readers[tensor]
+            start = compute_at[produced_at[tensor]]
+            readers = readers_of[tensor]
             old_end = max(start, compute_at[readers[-1]]) if readers else start
-            if tensor not in self.replaced:
-                last_read[tensor] = max(last_read[tensor], old_end)
-            new_end = max(start, last_read.get(tensor, start))
+            if tensor in self.replaced:
+                new_end = max(start, last_read.get(tensor, start))
+            else:  # only re-runs read it again, later
+                new_end = max(start, last_read[tensor], old_end)
             if new_end != old_end:
-                changes.append((start, old_end, -info.size_bytes))
-                changes.append((start, new_end, info.size_bytes))
-        for instance, (action, size_bytes) in self.allocated.items():
-            changes.append((action, max(action, last_read.get(instance, action)), size_bytes))
+                changes.append((start, old_end, -size_bytes))
+                changes.append((start, new_end, size_bytes))
+        changes.extend((action, max(action, last_read.get(instance, action)), size_bytes)
+                       for instance, (action, size_bytes) in self.allocated.items())
         return changes
 
 

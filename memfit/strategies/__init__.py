@@ -6,8 +6,11 @@ and the command line reach it the same way.
 
 from __future__ import annotations
 
+import functools
+import gc
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 from memfit.core.costgraph import CostGraph
@@ -28,10 +31,35 @@ def register(name: str) -> Callable[[Strategy], Strategy]:
     """Register a strategy's ``plan`` function under ``name``."""
 
     def decorate(function: Strategy) -> Strategy:
-        _REGISTRY[name] = function
+        @functools.wraps(function)
+        def planned(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
+                    **params) -> Plan:
+            with collector_paused():
+                return function(graph, hardware, budget_bytes, **params)
+
+        _REGISTRY[name] = planned
         return function
 
     return decorate
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while planning.
+
+    Why: planners build and drop hundreds of thousands of small objects (actions, plans), and
+    each burst triggers full collections that walk every object the process holds: with a
+    transformers model and its captured graphs loaded that is ~450,000 objects, and a
+    simulation of GPT-2 small took 30 ms instead of 6. Planning makes no reference cycles
+    worth collecting early; the collector resumes (if it was on) when the outermost plan ends.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def get_strategy(name: str) -> Strategy:

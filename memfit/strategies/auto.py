@@ -96,7 +96,7 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
     for policy in VDNN_POLICIES:
         if policy in strategy_names():
             consider(policy, partial(get_strategy(policy), graph, hardware, budget_bytes))
-    consider("hybrid", lambda: _hybrid(graph, hardware, budget_bytes))
+    consider("hybrid", lambda: _hybrid(graph, hardware, budget_bytes, keep_timeline.peak_bytes))
     fitting = {name: entry for name, entry in found.items() if entry is not None}
     if not fitting:
         raise BudgetError(budget_bytes, min(smallest), strategy="auto")
@@ -109,7 +109,8 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
                            if k != "candidates"}})
 
 
-def _hybrid(graph: CostGraph, hardware: Hardware, budget_bytes: int) -> Plan | None:
+def _hybrid(graph: CostGraph, hardware: Hardware, budget_bytes: int,
+            keep_peak: int) -> Plan | None:
     """Recompute down to a relaxed budget, then let the free swaps close the gap.
 
     Every subset of ``free_swaps`` is free too (dropping a copy from a FIFO queue only makes
@@ -120,14 +121,18 @@ def _hybrid(graph: CostGraph, hardware: Hardware, budget_bytes: int) -> Plan | N
     swaps = free_swaps(graph, hardware, min_bytes=MIN_SWAP_BYTES)
     if not swaps:
         return None
-    keep_peak = simulate(graph, Plan("keep"), hardware, record_intervals=False).peak_bytes
     only_swaps = Plan("free swaps", swaps, graph_hash=graph.structure_hash)
     freed = keep_peak - simulate(graph, only_swaps, hardware, record_intervals=False).peak_bytes
     best: tuple[float, Plan] | None = None
+    tried: set[frozenset[tuple[str, bool]]] = set()  # neighbouring relaxations often agree
     for share in HYBRID_SHARES:
         made = _recompute_then_swap(graph, hardware, budget_bytes, int(freed * share), swaps)
         if made is None:
             continue
+        decided = frozenset((t, isinstance(d, Swap)) for t, d in made.decisions.items())
+        if decided in tried:
+            continue
+        tried.add(decided)
         timeline = simulate(graph, made, hardware, record_intervals=False)
         if timeline.peak_bytes <= budget_bytes and (best is None or timeline.step_time_s < best[0]):
             best = (timeline.step_time_s, made)

@@ -31,6 +31,7 @@ from memfit.core.plan import Plan, Recompute
 from memfit.core.rerun_profile import RerunProfiler
 from memfit.core.schedule import peak_bytes
 from memfit.strategies import register
+from memfit.strategies._checkpoint_counts import CountBounds, least_recompute_fitting, lowest_peak
 from memfit.strategies._fit import require_fit
 from memfit.strategies._forward_recompute import recompute_in_forward
 
@@ -190,33 +191,42 @@ def _inside(scope: str, instance: str) -> bool:
 def _memory_mode(graph: CostGraph, hardware: Hardware, budget_bytes: int | None,
                  params: dict) -> Plan:
     """sqrt(n) separators; with a budget, the separator count that fits with least recompute,
-    or the one with the lowest peak when none fits (the caller may still lower it)."""
+    or the one with the lowest peak when none fits (the caller may still lower it).
+
+    With a budget every count is a candidate, found by branch and bound on cheap lower bounds
+    (``_checkpoint_counts``): a graph with a thousand separators is priced a few times, not a
+    thousand.
+    """
     points = graphs.articulation_points(graph)
     enough = max(2, round(len(graph.forward_ops) ** 0.5 / 2))
     candidates = [(p,) for p in points] if len(points) >= enough else list(graphs.separator_sets(graph))
     if not candidates:
         raise ValueError("this graph has no separators to checkpoint at; name checkpoints "
                          "explicitly (checkpoints=[...]) or use checkpoints='speed'")
-    counts = range(1, len(candidates) + 1) if budget_bytes is not None else [
-        max(1, round(len(graph.forward_ops) ** 0.5))]
-    best: tuple[float, Plan] | None = None
-    smallest: tuple[int, float, Plan] | None = None  # ties: the faster (forward recompute's base)
+    held = [frozenset(_separator_tensors(graph, separator)) for separator in candidates]
+    if budget_bytes is None:
+        return _kept_every(graph, hardware, None, params, held,
+                           max(1, round(len(graph.forward_ops) ** 0.5)))
     profiler = RerunProfiler(graph)  # exact for recompute-only plans, and far cheaper than simulate
-    for count in counts:
-        chosen = graphs.evenly_spaced(candidates, min(count, len(candidates)))
-        kept = {t for separator in chosen for t in _separator_tensors(graph, separator)}
-        made = recompute_all_but(graph, kept, hardware, budget_bytes, {**params, "count": count})
-        profile = profiler.profile(made.recomputed)
-        peak, recompute_s = profile.peak_bytes, profile.recompute_s
-        if smallest is None or (peak, recompute_s) < smallest[:2]:
-            smallest = (peak, recompute_s, made)
-        if budget_bytes is None or peak <= budget_bytes:
-            if best is None or recompute_s < best[0]:
-                best = (recompute_s, made)
-    if best is None:
-        assert smallest is not None
-        return smallest[2]
-    return best[1]
+    droppable = frozenset(recompute_all_but(graph, (), hardware, None, params).recomputed)
+    bounds = CountBounds(profiler, droppable, lambda count: kept_tensors(held, count))
+    counts = range(1, len(candidates) + 1)
+    count = least_recompute_fitting(bounds, counts, budget_bytes)
+    if count is None:
+        count = lowest_peak(bounds, counts)
+    return _kept_every(graph, hardware, budget_bytes, params, held, count)
+
+
+def _kept_every(graph: CostGraph, hardware: Hardware, budget_bytes: int | None, params: dict,
+                held: Sequence[frozenset[str]], count: int) -> Plan:
+    """Keep ``count`` evenly spaced separators; recompute the rest."""
+    return recompute_all_but(graph, kept_tensors(held, count), hardware, budget_bytes,
+                             {**params, "count": count})
+
+
+def kept_tensors(held: Sequence[frozenset[str]], count: int) -> set[str]:
+    """What ``count`` evenly spaced separators keep, given what each separator holds."""
+    return set().union(*graphs.evenly_spaced(held, min(count, len(held))))
 
 
 def _separator_tensors(graph: CostGraph, separator: Sequence[str]) -> set[str]:

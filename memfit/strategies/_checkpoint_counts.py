@@ -1,0 +1,103 @@
+"""How many separators ``checkpoints="memory"`` keeps under a budget, found without pricing all.
+
+Every count of evenly spaced separators is a plan (recompute every forward tensor but the
+kept separators); with a budget the mode wants the count that fits with the least recompute
+time. Pricing one count exactly (``RerunProfiler``) walks its re-runs, tens of milliseconds on a
+10,000-op step with a thousand separators, so pricing all of them took half a minute. Two cheap
+lower bounds per count make it a branch and bound, with the same answer as pricing all:
+
+- time: every producer of a recomputed tensor that a backward op reads is re-run, so the sum of
+  their times is at most the plan's recompute time (re-runs that rebuild inputs of re-runs
+  come on top);
+- peak: right after the last forward op a recomputed tensor is already freed and a kept one is
+  still live, so the Keep plan's live bytes there, less the recomputed ones live there, is at
+  most the plan's peak.
+
+Counts are priced in order of their time bound, skipping those whose peak bound is over the
+budget, until the bound passes the best time that fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from memfit.core.recompute import first_late_readers
+from memfit.core.rerun_profile import RerunProfiler
+
+Kept = Callable[[int], set[str]]  # count -> the tensors its separators hold
+
+
+class CountBounds:
+    """Lower bounds on the recompute time and the peak of each count's plan.
+
+    Args:
+        droppable: the tensors a count recomputes unless its separators keep them.
+        kept: count -> the tensors that count's separators keep.
+    """
+
+    def __init__(self, profiler: RerunProfiler, droppable: frozenset[str], kept: Kept) -> None:
+        graph = profiler.graph
+        self.profiler, self.droppable, self.kept = profiler, droppable, kept
+        late = first_late_readers(graph)
+        self._late_outputs = {  # producer -> its droppable outputs a backward op reads
+            op.name: frozenset(t for t in op.outputs if t in droppable and t in late)
+            for op in graph.forward_ops
+        }
+        self._all_time_s = sum(graph.op(p).time_s for p, o in self._late_outputs.items() if o)
+        boundary = max(graph.index[op.name] for op in graph.forward_ops)
+        self._live_at_boundary = {
+            t for t in droppable
+            if (readers := profiler.readers(t)) and readers[-1] > boundary
+        }
+        self._all_peak_bytes = int(profiler.keep_live[boundary]) - self._bytes(self._live_at_boundary)
+
+    def recomputed(self, count: int) -> frozenset[str]:
+        return self.droppable - self.kept(count)
+
+    def time_s(self, count: int) -> float:
+        """At most the recompute time of ``count``'s plan."""
+        kept = self.kept(count)
+        spared = {self.profiler.graph.tensors[t].producer for t in kept if t in self.droppable}
+        return self._all_time_s - sum(
+            self.profiler.graph.op(p).time_s for p in spared
+            if p is not None and self._late_outputs.get(p) and self._late_outputs[p] <= kept
+        )
+
+    def peak_bytes(self, count: int) -> int:
+        """At most the peak of ``count``'s plan."""
+        return self._all_peak_bytes + self._bytes(self.kept(count) & self._live_at_boundary)
+
+    def _bytes(self, tensors: set[str]) -> int:
+        return sum(self.profiler.graph.tensors[t].size_bytes for t in tensors)
+
+
+def least_recompute_fitting(bounds: CountBounds, counts: Sequence[int],
+                            budget_bytes: int) -> int | None:
+    """The count whose plan fits ``budget_bytes`` with the least recompute time (ties: the
+    smaller count), or ``None``."""
+    time_bound = {count: bounds.time_s(count) for count in counts}
+    best: tuple[float, int] | None = None
+    for count in sorted(counts, key=time_bound.__getitem__):
+        if best is not None and time_bound[count] > best[0] * (1 + 1e-9):
+            break  # no later count can be faster
+        if bounds.peak_bytes(count) > budget_bytes:
+            continue
+        profile = bounds.profiler.profile(bounds.recomputed(count))
+        if profile.peak_bytes <= budget_bytes and (best is None
+                                                   or (profile.recompute_s, count) < best):
+            best = (profile.recompute_s, count)
+    return best[1] if best else None
+
+
+def lowest_peak(bounds: CountBounds, counts: Sequence[int]) -> int:
+    """The count whose plan has the lowest peak (ties: less recompute, then the smaller count)."""
+    peak_bound = {count: bounds.peak_bytes(count) for count in counts}
+    smallest: tuple[int, float, int] | None = None
+    for count in sorted(counts, key=peak_bound.__getitem__):
+        if smallest is not None and peak_bound[count] > smallest[0]:
+            break
+        profile = bounds.profiler.profile(bounds.recomputed(count))
+        if smallest is None or (profile.peak_bytes, profile.recompute_s, count) < smallest:
+            smallest = (profile.peak_bytes, profile.recompute_s, count)
+    assert smallest is not None, "no counts"
+    return smallest[2]
