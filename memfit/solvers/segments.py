@@ -25,6 +25,8 @@ assembled plan with the exact profiler and tightens the budget by the excess unt
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -97,14 +99,13 @@ def find_blocks(graph: CostGraph, max_blocks: int | None = None) -> Blocks:
             grows with its square.
     """
     undirected = graphs.separation_graph(graph)
-    nested, closures = _nested(undirected, graphs.separator_sets(graph))
+    nested, entered = _nested(undirected, graphs.separator_sets(graph))
     owners = graphs.storage_owners(graph)
-    block_of = _block_of_owner(undirected, closures)
+    block_of = _block_of_owner(undirected, entered, range(len(nested)))
     if max_blocks is not None and len(nested) + 1 > max_blocks:
         keep = _thinned(graph, nested, owners, block_of, max_blocks - 1)
         nested = [nested[i] for i in keep]
-        closures = [closures[i] for i in keep]
-        block_of = _block_of_owner(undirected, closures)
+        block_of = _block_of_owner(undirected, entered, keep)
     count = len(nested) + 1
     op_block = {
         op.name: block_of[owner]
@@ -128,34 +129,46 @@ def find_blocks(graph: CostGraph, max_blocks: int | None = None) -> Blocks:
 
 
 def _nested(undirected: nx.Graph, candidates: Sequence[tuple[str, ...]]
-            ) -> tuple[list[tuple[str, ...]], list[frozenset[str]]]:
-    """The candidates that form a chain of cuts, each strictly further from the input.
+            ) -> tuple[list[tuple[str, ...]], dict[str, int]]:
+    """The candidates that form a chain of cuts, each strictly further from the input, and per
+    node the first of them whose closure holds it.
 
     A candidate's closure is the input's component once its ops are removed, plus its ops.
     Closures grow along the chain, so each is found by growing the last accepted one's
-    interior (``_grown``) rather than by a search of the whole graph per candidate: on a
-    10,000-op step that is thousands of whole-graph searches saved.
+    interior (``_grown``), and a closure is never copied: ``entered`` holds them all (node ->
+    the first cut whose closure holds it). On a 5,000-op chain, a whole-graph search or a copy
+    per candidate was quadratic.
     """
     nested: list[tuple[str, ...]] = []
-    closures: list[frozenset[str]] = []
+    entered: dict[str, int] = {}  # the last accepted closure is entered's keys
     interior: set[str] = set()  # the input's component without the last accepted cut
     for separator in candidates:
         if graphs.INPUT in separator:
             continue
-        reached = _grown(undirected, interior, nested[-1] if nested else (), separator)
-        closure = frozenset(reached) | set(separator)
-        if graphs.LOSS in closure or (closures and not closures[-1] < closure):
-            continue
+        added, whole = _grown(undirected, interior, nested[-1] if nested else (), separator)
+        members = set(separator)
+        fresh = [n for n in (*added, *separator) if n not in entered]
+        if graphs.LOSS in added or graphs.LOSS in members or not fresh:
+            continue  # reaches the loss, or is not strictly further
+        outside = added if whole else interior  # with ``added``, what the closure holds
+        if any(n not in outside and n not in added and n not in members
+               for n in (entered if whole else (nested[-1] if nested else ()))):
+            continue  # does not hold the last accepted closure
+        for node in fresh:
+            entered.setdefault(node, len(nested))
         nested.append(separator)
-        closures.append(closure)
-        interior = reached
-    return nested, closures
+        if whole:
+            interior = added
+        else:
+            interior.update(added)
+    return nested, entered
 
 
 def _grown(undirected: nx.Graph, interior: set[str], previous: Sequence[str],
-           separator: Sequence[str]) -> set[str]:
+           separator: Sequence[str]) -> tuple[set[str], bool]:
     """The input's component of ``undirected`` without ``separator``, grown from ``interior``
-    (that component without ``previous``).
+    (that component without ``previous``): the nodes it adds to ``interior``, and ``False``;
+    or the whole component and ``True`` when it had to be searched from the input.
 
     The interior stays connected to the input when the new cut misses it, and its only
     neighbours are ``previous``'s ops: so the search starts from those of them the new cut
@@ -165,45 +178,64 @@ def _grown(undirected: nx.Graph, interior: set[str], previous: Sequence[str],
     blocked = set(separator)
     if not interior or not blocked.isdisjoint(interior):
         return set(nx.node_connected_component(undirected.subgraph(set(undirected) - blocked),
-                                               graphs.INPUT))
-    reached = set(interior)
+                                               graphs.INPUT)), True
     pending = [node for node in previous if node not in blocked
                and any(neighbour in interior for neighbour in undirected[node])]
-    reached.update(pending)
+    added = set(pending)
     while pending:
         node = pending.pop()
         for neighbour in undirected[node]:
-            if neighbour not in reached and neighbour not in blocked:
-                reached.add(neighbour)
+            if neighbour not in interior and neighbour not in added and neighbour not in blocked:
+                added.add(neighbour)
                 pending.append(neighbour)
-    return reached
+    return added, False
 
 
-def _block_of_owner(undirected: nx.Graph, closures: Sequence[frozenset[str]]) -> dict[str, int]:
-    """Owner op -> the first block whose closure holds it (the last block otherwise)."""
-    block_of: dict[str, int] = {}
-    for node in undirected:
-        if node in (graphs.INPUT, graphs.LOSS):
-            continue
-        block_of[node] = next((b for b, c in enumerate(closures) if node in c), len(closures))
-    return block_of
+def _block_of_owner(undirected: nx.Graph, entered: Mapping[str, int],
+                    cuts: Sequence[int]) -> dict[str, int]:
+    """Owner op -> the first block whose closure holds it (the last block otherwise), when the
+    forward pass is cut at ``cuts`` (indices of ``_nested``'s cuts, in order)."""
+    last = len(cuts)
+    return {
+        node: bisect.bisect_left(cuts, entered[node]) if node in entered else last
+        for node in undirected if node not in (graphs.INPUT, graphs.LOSS)
+    }
 
 
 def _thinned(graph: CostGraph, nested: Sequence[tuple[str, ...]], owners: Mapping[str, str | None],
              block_of: Mapping[str, int], cuts: int) -> list[int]:
-    """Indices of ``cuts`` separators to keep: merge the lightest neighbouring blocks first."""
-    weight = [0] * (len(nested) + 1)
+    """Indices of ``cuts`` separators to keep: merge the lightest neighbouring blocks first.
+
+    Blocks are merged in order of the bytes of the pair (ties: the pair nearer the input),
+    found with a heap whose stale pairs are skipped: a linear scan per merge was quadratic.
+    """
+    span_bytes = [0] * (len(nested) + 1)  # span (named by its first block) -> its bytes
     for op in graph.forward_ops:
         owner = owners[op.name]
         if owner is not None and owner in block_of:
-            weight[block_of[owner]] += sum(graph.tensors[t].size_bytes for t in op.outputs)
-    kept = list(range(len(nested)))
-    spans = [[w] for w in weight]  # block weights between kept cuts
+            span_bytes[block_of[owner]] += sum(graph.tensors[t].size_bytes for t in op.outputs)
+    following = {span: span + 1 for span in range(len(nested))}  # span -> the span after it
+    preceding = {span + 1: span for span in range(len(nested))}
+    pairs = [(span_bytes[span] + span_bytes[span + 1], span) for span in range(len(nested))]
+    heapq.heapify(pairs)
+    kept = set(range(len(nested)))  # cut c lies between block c and block c + 1
     while len(kept) > max(cuts, 0):
-        lightest = min(range(len(kept)), key=lambda i: sum(spans[i]) + sum(spans[i + 1]))
-        spans[lightest] = spans[lightest] + spans.pop(lightest + 1)
-        kept.pop(lightest)
-    return kept
+        pair_bytes, span = heapq.heappop(pairs)
+        after = following.get(span)
+        if after is None or span_bytes[span] + span_bytes[after] != pair_bytes:
+            continue  # stale: a neighbour was merged since
+        kept.discard(after - 1)
+        span_bytes[span] += span_bytes[after]
+        preceding.pop(after)
+        beyond = following.pop(after, None)
+        if beyond is None:
+            following.pop(span)
+        else:
+            following[span], preceding[beyond] = beyond, span
+            heapq.heappush(pairs, (span_bytes[span] + span_bytes[beyond], span))
+        if (before := preceding.get(span)) is not None:
+            heapq.heappush(pairs, (span_bytes[before] + span_bytes[span], before))
+    return sorted(kept)
 
 
 def _position_owners(graph: CostGraph, op_block: Mapping[str, int]) -> np.ndarray:

@@ -19,25 +19,37 @@ budget, until the bound passes the best time that fits.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
+import numpy as np
+
+from memfit.core import graphs
 from memfit.core.recompute import first_late_readers
 from memfit.core.rerun_profile import RerunProfiler
 
-Kept = Callable[[int], set[str]]  # count -> the tensors its separators hold
+
+def kept_tensors(held: Sequence[frozenset[str]], count: int) -> set[str]:
+    """What ``count`` evenly spaced separators keep, given what each separator holds."""
+    return set().union(*graphs.evenly_spaced(held, min(count, len(held))))
 
 
 class CountBounds:
     """Lower bounds on the recompute time and the peak of each count's plan.
 
+    When no two separators hold the same tensor and no producer's late outputs are spread over
+    two separators (a chain's articulation points, a ResNet's block outputs), each separator's
+    share of both bounds is its own, and the bounds of all counts are sums over arrays: on a
+    5,000-op chain, pricing each count's kept set in Python was quadratic (12 s).
+
     Args:
         droppable: the tensors a count recomputes unless its separators keep them.
-        kept: count -> the tensors that count's separators keep.
+        held: per separator candidate, in order, the tensors it holds.
     """
 
-    def __init__(self, profiler: RerunProfiler, droppable: frozenset[str], kept: Kept) -> None:
+    def __init__(self, profiler: RerunProfiler, droppable: frozenset[str],
+                 held: Sequence[frozenset[str]]) -> None:
         graph = profiler.graph
-        self.profiler, self.droppable, self.kept = profiler, droppable, kept
+        self.profiler, self.droppable, self.held = profiler, droppable, tuple(held)
         late = first_late_readers(graph)
         self._late_outputs = {  # producer -> its droppable outputs a backward op reads
             op.name: frozenset(t for t in op.outputs if t in droppable and t in late)
@@ -50,12 +62,20 @@ class CountBounds:
             if (readers := profiler.readers(t)) and readers[-1] > boundary
         }
         self._all_peak_bytes = int(profiler.keep_live[boundary]) - self._bytes(self._live_at_boundary)
+        self._shares = self._separable_shares()
+
+    def kept(self, count: int) -> set[str]:
+        return kept_tensors(self.held, count)
 
     def recomputed(self, count: int) -> frozenset[str]:
         return self.droppable - self.kept(count)
 
     def time_s(self, count: int) -> float:
         """At most the recompute time of ``count``'s plan."""
+        if self._shares is not None:
+            spared_s = float(self._shares[0][self._positions(count)].sum())
+            remaining_s = self._all_time_s - spared_s
+            return remaining_s if remaining_s > 1e-12 * self._all_time_s else 0.0  # rounding
         kept = self.kept(count)
         spared = {self.profiler.graph.tensors[t].producer for t in kept if t in self.droppable}
         return self._all_time_s - sum(
@@ -65,7 +85,34 @@ class CountBounds:
 
     def peak_bytes(self, count: int) -> int:
         """At most the peak of ``count``'s plan."""
+        if self._shares is not None:
+            return self._all_peak_bytes + int(self._shares[1][self._positions(count)].sum())
         return self._all_peak_bytes + self._bytes(self.kept(count) & self._live_at_boundary)
+
+    def _positions(self, count: int) -> np.ndarray:
+        return graphs.evenly_spaced_positions(len(self.held), count)
+
+    def _separable_shares(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Per separator, the recompute time it spares and its bytes live at the boundary; or
+        ``None`` when separators share tensors or producers (their shares would not add up)."""
+        owner: dict[str, int] = {}
+        for number, tensors in enumerate(self.held):
+            for tensor in tensors:
+                if owner.setdefault(tensor, number) != number:
+                    return None
+        graph = self.profiler.graph
+        spared_s = np.zeros(len(self.held))
+        for producer, outputs in self._late_outputs.items():
+            holders = {owner[t] for t in outputs if t in owner}
+            if len(holders) > 1:
+                return None
+            if holders and outputs <= owner.keys():  # all kept by one separator
+                spared_s[holders.pop()] += graph.op(producer).time_s
+        live_bytes = np.zeros(len(self.held), dtype=np.int64)
+        for tensor in self._live_at_boundary:
+            if tensor in owner:
+                live_bytes[owner[tensor]] += graph.tensors[tensor].size_bytes
+        return spared_s, live_bytes
 
     def _bytes(self, tensors: set[str]) -> int:
         return sum(self.profiler.graph.tensors[t].size_bytes for t in tensors)

@@ -31,7 +31,12 @@ from memfit.core.plan import Plan, Recompute
 from memfit.core.rerun_profile import RerunProfiler
 from memfit.core.schedule import peak_bytes
 from memfit.strategies import register
-from memfit.strategies._checkpoint_counts import CountBounds, least_recompute_fitting, lowest_peak
+from memfit.strategies._checkpoint_counts import (
+    CountBounds,
+    kept_tensors,
+    least_recompute_fitting,
+    lowest_peak,
+)
 from memfit.strategies._fit import require_fit
 from memfit.strategies._forward_recompute import recompute_in_forward
 
@@ -209,7 +214,7 @@ def _memory_mode(graph: CostGraph, hardware: Hardware, budget_bytes: int | None,
                            max(1, round(len(graph.forward_ops) ** 0.5)))
     profiler = RerunProfiler(graph)  # exact for recompute-only plans, and far cheaper than simulate
     droppable = frozenset(recompute_all_but(graph, (), hardware, None, params).recomputed)
-    bounds = CountBounds(profiler, droppable, lambda count: kept_tensors(held, count))
+    bounds = CountBounds(profiler, droppable, held)
     counts = range(1, len(candidates) + 1)
     count = least_recompute_fitting(bounds, counts, budget_bytes)
     if count is None:
@@ -222,11 +227,6 @@ def _kept_every(graph: CostGraph, hardware: Hardware, budget_bytes: int | None, 
     """Keep ``count`` evenly spaced separators; recompute the rest."""
     return recompute_all_but(graph, kept_tensors(held, count), hardware, budget_bytes,
                              {**params, "count": count})
-
-
-def kept_tensors(held: Sequence[frozenset[str]], count: int) -> set[str]:
-    """What ``count`` evenly spaced separators keep, given what each separator holds."""
-    return set().union(*graphs.evenly_spaced(held, min(count, len(held))))
 
 
 def _separator_tensors(graph: CostGraph, separator: Sequence[str]) -> set[str]:

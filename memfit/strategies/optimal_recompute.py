@@ -36,6 +36,7 @@ from memfit.core.plan import Plan, Recompute, Rerun
 from memfit.core.rerun_profile import RerunProfiler
 from memfit.core.schedule import PlanError
 from memfit.core.simulate import simulate
+from memfit.core.timeline import Timeline
 from memfit.solvers import segments
 from memfit.solvers.block_chain import nested_reruns
 from memfit.solvers.milp import solve_milp
@@ -44,6 +45,7 @@ from memfit.strategies._forward_recompute import recompute_in_forward
 
 METHODS = ("auto", "milp", "segments")
 MAX_BLOCKS = 48  # blocks beyond this are merged: the table grows with their square (see below)
+POOR_MAX_FORWARD_OPS = 2000  # memory-poor re-runs O(n^2) ops: beyond this, never worth a plan
 _TIGHTEN_ROUNDS = 6  # re-solves with a budget lowered by the assembled plan's excess
 _TABLES: dict[tuple, tuple[segments.Blocks, list[segments.Segment]]] = {}  # small cache
 
@@ -124,13 +126,7 @@ def _segment_plan(graph: CostGraph, hardware: Hardware, budget_bytes: int, param
         if chosen is not None and profiler.profile(chosen).peak_bytes <= budget_bytes:
             found.append((profiler.profile(chosen).recompute_s, f"checkpoint {mode}", chosen))
     if not found:
-        forward = _with_forward_reruns(graph, hardware, profiler, budget_bytes, params)
-        if forward is not None:
-            return forward
-        nested = _nested_fit(graph, hardware, budget_bytes, params)
-        if nested is not None:
-            return nested
-        return _memory_poor_fit(graph, hardware, profiler, budget_bytes, params)
+        return _below_the_segments(graph, hardware, profiler, budget_bytes, params)
     time_s, solver, chosen = min(found, key=lambda item: (item[0], item[1] != "segments"))
     made = Plan("optimal-recompute", {t: Recompute("optimal segment") for t in sorted(chosen)},
                 graph_hash=graph.structure_hash, budget_bytes=budget_bytes,
@@ -139,6 +135,31 @@ def _segment_plan(graph: CostGraph, hardware: Hardware, budget_bytes: int, param
     if peak > budget_bytes:  # the profiler is exact; this guards against drift
         raise BudgetError(budget_bytes, peak, strategy="optimal-recompute")
     return made
+
+
+def _below_the_segments(graph: CostGraph, hardware: Hardware, profiler: RerunProfiler,
+                        budget_bytes: int, params: dict) -> Plan:
+    """Below the DP's smallest peak: re-runs in the forward pass, else revolve over the blocks,
+    else memory-poor's plan, the first that fits (memory-poor's before revolve's if it fits and
+    recomputes less).
+
+    Memory-poor's plan re-runs O(n^2) ops, so it is simulated once and priced for both uses, and
+    only on graphs of at most ``POOR_MAX_FORWARD_OPS`` forward ops: beyond, its step would take
+    a thousand forward passes or more, and lowering it alone takes seconds and gigabytes.
+    """
+    forward = _with_forward_reruns(graph, hardware, profiler, budget_bytes, params)
+    if forward is not None:
+        return forward
+    poor = _memory_poor(graph) if len(graph.forward_ops) <= POOR_MAX_FORWARD_OPS else None
+    poor_timeline = None if poor is None else simulate(graph, poor, hardware,
+                                                       record_intervals=False)
+    nested = _nested_fit(graph, hardware, budget_bytes, params, poor_timeline)
+    if nested is not None:
+        return nested
+    if poor is None or poor_timeline is None:
+        smallest = _least_fitting(graph, profiler, budget_bytes)
+        raise BudgetError(budget_bytes, smallest, strategy="optimal-recompute")
+    return _memory_poor_fit(graph, hardware, profiler, budget_bytes, params, poor, poor_timeline)
 
 
 def _with_forward_reruns(graph: CostGraph, hardware: Hardware, profiler: RerunProfiler,
@@ -160,31 +181,28 @@ def _with_forward_reruns(graph: CostGraph, hardware: Hardware, profiler: RerunPr
     return made if fits else None
 
 
-def _nested_fit(graph: CostGraph, hardware: Hardware, budget_bytes: int,
-                params: dict) -> Plan | None:
-    """Revolve over the separator blocks (``block_chain``), when memory-poor's plan is not
-    faster: below the segment DP's reach, separators rebuilt from separators cost a few
-    forward passes where memory-poor's rebuilding from the inputs costs n of them."""
+def _nested_fit(graph: CostGraph, hardware: Hardware, budget_bytes: int, params: dict,
+                poor: Timeline | None) -> Plan | None:
+    """Revolve over the separator blocks (``block_chain``), when memory-poor's plan (whose
+    ``poor`` timeline is given) is not faster: below the segment DP's reach, separators rebuilt
+    from separators cost a few forward passes where memory-poor's rebuilding from the inputs
+    costs n of them."""
     blocks, _ = priced_segments(graph)
     made = nested_reruns(graph, hardware, blocks, budget_bytes)
     if made is None:
         return None
-    poor = _memory_poor(graph)
-    poor_timeline = simulate(graph, poor, hardware, record_intervals=False)
     nested_s = simulate(graph, made, hardware, record_intervals=False).recompute_s
-    if poor_timeline.peak_bytes <= budget_bytes and poor_timeline.recompute_s < nested_s:
+    if poor is not None and poor.peak_bytes <= budget_bytes and poor.recompute_s < nested_s:
         return None
     return replace(made, params={**params, "solver": "nested blocks"})
 
 
 def _memory_poor_fit(graph: CostGraph, hardware: Hardware, profiler: RerunProfiler,
-                     budget_bytes: int, params: dict) -> Plan:
+                     budget_bytes: int, params: dict, poor: Plan, poor_timeline: Timeline) -> Plan:
     """Memory-poor's plan (rebuild everything before each backward op) if it fits: below the
     DP's smallest peak it is the only recomputation plan we have, at O(n^2) recompute."""
-    poor = _memory_poor(graph)
-    peak = simulate(graph, poor, hardware, record_intervals=False).peak_bytes
-    if peak > budget_bytes:
-        smallest = min(peak, _least_fitting(graph, profiler, budget_bytes))
+    if poor_timeline.peak_bytes > budget_bytes:
+        smallest = min(poor_timeline.peak_bytes, _least_fitting(graph, profiler, budget_bytes))
         raise BudgetError(budget_bytes, smallest, strategy="optimal-recompute")
     return Plan("optimal-recompute", graph_hash=graph.structure_hash, budget_bytes=budget_bytes,
                 hardware=hardware.name, reruns=poor.reruns,

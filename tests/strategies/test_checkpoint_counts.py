@@ -12,7 +12,7 @@ from memfit.strategies._checkpoint_counts import (
     least_recompute_fitting,
     lowest_peak,
 )
-from memfit.strategies.checkpoint import _separator_tensors, kept_tensors, recompute_all_but
+from memfit.strategies.checkpoint import _separator_tensors, recompute_all_but
 
 HARDWARE = get_hardware("h100-pcie")
 
@@ -22,7 +22,7 @@ def bounds_of(graph):
     candidates = [(p,) for p in points] or list(graphs.separator_sets(graph))
     droppable = frozenset(recompute_all_but(graph, (), HARDWARE, None, {}).recomputed)
     held = [frozenset(_separator_tensors(graph, separator)) for separator in candidates]
-    bounds = CountBounds(RerunProfiler(graph), droppable, lambda count: kept_tensors(held, count))
+    bounds = CountBounds(RerunProfiler(graph), droppable, held)
     return bounds, range(1, len(candidates) + 1)
 
 

@@ -8,7 +8,7 @@ from memfit.core.hardware import get_hardware
 from memfit.core.plan import Plan
 from memfit.core.simulate import simulate
 from memfit.solvers.milp import solve_milp
-from memfit.strategies import get_strategy
+from memfit.strategies import get_strategy, optimal_recompute
 
 HARDWARE = get_hardware("h100-pcie")
 
@@ -83,3 +83,17 @@ def test_below_the_dp_reach_memory_poor_still_fits():
     made = strategy(graph, HARDWARE, poor)
     assert made.params["solver"] == "memory-poor"
     assert simulate(graph, made, HARDWARE).peak_bytes <= poor
+
+
+def test_memory_poor_is_not_planned_on_large_graphs(monkeypatch):
+    """Its O(n^2) re-runs are never worth lowering on a big graph: the budget that only it
+    fits gets a BudgetError naming a peak the other plans reach."""
+    graph = synthetic.resnet_like(12)
+    strategy = get_strategy("optimal-recompute")
+    poor = simulate(graph, get_strategy("memory-poor")(graph, HARDWARE), HARDWARE).peak_bytes
+    monkeypatch.setattr(optimal_recompute, "POOR_MAX_FORWARD_OPS", len(graph.forward_ops) - 1)
+    with pytest.raises(BudgetError) as error:
+        strategy(graph, HARDWARE, poor)
+    assert error.value.minimum_bytes > poor
+    assert simulate(graph, strategy(graph, HARDWARE, error.value.minimum_bytes),
+                    HARDWARE).peak_bytes <= error.value.minimum_bytes
