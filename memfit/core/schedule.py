@@ -329,7 +329,7 @@ def _rerun_actions(graph: CostGraph, rerun: PlannedRerun, instance: int, newest:
     op = graph.op(rerun.op)
     copies = fed.copies.get(rerun.op) if fed else None
     actions: list[Action] = []
-    if copies:
+    if fed and copies:
         reads_list = []
         for tensor in op.inputs:
             found = copy_for_rerun(copies, tensor, position)

@@ -10,17 +10,24 @@ briefly: prefetching earlier would only raise the backward pass's memory.
 
 Candidates go in order of production: the earliest forward values have the whole rest of the
 forward pass to leave, and the backward pass reads them last.
+
+Given a recompute plan's re-runs, a value that re-runs read (a checkpoint) is needed by the first
+of them, and the copy back names the re-run ops (``SwapIn`` then feeds their re-runs): the
+checkpoints a recompute plan keeps leave the device during the forward pass, when the link is
+idle, and come back just before the re-runs that rebuild from them (Capuchin's swap + recompute).
+The re-runs' time is on the compute timeline, which only gives the copies more room.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from memfit.core.costgraph import CostGraph
 from memfit.core.hardware import Hardware
 from memfit.core.plan import Swap, SwapIn
+from memfit.core.recompute import PlannedRerun
 
 
 @dataclass(frozen=True)
@@ -29,37 +36,58 @@ class _Candidate:
     size_bytes: int
     ready_s: float  # its producer's end
     need_index: int  # its first backward reader
-    consumers: tuple[str, ...]  # its backward readers
+    consumers: tuple[str, ...]  # its backward readers, and forward readers re-run later
 
 
 def free_swaps(graph: CostGraph, hardware: Hardware, exclude: Iterable[str] = (),
-               min_bytes: int = 0) -> dict[str, Swap]:
+               min_bytes: int = 0,
+               reruns: Mapping[str, Sequence[PlannedRerun]] | None = None) -> dict[str, Swap]:
     """The swaps whose copies both hide behind compute on ``hardware`` (none stalls the step).
 
     Args:
         exclude: tensors not to swap (recomputed ones, say).
         min_bytes: skip tensors smaller than this (each copy pays the link's latency).
+        reruns: a recompute plan's re-runs (``planned_reruns``) to swap alongside: values they
+            read come back before the first of them, for them. ``None`` (default): no re-runs.
     """
     if not hardware.async_copies:
         return {}  # every copy stalls the step: nothing is free
-    start_s, end_s = _compute_times(graph)
-    candidates = _candidates(graph, set(exclude), min_bytes, end_s)
+    reruns = reruns or {}
+    start_s, end_s = _compute_times(graph, reruns)
+    candidates = _candidates(graph, set(exclude), min_bytes, end_s, _rerun_needs(graph, reruns))
     copied_out = _copies_out(candidates, hardware)
     return _copies_back(graph, candidates, copied_out, hardware, start_s, end_s)
 
 
-def _compute_times(graph: CostGraph) -> tuple[list[float], list[float]]:
+def _compute_times(graph: CostGraph, reruns: Mapping[str, Sequence[PlannedRerun]]
+                   ) -> tuple[list[float], list[float]]:
+    """Each op's slot on the compute stream: from the start of the re-runs placed before it
+    to its own end."""
     start, end, clock = [], [], 0.0
     for op in graph.ops:
         start.append(clock)
+        for rerun in reruns.get(op.name, ()):
+            clock += graph.op(rerun.op).time_s
         clock += op.time_s
         end.append(clock)
     return start, end
 
 
-def _candidates(graph: CostGraph, exclude: set[str], min_bytes: int,
-                end_s: list[float]) -> list[_Candidate]:
-    """Forward values read by the backward pass, in order of production."""
+def _rerun_needs(graph: CostGraph, reruns: Mapping[str, Sequence[PlannedRerun]]
+                 ) -> dict[str, int]:
+    """Forward op -> the position of the op its first re-run is placed before."""
+    first: dict[str, int] = {}
+    for before, group in reruns.items():
+        for rerun in group:
+            at = graph.index[before]
+            if at < first.get(rerun.op, len(graph.ops)):
+                first[rerun.op] = at
+    return first
+
+
+def _candidates(graph: CostGraph, exclude: set[str], min_bytes: int, end_s: list[float],
+                rerun_needs: dict[str, int]) -> list[_Candidate]:
+    """Forward values read by the backward pass or by re-runs, in order of production."""
     index = graph.index
     found = []
     for name, tensor in graph.tensors.items():
@@ -69,9 +97,11 @@ def _candidates(graph: CostGraph, exclude: set[str], min_bytes: int,
             continue
         late = sorted((c for c in tensor.consumers if graph.op(c).phase != "forward"),
                       key=index.__getitem__)
-        if late:
+        rerun = sorted((c for c in tensor.consumers if c in rerun_needs), key=index.__getitem__)
+        needs = [index[c] for c in late[:1]] + [rerun_needs[c] for c in rerun]
+        if needs:
             found.append(_Candidate(name, tensor.size_bytes, end_s[index[tensor.producer]],
-                                    index[late[0]], tuple(late)))
+                                    min(needs), (*rerun, *late)))
     return sorted(found, key=lambda c: (c.ready_s, c.tensor))
 
 
