@@ -41,7 +41,8 @@ class _Candidate:
 
 def free_swaps(graph: CostGraph, hardware: Hardware, exclude: Iterable[str] = (),
                min_bytes: int = 0,
-               reruns: Mapping[str, Sequence[PlannedRerun]] | None = None) -> dict[str, Swap]:
+               reruns: Mapping[str, Sequence[PlannedRerun]] | None = None,
+               packed: bool = False) -> dict[str, Swap]:
     """The swaps whose copies both hide behind compute on ``hardware`` (none stalls the step).
 
     Args:
@@ -49,14 +50,22 @@ def free_swaps(graph: CostGraph, hardware: Hardware, exclude: Iterable[str] = ()
         min_bytes: skip tensors smaller than this (each copy pays the link's latency).
         reruns: a recompute plan's re-runs (``planned_reruns``) to swap alongside: values they
             read come back before the first of them, for them. ``None`` (default): no re-runs.
+        packed: pack the copies back as late as the link allows, latest need first
+            (``_copies_back_packed``): more bytes where the link is the bottleneck, copies
+            issued earlier. ``False`` (default): each copy just in time, in order of need,
+            which skips a copy the link cannot fit behind the previous one.
     """
     if not hardware.async_copies:
         return {}  # every copy stalls the step: nothing is free
     reruns = reruns or {}
     start_s, end_s = _compute_times(graph, reruns)
     candidates = _candidates(graph, set(exclude), min_bytes, end_s, _rerun_needs(graph, reruns))
-    copied_out = _copies_out(candidates, hardware)
-    return _copies_back(graph, candidates, copied_out, hardware, start_s, end_s)
+    backward_s = next((start_s[i] for i, op in enumerate(graph.ops) if op.phase != "forward"),
+                      end_s[-1] if end_s else 0.0)
+    copied_out = _copies_out(candidates, hardware, start_s, backward_s)
+    back = _copies_back_packed if packed else _copies_back
+    return back(graph, [c for c in candidates if c.tensor in copied_out], copied_out, hardware,
+                start_s, end_s)
 
 
 def _compute_times(graph: CostGraph, reruns: Mapping[str, Sequence[PlannedRerun]]
@@ -105,12 +114,20 @@ def _candidates(graph: CostGraph, exclude: set[str], min_bytes: int, end_s: list
     return sorted(found, key=lambda c: (c.ready_s, c.tensor))
 
 
-def _copies_out(candidates: list[_Candidate], hardware: Hardware) -> dict[str, float]:
-    """When each copy out lands, the device-to-host stream a FIFO in production order."""
+def _copies_out(candidates: list[_Candidate], hardware: Hardware, start_s: list[float],
+                backward_s: float) -> dict[str, float]:
+    """When each copy out lands, the device-to-host stream a FIFO in production order.
+
+    A value that could not come back in time even on an idle link (or only by a copy issued in
+    the forward pass) is not copied out: its copy would only delay the others'.
+    """
     landed, free_s = {}, 0.0
     for candidate in candidates:
-        free_s = max(candidate.ready_s, free_s) + hardware.d2h_time_s(candidate.size_bytes)
-        landed[candidate.tensor] = free_s
+        end_s = max(candidate.ready_s, free_s) + hardware.d2h_time_s(candidate.size_bytes)
+        latest_s = start_s[candidate.need_index] - hardware.h2d_time_s(candidate.size_bytes)
+        if latest_s < end_s or latest_s <= backward_s:
+            continue
+        free_s = landed[candidate.tensor] = end_s
     return landed
 
 
@@ -132,3 +149,32 @@ def _copies_back(graph: CostGraph, candidates: list[_Candidate], copied_out: dic
         swaps[candidate.tensor] = Swap(
             (SwapIn(graph.ops[control].name, candidate.consumers),), reason="free on the link")
     return swaps
+
+
+def _copies_back_packed(graph: CostGraph, candidates: list[_Candidate],
+                        copied_out: dict[str, float], hardware: Hardware, start_s: list[float],
+                        end_s: list[float]) -> dict[str, Swap]:
+    """Copies back packed as late as the link allows, latest need first: where the link is the
+    bottleneck, it stays busy right up to each need, and the values needed last (off the device
+    longest) are the ones kept.
+
+    Note:
+        The stream is a FIFO in program order, and each copy is issued after its control op,
+        which ends no later than the planned start; by induction every copy then starts (and
+        lands) no later than planned, so none stalls.
+    """
+    swaps: dict[str, Swap] = {}
+    next_begin_s = float("inf")  # the planned start of the copy issued after this one
+    for candidate in sorted(candidates, key=lambda c: (c.need_index, c.ready_s), reverse=True):
+        duration_s = hardware.h2d_time_s(candidate.size_bytes)
+        begin_s = min(start_s[candidate.need_index], next_begin_s) - duration_s
+        if begin_s < copied_out[candidate.tensor]:
+            continue  # not on the host yet: the copy would land late
+        control = bisect.bisect_right(end_s, begin_s, hi=candidate.need_index) - 1
+        if control < 0 or graph.ops[control].phase == "forward":
+            continue  # it would have to come back during the forward pass: nothing to gain
+        next_begin_s = begin_s
+        swaps[candidate.tensor] = Swap(
+            (SwapIn(graph.ops[control].name, candidate.consumers),), reason="free on the link")
+    # in order of issue: copies after one control op are issued in the plan's order
+    return dict(reversed(swaps.items()))

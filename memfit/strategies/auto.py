@@ -206,7 +206,7 @@ def _feed_checkpoints(graph: CostGraph, hardware: Hardware, budget_bytes: int,
     decisions: dict[str, Decision] = {t: Recompute("cheaper than the link") for t in sorted(recomputed)}
     reruns = planned_reruns(graph, Plan("recompute", decisions))
     decisions.update(free_swaps(graph, hardware, exclude=recomputed, min_bytes=MIN_SWAP_BYTES,
-                                reruns=reruns))
+                                reruns=reruns, packed=True))
     return Plan("swapped-checkpoints", decisions, graph_hash=graph.structure_hash,
                 budget_bytes=budget_bytes, hardware=hardware.name,
                 params={"relaxed_bytes": relaxed_bytes})
