@@ -50,10 +50,11 @@ def free_swaps(graph: CostGraph, hardware: Hardware, exclude: Iterable[str] = ()
         min_bytes: skip tensors smaller than this (each copy pays the link's latency).
         reruns: a recompute plan's re-runs (``planned_reruns``) to swap alongside: values they
             read come back before the first of them, for them. ``None`` (default): no re-runs.
-        packed: pack the copies back as late as the link allows, latest need first
-            (``_copies_back_packed``): more bytes where the link is the bottleneck, copies
-            issued earlier. ``False`` (default): each copy just in time, in order of need,
-            which skips a copy the link cannot fit behind the previous one.
+        packed: queue out only values that can come back in time, and pack the copies back
+            as late as the link allows, latest need first (``_copies_back_packed``): more bytes
+            where the link is the bottleneck (GPT-2 medium on PCIe at half its peak: the
+            recomputation's budget relaxes by 29 GiB, not 5). ``False`` (default): every candidate queued out, each copy back just in
+            time in order of need, skipping one the link cannot fit behind the previous one.
     """
     if not hardware.async_copies:
         return {}  # every copy stalls the step: nothing is free
@@ -62,7 +63,7 @@ def free_swaps(graph: CostGraph, hardware: Hardware, exclude: Iterable[str] = ()
     candidates = _candidates(graph, set(exclude), min_bytes, end_s, _rerun_needs(graph, reruns))
     backward_s = next((start_s[i] for i, op in enumerate(graph.ops) if op.phase != "forward"),
                       end_s[-1] if end_s else 0.0)
-    copied_out = _copies_out(candidates, hardware, start_s, backward_s)
+    copied_out = _copies_out(candidates, hardware, start_s, backward_s if packed else None)
     back = _copies_back_packed if packed else _copies_back
     return back(graph, [c for c in candidates if c.tensor in copied_out], copied_out, hardware,
                 start_s, end_s)
@@ -115,17 +116,19 @@ def _candidates(graph: CostGraph, exclude: set[str], min_bytes: int, end_s: list
 
 
 def _copies_out(candidates: list[_Candidate], hardware: Hardware, start_s: list[float],
-                backward_s: float) -> dict[str, float]:
+                backward_s: float | None) -> dict[str, float]:
     """When each copy out lands, the device-to-host stream a FIFO in production order.
 
-    A value that could not come back in time even on an idle link (or only by a copy issued in
-    the forward pass) is not copied out: its copy would only delay the others'.
+    Given ``backward_s`` (when the backward pass starts), a value that could not come back in
+    time even on an idle link (or only by a copy issued in the forward pass) is not copied
+    out: its copy would only delay the others'. ``None``: every candidate is queued (the
+    hybrid's conservative queue, which its budget shares were tuned with).
     """
     landed, free_s = {}, 0.0
     for candidate in candidates:
         end_s = max(candidate.ready_s, free_s) + hardware.d2h_time_s(candidate.size_bytes)
         latest_s = start_s[candidate.need_index] - hardware.h2d_time_s(candidate.size_bytes)
-        if latest_s < end_s or latest_s <= backward_s:
+        if backward_s is not None and (latest_s < end_s or latest_s <= backward_s):
             continue
         free_s = landed[candidate.tensor] = end_s
     return landed

@@ -138,3 +138,18 @@ def test_swapped_checkpoints_win_where_the_link_carries_only_some_activations():
     # no free swap on a synchronous link: the candidate is not made
     assert get_strategy("auto")(graph, get_hardware("cpu"), budget).params["candidates"][
         "swapped-checkpoints"] is None
+
+
+def test_packed_copies_back_carry_more_and_stall_nothing():
+    """Where the link is the bottleneck, packing the copies back as late as it allows (latest
+    need first) carries more bytes than just-in-time copies in order of need, still free."""
+    graph = synthetic.chain(24, time_s=2e-4)
+    hardware = get_hardware("h100-pcie").with_(d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9)
+    keep = simulate(graph, Plan("keep"), hardware)
+    in_order, packed = free_swaps(graph, hardware), free_swaps(graph, hardware, packed=True)
+    size = lambda swaps: sum(graph.tensors[t].size_bytes for t in swaps)  # noqa: E731
+    assert size(packed) > size(in_order)
+    timeline = simulate(graph, Plan("packed", packed), hardware)
+    assert timeline.exposed_transfer_s == 0
+    assert timeline.step_time_s == pytest.approx(keep.step_time_s)
+    assert timeline.peak_bytes < simulate(graph, Plan("in order", in_order), hardware).peak_bytes
