@@ -5,6 +5,11 @@ it to host memory right after its producer (one swap-out per tensor: swap-outs a
 and back in one or more times: each ``SwapIn`` is issued right after its *control op* and serves
 the consumers it names. Consumers that no ``SwapIn`` names read the original device buffer, which
 therefore lives until the last of them.
+
+A swap-in may also feed recomputation (Capuchin's swap + recompute): naming a forward reader that
+runs at or before the control op means *that op's re-runs* (``Recompute`` and ``Plan.reruns``
+re-run forward ops in the backward pass) placed after the control op. A checkpoint can so leave
+the device in the forward pass and come back just before the re-runs that rebuild from it.
 """
 
 from __future__ import annotations
@@ -36,7 +41,17 @@ class SwapIn:
 
     Args:
         after: the control op; the copy is issued right after it runs.
-        consumers: the ops that read this copy, in execution order.
+        consumers: the ops that read this copy, in execution order. An op that runs after
+            ``after`` reads the copy itself. A forward op that runs at or before ``after`` stands
+            for its re-runs: each re-run of it placed after ``after`` (a re-run "before B" runs
+            right before op B) reads the copy of the latest swap-in naming it issued before it.
+
+    Note:
+        Why the op stands for its re-runs: a re-run has no name of its own (it is the op run
+        again), and the op itself cannot read a copy issued after it ran, so the position of the
+        control op says which is meant without a new field. Once an op's re-runs are served by a
+        swap-in, every re-run of it must be (``check_plan`` rejects a re-run that comes before
+        every swap-in naming its op: the copy would arrive too late).
     """
 
     after: str
@@ -45,7 +60,11 @@ class SwapIn:
 
 @dataclass(frozen=True)
 class Swap:
-    """Offload the tensor after its producer and bring it back before the consumers named."""
+    """Offload the tensor after its producer and bring it back before the consumers named.
+
+    A consumer may be a re-run of a forward reader (see ``SwapIn``): a kept checkpoint of a
+    recompute plan can be swapped out in the forward pass and back in before its re-runs.
+    """
 
     swap_ins: tuple[SwapIn, ...]
     reason: str = ""
@@ -62,7 +81,8 @@ class Recompute:
     Its producer is re-run once, just before the first backward op that needs the tensor
     (directly, or to rebuild another recomputed tensor); the rebuilt copy lives until its last
     backward reader. The producer's inputs must then be alive: graph inputs, kept tensors (whose
-    lifetimes stretch to the rebuild: they are the *checkpoints*), or tensors recomputed too.
+    lifetimes stretch to the rebuild: they are the *checkpoints*), tensors recomputed too, or
+    swapped tensors whose ``SwapIn`` names the producer (brought back for the re-run).
     """
 
     reason: str = ""

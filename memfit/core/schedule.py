@@ -22,7 +22,7 @@ import numpy as np
 
 from memfit.core.costgraph import CostGraph
 from memfit.core.plan import Plan, Recompute, Swap
-from memfit.core.recompute import planned_reruns, rebuilt_buffer
+from memfit.core.recompute import PlannedRerun, planned_reruns, rebuilt_buffer
 
 ActionKind = Literal["compute", "swap_out", "swap_in", "wait", "recompute"]
 
@@ -81,49 +81,129 @@ def check_plan(graph: CostGraph, plan: Plan) -> None:
     """Raise ``PlanError`` unless every decision of ``plan`` can run on ``graph``.
 
     A swap-in must follow its tensor's producer, precede each consumer it serves, and serve only
-    real consumers, each at most once.
+    real consumers, each at most once. A swap-in that feeds re-runs (it names a forward reader
+    that runs at or before its control op, see ``SwapIn``) must serve at least one re-run of that
+    reader, and every re-run of that reader must come after some swap-in naming it.
     """
+    rerun_copies = _check_plan(graph, plan)
+    if rerun_copies:
+        _check_rerun_copies(graph, rerun_copies, planned_reruns(graph, plan))
+
+
+def _check_plan(graph: CostGraph, plan: Plan) -> RerunCopies:
+    """``check_plan`` but the timing of the swap-ins that feed re-runs; returns those swap-ins
+    (``lower`` checks their timing against the re-runs it computes anyway)."""
     if plan.graph_hash and plan.graph_hash != graph.structure_hash:
         raise PlanError(
             f"this plan was made for graph {plan.graph_hash}, not {graph.structure_hash}: "
             "plan again for this model and input shape"
         )
     _check_reruns(graph, plan)
+    rerun_copies: RerunCopies = {}
     for name, decision in plan.decisions.items():
         if name not in graph.tensors:
             raise PlanError(f"the plan names tensor {name!r}, which is not in the graph")
         if isinstance(decision, Recompute):
-            _check_recompute(graph, plan, name)
-        if not isinstance(decision, Swap):
-            continue
-        tensor = graph.tensors[name]
-        if tensor.producer is None:
-            raise PlanError(f"{name!r} is a graph input (parameter or user input) and cannot be swapped")
-        if tensor.is_output:
-            raise PlanError(f"{name!r} is returned by the step and lives to its end: swapping it saves nothing")
-        produced_at = graph.index[tensor.producer]
-        served: set[str] = set()
-        for swap_in in decision.swap_ins:
-            if swap_in.after not in graph.index:
-                raise PlanError(f"swap-in of {name!r} names unknown control op {swap_in.after!r}")
-            issued_at = graph.index[swap_in.after]
-            if not swap_in.consumers:
-                raise PlanError(
-                    f"swap-in of {name!r} after {swap_in.after!r} serves no consumer: "
-                    "name the ops that read this copy, or drop the SwapIn"
-                )
-            if issued_at < produced_at:
-                raise PlanError(f"swap-in of {name!r} after {swap_in.after!r} precedes its producer")
-            for consumer in swap_in.consumers:
-                if consumer not in tensor.consumers:
-                    raise PlanError(f"{consumer!r} does not read {name!r}")
+            _check_recompute(graph, name)
+        if isinstance(decision, Swap):
+            _check_swap(graph, name, decision, rerun_copies)
+    return rerun_copies
+
+
+def _check_swap(graph: CostGraph, name: str, decision: Swap, rerun_copies: RerunCopies) -> None:
+    """Check one swapped tensor's swap-ins; note in ``rerun_copies`` those that feed re-runs."""
+    tensor = graph.tensors[name]
+    if tensor.producer is None:
+        raise PlanError(f"{name!r} is a graph input (parameter or user input) and cannot be swapped")
+    if tensor.is_output:
+        raise PlanError(f"{name!r} is returned by the step and lives to its end: swapping it saves nothing")
+    produced_at = graph.index[tensor.producer]
+    served: set[str] = set()
+    for copy, swap_in in enumerate(decision.swap_ins):
+        if swap_in.after not in graph.index:
+            raise PlanError(f"swap-in of {name!r} names unknown control op {swap_in.after!r}")
+        issued_at = graph.index[swap_in.after]
+        if not swap_in.consumers:
+            raise PlanError(
+                f"swap-in of {name!r} after {swap_in.after!r} serves no consumer: "
+                "name the ops that read this copy, or drop the SwapIn"
+            )
+        if issued_at < produced_at:
+            raise PlanError(f"swap-in of {name!r} after {swap_in.after!r} precedes its producer")
+        for consumer in swap_in.consumers:
+            if consumer not in tensor.consumers:
+                raise PlanError(f"{consumer!r} does not read {name!r}")
+            if graph.index[consumer] > issued_at:
                 if consumer in served:
                     raise PlanError(f"{consumer!r} is served by two swap-ins of {name!r}")
-                if graph.index[consumer] <= issued_at:
-                    raise PlanError(
-                        f"swap-in of {name!r} is issued after {swap_in.after!r}, too late for {consumer!r}"
-                    )
                 served.add(consumer)
+            elif graph.op(consumer).phase == "forward":  # it stands for its re-runs
+                _note_rerun_copy(rerun_copies, consumer, RerunCopy(issued_at, name, copy, swap_in.after))
+            else:
+                raise PlanError(
+                    f"swap-in of {name!r} is issued after {swap_in.after!r}, too late for {consumer!r}"
+                )
+
+
+class RerunCopy(NamedTuple):
+    """A swap-in that feeds the re-runs of a forward reader: copy ``copy`` of ``tensor``, issued
+    after op ``after`` (at position ``issued_at``)."""
+
+    issued_at: int
+    tensor: str
+    copy: int
+    after: str
+
+
+RerunCopies = dict[str, list[RerunCopy]]  # forward op -> the copies its re-runs read, in issue order
+
+
+def _note_rerun_copy(rerun_copies: RerunCopies, op: str, copy: RerunCopy) -> None:
+    copies = rerun_copies.setdefault(op, [])
+    if any(c.tensor == copy.tensor and c.issued_at == copy.issued_at for c in copies):
+        raise PlanError(f"the re-runs of {op!r} are served by two swap-ins of {copy.tensor!r} "
+                        f"issued after {copy.after!r}")
+    copies.append(copy)
+    copies.sort()
+
+
+def copy_for_rerun(copies: list[RerunCopy], tensor: str, before_at: int) -> RerunCopy | None:
+    """The copy of ``tensor`` a re-run placed before position ``before_at`` reads: the latest
+    issued before it (``None``: none is)."""
+    found = None
+    for copy in copies:
+        if copy.issued_at >= before_at:
+            break
+        if copy.tensor == tensor:
+            found = copy
+    return found
+
+
+def _check_rerun_copies(graph: CostGraph, rerun_copies: RerunCopies,
+                        reruns: dict[str, list[PlannedRerun]]) -> None:
+    """Every re-run of an op whose re-runs are fed by swap-ins comes after one of each tensor;
+    every such swap-in feeds some re-run."""
+    fed: set[RerunCopy] = set()
+    for before, group in reruns.items():
+        before_at = graph.index[before]
+        for rerun in group:
+            for copy in rerun_copies.get(rerun.op, ()):
+                found = copy_for_rerun(rerun_copies[rerun.op], copy.tensor, before_at)
+                if found is None:
+                    raise PlanError(
+                        f"swap-in of {copy.tensor!r} after {copy.after!r} is issued too late for "
+                        f"the re-run of {rerun.op!r} before {before!r}: issue it after an op "
+                        f"that runs before {before!r}"
+                    )
+                fed.add(found)
+    for op, copies in rerun_copies.items():
+        for copy in copies:
+            if copy not in fed:
+                raise PlanError(
+                    f"swap-in of {copy.tensor!r} after {copy.after!r} names {op!r}, which runs "
+                    f"before it, but no re-run of {op!r} comes after it: name the ops that read "
+                    "this copy, or re-run that op later"
+                )
 
 
 def _check_reruns(graph: CostGraph, plan: Plan) -> None:
@@ -136,11 +216,9 @@ def _check_reruns(graph: CostGraph, plan: Plan) -> None:
             raise PlanError(f"only forward ops that allocate can be re-run, not {rerun.op!r}")
         if graph.index[rerun.before] <= graph.index[rerun.op]:
             raise PlanError(f"re-run of {rerun.op!r} before {rerun.before!r}, which runs earlier")
-        if any(isinstance(plan.decision(t), Swap) for t in op.inputs):
-            raise PlanError(f"re-running {rerun.op!r} reads a swapped tensor: not supported yet")
 
 
-def _check_recompute(graph: CostGraph, plan: Plan, name: str) -> None:
+def _check_recompute(graph: CostGraph, name: str) -> None:
     tensor = graph.tensors[name]
     if tensor.producer is None:
         raise PlanError(f"{name!r} is a graph input (parameter or user input): nothing to recompute")
@@ -148,50 +226,42 @@ def _check_recompute(graph: CostGraph, plan: Plan, name: str) -> None:
         raise PlanError(f"{name!r} is returned by the step and lives to its end: keep it")
     if graph.op(tensor.producer).phase != "forward":
         raise PlanError(f"{name!r} is made in the backward pass; only forward tensors are recomputed")
-    for source in graph.op(tensor.producer).inputs:
-        if isinstance(plan.decision(source), Swap):
-            raise PlanError(
-                f"recomputing {name!r} reads {source!r}, which the plan swaps: swapping a "
-                "recompute source is not supported yet; keep or recompute the source"
-            )
 
 
 def lower(graph: CostGraph, plan: Plan) -> Schedule:
     """The actions of ``graph`` rewritten by ``plan``, in program order.
 
+    A re-run that reads a swapped tensor through a swap-in (see ``SwapIn``) reads the copy's
+    buffer, after a wait for that copy; the copy lives until its last reader, re-run or not.
+
     Raises:
         PlanError: if the plan does not fit the graph (see ``check_plan``).
     """
-    check_plan(graph, plan)
+    rerun_copies = _check_plan(graph, plan)
     redirect: dict[str, dict[str, str]] = {}  # consumer op -> {tensor: copy buffer it reads}
     waits_before: dict[str, list[Action]] = {}
     swap_ins_after: dict[str, list[Action]] = {}
     buffer_bytes = {name: t.size_bytes for name, t in graph.tensors.items()}
     swapped = {name for name, d in plan.decisions.items() if isinstance(d, Swap)}
     for name, decision in plan.decisions.items():
-        if not isinstance(decision, Swap):
-            continue
-        for copy, swap_in in enumerate(decision.swap_ins):
-            buffer = copy_buffer(name, copy)
-            buffer_bytes[buffer] = graph.tensors[name].size_bytes
-            swap_ins_after.setdefault(swap_in.after, []).append(
-                Action("swap_in", swap_in.after, name, copy, allocates=(buffer,))
-            )
-            first = min(swap_in.consumers, key=graph.index.__getitem__)
-            waits_before.setdefault(first, []).append(Action("wait", first, name, copy))
-            for consumer in swap_in.consumers:
-                redirect.setdefault(consumer, {})[name] = buffer
+        if isinstance(decision, Swap):
+            _lower_swap(graph, name, decision, redirect, waits_before, swap_ins_after, buffer_bytes)
     reruns = planned_reruns(graph, plan)
+    fed = _FedReruns(rerun_copies) if rerun_copies else None
+    if rerun_copies:
+        _check_rerun_copies(graph, rerun_copies, reruns)
     newest: dict[str, str] = {}  # tensor -> the instance later readers read (re-runs replace)
     actions: list[Action] = []
     instances = 0
     unchanged = _compute_actions(graph)
     for position, op in enumerate(graph.ops):  # the hot loop of every simulation
         for rerun in reruns.get(op.name, ()):
-            actions.append(_rerun_action(graph, rerun, instances, newest, buffer_bytes))
+            actions.extend(_rerun_actions(graph, rerun, instances, newest, buffer_bytes,
+                                          fed, position))
             instances += 1
         if op.name in waits_before:
-            actions.extend(waits_before[op.name])
+            waits = waits_before[op.name]
+            actions.extend(fed.not_waited(waits) if fed else waits)
         renamed = redirect.get(op.name)
         if newest and not newest.keys().isdisjoint(op.inputs):
             renamed = {**{t: newest[t] for t in op.inputs if t in newest}, **(renamed or {})}
@@ -210,23 +280,74 @@ def lower(graph: CostGraph, plan: Plan) -> Schedule:
     return Schedule(tuple(actions), MappingProxyType(buffer_bytes), graph.resident_bytes, outputs)
 
 
+def _lower_swap(graph: CostGraph, name: str, decision: Swap, redirect: dict[str, dict[str, str]],
+                waits_before: dict[str, list[Action]], swap_ins_after: dict[str, list[Action]],
+                buffer_bytes: dict[str, int]) -> None:
+    """One swapped tensor's swap-ins, the wait before each copy's first consumer, and the
+    consumers pointed at the copies (re-runs a copy feeds are pointed by ``_rerun_actions``)."""
+    for copy, swap_in in enumerate(decision.swap_ins):
+        buffer = copy_buffer(name, copy)
+        buffer_bytes[buffer] = graph.tensors[name].size_bytes
+        swap_ins_after.setdefault(swap_in.after, []).append(
+            Action("swap_in", swap_in.after, name, copy, allocates=(buffer,))
+        )
+        issued_at = graph.index[swap_in.after]
+        readers = [c for c in swap_in.consumers if graph.index[c] > issued_at]
+        if not readers:
+            continue  # it feeds re-runs only
+        first = min(readers, key=graph.index.__getitem__)
+        waits_before.setdefault(first, []).append(Action("wait", first, name, copy))
+        for consumer in readers:
+            redirect.setdefault(consumer, {})[name] = buffer
+
+
+class _FedReruns:
+    """The swap-ins that feed re-runs, and which copies the compute stream has waited for (a
+    copy read first by a re-run is waited for there, not again before its first consumer)."""
+
+    def __init__(self, copies: RerunCopies):
+        self.copies = copies
+        self.waited: set[tuple[str, int]] = set()
+
+    def not_waited(self, waits: list[Action]) -> list[Action]:
+        fresh = [w for w in waits if (w.tensor, w.copy) not in self.waited]
+        self.waited.update((w.tensor, w.copy) for w in fresh)
+        return fresh
+
+
 def _compute_actions(graph: CostGraph) -> tuple[Action, ...]:
     """Each op's compute action in the unplanned step, built once per graph."""
     return graph.remembered("compute actions", lambda: tuple(
         Action("compute", op.name, reads=op.inputs, allocates=op.outputs) for op in graph.ops))
 
 
-def _rerun_action(graph: CostGraph, rerun, instance: int, newest: dict[str, str],
-                  buffer_bytes: dict[str, int]) -> Action:
-    """A re-run reads the newest instance of each input and makes a new one of its outputs."""
+def _rerun_actions(graph: CostGraph, rerun: PlannedRerun, instance: int, newest: dict[str, str],
+                   buffer_bytes: dict[str, int], fed: _FedReruns | None,
+                   position: int) -> list[Action]:
+    """A re-run reads the newest instance of each input, or the swap-in that feeds it (after a
+    wait for that copy), and makes a new instance of its outputs."""
     op = graph.op(rerun.op)
-    reads = tuple(newest.get(t, t) for t in op.inputs)
+    copies = fed.copies.get(rerun.op) if fed else None
+    actions: list[Action] = []
+    if fed and copies:
+        reads_list = []
+        for tensor in op.inputs:
+            found = copy_for_rerun(copies, tensor, position)
+            if found is None:
+                reads_list.append(newest.get(tensor, tensor))
+                continue
+            reads_list.append(copy_buffer(tensor, found.copy))
+            actions.extend(fed.not_waited([Action("wait", rerun.before, tensor, found.copy)]))
+        reads = tuple(reads_list)
+    else:
+        reads = tuple(newest.get(t, t) for t in op.inputs)
     allocates = tuple(rebuilt_buffer(t, instance) for t in op.outputs)
     for tensor, buffer in zip(op.outputs, allocates, strict=True):
         buffer_bytes[buffer] = graph.tensors[tensor].size_bytes
         if tensor in rerun.replaces:
             newest[tensor] = buffer
-    return Action("recompute", rerun.op, copy=instance, reads=reads, allocates=allocates)
+    actions.append(Action("recompute", rerun.op, copy=instance, reads=reads, allocates=allocates))
+    return actions
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ Original nodes keep their names (they are the CostGraph's op names); inserted no
 
 The new graph is built by walking ``lower(graph, plan).actions``, the same program order the
 simulator predicts, so the rewritten program and the prediction are one sequence. A consumer that
-a swap-in serves reads the swapped-in copy; where it read a *view* of the swapped storage (a
+a swap-in serves reads the swapped-in copy (so does a re-run a swap-in feeds: a checkpoint brought
+back from the host for recomputation); where it read a *view* of the swapped storage (a
 ``t``, ``view`` or ``detach`` made in the forward pass), the view chain is replayed on the copy, so
 the original storage really dies after its last forward use.
 

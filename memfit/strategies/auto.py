@@ -20,6 +20,12 @@ The candidates, each simulated exactly by ``simulate`` (memory is program-order 
    free swaps save, plus every swap the link carries with no stall (``_link_swap.free_swaps``:
    both copy queues replayed on the compute timeline, copies back just in time) of a tensor
    the recomputation does not touch; the fastest that fits, by exact simulation.
+6. swapped checkpoints (Capuchin's swap + recompute): the same DP, then every free swap given
+   its re-runs, checkpoints included: a value that re-runs read leaves the device during the
+   forward pass and comes back just before the first re-run that reads it (a ``SwapIn`` that
+   feeds re-runs). What those swaps save relaxes the DP's budget, and the two steps repeat to
+   a fixed point (``CHECKPOINT_ROUNDS`` at most: a DP call, a linear swap pass and one
+   simulation each, once the DP's tables are built).
 
 The fastest that fits wins; ``plan.params["solver"]`` names it and ``plan.params["candidates"]``
 lists every candidate's simulated step time (``None``: did not fit), which is how ``explain``
@@ -35,6 +41,7 @@ from memfit.core.costgraph import CostGraph
 from memfit.core.errors import BudgetError
 from memfit.core.hardware import Hardware
 from memfit.core.plan import Decision, Plan, Recompute, Swap
+from memfit.core.recompute import planned_reruns
 from memfit.core.simulate import simulate
 from memfit.solvers import segments
 from memfit.strategies import get_strategy, register, strategy_names
@@ -43,6 +50,7 @@ from memfit.strategies.optimal_recompute import priced_segments
 
 MIN_SWAP_BYTES = 1 << 16  # smaller copies are mostly link latency
 HYBRID_SHARES = (1.25, 1.0, 0.75, 0.5, 0.25, 0.0)  # budget relaxations, shares of what free swaps save
+CHECKPOINT_ROUNDS = 6  # recompute-then-swap rounds; GPT-2 settles (or cycles) within five
 VDNN_POLICIES = ("vdnn_all", "vdnn_conv", "vdnn_dyn")
 MILP_MAX_OPS = 100  # optimal-recompute's own default
 MILP_TIME_LIMIT_S = 2.0
@@ -97,6 +105,7 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
         if policy in strategy_names():
             consider(policy, partial(get_strategy(policy), graph, hardware, budget_bytes))
     consider("hybrid", lambda: _hybrid(graph, hardware, budget_bytes, keep_timeline.peak_bytes))
+    consider("swapped-checkpoints", lambda: _swapped_checkpoints(graph, hardware, budget_bytes))
     fitting = {name: entry for name, entry in found.items() if entry is not None}
     if not fitting:
         raise BudgetError(budget_bytes, min(smallest), strategy="auto")
@@ -143,13 +152,61 @@ def _recompute_then_swap(graph: CostGraph, hardware: Hardware, budget_bytes: int
                          relaxed_bytes: int, swaps: dict[str, Swap]) -> Plan | None:
     """The DP's recomputation fitting ``budget + relaxed_bytes``, plus the free swaps of the
     tensors it neither recomputes nor re-reads."""
-    blocks, table = priced_segments(graph)
-    chosen = segments.solve_segments(table, blocks.count, budget_bytes + relaxed_bytes)
-    if chosen is None:
+    found = _dp_recomputation(graph, budget_bytes + relaxed_bytes)
+    if found is None:
         return None
-    recomputed = frozenset().union(*(s.recomputed for s in chosen))
-    touched = frozenset().union(*(s.touched for s in chosen))
+    recomputed, touched = found
     decisions: dict[str, Decision] = {t: s for t, s in swaps.items() if t not in touched}
     decisions.update({t: Recompute("cheaper than the link") for t in sorted(recomputed)})
     return Plan("hybrid", decisions, graph_hash=graph.structure_hash, budget_bytes=budget_bytes,
                 hardware=hardware.name, params={"relaxed_bytes": relaxed_bytes})
+
+
+def _dp_recomputation(graph: CostGraph, budget_bytes: int
+                      ) -> tuple[frozenset[str], frozenset[str]] | None:
+    """The separator-block DP's (recomputed, touched) tensors for ``budget_bytes``; ``None``:
+    it cannot fit."""
+    blocks, table = priced_segments(graph)
+    chosen = segments.solve_segments(table, blocks.count, budget_bytes)
+    if chosen is None:
+        return None
+    return (frozenset().union(*(s.recomputed for s in chosen)),
+            frozenset().union(*(s.touched for s in chosen)))
+
+
+def _swapped_checkpoints(graph: CostGraph, hardware: Hardware, budget_bytes: int) -> Plan | None:
+    """Recompute, swap for free what the link carries (checkpoints fed to their re-runs), give
+    the bytes saved back to the recomputation; the fastest round that fits.
+
+    Each round's DP budget is the last one plus how far the last plan's peak fell under the
+    budget (minus how far it rose over), so the recomputation shrinks while the swaps keep the
+    peak in: the fixed point of "recompute to fit what the swaps leave". Rounds stop at a
+    repeat (an oscillation between two neighbouring DP budgets) or after ``CHECKPOINT_ROUNDS``.
+    """
+    if not hardware.async_copies:
+        return None  # no swap is free: this is the recompute candidate again
+    best: tuple[float, Plan] | None = None
+    relaxed_bytes, seen = 0, set()
+    for _ in range(CHECKPOINT_ROUNDS):
+        found = _dp_recomputation(graph, budget_bytes + relaxed_bytes)
+        if found is None or found[0] in seen:
+            break
+        seen.add(found[0])
+        made = _feed_checkpoints(graph, hardware, budget_bytes, found[0], relaxed_bytes)
+        timeline = simulate(graph, made, hardware, record_intervals=False)
+        if timeline.peak_bytes <= budget_bytes and (best is None or timeline.step_time_s < best[0]):
+            best = (timeline.step_time_s, made)
+        relaxed_bytes += budget_bytes - timeline.peak_bytes
+    return best[1] if best else None
+
+
+def _feed_checkpoints(graph: CostGraph, hardware: Hardware, budget_bytes: int,
+                      recomputed: frozenset[str], relaxed_bytes: int) -> Plan:
+    """``recomputed`` plus the free swaps of everything else, checkpoints fed to re-runs."""
+    decisions: dict[str, Decision] = {t: Recompute("cheaper than the link") for t in sorted(recomputed)}
+    reruns = planned_reruns(graph, Plan("recompute", decisions))
+    decisions.update(free_swaps(graph, hardware, exclude=recomputed, min_bytes=MIN_SWAP_BYTES,
+                                reruns=reruns, packed=True))
+    return Plan("swapped-checkpoints", decisions, graph_hash=graph.structure_hash,
+                budget_bytes=budget_bytes, hardware=hardware.name,
+                params={"relaxed_bytes": relaxed_bytes})

@@ -80,3 +80,17 @@ def test_plan_is_frozen():
         plan.params["lb"] = 1  # type: ignore[index]
     with pytest.raises(AttributeError):
         plan.strategy = "other"  # type: ignore[misc]
+
+
+def test_a_swap_in_that_feeds_reruns_round_trips_and_lowers_the_same(tmp_path):
+    from memfit.core import synthetic
+    from memfit.core.schedule import lower
+
+    graph = synthetic.chain(4)
+    plan = Plan("x", {"f1": Swap((SwapIn("loss_backward", ("f2", "f2_backward")),)),
+                      "f2": Recompute()}, graph_hash=graph.structure_hash)
+    plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json")
+    assert loaded == plan
+    assert lower(graph, loaded).actions == lower(graph, plan).actions
+    assert "f1#in0" in next(a for a in lower(graph, loaded).actions if a.kind == "recompute").reads

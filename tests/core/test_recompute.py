@@ -73,9 +73,10 @@ def test_recompute_errors_say_what_to_do():
     for name, message in cases.items():
         with pytest.raises(PlanError, match=message):
             lower(graph, Plan("t", {name: Recompute()}))
-    swap = Swap((SwapIn("f3_backward", ("f2_backward",)),))
-    with pytest.raises(PlanError, match="swaps"):
-        lower(graph, Plan("t", {"f1": swap, "f2": Recompute()}))
+    late = Swap((SwapIn("f3_backward", ("f2", "f2_backward")),))  # f2 re-runs before f3_backward
+    with pytest.raises(PlanError, match="issued too late for the re-run of 'f2' before "
+                                        "'f3_backward': issue it after an op that runs before"):
+        lower(graph, Plan("t", {"f1": late, "f2": Recompute()}))
 
 
 def test_recompute_lowers_the_peak_and_memory_profile_agrees_with_simulate():

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from memfit.core.plan import Keep, Plan, Swap, SwapIn
+from memfit.core import synthetic
+from memfit.core.plan import Keep, Plan, Recompute, Rerun, Swap, SwapIn
 from memfit.core.schedule import (
     Action,
     PlanError,
@@ -147,3 +148,80 @@ def test_check_plan_rejects_with_a_useful_message(plan, message):
 
 def test_plan_error_is_a_value_error():
     assert issubclass(PlanError, ValueError)
+
+
+# ---- swap-ins that feed re-runs (swap + recompute) --------------------------------------------
+
+# f1 leaves the device in the forward pass and comes back after loss_backward, both for the
+# re-run of f2 (which rebuilds the recomputed f2 before f3_backward) and for f2_backward.
+FED = {"f1": Swap((SwapIn("loss_backward", ("f2", "f2_backward")),)), "f2": Recompute()}
+
+
+def test_a_swap_in_feeds_the_rerun_of_the_op_it_names():
+    schedule = lower(synthetic.chain(4), Plan("test", FED))
+    labels = [action.label for action in schedule.actions]
+    assert labels[labels.index("loss_backward"):] == [
+        "loss_backward", "swap_in(f1#0)", "wait(f1#0)", "recompute(f2#0)", "f3_backward",
+        "f2_backward", "f1_backward", "f0_backward",
+    ]  # one wait: the re-run waits for the copy, f2_backward finds it landed
+    by_label = dict(zip(labels, schedule.actions, strict=True))
+    assert by_label["recompute(f2#0)"].reads == ("f1#in0", "w_f2")
+    assert by_label["f2_backward"].reads == ("df2@f3", "f1#in0", "w_f2")
+    assert by_label["f2"].reads == ("f1", "w_f2")  # the forward pass reads the original
+
+
+def test_a_fed_rerun_frees_the_original_checkpoint_in_the_forward_pass():
+    graph = synthetic.chain(4)
+    recompute_only = Plan("test", {"f2": Recompute()})
+    fed = lower(graph, Plan("test", FED))
+    f1_bytes = graph.tensors["f1"].size_bytes
+    live = memory_profile(fed).live_bytes
+    at = {action.label: index for index, action in enumerate(fed.actions)}
+    unfed = memory_profile(lower(graph, recompute_only)).live_bytes
+    # after f3 the original f1 is gone (its swap-out read it last), which recompute-only keeps
+    assert unfed[3] - live[at["f3"]] == f1_bytes
+    assert "f1" not in dict(live_buffers(fed, at["loss_backward"]))
+    assert "f1#in0" in dict(live_buffers(fed, at["recompute(f2#0)"]))
+
+
+def test_a_rerun_of_an_op_no_swap_in_names_reads_the_original():
+    # f1 is swapped for f2_backward only: the re-run of f2 reads the device original, which
+    # therefore lives until it (as any consumer no swap-in names)
+    graph = synthetic.chain(4)
+    plan = Plan("test", {"f1": Swap((SwapIn("loss_backward", ("f2_backward",)),)),
+                         "f2": Recompute()})
+    schedule = lower(graph, plan)
+    at = {action.label: index for index, action in enumerate(schedule.actions)}
+    assert schedule.actions[at["recompute(f2#0)"]].reads == ("f1", "w_f2")
+    assert "f1" in dict(live_buffers(schedule, at["loss_backward"]))
+
+
+@pytest.mark.parametrize(
+    "decisions, message",
+    [
+        ({"f1": Swap((SwapIn("f3_backward", ("f2", "f2_backward")),)), "f2": Recompute()},
+         "swap-in of 'f1' after 'f3_backward' is issued too late for the re-run of 'f2' before "
+         "'f3_backward'"),
+        ({"f1": Swap((SwapIn("loss_backward", ("f2", "f2_backward")),))},
+         "names 'f2', which runs before it, but no re-run of 'f2' comes after it"),
+        ({"f1": Swap((SwapIn("loss_backward", ("f2",)), SwapIn("loss_backward", ("f2",)))),
+          "f2": Recompute()}, "re-runs of 'f2' are served by two swap-ins of 'f1'"),
+        ({"f1": Swap((SwapIn("f1_backward", ("f2_backward",)),))},  # not a forward op: no re-run
+         "swap-in of 'f1' is issued after 'f1_backward', too late for 'f2_backward'"),
+    ],
+    ids=["too-late-for-the-rerun", "no-rerun-to-feed", "fed-twice", "backward-reader-too-late"],
+)
+def test_check_plan_rejects_swap_ins_that_cannot_feed_their_reruns(decisions, message):
+    with pytest.raises(PlanError, match=message):
+        check_plan(synthetic.chain(4), Plan("test", decisions))
+    with pytest.raises(PlanError, match=message):
+        lower(synthetic.chain(4), Plan("test", decisions))
+
+
+def test_explicit_reruns_read_the_latest_copy_issued_before_them():
+    graph = synthetic.chain(4)
+    plan = Plan("test", {"f1": Swap((SwapIn("loss", ("f2",)), SwapIn("f3_backward", ("f2",))))},
+                reruns=(Rerun("f2", "f3_backward"), Rerun("f2", "f1_backward")))
+    check_plan(graph, plan)
+    recomputes = [a for a in lower(graph, plan).actions if a.kind == "recompute"]
+    assert [a.reads[0] for a in recomputes] == ["f1#in0", "f1#in1"]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from memfit.core import synthetic
 from memfit.core.costgraph import CostGraph
 from memfit.core.hardware import Hardware, get_hardware
-from memfit.core.plan import Plan, Swap, SwapIn
+from memfit.core.plan import Plan, Recompute, Swap, SwapIn
 from memfit.core.schedule import PlanError, lower, memory_profile, peak_bytes
 from memfit.core.simulate import simulate
 from memfit.core.timeline import Interval, Timeline
@@ -301,3 +301,17 @@ def test_copies_that_never_overlap_never_raise_the_peak(graph, plan_seed):
     keep = simulate(graph, Plan("keep"), MID, record_intervals=False)
     swapped = simulate(graph, plan, MID, record_intervals=False)
     assert swapped.peak_bytes <= keep.peak_bytes
+
+
+def test_a_rerun_fed_by_a_swap_in_waits_for_the_copy():
+    # f1 (2 bytes: 2 s each way) comes back after loss_backward (ends at 6 s) for the re-run of
+    # the recomputed f2 before f3_backward: the compute stream stalls from 6 s to 8 s
+    plan = Plan("test", {"f1": Swap((SwapIn("loss_backward", ("f2", "f2_backward")),)),
+                         "f2": Recompute()})
+    timeline = simulate(unit_chain(), plan, FAKE)
+    by_label = {interval.label: interval for interval in timeline.intervals}
+    assert (by_label["swap_in(f1#0)"].start_s, by_label["swap_in(f1#0)"].end_s) == (6.0, 8.0)
+    assert (by_label["wait(f1#0)"].start_s, by_label["wait(f1#0)"].end_s) == (6.0, 8.0)
+    assert by_label["recompute(f2#0)"].start_s == 8.0
+    assert (timeline.exposed_transfer_s, timeline.recompute_s) == (2.0, 1.0)
+    assert timeline.step_time_s == 10.0 + 1.0 + 2.0  # ten ops, one re-run, the stall

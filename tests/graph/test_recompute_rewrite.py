@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 
 import memfit
@@ -68,3 +69,71 @@ def test_optimal_recompute_runs_bitwise_on_a_real_graph():
         assert torch.equal(a.grad, b.grad)
     assert best.plan.reruns
     assert best.measured.peak_bytes == best.predicted.peak_bytes <= best.compiled.budget_bytes
+
+
+def checkpoints_fed_from_host(graph, plan):
+    """``plan`` plus a swap of every value its re-runs read, back just before the first of them
+    (a link so fast every copy is free)."""
+    from memfit.core.hardware import PROFILES
+    from memfit.core.plan import Plan
+    from memfit.core.recompute import planned_reruns
+    from memfit.strategies._link_swap import free_swaps
+
+    instant = PROFILES["cpu"].with_(async_copies=True, d2h_bytes_per_s=1e18, h2d_bytes_per_s=1e18,
+                                    copy_latency_s=0.0)
+    swaps = free_swaps(graph, instant, exclude=plan.recomputed, reruns=planned_reruns(graph, plan))
+    return Plan("fed", {**plan.decisions, **swaps}, graph_hash=graph.structure_hash)
+
+
+@pytest.mark.parametrize("build, params, lowers_the_peak", [
+    # block inputs fed to re-runs of GPT-2 blocks, dropout replayed; its peak is the last block
+    # rebuilt, with every weight gradient made, where no checkpoint is left to swap
+    (lambda: examples.gpt2(layers=4, width=32, vocab=16, sequence=128, batch_size=4, dropout=0.3),
+     {"checkpoints": ["transformer.h.*"]}, False),
+    # sqrt(n) checkpoints of a deep MLP: the peak was at the start of the backward pass
+    (lambda: examples.mlp(depth=12, width=32, batch_size=512), {}, True),
+], ids=["gpt2-blocks", "mlp-sqrt-n"])
+def test_reruns_read_checkpoints_swapped_back_from_the_host_bitwise(build, params, lowers_the_peak):
+    """Swap + recompute: checkpoints leave the device in the forward pass and come back for the
+    re-runs that rebuild from them; gradients bit for bit, peak as predicted."""
+    example = build()
+    inputs = example.inputs()
+    keep = memfit.compile(copy.deepcopy(example.model), example.loss_fn, strategy="keep")
+    checkpointed = memfit.compile(copy.deepcopy(example.model), example.loss_fn,
+                                  strategy="checkpoint", **params)
+    compiled = checkpointed.compile_for(*inputs)
+    fed_plan = checkpoints_fed_from_host(compiled.graph, compiled.plan)
+    fed = memfit.compile(copy.deepcopy(example.model), example.loss_fn, plan=fed_plan)
+    torch.manual_seed(5)
+    expected = keep(*inputs)
+    torch.manual_seed(5)
+    checkpointed(*inputs)
+    torch.manual_seed(5)
+    assert torch.equal(fed(*inputs), expected)
+    for a, b in zip(keep.model.parameters(), fed.model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+    graph = compiled.graph
+    feeding = {t: s for t, d in fed_plan.decisions.items() if hasattr(d, "swap_ins")
+               for s in d.swap_ins if any(graph.index[c] <= graph.index[s.after] for c in s.consumers)}
+    assert feeding, "no swap-in feeds a re-run"
+    nodes = list(fed.compiled.program.graph.nodes)
+    kind = {n: (n.meta.get("memfit") or {}).get("kind") for n in nodes}
+    fed_reruns = [n for n in nodes if kind[n] == "recompute" and any(
+        kind[a] == "swap_in" or (kind[a] == "view_replay" and any(
+            kind[b] == "swap_in" for b in a.all_input_nodes)) for a in n.all_input_nodes)]
+    assert fed_reruns, "no re-run reads a swapped-in copy"
+    for rerun in fed_reruns:  # the compute stream waits for each copy before its first reader
+        swap_in = next(a for a in [*rerun.all_input_nodes, *(b for a in rerun.all_input_nodes
+                                                              for b in a.all_input_nodes)]
+                       if kind[a] == "swap_in")
+        waits = [n for n in swap_in.users if kind[n] == "wait"]
+        assert len(waits) == 1 and nodes.index(waits[0]) < nodes.index(rerun)
+
+    measured, predicted = fed.measured.peak_bytes, fed.predicted.peak_bytes
+    assert abs(measured - predicted) <= max(0.01 * measured, 1 << 20)
+    if lowers_the_peak:
+        assert predicted < checkpointed.predicted.peak_bytes
+        assert measured < checkpointed.measured.peak_bytes
+    else:
+        assert predicted <= checkpointed.predicted.peak_bytes

@@ -7,6 +7,7 @@ from memfit.core import synthetic
 from memfit.core.errors import BudgetError
 from memfit.core.hardware import get_hardware
 from memfit.core.plan import Plan, Recompute, Swap
+from memfit.core.recompute import planned_reruns
 from memfit.core.schedule import check_plan
 from memfit.core.simulate import simulate
 from memfit.strategies import get_strategy
@@ -96,3 +97,59 @@ def test_free_swaps_stall_nothing():
 def test_unknown_parameters_are_refused():
     with pytest.raises(ValueError, match="takes none"):
         get_strategy("auto")(synthetic.chain(4), get_hardware("h100-pcie"), 1, speed=True)
+
+
+def feeds_a_rerun(graph, plan) -> bool:
+    """Whether some swap-in names a forward reader at or before its control op (its re-runs)."""
+    return any(graph.index[consumer] <= graph.index[swap_in.after]
+               for decision in plan.decisions.values() if isinstance(decision, Swap)
+               for swap_in in decision.swap_ins for consumer in swap_in.consumers)
+
+
+def test_free_swaps_given_reruns_feed_checkpoints_and_stall_nothing():
+    graph, hardware = synthetic.chain(24, time_s=2e-4), get_hardware("h100-pcie")
+    budget = int(0.4 * simulate(graph, Plan("keep"), hardware).peak_bytes)
+    recompute = get_strategy("optimal-recompute")(graph, hardware, budget, method="segments")
+    swaps = free_swaps(graph, hardware, exclude=recompute.recomputed,
+                       reruns=planned_reruns(graph, recompute))
+    both = Plan("both", {**recompute.decisions, **swaps})
+    assert not set(swaps) & set(recompute.recomputed)
+    assert feeds_a_rerun(graph, both)
+    alone, together = simulate(graph, recompute, hardware), simulate(graph, both, hardware)
+    assert together.exposed_transfer_s == 0
+    assert together.step_time_s == pytest.approx(alone.step_time_s)
+    assert together.peak_bytes < alone.peak_bytes
+
+
+def test_swapped_checkpoints_win_where_the_link_carries_only_some_activations():
+    """On a 1 GB/s link swapping alone stalls and the hybrid cannot swap the checkpoints its
+    recomputation keeps; swapping those back for the re-runs lets auto recompute less."""
+    graph = synthetic.chain(24, time_s=2e-4)
+    hardware = get_hardware("h100-pcie").with_(d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9)
+    budget = int(0.4 * simulate(graph, Plan("keep"), hardware).peak_bytes)
+    made = get_strategy("auto")(graph, hardware, budget)
+    assert made.params["solver"] == "swapped-checkpoints"
+    candidates = made.params["candidates"]
+    assert candidates["swapped-checkpoints"] < min(candidates["recompute"], candidates["hybrid"])
+    check_plan(graph, made)
+    assert feeds_a_rerun(graph, made)
+    timeline = simulate(graph, made, hardware)
+    assert timeline.peak_bytes <= budget and timeline.exposed_transfer_s == 0
+    # no free swap on a synchronous link: the candidate is not made
+    assert get_strategy("auto")(graph, get_hardware("cpu"), budget).params["candidates"][
+        "swapped-checkpoints"] is None
+
+
+def test_packed_copies_back_carry_more_and_stall_nothing():
+    """Where the link is the bottleneck, packing the copies back as late as it allows (latest
+    need first) carries more bytes than just-in-time copies in order of need, still free."""
+    graph = synthetic.chain(24, time_s=2e-4)
+    hardware = get_hardware("h100-pcie").with_(d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9)
+    keep = simulate(graph, Plan("keep"), hardware)
+    in_order, packed = free_swaps(graph, hardware), free_swaps(graph, hardware, packed=True)
+    size = lambda swaps: sum(graph.tensors[t].size_bytes for t in swaps)  # noqa: E731
+    assert size(packed) > size(in_order)
+    timeline = simulate(graph, Plan("packed", packed), hardware)
+    assert timeline.exposed_transfer_s == 0
+    assert timeline.step_time_s == pytest.approx(keep.step_time_s)
+    assert timeline.peak_bytes < simulate(graph, Plan("in order", in_order), hardware).peak_bytes
