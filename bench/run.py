@@ -95,6 +95,7 @@ def cpu_sections() -> list[str]:
         PLANNING_HARDWARE,
         model_rows,
     )
+    from bench.planning import planning_section
     from bench.recompute import recompute_section
 
     capacity, overhead = [], []
@@ -131,6 +132,7 @@ def cpu_sections() -> list[str]:
         "recomputed dropout that draws a new mask would do this).\n",
         recompute,
         "\n" + auto_section(log),
+        "\n" + planning_section(log),
     ]
 
 
@@ -141,15 +143,17 @@ def section_builders() -> dict[str, Callable[[], str]]:
     """The CPU sections that can be rerun alone (``--only``), by name; each returns Markdown
     starting with its ``## `` title."""
     from bench.auto import auto_section
+    from bench.planning import planning_section
     from bench.recompute import recompute_section
 
     return {
         "recompute": lambda: recompute_section(log, plot_path=ROOT / "bench" / "recompute.png"),
         "auto": lambda: auto_section(log),
+        "planning": lambda: planning_section(log),
     }
 
 
-ONLY_CHOICES = ("recompute", "auto")  # section_builders()'s keys, without importing the sections
+ONLY_CHOICES = ("recompute", "auto", "planning")  # section_builders()'s keys, without importing the sections
 
 
 def splice(old: str, section: str, stamp: str) -> str:

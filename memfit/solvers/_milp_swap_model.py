@@ -102,8 +102,8 @@ class SwapMilpModel(MilpModel):
 
     def _add_swap_rows(self) -> None:
         """Copies come back only from the host; a value is brought in only when not on the device;
-        memfit cannot re-run an op that reads a swapped value, nor re-run a swapped value's
-        producer."""
+        this model does not re-run an op that reads a swapped value (memfit's plans may: see
+        ``milp_swap``'s notes), nor re-run a swapped value's producer."""
         stages = self.problem.stages
         for key in [k for k in self.columns_by_key if k[0] in ("I", "J")]:
             _, stage, op = key

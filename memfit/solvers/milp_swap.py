@@ -17,7 +17,7 @@ device entering stage t. Swapping adds, in memfit's plan language:
 Objective: the step time, sum of op times + re-run times + stalls. Memory is Checkmate's
 program-order accounting (``memfit.core.schedule``), with each swap-in's buffer counted from its
 issue, as ``memory_profile`` does. A swapped value's producer is never re-run, and no re-run reads
-a swapped value (``check_plan`` refuses both today; see ``MISMATCHES``).
+a swapped value (a restriction of this model, not of memfit's plans; see ``MISMATCHES``).
 
 The solution is decoded into a ``Plan`` (``Swap`` decisions with their ``SwapIn``s, ``Rerun``s as
 ``optimal-recompute``'s MILP plan makes them), checked with ``check_plan`` and simulated.
@@ -59,9 +59,10 @@ Where the MILP and memfit's simulator differ (the MILP is never the optimistic o
 - the swap-out-before-swap-in rule (duplex) is a sufficient condition on the d2h backlog.
 - memory is per op, not per storage: an op's non-returned outputs live and die together (as in
   ``milp``); per storage, the decoded plan frees a copy after its last reader, never later.
-- swapped values are never recomputed and never read by a re-run: memfit's lowering replays
-  re-runs from device buffers only (``check_plan``); lifting that needs a swap-in before a re-run
-  (a ``SwapIn`` whose consumers may name ``Rerun``s) and the rows that price it.
+- swapped values are never recomputed and never read by a re-run. memfit's plans allow the latter
+  (a ``SwapIn`` naming a forward reader at or before its control op feeds that op's re-runs, and
+  ``auto``'s swapped-checkpoints candidate uses it), but this model has no rows pricing such a
+  swap-in yet: its optimum is the best plan without them, which ``auto`` may beat.
 On every graph tested the simulated step time equals the MILP's objective.
 """
 
