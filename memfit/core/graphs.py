@@ -39,7 +39,6 @@ from typing import TypeVar
 import networkx as nx
 import numpy as np
 from networkx.algorithms.approximation.treewidth import treewidth_decomp
-from scipy.sparse import csr_array
 from scipy.sparse.csgraph import breadth_first_order
 
 from memfit.core.costgraph import CostGraph
@@ -324,19 +323,18 @@ class _Adjacency:
     def __init__(self, undirected: nx.Graph) -> None:
         self.nodes = list(undirected)
         self.position = {node: i for i, node in enumerate(self.nodes)}
-        self.matrix = csr_array(nx.to_scipy_sparse_array(undirected, nodelist=self.nodes,
-                                                         weight=None, format="csr"))
+        self.matrix = nx.to_scipy_sparse_array(undirected, nodelist=self.nodes, weight=None,
+                                               format="csr")
 
     def next_to(self, separator: frozenset, end: str) -> frozenset:
         """The members of ``separator`` next to ``end``'s component once ``separator`` is removed."""
         kept = np.ones(len(self.nodes), dtype=bool)
         kept[[self.position[v] for v in separator]] = False
-        kept_positions = np.flatnonzero(kept)
-        renumbered = np.cumsum(kept) - 1
-        reached = breadth_first_order(self.matrix[kept][:, kept], int(renumbered[self.position[end]]),
-                                      directed=False, return_predecessors=False)
+        start = int(np.count_nonzero(kept[:self.position[end]]))  # its row once rows are dropped
+        reached = breadth_first_order(self.matrix[kept][:, kept], start, directed=False,
+                                      return_predecessors=False)
         on_side = np.zeros(len(self.nodes), dtype=bool)
-        on_side[kept_positions[reached]] = True
+        on_side[np.flatnonzero(kept)[reached]] = True
         indptr, indices = self.matrix.indptr, self.matrix.indices
         return frozenset(
             v for v in separator

@@ -145,14 +145,15 @@ def _nested(undirected: nx.Graph, candidates: Sequence[tuple[str, ...]]
     for separator in candidates:
         if graphs.INPUT in separator:
             continue
-        added, whole = _grown(undirected, interior, nested[-1] if nested else (), separator)
+        previous = nested[-1] if nested else ()
+        added, whole = _grown(undirected, interior, previous, separator)
         members = set(separator)
         fresh = [n for n in (*added, *separator) if n not in entered]
         if graphs.LOSS in added or graphs.LOSS in members or not fresh:
             continue  # reaches the loss, or is not strictly further
-        outside = added if whole else interior  # with ``added``, what the closure holds
-        if any(n not in outside and n not in added and n not in members
-               for n in (entered if whole else (nested[-1] if nested else ()))):
+        # the last closure is the interior (kept when grown) and the previous cut
+        if any(n not in added and n not in members and (whole or n not in interior)
+               for n in (entered if whole else previous)):
             continue  # does not hold the last accepted closure
         for node in fresh:
             entered.setdefault(node, len(nested))

@@ -53,8 +53,9 @@ def free_swaps(graph: CostGraph, hardware: Hardware, exclude: Iterable[str] = ()
         packed: queue out only values that can come back in time, and pack the copies back
             as late as the link allows, latest need first (``_copies_back_packed``): more bytes
             where the link is the bottleneck (GPT-2 medium on PCIe at half its peak: the
-            recomputation's budget relaxes by 29 GiB, not 5). ``False`` (default): every candidate queued out, each copy back just in
-            time in order of need, skipping one the link cannot fit behind the previous one.
+            recomputation's budget relaxes by 29 GiB, not 5). ``False`` (default): every
+            candidate queued out, each copy back just in time in order of need, skipping one
+            the link cannot fit behind the previous one.
     """
     if not hardware.async_copies:
         return {}  # every copy stalls the step: nothing is free
