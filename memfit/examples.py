@@ -29,6 +29,16 @@ class Example:
         return self.make_inputs(batch_size or self.batch_size)
 
 
+def _require(package: str) -> None:
+    """Fail with what to install when an optional model library is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec(package) is None:
+        raise ModuleNotFoundError(
+            f"this example needs {package}, an optional dependency of memfit: "
+            f"pip install 'memfit[models]' (or pip install {package})", name=package)
+
+
 def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -55,6 +65,7 @@ def mlp(depth: int = 16, width: int = 256, batch_size: int = 2048, seed: int = 0
 def gpt2(layers: int = 4, width: int = 64, heads: int = 4, vocab: int = 128, sequence: int = 128,
          batch_size: int = 4, dropout: float = 0.1, seed: int = 0) -> Example:
     """transformers ``GPT2LMHeadModel`` from a config (random init), language-model loss."""
+    _require("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
@@ -83,6 +94,7 @@ def resnet50_shaped(widths: tuple[int, ...] = (32, 64, 128, 256), image: int = 6
     the stem keeps ResNet-50's proportion, a quarter of the first stage. BatchNorm runs in
     training mode, so the step also updates running statistics (buffers).
     """
+    _require("transformers")
     from transformers import ResNetConfig, ResNetForImageClassification
 
     torch.manual_seed(seed)
@@ -105,6 +117,7 @@ def resnet50_shaped(widths: tuple[int, ...] = (32, 64, 128, 256), image: int = 6
 def unet3d(channels: tuple[int, ...] = (4, 8, 16, 32), size: int = 32, batch_size: int = 2,
            seed: int = 0) -> Example:
     """MONAI's 3D ``UNet`` (residual units, instance norm) on random volumes, Dice-free MSE."""
+    _require("monai")
     from monai.networks.nets import UNet
 
     torch.manual_seed(seed)
