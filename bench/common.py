@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import copy
-import json
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from memfit.core.units import format_bytes
-from memfit.runtime.measure import measure_peak
+from memfit.runtime.measure import _allocator_peak_above_start, measure_peak
 
 REPEATS = 3  # timed runs per figure after one warm-up; the median is reported
 
@@ -70,29 +67,9 @@ def tracked_peak_above_start(run: Callable[[], object], model: torch.nn.Module,
 
 
 def profiled_peak_above_start(run: Callable[[], object]) -> int:
-    """Bytes ``run`` adds at its peak by the profiler's CPU-allocator ``[memory]`` events.
-
-    Note:
-        A TorchDispatchMode disables torch.compile'd code, so compiled runs are measured here:
-        the running sum of the allocator's per-event byte deltas, whose maximum is the peak above
-        the bytes alive at the start. On CPU this also counts memfit's host copies, which is why
-        memfit rows use the dispatch tracker instead.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        run()
-    with tempfile.TemporaryDirectory() as folder:
-        trace = Path(folder) / "trace.json"
-        profiler.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
-    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
-    live = peak = 0
-    for event in memory:
-        if event.get("args", {}).get("Device Type", 0) == 0:  # the CPU allocator
-            live += int(event["args"]["Bytes"])
-            peak = max(peak, live)
-    return peak
+    """Bytes ``run`` adds at its peak by the CPU allocator's own statistics (the profiler's
+    ``[memory]`` events): how compiled runs are measured, since a dispatch mode disables them."""
+    return _allocator_peak_above_start(run)[1]
 
 
 def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:

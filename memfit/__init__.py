@@ -16,6 +16,10 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "fit": "memfit.backend",
+    "backend": "memfit.backend",
+    "report": "memfit.backend",
+    "Backend": "memfit.backend",
     "compile": "memfit.api",
     "plan": "memfit.api",
     "measure_peak": "memfit.api",

@@ -91,8 +91,8 @@ class _Rewriter:
         self.replayed: dict[tuple[fx.Node, str, str], fx.Node] = {}
         self.read_buffers = {buffer for action in actions for buffer in action.reads}
         rerun_ops = {a.op for a in actions if a.kind == "recompute"}
-        random_ops = sorted((op for op in rerun_ops if is_random(self.old[op])), key=graph.index.get)
-        self.rng_key = {op: key for key, op in enumerate(random_ops)}
+        self.random_reruns = {op for op in rerun_ops if is_random(self.old[op])}
+        self.rng_state: dict[str, fx.Node] = {}  # random op -> the node holding its saved state
         self.reading: dict[str, str] = {}  # tensor -> buffer, for the action being emitted
 
     def root_of(self, name: str) -> fx.Node:
@@ -169,9 +169,9 @@ class _Rewriter:
         if action.kind in ("compute", "recompute"):
             self.reading = dict(zip(self.cost.op(action.op).inputs, action.reads, strict=True))
         if action.kind == "compute":
-            if action.op in self.rng_key:  # a random op re-run later: remember its state
+            if action.op in self.random_reruns:  # a random op re-run later: remember its state
                 anchor = self._anchor(self.old[action.op], self._arg)
-                self._call(RNG_SAVE, (anchor, self.rng_key[action.op]), "rng_save", action.op)
+                self.rng_state[action.op] = self._call(RNG_SAVE, (anchor,), "rng_save", action.op)
             self.emit(self.old[action.op])
         elif action.kind == "recompute":
             self._rerun(self.old[action.op], action)
@@ -196,16 +196,17 @@ class _Rewriter:
     def _rerun(self, node: fx.Node, action: Action) -> None:
         """Re-run a forward op on the buffers it reads; register the instances others read."""
         args, kwargs = fx.map_arg((node.args, node.kwargs), self._arg)
-        key = self.rng_key.get(node.name)
-        anchor = self._anchor(node, self._arg) if key is not None else None
-        if key is not None:
-            self._call(RNG_REPLAY_BEGIN, (anchor, key), "rng_replay_begin", node.name)
+        random = node.name in self.random_reruns
+        anchor = self._anchor(node, self._arg) if random else None
+        if random:
+            stashed = self._call(RNG_REPLAY_BEGIN, (anchor, self.rng_state[node.name]),
+                                 "rng_replay_begin", node.name)
         clone = self.graph.create_node("call_function", node.target, args, kwargs,
                                        name=f"memfit_recompute_{node.name}")
         clone.meta = {**node.meta, "memfit": {"kind": "recompute", "tensor": node.name,
                                               "buffer": ",".join(action.allocates)}}
-        if key is not None:
-            self._call(RNG_REPLAY_END, (anchor, key), "rng_replay_end", node.name)
+        if random:
+            self._call(RNG_REPLAY_END, (anchor, stashed), "rng_replay_end", node.name)
         outputs = self.cost.op(node.name).outputs
         for name, buffer in zip(outputs, action.allocates, strict=True):
             if buffer in self.read_buffers:

@@ -2,23 +2,25 @@
 
 In a rewritten graph::
 
-    memfit.rng_save(x, key=3)          # right before the forward's random op
+    state = memfit.rng_save(x)                     # right before the forward's random op
     mask = native_dropout(x, ...)
     ...
-    memfit.rng_replay_begin(x, key=3)  # set the saved state (the current one is stashed)
+    stashed = memfit.rng_replay_begin(x, state)    # set the saved state, keep the current one
     mask_again = native_dropout(x, ...)
-    memfit.rng_replay_end(x, key=3)    # put the stashed state back: later draws are unchanged
+    memfit.rng_replay_end(x, stashed)              # put it back: later draws are unchanged
 
-Each op takes an *anchor* tensor only to know its device and its place in the program. The ops
-return nothing and are registered as side-effectful so ``eliminate_dead_code`` keeps them.
+Each op takes an *anchor* tensor only to know its device and its place in the program. The
+replay ops change the generator, so they are registered as side-effectful and
+``eliminate_dead_code`` keeps them.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.fx.node
+from torch.utils._python_dispatch import _disable_current_modes
 
-from memfit.runtime.streams import current_engine
+from memfit.runtime.host import host_copy
 
 
 def is_random(node: torch.fx.Node) -> bool:
@@ -40,30 +42,54 @@ def _set_state(device: torch.device, state: torch.Tensor) -> None:
         torch.get_device_module(device).set_rng_state(state, device)
 
 
+def _state_bytes(device: torch.device) -> int:
+    with _disable_current_modes():
+        return _get_state(device).numel()
+
+
 @torch.library.custom_op("memfit::rng_save", mutates_args=())
-def rng_save(anchor: torch.Tensor, key: int) -> None:
-    """Remember the generator state of ``anchor``'s device under ``key``."""
-    current_engine("memfit::rng_save").rng_states[key] = _get_state(anchor.device)
+def rng_save(anchor: torch.Tensor) -> torch.Tensor:
+    """The generator state of ``anchor``'s device, as a host-tier byte tensor.
+
+    Note:
+        The state is a value of the program, not an entry in a table: under ``torch.compile`` it
+        is saved for the backward module like any activation, so a region run twice before its
+        backward (two micro-batches) replays each forward's own draws. Generator states live in
+        host memory on every device, so it is a host buffer, never counted as device bytes.
+    """
+    return host_copy(_get_state(anchor.device))
+
+
+@rng_save.register_fake
+def _(anchor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(_state_bytes(anchor.device), dtype=torch.uint8, device="cpu")
 
 
 @torch.library.custom_op("memfit::rng_replay_begin", mutates_args=())
-def rng_replay_begin(anchor: torch.Tensor, key: int) -> None:
-    """Stash the current generator state and set the one saved under ``key``."""
-    states = current_engine("memfit::rng_replay_begin").rng_states
-    states[-1 - key] = _get_state(anchor.device)
-    _set_state(anchor.device, states[key])
+def rng_replay_begin(anchor: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """Set the generator to ``state``; return the state it had (for ``rng_replay_end``)."""
+    stashed = host_copy(_get_state(anchor.device))
+    _set_state(anchor.device, state)
+    return stashed
+
+
+@rng_replay_begin.register_fake
+def _(anchor: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(state)
 
 
 @torch.library.custom_op("memfit::rng_replay_end", mutates_args=())
-def rng_replay_end(anchor: torch.Tensor, key: int) -> None:
+def rng_replay_end(anchor: torch.Tensor, stashed: torch.Tensor) -> None:
     """Restore the state stashed by ``rng_replay_begin``, so later random ops are unaffected."""
-    _set_state(anchor.device, current_engine("memfit::rng_replay_end").rng_states.pop(-1 - key))
+    _set_state(anchor.device, stashed)
 
 
-for _op in (rng_save, rng_replay_begin, rng_replay_end):
-    _op.register_fake(lambda anchor, key: None)
+@rng_replay_end.register_fake
+def _(anchor: torch.Tensor, stashed: torch.Tensor) -> None:
+    return None
+
 
 RNG_SAVE = torch.ops.memfit.rng_save.default
 RNG_REPLAY_BEGIN = torch.ops.memfit.rng_replay_begin.default
 RNG_REPLAY_END = torch.ops.memfit.rng_replay_end.default
-torch.fx.node._side_effectful_functions.update({RNG_SAVE, RNG_REPLAY_BEGIN, RNG_REPLAY_END})
+torch.fx.node._side_effectful_functions.update({RNG_REPLAY_BEGIN, RNG_REPLAY_END})

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import weakref
 
+import numpy
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -75,8 +76,35 @@ class HostPool:
 
     def empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
         """An uninitialised host buffer with ``tensor``'s shape, dtype and (dense) strides."""
-        with _disable_current_modes():  # a tracker must never count it as device memory
-            buffer = torch.empty_like(tensor, device="cpu", pin_memory=self.pinned)
-        register_host_storage(buffer.untyped_storage())
+        buffer = host_empty_like(tensor, pinned=self.pinned)
         self.handed_out_bytes += buffer.untyped_storage().nbytes()
         return buffer
+
+
+def host_empty_like(tensor: torch.Tensor, pinned: bool = False) -> torch.Tensor:
+    """An uninitialised host-tier buffer with ``tensor``'s shape, dtype and dense strides.
+
+    Note:
+        Without pinning (a CPU device) the memory comes from numpy, not from torch's CPU
+        allocator: on a CPU the allocator's statistics (the profiler's memory events, by which
+        compiled steps are measured) are the *device* bytes, and a host copy must stay out of
+        them, as it stays out of ``torch.cuda.memory_allocated`` on a GPU.
+    """
+    with _disable_current_modes():  # a tracker must never count it as device memory
+        if pinned:
+            buffer = torch.empty_like(tensor, device="cpu", pin_memory=True)
+        else:
+            strides = torch.empty_like(tensor, device="meta").stride()
+            size_bytes = max(1, tensor.numel()) * tensor.element_size()
+            flat = torch.from_numpy(numpy.empty(size_bytes, dtype=numpy.uint8))
+            buffer = flat.view(tensor.dtype).as_strided(tensor.shape, strides)
+    register_host_storage(buffer.untyped_storage())
+    return buffer
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A host-tier copy of a CPU tensor (generator states, kept out of the device bytes)."""
+    buffer = host_empty_like(tensor)
+    with _disable_current_modes():
+        buffer.copy_(tensor)
+    return buffer

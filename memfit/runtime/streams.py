@@ -43,7 +43,6 @@ class CopyEngine:
         self.is_accelerator = self.device.type != "cpu"
         self.host_pool = HostPool(self.device)
         self.events: dict[int, Any] = {}
-        self.rng_states: dict[int, torch.Tensor] = {}  # for recomputed random ops (graph/rng.py)
         if self.is_accelerator:
             self.d2h_stream = self.module.Stream(device=self.device)
             self.h2d_stream = self.module.Stream(device=self.device)
@@ -91,9 +90,8 @@ class CopyEngine:
             self.module.synchronize(self.device)
 
     def clear(self) -> None:
-        """Forget the recorded events and random states (after a run, once synchronised)."""
+        """Forget the recorded events (after a run, once synchronised)."""
         self.events.clear()
-        self.rng_states.clear()
 
 
 @contextlib.contextmanager

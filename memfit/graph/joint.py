@@ -1,0 +1,135 @@
+"""The joint graph AOTAutograd hands a partitioner, as memfit's ``Captured``, and back as two.
+
+Under ``torch.compile``, Dynamo captures the user's region with guards and AOTAutograd traces its
+forward and backward into one *joint* graph (fake tensors only) and asks a partitioner to split it
+into the forward module (which returns the user's outputs and the values saved for backward)
+and the backward module. memfit is that partitioner:
+
+1. ``as_captured``: the joint graph as the ``Captured`` that ``analyze`` reads (primals that
+   AOTAutograd calls static-lifetime are parameters or buffers, the rest inputs; tangents seed
+   the backward);
+2. ``analyze`` → plan → ``rewrite`` (the same passes as ever) give the rewritten joint program;
+3. ``split``: that program cut at the forward/backward boundary. Every node before the first
+   backward node goes to the forward module, every node after it to the backward module (swap-ins,
+   waits and re-runs included, exactly where the plan put them), and the values the backward reads
+   from the forward are what the forward saves: kept activations, host copies, checkpoints and
+   random states.
+
+Note:
+    ``split`` delegates the bookkeeping of saved values (their order, symbolic sizes, version
+    counter classes) to AOTAutograd's own ``_extract_fwd_bwd_modules``, and pins each node to its
+    side with the partitioner tags that function honours (``must_be_in_forward`` /
+    ``must_be_in_backward``), so nothing is moved or recomputed behind the plan's back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._functorch.partitioners import _extract_fwd_bwd_modules
+from torch.fx.experimental.proxy_tensor import is_sym_node
+from torch.utils._ordered_set import OrderedSet
+
+from memfit.core.errors import CaptureError
+from memfit.graph.capture import Binding, Captured
+
+_FORWARD, _BACKWARD = "must_be_in_forward", "must_be_in_backward"
+
+
+def as_captured(joint: fx.GraphModule, num_fwd_outputs: int,
+                static_lifetime_input_indices: list[int] | None) -> Captured:
+    """The joint graph with a binding per placeholder and output.
+
+    Raises:
+        CaptureError: for a region with symbolic shapes, which memfit cannot size.
+    """
+    static = set(static_lifetime_input_indices or ())
+    inputs = []
+    for position, node in enumerate(joint.graph.find_nodes(op="placeholder")):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or _symbolic(value):
+            raise CaptureError(
+                f"the compiled region has a symbolic input ({node.name}: {value!r}); memfit plans "
+                "regions with static shapes: compile with dynamic=False (memfit.fit does), and "
+                "each new shape is planned on its own")
+        if node.name.startswith("tangents"):
+            inputs.append(Binding("tangent"))
+        elif position in static:
+            inputs.append(Binding("parameter", node.name))
+        else:
+            inputs.append(Binding("input", index=position))
+    output = joint.graph.find_nodes(op="output")[0]
+    count = len(output.args[0])
+    outputs = tuple(Binding("loss", index=i) if i < num_fwd_outputs else Binding("gradient")
+                    for i in range(count))
+    return Captured(joint, tuple(inputs), outputs)
+
+
+def _symbolic(value: torch.Tensor) -> bool:
+    return any(isinstance(size, torch.SymInt) for size in (*value.shape, *value.stride()))
+
+
+def split(program: fx.GraphModule, num_fwd_outputs: int,
+          static_lifetime_input_indices: list[int] | None = None
+          ) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The forward and backward modules of a (rewritten) joint program, cut where its first
+    backward node runs; the forward saves exactly what the backward reads from it.
+
+    Raises:
+        CaptureError: if a node before the cut reads one after it (the program is not a joint
+            forward-then-backward graph).
+    """
+    graph = program.graph
+    _fake_values(graph)
+    first_backward = _first_backward(graph)
+    side = _FORWARD
+    forward_nodes: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node is first_backward:
+            side = _BACKWARD
+        if node.op in ("placeholder", "output"):
+            continue
+        node.meta["partitioner_tag"] = side
+        if side == _FORWARD:
+            forward_nodes.add(node)
+    placeholders = graph.find_nodes(op="placeholder")
+    primals = [node for node in placeholders if not node.name.startswith("tangents")]
+    sources = [*primals, *(node for node in graph.nodes if node in forward_nodes)]
+    saved = [node for node in sources if _read_after_cut(node, forward_nodes)]
+    saved_values = [node for node in saved if not is_sym_node(node)]
+    saved_symbols = [node for node in saved if is_sym_node(node)]
+    static = OrderedSet(placeholders[i] for i in (static_lifetime_input_indices or ()))
+    return _extract_fwd_bwd_modules(program, saved_values, saved_symbols,
+                                    num_fwd_outputs=num_fwd_outputs,
+                                    static_lifetime_input_nodes=static)
+
+
+def _first_backward(graph: fx.Graph) -> fx.Node | None:
+    """The first original node AOTAutograd traced in the backward pass (memfit's inserted nodes
+    copy their source's tag, so only nodes without a ``memfit`` mark count)."""
+    for node in graph.nodes:
+        if (node.op == "call_function" and "memfit" not in node.meta
+                and node.meta.get("partitioner_tag") == "is_backward"):
+            return node
+    return None
+
+
+def _read_after_cut(node: fx.Node, forward_nodes: set[fx.Node]) -> bool:
+    return any(user.op != "output" and user not in forward_nodes for user in node.users)
+
+
+def _fake_values(graph: fx.Graph) -> None:
+    """Give each node memfit inserted a fake ``val``, as AOTAutograd expects of every value it
+    saves, by running the op's fake implementation in the joint graph's fake mode."""
+    from torch._guards import detect_fake_mode
+
+    values = [node.meta["val"] for node in graph.nodes if "val" in node.meta]
+    mode = detect_fake_mode(values)
+    if mode is None:
+        return
+    with mode:
+        for node in graph.nodes:
+            if node.op != "call_function" or "val" in node.meta:
+                continue
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+            node.meta["val"] = node.target(*args, **kwargs)
