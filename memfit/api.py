@@ -450,6 +450,9 @@ def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float
         >>> #     plan=memfit.Plan.load("step.plan.json"))
     """
     if plan is not None:
+        if not isinstance(plan, Plan):
+            raise ValueError(f"plan= takes a memfit.Plan, not {type(plan).__name__}: read a saved "
+                             "one with memfit.Plan.load(path)")
         if budget is not None or strategy is not None or params:
             raise ValueError("plan= already fixes the budget, strategy and parameters: pass "
                              "either plan= or budget/strategy/parameters, not both")
