@@ -417,9 +417,11 @@ def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float
     Args:
         model: the module to train.
         loss_fn: ``loss_fn(model, *inputs) -> scalar tensor``.
-        budget: device bytes the step may use at its peak: an int, a size string (``"3GiB"``), or
-            a fraction in (0, 1] of the unplanned step's peak (``0.5`` or ``"0.5"``). ``None``: no
-            limit.
+        budget: device bytes the step may use at its peak, read as on the command line
+            (``memfit.core.units.parse_budget``): a bare number at most 1 is a fraction of the
+            unplanned step's peak (``0.5``, ``"0.5"``; ``1`` is the whole peak, not one byte), an
+            int above 1 is bytes, a size string is bytes (``"3GiB"``); a float above 1 is
+            refused (write an int or units). ``None``: no limit.
         strategy: ``"auto"`` (the fastest mix of keep, swap and recompute that fits), ``"keep"``
             (the unplanned step), ``"swap"`` (TFLMS), ``"checkpoint"``, ``"optimal-recompute"``,
             ``"vdnn_all"``, ``"vdnn_conv"``, ``"vdnn_dyn"``, ... (``memfit.strategies.

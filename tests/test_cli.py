@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from memfit.cli import main
+from memfit.cli import build_parser, main
 from memfit.core.plan import Plan
 from memfit.core.timeline import Timeline
+from memfit.core.units import parse_budget
 from memfit.render.text import fit_table
 
 MLP = ["--model", "mlp", "--model-arg", "depth=8", "--model-arg", "width=32", "--batch", "512"]
@@ -109,3 +110,12 @@ def test_demo_core_is_sound_at_a_tiny_size(tmp_path):
     assert all(p.stat().st_size > 0 for p in paths)
     assert Timeline.load(tmp_path / "swap.json").meta["measured_peak_bytes"] \
         == result.planned.peak_bytes
+
+
+@pytest.mark.parametrize("python, typed", [(1, "1"), (1.0, "1.0"), (0.5, "0.5"), (4096, "4096"),
+                                           (3 * 2**30, "3GiB"), (2, "2")])
+def test_python_and_the_command_line_read_a_budget_alike(python, typed):
+    """``budget=1`` in Python and ``--budget 1`` on the command line both mean the whole peak."""
+    args = build_parser().parse_args(["plan", "--model", "mlp", "--budget", typed])
+    assert parse_budget(args.budget) == parse_budget(python)
+    assert parse_budget(1).to_bytes(10**9) == 10**9  # 100% of the peak, not one byte
