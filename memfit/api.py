@@ -25,14 +25,14 @@ from memfit.core.plan import Plan, topology_hash
 from memfit.core.schedule import PlanError
 from memfit.core.simulate import simulate
 from memfit.core.timeline import Timeline
-from memfit.core.units import Budget, format_bytes, parse_budget
+from memfit.core.units import Budget, format_bytes
 from memfit.graph.analyze import analyze
 from memfit.graph.capture import Captured, capture, check_inputs, input_signature
 from memfit.graph.rewrite import reorder, rewrite
 from memfit.runtime.executor import Executor
 from memfit.runtime.measure import measure_peak as _measure_peak
 from memfit.runtime.profile import run_measured
-from memfit.strategies import check_params, get_strategy
+from memfit.strategies import get_strategy, resolve_budget_and_strategy
 
 __all__ = ["Step", "Round", "BudgetWarning", "compile", "plan", "measure_peak"]
 
@@ -394,18 +394,6 @@ def _device_of(tensors) -> torch.device:
         if isinstance(tensor, torch.Tensor):
             return tensor.device
     return torch.device("cpu")
-
-
-def resolve_budget_and_strategy(budget, strategy: str | None, params: Mapping[str, Any]) -> tuple[Budget | None, str]:
-    """Parse the budget and pick the strategy (``auto`` with a budget, ``keep`` without); check
-    its parameters now, so a mistake fails at ``compile``, not at the first step.
-
-    ``auto`` is the default because a user who names only a budget wants the fastest step that
-    fits it, whatever mix of swapping and recomputation that takes on their hardware."""
-    parsed = parse_budget(budget)
-    chosen = strategy or ("auto" if parsed is not None else "keep")
-    check_params(chosen, params)
-    return parsed, chosen
 
 
 def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float | None = None,
