@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.recompute import ModelResult, Row
+from memfit.core.files import replacing
 
 STYLES = {  # family: (colour, marker, joined by a line)
     "eager": ("black", "*", False),
@@ -61,5 +62,6 @@ def plot(results: Sequence[ModelResult], path: Path | str) -> None:
         axis.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8, loc="best")
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    with replacing(path) as temporary:
+        figure.savefig(temporary, dpi=100)
     plt.close(figure)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from memfit.core.files import write_text
 from memfit.render.text import table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,7 +192,7 @@ def rerun_section(name: str, out: Path, started: float) -> int:
              f"average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other jobs "
              "share the machine: timings are noisy) (the other sections are from the run "
              "above)")
-    out.write_text(splice(old, section, stamp))
+    write_text(out, splice(old, section, stamp))
     log(f"wrote the {name} section of {out} in {time.perf_counter() - started:.0f} s")
     return 0
 
@@ -229,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"- machine: {machine()}",
               f"- run time: {time.perf_counter() - started:.0f} s\n"]
     footer = ["\n## Size\n", line_counts()]
-    out.write_text("\n".join(header + sections + footer) + "\n")
+    write_text(out, "\n".join(header + sections + footer) + "\n")
     log(f"wrote {out} in {time.perf_counter() - started:.0f} s")
     return 0
 

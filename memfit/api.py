@@ -25,14 +25,14 @@ from memfit.core.plan import Plan, topology_hash
 from memfit.core.schedule import PlanError
 from memfit.core.simulate import simulate
 from memfit.core.timeline import Timeline
-from memfit.core.units import Budget, format_bytes, parse_budget
+from memfit.core.units import Budget, format_bytes
 from memfit.graph.analyze import analyze
 from memfit.graph.capture import Captured, capture, check_inputs, input_signature
 from memfit.graph.rewrite import reorder, rewrite
 from memfit.runtime.executor import Executor
 from memfit.runtime.measure import measure_peak as _measure_peak
 from memfit.runtime.profile import run_measured
-from memfit.strategies import check_params, get_strategy
+from memfit.strategies import get_strategy, resolve_budget_and_strategy
 
 __all__ = ["Step", "Round", "BudgetWarning", "compile", "plan", "measure_peak"]
 
@@ -396,18 +396,6 @@ def _device_of(tensors) -> torch.device:
     return torch.device("cpu")
 
 
-def resolve_budget_and_strategy(budget, strategy: str | None, params: Mapping[str, Any]) -> tuple[Budget | None, str]:
-    """Parse the budget and pick the strategy (``auto`` with a budget, ``keep`` without); check
-    its parameters now, so a mistake fails at ``compile``, not at the first step.
-
-    ``auto`` is the default because a user who names only a budget wants the fastest step that
-    fits it, whatever mix of swapping and recomputation that takes on their hardware."""
-    parsed = parse_budget(budget)
-    chosen = strategy or ("auto" if parsed is not None else "keep")
-    check_params(chosen, params)
-    return parsed, chosen
-
-
 def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float | None = None,
             strategy: str | None = None, hardware: Hardware | str | None = None, *,
             measure: bool = True, linearize: bool = False, plan: Plan | None = None,
@@ -417,9 +405,11 @@ def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float
     Args:
         model: the module to train.
         loss_fn: ``loss_fn(model, *inputs) -> scalar tensor``.
-        budget: device bytes the step may use at its peak: an int, a size string (``"3GiB"``), or
-            a fraction in (0, 1] of the unplanned step's peak (``0.5`` or ``"0.5"``). ``None``: no
-            limit.
+        budget: device bytes the step may use at its peak, read as on the command line
+            (``memfit.core.units.parse_budget``): a bare number at most 1 is a fraction of the
+            unplanned step's peak (``0.5``, ``"0.5"``; ``1`` is the whole peak, not one byte), an
+            int above 1 is bytes, a size string is bytes (``"3GiB"``); a float above 1 is
+            refused (write an int or units). ``None``: no limit.
         strategy: ``"auto"`` (the fastest mix of keep, swap and recompute that fits), ``"keep"``
             (the unplanned step), ``"swap"`` (TFLMS), ``"checkpoint"``, ``"optimal-recompute"``,
             ``"vdnn_all"``, ``"vdnn_conv"``, ``"vdnn_dyn"``, ... (``memfit.strategies.
@@ -450,6 +440,9 @@ def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float
         >>> #     plan=memfit.Plan.load("step.plan.json"))
     """
     if plan is not None:
+        if not isinstance(plan, Plan):
+            raise ValueError(f"plan= takes a memfit.Plan, not {type(plan).__name__}: read a saved "
+                             "one with memfit.Plan.load(path)")
         if budget is not None or strategy is not None or params:
             raise ValueError("plan= already fixes the budget, strategy and parameters: pass "
                              "either plan= or budget/strategy/parameters, not both")

@@ -2,7 +2,7 @@
 
     memfit demo   run the main job: GPT-2 unplanned vs swap at half its peak (memfit.demo)
     memfit plan   plan a step for a hardware profile without running it; print plan.explain()
-    memfit show   re-render a saved Timeline JSON as text or PNG (memfit.render)
+    memfit show   re-render a saved Timeline JSON as text or PNG, or explain a saved Plan JSON
     memfit bench  write bench/RESULTS.md (bench.run)
 """
 
@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
+import json
 import shutil
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from memfit.core.units import Budget
 
 EXAMPLES_HELP = """examples:
   memfit demo                          # about a minute on a laptop CPU
@@ -24,6 +30,7 @@ EXAMPLES_HELP = """examples:
   memfit plan --model resnet50 --budget 200MiB --param lb=3 --param ctrld_strategy=direct_order
   memfit plan --model gpt2 --model-arg layers=24 --model-arg width=1024 --save plan.json
   memfit show memfit-demo/swap.json --png swap.png
+  memfit show plan.json                # a plan saved by memfit plan --save: its explanation
   memfit bench --out bench/RESULTS.md
 """
 
@@ -49,6 +56,78 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+def _hardware(name: str) -> str:
+    """A built-in hardware profile's name (``memfit.core.hardware`` is torch-free: fast)."""
+    from memfit.core.hardware import get_hardware
+
+    try:
+        return get_hardware(name).name
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _budget(text: str) -> Budget:
+    """A budget, read as ``memfit.compile(budget=...)`` reads one (``parse_budget``)."""
+    from memfit.core.units import parse_budget
+
+    try:
+        parsed = parse_budget(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    assert parsed is not None
+    return parsed
+
+
+def example_arguments() -> dict[str, dict[str, object]]:
+    """Each example model's builder arguments and defaults, read from ``memfit/examples.py``.
+
+    Note:
+        Read from the source, not imported: importing the examples imports torch (seconds), and
+        the command line checks its arguments before that. The builders' signatures are the one
+        list of what ``--model-arg`` accepts, so the two cannot drift apart.
+    """
+    spec = importlib.util.find_spec("memfit.examples")
+    assert spec is not None and spec.origin is not None
+    module = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+    builders = {node.name: node for node in module.body if isinstance(node, ast.FunctionDef)}
+    table = next(node.value for node in module.body if isinstance(node, ast.AnnAssign)
+                 and isinstance(node.target, ast.Name) and node.target.id == "EXAMPLES")
+    assert isinstance(table, ast.Dict)
+    found = {}
+    for key, value in zip(table.keys, table.values, strict=True):
+        assert isinstance(key, ast.Constant) and isinstance(value, ast.Name)
+        arguments = builders[value.id].args
+        defaults = [ast.literal_eval(d) for d in arguments.defaults]
+        names = [a.arg for a in arguments.args][len(arguments.args) - len(defaults):]
+        found[str(key.value)] = dict(zip(names, defaults, strict=True))
+    return found
+
+
+def check_model_args(model: str, model_args: Sequence[tuple[str, object]]) -> None:
+    """Raise ``ValueError`` for a ``--model-arg`` the example's builder does not take, or one
+    whose value is not of its default's type; the message lists the valid keys."""
+    accepted = example_arguments()[model]
+    valid = ", ".join(f"{name}={default!r}" for name, default in accepted.items())
+    for key, value in model_args:
+        if key not in accepted:
+            raise ValueError(f"unknown --model-arg {key!r} for {model}: valid keys (with their "
+                             f"defaults) are {valid}")
+        default = accepted[key]
+        if not _same_kind(value, default):
+            raise ValueError(f"--model-arg {key}={value!r} for {model}: expected a value of "
+                             f"type {type(default).__name__}, like {key}={default!r}")
+
+
+def _same_kind(value: object, default: object) -> bool:
+    if isinstance(default, bool) or isinstance(value, bool):
+        return type(value) is type(default)
+    if isinstance(default, float):
+        return isinstance(value, int | float)
+    if isinstance(default, tuple):
+        return isinstance(value, list | tuple)
+    return isinstance(value, type(default))
 
 
 # ---- demo ----------------------------------------------------------------------------------------
@@ -88,6 +167,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Plan the named example on a hardware profile; print ``plan.explain()``; save it if asked."""
+    from memfit.strategies import resolve_budget_and_strategy
+
+    try:  # everything checkable without torch first: the model is built and traced below
+        check_model_args(args.model, args.model_arg)
+        resolve_budget_and_strategy(args.budget, args.strategy, dict(args.param))
+    except ValueError as error:  # unknown model argument, strategy or parameter
+        print(f"memfit plan: {error}", file=sys.stderr)
+        return 2
     from memfit.core.errors import BudgetError
     from memfit.render.summary import plan_example, plan_summary
 
@@ -111,15 +198,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    """Print a saved timeline's summary; draw it as a PNG when asked."""
+    """Print a saved timeline's summary (and draw it as a PNG when asked), or a saved plan's
+    explanation: the file says which it is."""
     from memfit.core.timeline import Timeline
     from memfit.render.summary import timeline_summary
 
     try:
-        timeline = Timeline.load(args.file)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        print(f"memfit show: cannot read {args.file} as a memfit Timeline JSON: {error}",
-              file=sys.stderr)
+        data = json.loads(Path(args.file).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        print(f"memfit show: cannot read {args.file}: {error}", file=sys.stderr)
+        return 2
+    if isinstance(data, dict) and (data.get("format") == "memfit.plan" or "decisions" in data):
+        return _show_plan(args, data)
+    try:
+        timeline = Timeline.from_json(data)
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        print(f"memfit show: {args.file} is neither a memfit Timeline JSON (memfit demo writes "
+              "them; Timeline.save) nor a Plan JSON (memfit plan --save; Plan.save): "
+              f"{type(error).__name__} {error}", file=sys.stderr)
         return 2
     print(timeline_summary(timeline, terminal_width()))
     if args.png:
@@ -129,6 +225,27 @@ def cmd_show(args: argparse.Namespace) -> int:
         memory_plot({name: timeline}, args.png, budget_bytes=args.budget_bytes,
                     title=f"{Path(args.file).name}: device memory over one step", x_axis=args.x)
         print(f"wrote {args.png}")
+    return 0
+
+
+def _show_plan(args: argparse.Namespace, data: dict) -> int:
+    """A saved plan: its strategy and decisions, then ``plan.explain()``."""
+    from memfit.core.plan_json import plan_from_json
+
+    if args.png:
+        print(f"memfit show: {args.file} is a plan, which holds no memory curve to draw; draw a "
+              "timeline (memfit demo writes them) or drop --png to read the plan", file=sys.stderr)
+        return 2
+    try:
+        plan = plan_from_json(data, source=args.file)
+    except ValueError as error:
+        print(f"memfit show: {error}", file=sys.stderr)
+        return 2
+    print(f"plan of strategy {plan.strategy!r} for graph {plan.graph_hash}"
+          + (f", hardware {plan.hardware}" if plan.hardware else "")
+          + f": {len(plan.swapped)} swapped, {len(plan.recomputed)} recomputed, "
+          f"{len(plan.reruns)} explicit re-runs")
+    print(plan.explain(width=terminal_width(), rows=args.rows or None))
     return 0
 
 
@@ -165,10 +282,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="plan a step for a hardware profile, no run",
                                epilog=EXAMPLES_HELP, formatter_class=raw)
-    plan.add_argument("--model", required=True, choices=("gpt2", "resnet50", "unet3d", "mlp"))
+    plan.add_argument("--model", required=True, choices=tuple(example_arguments()))
     plan.add_argument("--batch", type=_positive_int, help="batch size (default: the model's)")
-    plan.add_argument("--budget", help="bytes ('3GiB') or a fraction of the unplanned peak (0.5)")
-    plan.add_argument("--hardware", default="h100-pcie", help="profile name (default h100-pcie)")
+    plan.add_argument("--budget", type=_budget,
+                      help="a fraction of the unplanned peak (0.5; 1 is all of it), or bytes: an "
+                           "integer above 1 or a size with units ('3GiB')")
+    plan.add_argument("--hardware", type=_hardware, default="h100-pcie",
+                      help="profile name (default h100-pcie)")
     plan.add_argument("--strategy", default=None,
                       help="auto | keep | swap | checkpoint | memory-poor | optimal-recompute | "
                            "vdnn_all | vdnn_conv | vdnn_dyn (default: auto with a budget, "
@@ -186,13 +306,16 @@ def build_parser() -> argparse.ArgumentParser:
                            "memfit.compile(model, loss_fn, plan=memfit.Plan.load(PATH))")
     plan.set_defaults(run=cmd_plan)
 
-    show = commands.add_parser("show", help="re-render a saved Timeline JSON",
+    show = commands.add_parser("show", help="re-render a saved Timeline or Plan JSON",
                                epilog=EXAMPLES_HELP, formatter_class=raw)
-    show.add_argument("file", help="a Timeline JSON (memfit demo writes unplanned.json, swap.json)")
+    show.add_argument("file", help="a Timeline JSON (memfit demo writes unplanned.json, swap.json) "
+                                   "or a Plan JSON (memfit plan --save)")
     show.add_argument("--png", help="also draw it to this PNG")
     show.add_argument("--x", choices=("position", "time"), default="position",
                       help="x axis of the PNG: program position 0..1 or simulated time")
     show.add_argument("--budget-bytes", type=int, help="draw a budget line at this many bytes")
+    show.add_argument("--rows", type=int, default=40,
+                      help="for a plan: most per-tensor rows to print (0: all; default 40)")
     show.set_defaults(run=cmd_show)
 
     bench = commands.add_parser("bench", help="run the benchmark, write RESULTS.md",

@@ -3,13 +3,18 @@ and the demo's core reports identical gradients within the budget at a tiny size
 
 from __future__ import annotations
 
+import inspect
 import json
+import re
+import subprocess
+import sys
 
 import pytest
 
-from memfit.cli import main
+from memfit.cli import build_parser, main, terminal_width
 from memfit.core.plan import Plan
 from memfit.core.timeline import Timeline
+from memfit.core.units import parse_budget
 from memfit.render.text import fit_table
 
 MLP = ["--model", "mlp", "--model-arg", "depth=8", "--model-arg", "width=32", "--batch", "512"]
@@ -80,10 +85,35 @@ def test_show_round_trip(capsys, tmp_path):
     assert png.read_bytes().startswith(b"\x89PNG")
 
 
-def test_show_rejects_a_file_that_is_not_a_timeline(capsys, tmp_path):
-    (tmp_path / "x.json").write_text(json.dumps({"hello": 1}))
+@pytest.mark.parametrize("content, message", [
+    (json.dumps({"hello": 1}), "is neither a memfit Timeline JSON .* nor a Plan JSON"),
+    (json.dumps([1, 2]), "is neither a memfit Timeline JSON .* nor a Plan JSON"),
+    ("not json", "cannot read .*x.json: Expecting value"),
+    (json.dumps({"format": "memfit.plan", "version": 1, "strategy": "keep", "decisions": {}}),
+     r"lacks the field\(s\) \['graph_hash'\]"),
+])
+def test_show_rejects_a_file_that_is_neither_a_timeline_nor_a_plan(capsys, tmp_path, content,
+                                                                   message):
+    (tmp_path / "x.json").write_text(content)
     assert main(["show", str(tmp_path / "x.json")]) == 2
-    assert "cannot read" in capsys.readouterr().err
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_show_explains_a_saved_plan(capsys, tmp_path):
+    saved = tmp_path / "plan.json"
+    assert main(["plan", *MLP, "--budget", "0.8", "--strategy", "checkpoint", "--hardware", "cpu",
+                 "--save", str(saved)]) == 0
+    capsys.readouterr()
+    assert main(["show", str(saved), "--rows", "0"]) == 0
+    out = capsys.readouterr().out
+    plan = Plan.load(saved)
+    assert out.startswith(f"plan of strategy 'checkpoint' for graph {plan.graph_hash}, "
+                          f"hardware cpu: 0 swapped, {len(plan.recomputed)} recomputed")
+    assert plan.explain(width=terminal_width(), rows=None) in out
+    assert plan.explanation.rows and all(f"| {row.tensor} " in out for row in plan.explanation.rows)
+    assert main(["show", str(saved), "--png", str(tmp_path / "p.png")]) == 2
+    assert "is a plan, which holds no memory curve" in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()
 
 
 def test_wide_tables_turn_on_their_side():
@@ -109,3 +139,69 @@ def test_demo_core_is_sound_at_a_tiny_size(tmp_path):
     assert all(p.stat().st_size > 0 for p in paths)
     assert Timeline.load(tmp_path / "swap.json").meta["measured_peak_bytes"] \
         == result.planned.peak_bytes
+
+
+@pytest.mark.parametrize("python, typed", [(1, "1"), (1.0, "1.0"), (0.5, "0.5"), (4096, "4096"),
+                                           (3 * 2**30, "3GiB"), (2, "2")])
+def test_python_and_the_command_line_read_a_budget_alike(python, typed):
+    """``budget=1`` in Python and ``--budget 1`` on the command line both mean the whole peak."""
+    args = build_parser().parse_args(["plan", "--model", "mlp", "--budget", typed])
+    assert parse_budget(args.budget) == parse_budget(python)
+    assert parse_budget(1).to_bytes(10**9) == 10**9  # 100% of the peak, not one byte
+
+
+# ---- bad arguments fail before torch is imported -------------------------------------------------
+
+FAST_ERRORS = [  # (arguments, what the error says), each answered with torch blocked
+    (["plan", "--model", "mlp", "--hardware", "nope"], r"unknown hardware profile 'nope': use one "
+                                                       r"of \['a100', 'cpu'"),
+    (["plan", "--model", "mlp", "--budget", "1.5"], "above 1 a budget is bytes, given as an int"),
+    (["plan", "--model", "mlp", "--budget", "lots"], "cannot use 'lots' as a budget"),
+    (["plan", "--model", "vgg"], "invalid choice: 'vgg'"),
+    (["plan", "--model", "mlp", "--strategy", "nope"], "unknown strategy 'nope': use one of"),
+    (["plan", "--model", "mlp", "--budget", "0.5", "--param", "nonsense=1"], "unknown parameter"),
+    (["plan", "--model", "gpt2", "--model-arg", "depth=3"], "unknown --model-arg 'depth' for "
+                                                            "gpt2: valid keys .* are layers=4,"),
+    (["plan", "--model", "mlp", "--model-arg", "width=wide"], "width='wide' for mlp: expected "
+                                                              "a value of type int, like "
+                                                              "width=256"),
+]
+
+BLOCKED = """
+import sys
+class _Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked in this test")
+sys.meta_path.insert(0, _Blocker())
+import contextlib, io, json
+from memfit.cli import main
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exited:
+            code = exited.code
+    print(json.dumps([code, err.getvalue()]))
+assert "torch" not in sys.modules
+"""
+
+
+def test_bad_arguments_fail_before_torch_is_imported():
+    result = subprocess.run([sys.executable, "-c", BLOCKED, json.dumps([a for a, _ in FAST_ERRORS])],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    answers = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(answers) == len(FAST_ERRORS)
+    for (argv, message), (code, err) in zip(FAST_ERRORS, answers, strict=True):
+        assert code == 2 and re.search(message, err), (argv, err)
+
+
+def test_the_model_args_read_from_source_are_the_builders_signatures():
+    from memfit.cli import example_arguments
+    from memfit.examples import EXAMPLES
+
+    assert example_arguments() == {
+        name: {key: p.default for key, p in inspect.signature(builder).parameters.items()}
+        for name, builder in EXAMPLES.items()}

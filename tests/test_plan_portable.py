@@ -4,6 +4,7 @@ hardware fails with a message that says which differs and what to do."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -112,3 +113,73 @@ def test_plan_with_a_budget_or_strategy_is_refused(example, swap_plan):
 
 def test_plan_is_public():
     assert memfit.Plan is Plan and "Plan" in memfit.__all__
+
+
+# ---- a plan that loads but does not fit the step: refused before anything runs -------------------
+
+
+def _model_with_state():
+    """Linear, BatchNorm (buffers the step updates), Linear; every .grad already set."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64),
+                                torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    inputs = (torch.randn(512, 16), torch.randn(512, 1))
+    loss_fn = lambda model, x, y: torch.nn.functional.mse_loss(model(x), y)  # noqa: E731
+    loss_fn(model, *inputs).backward()
+    return model, loss_fn, inputs
+
+
+def _incompatible(kind, model, loss_fn, inputs, tmp_path):
+    """A plan file that passes the schema but is wrong for this step, loaded back."""
+    data = memfit.plan(model, loss_fn, *inputs, hardware="cpu", strategy="checkpoint").to_json()
+    if kind == "another graph":
+        data["graph_hash"], data["topology_hash"] = "0" * 16, "0" * 16
+    elif kind == "another shape":
+        data["graph_hash"] = "1" * 16  # the topology hash still matches
+    elif kind == "a tensor not in the graph":
+        data["decisions"] = {"no_such_tensor": {"type": "Recompute", "reason": ""}}
+    elif kind == "another hardware":
+        data["hardware"] = "h100-pcie"
+    path = tmp_path / "step.plan.json"
+    path.write_text(json.dumps(data))
+    return Plan.load(path)
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("another graph", "made for another graph"),
+    ("another shape", "other input shapes"),
+    ("a tensor not in the graph", "names tensor 'no_such_tensor', which is not in the graph"),
+    ("another hardware", "made for hardware 'h100-pcie'"),
+    ("a blank graph hash", "names no graph"),
+])
+def test_an_incompatible_plan_leaves_the_model_untouched(kind, message, tmp_path):
+    model, loss_fn, inputs = _model_with_state()
+    if kind == "a blank graph hash":  # built in code: a file with one is refused by Plan.load
+        loaded = replace(memfit.plan(model, loss_fn, *inputs, hardware="cpu",
+                                     strategy="checkpoint"), graph_hash="")
+    else:
+        loaded = _incompatible(kind, model, loss_fn, inputs, tmp_path)
+    state = {name: value.clone() for name, value in model.state_dict().items()}
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    step = memfit.compile(model, loss_fn, plan=loaded, hardware="cpu")
+    with pytest.raises(memfit.PlanError, match=message):
+        step(*inputs)
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(state[name], value) for name, value in model.state_dict().items())
+    assert all(torch.equal(grads[name], p.grad) for name, p in model.named_parameters())
+
+
+def test_the_same_check_sees_a_step_that_ran():
+    """The control: a fitting plan runs, and the comparison above sees what it changed."""
+    model, loss_fn, inputs = _model_with_state()
+    fitting = memfit.plan(model, loss_fn, *inputs, hardware="cpu", strategy="checkpoint")
+    state = {name: value.clone() for name, value in model.state_dict().items()}
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    memfit.compile(model, loss_fn, plan=fitting, hardware="cpu")(*inputs)
+    assert not torch.equal(state["1.running_mean"], model.state_dict()["1.running_mean"])
+    assert not any(torch.equal(grads[name], p.grad) for name, p in model.named_parameters())
+
+
+def test_compile_wants_a_plan_not_a_path(example):
+    with pytest.raises(ValueError, match=r"plan= takes a memfit.Plan, not str.*Plan.load\(path\)"):
+        memfit.compile(example.model, example.loss_fn, plan="step.plan.json")

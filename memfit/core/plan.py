@@ -17,10 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
+
+from memfit.core.files import write_text
 
 if TYPE_CHECKING:
     from memfit.core.costgraph import CostGraph
@@ -178,7 +180,8 @@ class Plan:
         """Raise ``PlanError`` unless this plan was made for ``graph`` on ``hardware``.
 
         The message says what differs: the hardware profile, the input shapes (same ops, other
-        tensor sizes) or the graph itself, and what to do about it.
+        tensor sizes) or the graph itself, and what to do about it. A plan with a blank
+        ``graph_hash`` is refused: without it nothing says the plan fits this step.
         """
         from memfit.core.schedule import PlanError
 
@@ -189,7 +192,10 @@ class Plan:
                 f"{hardware!r}: pass hardware={self.hardware!r} to memfit.compile, or {again} "
                 f"with hardware={hardware!r}"
             )
-        if not self.graph_hash or self.graph_hash == graph.structure_hash:
+        if not self.graph_hash.strip():  # no hash is no proof: never run such a plan unchecked
+            raise PlanError(f"this plan names no graph (its graph_hash is blank), so it cannot be "
+                            f"checked against this step: {again}")
+        if self.graph_hash == graph.structure_hash:
             return
         if self.topology_hash and self.topology_hash == topology_hash(graph):
             raise PlanError(
@@ -203,73 +209,46 @@ class Plan:
             f"linearize= setting; {again}"
         )
 
-    # ---- serialisation -------------------------------------------------------------------------
+    # ---- serialisation (the schema a saved plan is read against: ``memfit.core.plan_json``) ----
 
     def to_json(self) -> dict:
-        return {
-            "format": "memfit.plan",
-            "version": FORMAT_VERSION,
-            "topology_hash": self.topology_hash,
-            "explanation": self.explanation.to_json() if self.explanation else None,
-            "strategy": self.strategy,
-            "graph_hash": self.graph_hash,
-            "params": _jsonable(dict(self.params)),
-            "budget_bytes": self.budget_bytes,
-            "hardware": self.hardware,
-            "decisions": {name: _decision_json(d) for name, d in self.decisions.items()},
-            "reruns": [[r.op, r.before] for r in self.reruns],
-        }
+        from memfit.core.plan_json import plan_to_json
+
+        return plan_to_json(self)
 
     @staticmethod
     def from_json(data: Mapping) -> Plan:
-        """A plan from its JSON form.
+        """A plan from its JSON form, checked against the schema first.
 
         Raises:
-            ValueError: for a plan of another format version (made by another memfit), or an
-                unknown decision type.
+            ValueError: naming the field that is missing, unknown, or of the wrong type or value
+                (an unregistered strategy, a budget that is not a positive int, a blank
+                ``graph_hash``); for a plan of another format version (made by another memfit).
         """
-        from memfit.core.explain import Explanation
+        from memfit.core.plan_json import plan_from_json
 
-        version = data.get("version")
-        if version != FORMAT_VERSION:
-            made = "an older memfit" if version is None or (
-                isinstance(version, int) and version < FORMAT_VERSION) else "a newer memfit"
-            raise ValueError(
-                f"this saved plan has format version {version!r}, this memfit reads version "
-                f"{FORMAT_VERSION}: it was made by {made}; plan again with memfit.plan(...) "
-                "and save it with this version"
-            )
-        explanation = data.get("explanation")
-        return Plan(
-            strategy=data["strategy"],
-            graph_hash=data.get("graph_hash", ""),
-            params=data.get("params", {}),
-            budget_bytes=data.get("budget_bytes"),
-            hardware=data.get("hardware", ""),
-            decisions={name: _decision_from_json(d) for name, d in data["decisions"].items()},
-            reruns=tuple(Rerun(op, before) for op, before in data.get("reruns", ())),
-            topology_hash=data.get("topology_hash", ""),
-            explanation=Explanation.from_json(explanation) if explanation else None,
-        )
+        return plan_from_json(data)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+        """Write the plan as JSON, atomically: an existing file is replaced only when complete."""
+        write_text(path, json.dumps(self.to_json(), indent=1))
 
     @staticmethod
     def load(path: str | Path) -> Plan:
         """Read a plan ``save`` wrote. ``memfit.compile(..., plan=plan)`` checks that it fits.
 
         Raises:
-            ValueError: if the file is not a memfit plan, or one of another format version.
+            ValueError: if the file is not a memfit plan, is one of another format version, or
+                breaks the schema (the message names the field; see ``from_json``).
+            OSError: if the file cannot be read.
         """
+        from memfit.core.plan_json import plan_from_json
+
         try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as error:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise ValueError(f"{path} is not a memfit plan (not JSON: {error})") from None
-        if not isinstance(data, dict) or "decisions" not in data:
-            raise ValueError(f"{path} is not a memfit plan (no 'decisions'); save one with "
-                             "plan.save(path)")
-        return Plan.from_json(data)
+        return plan_from_json(data, source=str(path))
 
 
 def topology_hash(graph: CostGraph) -> str:
@@ -278,33 +257,3 @@ def topology_hash(graph: CostGraph) -> str:
                for op in graph.ops]
     roles = sorted((t.name, t.role, t.is_output) for t in graph.tensors.values())
     return hashlib.sha256(json.dumps([payload, roles]).encode()).hexdigest()[:16]
-
-
-def _decision_json(decision: Decision) -> dict:
-    return {"type": type(decision).__name__, **asdict(decision)}
-
-
-def _decision_from_json(data: Mapping) -> Decision:
-    kind = data.get("type")
-    if kind == "Keep":
-        return Keep(reason=data.get("reason", ""))
-    if kind == "Recompute":
-        return Recompute(reason=data.get("reason", ""))
-    if kind == "Swap":
-        swap_ins = tuple(
-            SwapIn(after=s["after"], consumers=tuple(s["consumers"])) for s in data["swap_ins"]
-        )
-        return Swap(swap_ins=swap_ins, reason=data.get("reason", ""))
-    raise ValueError(
-        f"unknown decision type {kind!r} in a saved plan: expected 'Keep', 'Swap' or 'Recompute'"
-    )
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return repr(value)

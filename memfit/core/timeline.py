@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from memfit.core.files import write_text
+
 Stream = Literal["compute", "d2h", "h2d"]
 
 
@@ -71,7 +73,7 @@ class Timeline:
         )
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json()))
+        write_text(path, json.dumps(self.to_json()))
 
     @staticmethod
     def load(path: str | Path) -> Timeline:

@@ -1,13 +1,16 @@
 """Byte sizes and budgets: parse what a user types ("11GiB", "500MB", 0.5) into bytes.
 
 Note:
-    A budget is either absolute device bytes or a fraction of the unplanned step's peak. The
+    A budget is either absolute device bytes or a fraction of the unplanned step's peak: a bare
+    number at most 1 is a fraction, an integer above 1 or a size with units is bytes
+    (``parse_budget``, the one reading for Python and the command line). The
     fraction can only be turned into bytes once that peak is known, so parsing returns a small
     ``Budget`` value and ``Budget.to_bytes(baseline_peak_bytes)`` resolves it.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -91,48 +94,60 @@ class Budget:
 
 
 def parse_budget(budget: str | int | float | Budget | None) -> Budget | None:
-    """Read a budget as a user writes it.
+    """Read a budget as a user writes it: the one reading for Python and the command line.
+
+    The rule: a bare number at most 1 is a fraction of the unplanned step's peak; an integer
+    above 1 is bytes; a size with units is bytes. So ``1``, ``1.0`` and ``"1"`` all mean the
+    whole unplanned peak, ``0.5`` and ``"0.5"`` half of it, ``4096`` and ``"4096"`` 4096 bytes,
+    ``"3GiB"`` three gibibytes. A non-integral number above 1 (``1.5``, ``"2.5"``) is refused:
+    it is neither a fraction nor a whole number of bytes.
 
     Args:
-        budget: ``None`` (no budget), an ``int`` of bytes, a size string (``"3GiB"``), or a
-            fraction in (0, 1] of the unplanned step's peak, as a float (``0.5``) or a string
-            (``"0.5"``).
+        budget: ``None`` (no budget), a number, a numeric string or a size string, read by the
+            rule above; a ``Budget`` is returned as is.
 
     Raises:
-        ValueError: naming the accepted forms.
+        ValueError: naming the accepted forms (for a number above 1 that is not whole, saying
+            to write an integer of bytes or a size with units).
+
+    Note:
+        Why ``1`` is not one byte: ``memfit plan --budget 1`` can only read text, where "1" is
+        naturally the whole peak, and Python's ``budget=1`` must mean what the command line does.
+        A budget of one byte is never what anyone wants; ``budget=2`` and up stay bytes.
     """
     if budget is None or isinstance(budget, Budget):
         return budget
-    if isinstance(budget, bool):
+    if isinstance(budget, bool) or not isinstance(budget, str | int | float):
         raise ValueError(_budget_help(budget))
-    if isinstance(budget, int):
-        if budget <= 0:
-            raise ValueError(_budget_help(budget))
-        return Budget(bytes=budget)
-    if isinstance(budget, float):
-        if not 0.0 < budget <= 1.0:
-            raise ValueError(_budget_help(budget))
-        return Budget(fraction=budget)
     if isinstance(budget, str):
         text = budget.strip()
         try:
-            value = float(text)  # also reads "1e9" and "3_000_000_000"
+            value: int | float = float(text)  # also reads "1e9" and "3_000_000_000"
         except ValueError:
-            value = None
-        if value is not None:
-            if 0.0 < value <= 1.0:  # "1" is the whole unplanned peak, not one byte
-                return Budget(fraction=value)
-            if value > 1.0 and value.is_integer():
-                return Budget(bytes=int(value))
-            raise ValueError(_budget_help(budget))
-        try:
-            size = parse_bytes(text)
-        except ValueError:
-            raise ValueError(_budget_help(budget)) from None
-        if size <= 0:
-            raise ValueError(_budget_help(budget))
-        return Budget(bytes=size)
+            return Budget(bytes=_positive_size(text, budget))
+    else:
+        value = budget
+    if 0.0 < value <= 1.0:
+        return Budget(fraction=float(value))
+    if value > 1.0 and math.isfinite(value):
+        if float(value).is_integer() and not isinstance(budget, float):
+            return Budget(bytes=int(value))
+        whole = f"{int(value):_}" if float(value).is_integer() else "3_000_000_000"
+        raise ValueError(
+            f"cannot use {budget!r} as a budget: above 1 a budget is bytes, given as an int "
+            f"({whole}) or a size with units ('3GiB'); a bare number at most 1 is a fraction "
+            "of the unplanned peak (0.5)")
     raise ValueError(_budget_help(budget))
+
+
+def _positive_size(text: str, budget: object) -> int:
+    try:
+        size = parse_bytes(text)
+    except ValueError:
+        raise ValueError(_budget_help(budget)) from None
+    if size <= 0:
+        raise ValueError(_budget_help(budget))
+    return size
 
 
 def _budget_help(budget: object) -> str:

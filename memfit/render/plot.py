@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from memfit.core.costgraph import CostGraph
+from memfit.core.files import replacing
 from memfit.core.timeline import Timeline
 
 MIB = 2**20
@@ -191,7 +192,8 @@ def memory_plot(timelines: Mapping[str, Timeline], path: str | Path,
         _gantt_panel(axes[1][0], gantt_name, timelines[gantt_name])
     figure.tight_layout()
     path = Path(path)
-    figure.savefig(path, dpi=110)
+    with replacing(path) as temporary:
+        figure.savefig(temporary, dpi=110)
     plt.close(figure)
     return path
 

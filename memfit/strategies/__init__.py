@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from memfit.core.costgraph import CostGraph
 from memfit.core.hardware import Hardware
 from memfit.core.plan import Plan
+from memfit.core.units import Budget, parse_budget
 
 
 class Strategy(Protocol):
@@ -83,6 +84,21 @@ def check_params(name: str, params: Mapping[str, Any]) -> None:
     """
     module = sys.modules[get_strategy(name).__module__]
     module.check_params(**params)
+
+
+def resolve_budget_and_strategy(budget: str | int | float | Budget | None, strategy: str | None,
+                                params: Mapping[str, Any]) -> tuple[Budget | None, str]:
+    """Parse the budget and pick the strategy (``auto`` with a budget, ``keep`` without); check
+    its parameters now, so a mistake fails at ``compile``, not at the first step.
+
+    Torch-free, so the command line checks its arguments with it before importing torch.
+
+    ``auto`` is the default because a user who names only a budget wants the fastest step that
+    fits it, whatever mix of swapping and recomputation that takes on their hardware."""
+    parsed = parse_budget(budget)
+    chosen = strategy or ("auto" if parsed is not None else "keep")
+    check_params(chosen, params)
+    return parsed, chosen
 
 
 def strategy_names() -> tuple[str, ...]:

@@ -77,6 +77,9 @@ def test_format_bytes(size, text):
         ("3GiB", Budget(bytes=3 * 2**30)),
         (" 500MB ", Budget(bytes=500_000_000)),
         ("1", Budget(fraction=1.0)),
+        (1, Budget(fraction=1.0)),
+        (2, Budget(bytes=2)),
+        ("2", Budget(bytes=2)),
         ("1e9", Budget(bytes=10**9)),
         ("3_000_000_000", Budget(bytes=3 * 10**9)),
         ("4096", Budget(bytes=4096)),
@@ -93,8 +96,8 @@ def test_parse_budget(budget, expected):
 
 @pytest.mark.parametrize(
     "budget",
-    [-1, 0, 0.0, -0.5, 1.5, "1.5", "0", "0.0", "-1", "0GiB", "-3GiB", "abc", "", True, False,
-     [1], float("nan"), "nan"],
+    [-1, 0, 0.0, -0.5, "0", "0.0", "-1", "0GiB", "-3GiB", "abc", "", True, False,
+     [1], float("nan"), "nan", float("inf"), "inf"],
 )  # fmt: skip
 def test_parse_budget_rejects_and_names_the_accepted_forms(budget):
     with pytest.raises(
@@ -121,3 +124,12 @@ def test_budget_to_bytes_and_text():
     assert Budget(fraction=0.5).to_bytes(1001) == 500
     assert str(Budget(bytes=3 * 2**30)) == "3.00 GiB"
     assert str(Budget(fraction=0.25)) == "0.25 of the unplanned peak"
+
+
+@pytest.mark.parametrize("budget, whole", [(1.5, "3_000_000_000"), ("2.5", "3_000_000_000"),
+                                           (2.0, "2"), (3e9, "3_000_000_000")])
+def test_a_float_above_one_is_refused_saying_to_use_an_int_or_units(budget, whole):
+    with pytest.raises(ValueError, match=rf"above 1 a budget is bytes, given as an int \({whole}\) "
+                                         r"or a size with units \('3GiB'\)"):
+        parse_budget(budget)
+
