@@ -1,0 +1,227 @@
+"""memfit.fit in an ordinary training loop: bitwise eager's results, the budget held from the
+first iteration on (optimizer state included), PyTorch's own autograd features intact."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit.runtime.measure import measure_allocator_peak
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.use_deterministic_algorithms(True)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def mlp(depth: int = 6, width: int = 128, dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+        if dropout:
+            layers.append(nn.Dropout(dropout))
+    return nn.Sequential(*layers, nn.Linear(width, 1))
+
+
+def batches(count: int = 3, size: int = 1024, width: int = 128):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(size, width, generator=generator),
+             torch.randn(size, 1, generator=generator)) for _ in range(count)]
+
+
+def train(model, optimizer, data, measure: bool = True):
+    """The user's loop: forward, loss.backward(), step, zero_grad; peaks per iteration."""
+    losses, peaks = [], []
+    for index, (x, y) in enumerate(data):
+        def iteration(index=index, x=x, y=y):
+            torch.manual_seed(100 + index)  # dropout draws the same in every run
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        if measure:
+            parameters = [p for p in optimizer.param_groups[0]["params"]]
+            measured = measure_allocator_peak(iteration, track=(parameters, optimizer.state, x, y))
+            losses.append(measured.result)
+            peaks.append(measured.peak_bytes)
+        else:
+            losses.append(iteration())
+    return losses, peaks
+
+
+def eager_reference(build, data):
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters())
+    losses, peaks = train(model, optimizer, data)
+    return model, losses, max(peaks)
+
+
+def assert_same_training(model, reference, losses, reference_losses):
+    for loss, expected in zip(losses, reference_losses, strict=True):
+        assert torch.equal(loss, expected)
+    for (name, parameter), expected in zip(model.named_parameters(), reference.parameters(),
+                                           strict=True):
+        assert torch.equal(parameter, expected), name
+
+
+@pytest.mark.parametrize("strategy, fraction", [("keep", None), ("auto", 0.5), ("swap", 0.6),
+                                                ("checkpoint", 0.85)])
+def test_fit_trains_as_eager_within_the_budget_from_the_first_iteration(strategy, fraction):
+    data = batches(size=4096)  # activations, not parameters and AdamW state, fill the peak
+    reference, reference_losses, eager_peak = eager_reference(mlp, data)
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    budget = int(fraction * eager_peak) if fraction else None
+    fitted = memfit.fit(model, budget=budget, strategy=strategy, optimizer=optimizer)
+    losses, peaks = train(fitted, optimizer, data)
+    assert_same_training(model, reference, losses, reference_losses)
+    (region,) = fitted._memfit_backend.regions
+    if budget is None:  # the unplanned region needs no more than eager
+        assert max(peaks) <= eager_peak
+    else:
+        assert max(peaks) <= budget, (peaks, budget)
+        assert region.plan.strategy == strategy
+    # from the second iteration on the optimizer state is real, not reserved, and the prediction
+    # is the measurement within 1% of the peak (keep, auto and swap agree to the bytes of the
+    # scalar loss; re-runs measured ~16 KB above on this MLP, cause not yet found)
+    gap = abs(peaks[-1] - region.predicted_peak_bytes)
+    assert gap <= 0.01 * peaks[-1], (peaks, region.predicted_peak_bytes)
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint", "memory-poor"])
+def test_recomputed_dropout_replays_its_draws(strategy):
+    """Re-runs of dropout in the backward module draw the forward's mask: each forward saves its
+    generator state as a value, so the training is bitwise eager's."""
+    build = lambda: mlp(depth=4, dropout=0.1)  # noqa: E731
+    data = batches(count=2, size=256)
+    reference = build()
+    reference_losses, _ = train(reference, torch.optim.AdamW(reference.parameters()), data,
+                                measure=False)
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, strategy=strategy, optimizer=optimizer)
+    losses, _ = train(fitted, optimizer, data, measure=False)
+    assert_same_training(model, reference, losses, reference_losses)
+    (region,) = fitted._memfit_backend.regions
+    kinds = [node.meta.get("memfit", {}).get("kind") for node in region.backward.graph.nodes]
+    assert "rng_replay_begin" in kinds and "recompute" in kinds
+
+
+def test_swaps_sit_in_the_forward_and_backward_modules():
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=0.6, strategy="swap", optimizer=optimizer)
+    x, y = batches(count=1, size=4096)[0]
+    nn.functional.mse_loss(fitted(x), y).backward()
+    (region,) = fitted._memfit_backend.regions
+    forward_kinds, backward_kinds = (
+        [n.meta.get("memfit", {}).get("kind") for n in module.graph.nodes if n.op == "call_function"]
+        for module in (region.forward, region.backward))
+    swapped = len(region.plan.swapped)
+    assert swapped > 0
+    assert forward_kinds.count("swap_out") == swapped
+    assert "swap_in" not in forward_kinds and "swap_out" not in backward_kinds
+    assert backward_kinds.count("swap_in") >= swapped
+    assert "swapped" in memfit.report(fitted)
+
+
+def test_a_budget_that_cannot_fit_raises_before_anything_runs():
+    model = mlp()
+    before = copy.deepcopy(model.state_dict())
+    fitted = memfit.fit(model, budget=1000, strategy="swap")
+    x, y = batches(count=1)[0]
+    with pytest.raises(memfit.BudgetError) as raised:
+        fitted(x)
+    assert raised.value.minimum_bytes > 1000
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name])
+    assert all(parameter.grad is None for parameter in model.parameters())
+
+
+# ---- PyTorch's own features stay PyTorch's ---------------------------------------------------
+
+
+def _twin(build=mlp, **fit_options):
+    reference = build()
+    model = build()
+    return reference, model, memfit.fit(model, strategy="swap", **fit_options)  # swap all
+
+
+def _grads(model):
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def _assert_same_grads(model, reference):
+    for got, expected in zip(_grads(model), _grads(reference), strict=True):
+        assert (got is None) == (expected is None)
+        if got is not None:
+            assert torch.equal(got, expected)
+
+
+def test_freezing_a_layer_between_steps_is_seen():
+    reference, model, fitted = _twin()
+    x, y = batches(count=1)[0]
+    for frozen in (False, True, False):
+        for network in (reference, model):
+            network[0].weight.requires_grad_(not frozen)
+            network.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(fitted(x), y).backward()
+        nn.functional.mse_loss(reference(x), y).backward()
+        _assert_same_grads(model, reference)
+        assert (model[0].weight.grad is None) == frozen
+
+
+def test_hooks_input_gradients_and_accumulation_behave_as_eager():
+    reference, model, fitted = _twin()
+    seen: list[str] = []
+    model[0].weight.register_hook(lambda grad: seen.append("memfit") or grad * 2)
+    reference[0].weight.register_hook(lambda grad: seen.append("eager") or grad * 2)
+    data = batches(count=2)
+    inputs = [x.clone().requires_grad_() for x, _ in data]
+    reference_inputs = [x.clone().requires_grad_() for x, _ in data]
+    for (x, y), mine, theirs in zip(data, inputs, reference_inputs, strict=True):  # 2 micro-batches
+        nn.functional.mse_loss(fitted(mine), y).backward()
+        nn.functional.mse_loss(reference(theirs), y).backward()
+    assert seen == ["memfit", "eager", "memfit", "eager"]
+    _assert_same_grads(model, reference)
+    for mine, theirs in zip(inputs, reference_inputs, strict=True):
+        assert torch.equal(mine.grad, theirs.grad)
+
+
+class Alternating(nn.Module):
+    """A Python-state branch: odd calls skip the second layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = nn.Linear(128, 128), nn.Linear(128, 1)
+        self.skip = nn.Linear(128, 1)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        hidden = torch.relu(self.first(x))
+        return self.second(hidden) if self.calls % 2 else self.skip(hidden)
+
+
+def test_a_python_state_branch_is_guarded():
+    reference, model, fitted = _twin(Alternating)
+    x, y = batches(count=1)[0]
+    for _ in range(3):
+        for network in (reference, model):
+            network.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(fitted(x), y).backward()
+        nn.functional.mse_loss(reference(x), y).backward()
+        _assert_same_grads(model, reference)
+    # Dynamo guards the int it branched on: every call so far was traced and planned anew
+    assert len(fitted._memfit_backend.regions) == 3
