@@ -225,3 +225,62 @@ def test_a_python_state_branch_is_guarded():
         _assert_same_grads(model, reference)
     # Dynamo guards the int it branched on: every call so far was traced and planned anew
     assert len(fitted._memfit_backend.regions) == 3
+
+
+# ---- real models, as users write their loops ---------------------------------------------------
+
+
+def _bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=128, max_position_embeddings=256,
+                        attn_implementation="eager")
+    return BertForSequenceClassification(config)
+
+
+def _bert_batches():
+    generator = torch.Generator().manual_seed(2)
+    batches_ = []
+    for _ in range(2):
+        input_ids = torch.randint(0, 128, (8, 128), generator=generator)
+        attention_mask = torch.ones(8, 128, dtype=torch.long)
+        attention_mask[::2, 96:] = 0  # padded rows: the mask matters
+        labels = torch.randint(0, 2, (8,), generator=generator)
+        batches_.append({"input_ids": input_ids, "attention_mask": attention_mask,
+                         "labels": labels})
+    return batches_
+
+
+def _train_hf(model, optimizer, data):
+    losses, peaks = [], []
+    for index, batch in enumerate(data):
+        def iteration(index=index, batch=batch):
+            torch.manual_seed(200 + index)
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        parameters = list(optimizer.param_groups[0]["params"])
+        measured = measure_allocator_peak(iteration, track=(parameters, optimizer.state, batch))
+        losses.append(measured.result)
+        peaks.append(measured.peak_bytes)
+    return losses, peaks
+
+
+@pytest.mark.slow
+def test_bert_with_a_padded_attention_mask_trains_as_eager_at_half_its_peak():
+    data = _bert_batches()
+    reference = _bert()
+    reference_losses, eager_peaks = _train_hf(reference, torch.optim.AdamW(reference.parameters()),
+                                              data)
+    model = _bert()
+    optimizer = torch.optim.AdamW(model.parameters())
+    budget = int(0.5 * max(eager_peaks))
+    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
+    losses, peaks = _train_hf(fitted, optimizer, data)
+    assert_same_training(model, reference, losses, reference_losses)
+    assert max(peaks) <= budget, (peaks, budget)
