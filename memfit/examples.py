@@ -135,9 +135,78 @@ def unet3d(channels: tuple[int, ...] = (4, 8, 16, 32), size: int = 32, batch_siz
     return Example("unet3d", model, loss_fn, make_inputs, batch_size)
 
 
+def t5(layers: int = 2, width: int = 64, heads: int = 4, vocab: int = 64, sequence: int = 32,
+       batch_size: int = 4, dropout: float = 0.0, seed: int = 0) -> Example:
+    """transformers ``T5ForConditionalGeneration`` from a config (random init), seq2seq loss.
+
+    T5 builds its decoder inputs by shifting the labels right into a slice of a zeroed buffer:
+    the captured ``aten.copy`` keeps that slice's gapped strides, a storage no node covers.
+    """
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = T5Config(vocab_size=vocab, d_model=width, d_kv=width // heads, d_ff=2 * width,
+                      num_layers=layers, num_decoder_layers=layers, num_heads=heads,
+                      dropout_rate=dropout, decoder_start_token_id=0, pad_token_id=0)
+    model = T5ForConditionalGeneration(config)
+
+    def loss_fn(model, input_ids, labels):
+        return model(input_ids=input_ids, labels=labels).loss
+
+    def make_inputs(batch):
+        generator = _generator(seed + batch)
+        ids = torch.randint(1, vocab, (batch, sequence), generator=generator)
+        return ids, ids.flip(1).contiguous()
+
+    return Example("t5", model, loss_fn, make_inputs, batch_size)
+
+
+class _SwinStage(nn.Module):
+    """A pair of MONAI ``SwinTransformerBlock``s, plain then shifted windows, whose mask is built
+    inside the stage by MONAI's ``compute_mask`` (slice assignments: ``slice_scatter`` into
+    slices), as MONAI's ``BasicLayer`` does; ``BasicLayer`` itself needs einops."""
+
+    def __init__(self, width: int, heads: int, window: int) -> None:
+        super().__init__()
+        from monai.networks.nets.swin_unetr import SwinTransformerBlock
+
+        self.window = (window,) * 3
+        self.shift = (window // 2,) * 3
+        self.blocks = nn.ModuleList(
+            SwinTransformerBlock(dim=width, num_heads=heads, window_size=self.window,
+                                 shift_size=shift) for shift in ((0, 0, 0), self.shift))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, depth, height, width, c)
+        from monai.networks.nets.swin_unetr import compute_mask
+
+        mask = compute_mask(list(x.shape[1:4]), self.window, self.shift, x.device)
+        for block in self.blocks:
+            x = block(x, mask)
+        return x
+
+
+def swin_blocks(stages: int = 2, width: int = 32, heads: int = 4, window: int = 4, size: int = 8,
+                batch_size: int = 2, seed: int = 0) -> Example:
+    """SwinUNETR-like 3D window attention: ``stages`` stages of MONAI Swin blocks, MSE loss."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(*(_SwinStage(width, heads, window) for _ in range(stages)))
+
+    def loss_fn(model, volume, target):
+        return nn.functional.mse_loss(model(volume), target)
+
+    def make_inputs(batch):
+        generator = _generator(seed + batch)
+        shape = (batch, size, size, size, width)
+        return (torch.randn(*shape, generator=generator), torch.randn(*shape, generator=generator))
+
+    return Example("swin", model, loss_fn, make_inputs, batch_size)
+
+
 EXAMPLES: dict[str, Callable[..., Example]] = {
     "mlp": mlp,
     "gpt2": gpt2,
     "resnet50": resnet50_shaped,
     "unet3d": unet3d,
+    "t5": t5,
+    "swin": swin_blocks,
 }

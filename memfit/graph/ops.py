@@ -29,6 +29,25 @@ import torch.fx.node
 from memfit.runtime.streams import current_engine
 
 
+def whole_storage(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself where it covers its storage densely from offset 0, else a flat view of the
+    whole storage: what a swap copies, so the copy holds every byte that the CostGraph counts
+    and that views of ``x`` may read (``x`` may have gaps or an offset: ``aten.copy`` into a
+    slice, ``slice_scatter`` into a slice).
+    """
+    if x.storage_offset() == 0 and x.is_contiguous() and x.nbytes == x.untyped_storage().nbytes():
+        return x
+    return x.as_strided((x.untyped_storage().nbytes() // x.element_size(),), (1,), 0)
+
+
+def same_layout(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``flat`` (a copy of ``whole_storage(like)``) viewed with ``like``'s shape, strides, offset."""
+    layout = (like.shape, like.stride(), like.storage_offset())
+    if (flat.shape, flat.stride(), flat.storage_offset()) == layout:
+        return flat
+    return flat.as_strided(*layout)
+
+
 @torch.library.custom_op("memfit::swap_out", mutates_args=())
 def swap_out(x: torch.Tensor, key: int) -> torch.Tensor:
     """A host copy of ``x``; on an accelerator the copy runs on the d2h stream.
@@ -44,17 +63,18 @@ def swap_out(x: torch.Tensor, key: int) -> torch.Tensor:
         the graph drops ``x`` right after its last forward use.
     """
     engine = current_engine("memfit::swap_out")
-    host = engine.host_pool.empty_like(x)
+    source = whole_storage(x)
+    host = engine.host_pool.empty_like(source)
     if not engine.is_accelerator:
-        host.copy_(x)
-        return host
+        host.copy_(source)
+        return same_layout(host, x)
     copy_stream = engine.d2h_stream
     copy_stream.wait_stream(engine.compute_stream())
     with engine.stream(copy_stream):
-        host.copy_(x, non_blocking=True)
+        host.copy_(source, non_blocking=True)
     x.record_stream(copy_stream)
     engine.record(key, copy_stream)
-    return host
+    return same_layout(host, x)
 
 
 @swap_out.register_fake
@@ -79,18 +99,19 @@ def swap_in(host: torch.Tensor, out_key: int, key: int, device: torch.device) ->
         tensor: device memory, counted by the tracker.
     """
     engine = current_engine("memfit::swap_in")
+    source = whole_storage(host)
     if not engine.is_accelerator:
-        result = torch.empty_like(host, device=device)
-        result.copy_(host)
-        return result
+        result = torch.empty_like(source, device=device)
+        result.copy_(source)
+        return same_layout(result, host)
     copy_stream = engine.h2d_stream
     engine.wait(out_key, copy_stream)
     with engine.stream(copy_stream):
-        result = torch.empty_like(host, device=device)
-        result.copy_(host, non_blocking=True)
+        result = torch.empty_like(source, device=device)
+        result.copy_(source, non_blocking=True)
     engine.record(key, copy_stream)
     result.record_stream(engine.compute_stream())
-    return result
+    return same_layout(result, host)
 
 
 @swap_in.register_fake

@@ -42,34 +42,13 @@ def storage_owners(graph_module: fx.GraphModule) -> dict:
     return owner
 
 
-def _is_whole(tensor: torch.Tensor) -> bool:
-    """Whether a tensor covers its whole storage densely: copying it copies the storage."""
-    size = tensor.numel() * tensor.element_size()
-    return (
-        tensor.storage_offset() == 0
-        and size == tensor.untyped_storage().nbytes()
-        and _dense(tensor)
-    )
-
-
-def _dense(tensor: torch.Tensor) -> bool:
-    """Strides that tile the elements with no gap or overlap, in some dimension order."""
-    expected = 1
-    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True), key=lambda d: d[1]):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 class _Rewriter:
     """Builds the rewritten graph action by action (one instance per rewrite).
 
     Every device buffer that is not an original storage (a swapped-in copy, a re-run's instance)
-    maps to the fx node that plays its *root* (the node covering its whole storage); a reader
-    gets, for each argument, the buffer its action reads, with any view chain replayed on it.
+    maps to the fx node that plays its *root* (the node that first holds the storage; every other
+    holder is a view of it); a reader gets, for each argument, the buffer its action reads, with
+    any view chain replayed on it.
     """
 
     def __init__(self, graph_module: fx.GraphModule, graph: CostGraph, plan: Plan,
@@ -101,17 +80,19 @@ class _Rewriter:
         return self.roots[name]
 
     def _root(self, graph_module: fx.GraphModule, name: str) -> fx.Node:
-        """The first node whose value is the whole storage of tensor ``name``: what gets copied."""
+        """The first node whose value lies in tensor ``name``'s storage: its producer's output,
+        or the ``getitem`` that takes it from a tuple. Every later holder is a view of it.
+
+        The root need not cover its storage: ``aten.copy`` into a slice keeps the slice's gapped
+        strides, ``slice_scatter`` into a slice its offset. A re-run of the producer lays the
+        storage out again as the original run did, and a swap moves the whole storage with the
+        root's layout (``memfit::swap_out``), so readers and views see what they saw before.
+        """
         for node in graph_module.graph.nodes:
             value = node.meta.get("val")
             if isinstance(value, torch.Tensor) and self.owner.get(storage_key(value)) == name:
-                if _is_whole(value):
-                    return node
-                break
-        raise PlanError(
-            f"tensor {name!r} has no node that covers its whole storage, so it cannot be swapped "
-            "or recomputed; keep it (e.g. excl_types / excl_scopes, or list it as a checkpoint)"
-        )
+                return node
+        raise PlanError(f"tensor {name!r} is held by no tensor node of the graph; keep it")
 
     # ---- emitting nodes ------------------------------------------------------------------------
 

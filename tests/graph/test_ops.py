@@ -85,3 +85,19 @@ def test_wait_survives_dead_code_elimination():
     assert wait in nodes and back in nodes and host in nodes
     assert unused not in nodes
     assert wait.is_impure()
+
+
+def test_a_swap_moves_the_whole_storage_with_its_layout():
+    """A root that leaves gaps or an offset in its storage (``aten.copy`` into a slice,
+    ``slice_scatter`` into a slice) comes back with the same shape, strides and offset over a
+    copy of every byte of the storage: the bytes the CostGraph counts, and views of it agree."""
+    base = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    gapped = base[:, 1:]  # strides (32, 1), offset 1: not dense, not from offset 0
+    with active_engine(CopyEngine(CPU)):
+        host = SWAP_OUT(gapped, 0)
+        back = SWAP_IN(host, 0, 1, CPU)
+    for moved in (host, back):
+        assert (moved.shape, moved.stride(), moved.storage_offset()) == ((4, 31), (32, 1), 1)
+        assert moved.untyped_storage().nbytes() == base.untyped_storage().nbytes()
+        assert torch.equal(moved.as_strided(base.shape, base.stride(), 0), base)
+    assert back.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
