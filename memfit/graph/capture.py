@@ -12,12 +12,19 @@ Note:
     TFLMS's name for it) is recorded with global module hooks that enter
     ``torch.fx.traceback.annotate`` around every module's forward; the annotation reaches both the
     forward nodes and the backward nodes autograd derives from them.
+
+    Captures run one at a time in a process (``_CAPTURE_LOCK``): aot export keeps tracing state
+    in process globals (``torch.fx.traceback``'s annotation level, the patcher of
+    ``torch.fx._symbolic_trace``), and two captures at once in two threads corrupt each other's
+    ("Expected current_level > 0"). The module hooks are process-wide too, so they annotate only
+    modules run by the capturing thread. Planning and running a step need no lock.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +45,8 @@ SCOPE_KEY = "memfit_scope"
 # fake one, so a new such op is caught there.
 _DECOMPOSE = get_decompositions([torch.ops.aten.mse_loss])
 TYPE_KEY = "memfit_type"
+# torch's tracing state is process-global: one capture at a time (see the module's Note).
+_CAPTURE_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -121,7 +130,7 @@ def capture(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor) ->
     if any(t.device.type == "meta" for t in inputs):
         inputs = _fake_inputs(model, inputs)
     step = _StepModule(model, loss_fn)
-    with _record_scopes(model), contextlib.ExitStack() as stack:
+    with _CAPTURE_LOCK, _record_scopes(model), contextlib.ExitStack() as stack:
         try:
             joint = aot_export_joint_with_descriptors(
                 stack, step, tuple(inputs), decompositions=_DECOMPOSE
@@ -200,15 +209,18 @@ def _record_scopes(model: torch.nn.Module):
     """Annotate every traced node with the path and class of the module that produced it."""
     names = {module: name for name, module in model.named_modules()}
     entered: list[contextlib.AbstractContextManager] = []
+    capturing_thread = threading.get_ident()
 
     def pre_hook(module, args):
+        if threading.get_ident() != capturing_thread:
+            return  # a module another thread runs meanwhile (the hooks are process-wide)
         label = {SCOPE_KEY: names.get(module, ""), TYPE_KEY: type(module).__name__}
         manager = fx_traceback.annotate(label)
         manager.__enter__()
         entered.append(manager)
 
     def post_hook(module, args, output):
-        if entered:
+        if threading.get_ident() == capturing_thread and entered:
             entered.pop().__exit__(None, None, None)
 
     pre = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
