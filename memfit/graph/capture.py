@@ -12,12 +12,20 @@ Note:
     TFLMS's name for it) is recorded with global module hooks that enter
     ``torch.fx.traceback.annotate`` around every module's forward; the annotation reaches both the
     forward nodes and the backward nodes autograd derives from them.
+
+    Captures run one at a time in a process (``_CAPTURE_LOCK``): aot export keeps tracing state
+    in process globals (``torch.fx.traceback``'s annotation level, the patcher of
+    ``torch.fx._symbolic_trace``), and two captures at once in two threads corrupt each other's
+    ("Expected current_level > 0"). The module hooks are process-wide too, so they annotate only
+    modules run by the capturing thread. Planning and running a step need no lock.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sysconfig
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +34,8 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch._decomp import get_decompositions
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from memfit.core.errors import CaptureError
 
@@ -37,7 +47,25 @@ SCOPE_KEY = "memfit_scope"
 # the planner's memory model stays exact. ``tests/models`` checks every real storage against the
 # fake one, so a new such op is caught there.
 _DECOMPOSE = get_decompositions([torch.ops.aten.mse_loss])
+
+
+def _mse_loss_backward_of_empty(grad_output: torch.Tensor, input: torch.Tensor,
+                                target: torch.Tensor, reduction: int) -> object:
+    """``mse_loss_backward`` of an empty batch, as the eager kernel computes it (an empty grad).
+
+    Why: torch's fake kernel for it divides by ``input.numel()`` in Python, so an empty batch
+    failed to capture with ``ZeroDivisionError`` although eager PyTorch returns a nan loss and
+    an empty gradient. Any other input returns ``NotImplemented``: the op is traced as it is.
+    """
+    if input.numel() != 0:
+        return NotImplemented
+    return (input - target) * grad_output
+
+
+_DECOMPOSE[torch.ops.aten.mse_loss_backward.default] = _mse_loss_backward_of_empty
 TYPE_KEY = "memfit_type"
+# torch's tracing state is process-global: one capture at a time (see the module's Note).
+_CAPTURE_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -121,14 +149,14 @@ def capture(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor) ->
     if any(t.device.type == "meta" for t in inputs):
         inputs = _fake_inputs(model, inputs)
     step = _StepModule(model, loss_fn)
-    with _record_scopes(model), contextlib.ExitStack() as stack:
+    with _CAPTURE_LOCK, _record_scopes(model), contextlib.ExitStack() as stack:
         try:
             joint = aot_export_joint_with_descriptors(
                 stack, step, tuple(inputs), decompositions=_DECOMPOSE
             )
         except CaptureError:
             raise
-        except Exception as error:  # tracing errors come in many types; name the op and line
+        except Exception as error:  # tracing errors come in many types; keep each one's own
             raise CaptureError(_explain(error)) from error
     graph_module = joint.graph_module
     bindings_in = tuple(_bind(n.meta.get("desc")) for n in _placeholders(graph_module))
@@ -200,15 +228,18 @@ def _record_scopes(model: torch.nn.Module):
     """Annotate every traced node with the path and class of the module that produced it."""
     names = {module: name for name, module in model.named_modules()}
     entered: list[contextlib.AbstractContextManager] = []
+    capturing_thread = threading.get_ident()
 
     def pre_hook(module, args):
+        if threading.get_ident() != capturing_thread:
+            return  # a module another thread runs meanwhile (the hooks are process-wide)
         label = {SCOPE_KEY: names.get(module, ""), TYPE_KEY: type(module).__name__}
         manager = fx_traceback.annotate(label)
         manager.__enter__()
         entered.append(manager)
 
     def post_hook(module, args, output):
-        if entered:
+        if threading.get_ident() == capturing_thread and entered:
             entered.pop().__exit__(None, None, None)
 
     pre = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
@@ -241,16 +272,40 @@ def _fake_inputs(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> tupl
         )
 
 
-def _explain(error: BaseException) -> str:
-    """A message naming the failing op (when the error names one) and the user's source line."""
+def _is_data_dependent(error: BaseException) -> bool:
+    """Whether tracing failed because the step needs a tensor's values, which fake tensors lack:
+    ``.item()``, ``bool(x)``, ``.tolist()`` (``DataDependentOutputException``), an output whose
+    shape depends on values (``nonzero``, boolean masks: ``DynamicOutputShapeException``), a
+    branch on a value-dependent size (``GuardOnDataDependentSymNode``), or ``.numpy()``."""
+    if isinstance(error, (DataDependentOutputException, DynamicOutputShapeException,
+                          GuardOnDataDependentSymNode)):
+        return True
+    return isinstance(error, RuntimeError) and ".numpy() is not supported" in str(error)
+
+
+def _user_frame(error: BaseException) -> str:
+    """`` at file:line (source)`` of the innermost traceback frame outside torch, memfit and the
+    standard library (the user's code, or a library it calls), or ``""`` if there is none."""
     frames = traceback.extract_tb(error.__traceback__)
     library_dirs = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
-    user = [f for f in frames if not f.filename.startswith(library_dirs)]
-    where = f" at {user[-1].filename}:{user[-1].lineno} ({user[-1].line})" if user else ""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    standard_library = sysconfig.get_paths()["stdlib"]
+    installed = (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])
+    user = [f for f in frames if not f.filename.startswith(library_dirs)
+            and (f.filename.startswith(installed) or not f.filename.startswith(standard_library))]
+    return f" at {user[-1].filename}:{user[-1].lineno} ({user[-1].line})" if user else ""
+
+
+def _explain(error: BaseException) -> str:
+    """The message of a ``CaptureError`` for a tracing error: the error's own message and the
+    user's source line; the data-dependence advice only when values were needed."""
+    where = _user_frame(error)
+    text = str(error).strip() or type(error).__name__
+    if not _is_data_dependent(error):
+        return f"{type(error).__name__}: {text} (while capturing the training step{where})"
     return (
-        f"memfit could not capture the training step{where}: {type(error).__name__}: {text}. "
-        "memfit traces loss_fn(model, *inputs) once with fake tensors: code that reads tensor "
-        "values into Python (if x.sum() > 0, .item(), .tolist()) or calls non-PyTorch code on "
-        "tensors cannot be captured; make that code independent of tensor values."
+        f"memfit could not capture the training step{where}: {type(error).__name__}: "
+        f"{text.splitlines()[0].rstrip('.')}. memfit traces loss_fn(model, *inputs) once with fake tensors, "
+        "which have shapes but no values: code that reads tensor values into Python "
+        "(if x.sum() > 0, .item(), .tolist(), .numpy()) or whose shapes depend on them "
+        "(x[x > 0], nonzero) cannot be captured; make that code independent of tensor values."
     )

@@ -1,7 +1,10 @@
 """The copy engine: the two copy streams, the events that order them, and the host pool.
 
 The swap ops of ``memfit.graph.ops`` look the engine up with ``current_engine()``; the executor
-makes one current with ``with active_engine(engine):`` for the length of a run.
+makes one current with ``with active_engine(engine):`` for the length of a run. The current engine
+is a ``contextvars.ContextVar``: each thread (and each asyncio task) sees only the engine of its
+own run, so two steps running at once in two threads never use each other's streams, events or
+saved random states.
 
 Note:
     The engine is written against ``torch.get_device_module(device)`` so one code path serves CUDA
@@ -13,6 +16,7 @@ Note:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +24,10 @@ import torch
 
 from memfit.runtime.host import HostPool
 
-_CURRENT_ENGINE: CopyEngine | None = None
+# The engine of the run in progress in this thread (a context variable: never shared by threads).
+_CURRENT_ENGINE: contextvars.ContextVar[CopyEngine | None] = contextvars.ContextVar(
+    "memfit_copy_engine", default=None
+)
 
 
 class CopyEngine:
@@ -96,26 +103,28 @@ class CopyEngine:
 
 @contextlib.contextmanager
 def active_engine(engine: CopyEngine) -> Iterator[CopyEngine]:
-    """Make ``engine`` the one the memfit swap ops use inside the ``with`` block (nests)."""
-    global _CURRENT_ENGINE
-    previous = _CURRENT_ENGINE
-    _CURRENT_ENGINE = engine
+    """Make ``engine`` the one the memfit swap ops use inside the ``with`` block (nests).
+
+    Only the calling thread (or asyncio task) sees it: another thread's run keeps its own.
+    """
+    token = _CURRENT_ENGINE.set(engine)
     try:
         yield engine
     finally:
-        _CURRENT_ENGINE = previous
+        _CURRENT_ENGINE.reset(token)
 
 
 def current_engine(op_name: str = "a memfit op") -> CopyEngine:
-    """The engine made current by ``active_engine``.
+    """The engine made current by ``active_engine`` in this thread.
 
     Raises:
         RuntimeError: outside ``active_engine``, saying how to run the op.
     """
-    if _CURRENT_ENGINE is None:
+    engine = _CURRENT_ENGINE.get()
+    if engine is None:
         raise RuntimeError(
             f"{op_name} ran outside a copy engine: run the rewritten graph with "
             "memfit.runtime.executor.Executor, or wrap the call in "
             "`with memfit.runtime.streams.active_engine(CopyEngine(device)):`"
         )
-    return _CURRENT_ENGINE
+    return engine

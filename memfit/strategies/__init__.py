@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import gc
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -44,23 +45,54 @@ def register(name: str) -> Callable[[Strategy], Strategy]:
     return decorate
 
 
+class _CollectorPause:
+    """A process-wide count of plans in progress, so that threads pause the collector together.
+
+    ``gc.disable()`` is process-wide: with a plain save-and-restore per plan, a thread whose plan
+    ends first would switch the collector back on under another thread's plan, and a thread that
+    starts while another plans would save "off" and leave it off for good. The first plan to
+    start remembers whether the collector was on and switches it off; the last one to end
+    switches it back on, only if it was on.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active_plans = 0
+        self.was_enabled = False
+
+    def enter(self) -> None:
+        with self.lock:
+            if self.active_plans == 0:
+                self.was_enabled = gc.isenabled()
+                gc.disable()
+            self.active_plans += 1
+
+    def exit(self) -> None:
+        with self.lock:
+            self.active_plans -= 1
+            if self.active_plans == 0 and self.was_enabled:
+                gc.enable()
+
+
+_COLLECTOR_PAUSE = _CollectorPause()
+
+
 @contextmanager
 def collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while planning.
+    """Pause Python's cyclic garbage collector while planning (threads and nesting included).
 
     Why: planners build and drop hundreds of thousands of small objects (actions, plans), and
     each burst triggers full collections that walk every object the process holds: with a
     transformers model and its captured graphs loaded that is ~450,000 objects, and a
     simulation of GPT-2 small took 30 ms instead of 6. Planning makes no reference cycles
-    worth collecting early; the collector resumes (if it was on) when the outermost plan ends.
+    worth collecting early; the collector resumes (if it was on) when the last plan in
+    progress, in any thread, ends.
     """
-    was_enabled = gc.isenabled()
-    gc.disable()
+    _COLLECTOR_PAUSE.enter()
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        _COLLECTOR_PAUSE.exit()
 
 
 def get_strategy(name: str) -> Strategy:

@@ -245,13 +245,15 @@ def priced_segments(graph: CostGraph) -> tuple[segments.Blocks, list[segments.Se
     """The priced segments of ``graph``: they do not depend on the budget, so a budget sweep
     prices them once."""
     key = (graph.structure_hash, tuple(op.time_s for op in graph.ops))
-    if key not in _TABLES:
+    cached = _TABLES.get(key)  # one read: another thread may clear the cache at any moment
+    if cached is None:
         from memfit.strategies.checkpoint import _speed_checkpoints
 
         blocks = segments.find_blocks(graph, max_blocks=MAX_BLOCKS)
+        cached = (blocks, segments.segment_table(graph, blocks, _speed_checkpoints(graph, 4)))
         _TABLES.clear()
-        _TABLES[key] = (blocks, segments.segment_table(graph, blocks, _speed_checkpoints(graph, 4)))
-    return _TABLES[key]
+        _TABLES[key] = cached
+    return cached
 
 
 def _checkpoint_recomputed(graph: CostGraph, hardware: Hardware, budget_bytes: int,

@@ -1,6 +1,7 @@
 """Capture binds inputs and outputs by descriptor, records phases and scopes, fails clearly."""
 
 import collections
+import copy
 
 import pytest
 import torch
@@ -78,6 +79,58 @@ def test_data_dependent_code_raises_capture_error_naming_the_line():
         capture(model, loss_fn, torch.randn(2, 4))
     assert "test_capture.py" in str(error.value)
     assert "tensor values" in str(error.value)
+
+
+@pytest.mark.parametrize("read", [
+    lambda x: x.sum().item(),  # a value into Python
+    lambda x: x[x.sum(1) > 0].shape[0],  # a shape that depends on values
+    lambda x: float(x.numpy().sum()),  # non-PyTorch code on a tensor
+], ids=["item", "boolean-mask", "numpy"])
+def test_each_kind_of_data_dependence_gets_the_advice(read):
+    model = nn.Linear(4, 4)
+
+    def loss_fn(model, x):
+        return model(x).mean() * read(x)
+
+    with pytest.raises(CaptureError, match="independent of tensor values") as error:
+        capture(model, loss_fn, torch.randn(2, 4))
+    assert f"test_capture.py:{read.__code__.co_firstlineno}" in str(error.value)  # innermost
+
+
+def test_a_shape_error_in_the_loss_keeps_its_own_message_and_names_the_line():
+    """Not data-dependent: no advice about tensor values, torch's own message and the line."""
+    model = nn.Linear(4, 3)
+
+    def loss_fn(model, x, y):
+        return nn.functional.cross_entropy(model(x), y)
+
+    with pytest.raises(CaptureError) as error:
+        capture(model, loss_fn, torch.randn(16, 4), torch.randint(0, 3, (8,)))
+    message = str(error.value)
+    assert message.startswith(
+        "ValueError: Expected input batch_size (16) to match target batch_size (8).")
+    assert f"test_capture.py:{loss_fn.__code__.co_firstlineno + 1}" in message
+    assert "tensor values" not in message
+    assert isinstance(error.value.__cause__, ValueError)
+
+
+def test_an_empty_batch_steps_like_eager_pytorch():
+    """torch's fake ``mse_loss_backward`` divides by the element count in Python, so an empty
+    batch failed to capture (``ZeroDivisionError``); eager PyTorch gives a nan loss and zero
+    gradients, and so does the step now. A non-empty batch still traces the op itself."""
+    import memfit
+
+    example = examples.mlp(depth=2, width=8)
+    eager = copy.deepcopy(example.model)
+    inputs = (torch.randn(0, 8), torch.randn(0, 1))
+    loss = memfit.compile(example.model, example.loss_fn, strategy="keep")(*inputs)
+    eager_loss = example.loss_fn(eager, *inputs)
+    eager_loss.backward()
+    assert torch.isnan(loss) and torch.isnan(eager_loss)
+    for name, parameter in eager.named_parameters():
+        assert torch.equal(example.model.get_parameter(name).grad, parameter.grad), name
+    captured = capture(example.model, example.loss_fn, *example.inputs(4))
+    assert torch.ops.aten.mse_loss_backward.default in {n.target for n in _nodes(captured)}
 
 
 def test_non_scalar_loss_and_non_tensor_inputs_are_refused():

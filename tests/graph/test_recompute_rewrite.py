@@ -131,7 +131,7 @@ def test_reruns_read_checkpoints_swapped_back_from_the_host_bitwise(build, param
         assert len(waits) == 1 and nodes.index(waits[0]) < nodes.index(rerun)
 
     measured, predicted = fed.measured.peak_bytes, fed.predicted.peak_bytes
-    assert abs(measured - predicted) <= max(0.01 * measured, 1 << 20)
+    assert measured == predicted  # the CPU tracker counts what the simulator models
     if lowers_the_peak:
         assert predicted < checkpointed.predicted.peak_bytes
         assert measured < checkpointed.measured.peak_bytes

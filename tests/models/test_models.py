@@ -3,8 +3,15 @@ optimal-recompute.
 
 For a deep MLP, transformers GPT-2 (4 layers, dropout on), a ResNet-50-shaped transformers
 ResNet (BatchNorm in training mode) and MONAI's 3D UNet: gradients, loss and buffer updates are
-bit for bit those of the unplanned captured step, allclose to eager PyTorch; the measured peak is
-within the budget, and the simulator's predicted peak is within 1% (or 1 MiB) of the measured one.
+bit for bit those of the unplanned captured step, which are eager PyTorch's bit for bit; the
+measured peak is within the budget, and the simulator's predicted peak equals the measured one
+to the byte.
+
+Note:
+    On the CPU the tracker counts the very storages the simulator models, so the prediction is
+    exact: the gap measured 0 bytes on all four models for swap and auto at half the peak, at
+    swap's minimum and at 30% (or auto's minimum). The 1%-or-1-MiB tolerance of a GPU
+    measurement (allocator rounding, the caching allocator's blocks) does not apply here.
 """
 
 import copy
@@ -74,19 +81,21 @@ def assert_same_as_keep(reference, model, loss):
 
 
 def assert_peak_within(step):
-    measured = step.measured.peak_bytes
-    predicted = step.predicted.peak_bytes
-    assert measured <= step.compiled.budget_bytes
-    assert abs(predicted - measured) <= max(0.01 * measured, 2**20)
+    """The measured peak is within the budget and is exactly the predicted one."""
+    assert step.measured.peak_bytes <= step.compiled.budget_bytes
+    assert step.predicted.peak_bytes == step.measured.peak_bytes
 
 
 def test_unplanned_step_matches_eager(reference):
+    """The captured step is eager PyTorch's bit for bit: the same aten kernels in the same order
+    (``mse_loss`` decomposed into the very ops its CPU kernel runs; tied weights' partial
+    gradients summed in autograd's order)."""
     keep, model = reference["keep"], reference["keep_model"]
-    torch.testing.assert_close(reference["keep_loss"], reference["eager_loss"], rtol=1e-5, atol=0)
+    assert torch.equal(reference["keep_loss"], reference["eager_loss"])
     for (name, got), expected in zip(model.named_parameters(), reference["eager_model"].parameters(), strict=True):
-        torch.testing.assert_close(got.grad, expected.grad, rtol=1e-5, atol=1e-7, msg=name)
-    for got, expected in zip(model.buffers(), reference["eager_model"].buffers(), strict=True):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+        assert torch.equal(got.grad, expected.grad), name
+    for (name, got), expected in zip(model.named_buffers(), reference["eager_model"].buffers(), strict=True):
+        assert torch.equal(got, expected), name
     assert keep.measured.peak_bytes == keep.predicted.peak_bytes
     saved = sum(t.size_bytes for t in keep.graph.saved_tensors())
     assert saved > 0.5 * (keep.predicted.peak_bytes - keep.graph.resident_bytes)

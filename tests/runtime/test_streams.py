@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from memfit.graph.ops import SWAP_IN, SWAP_OUT, WAIT
-from memfit.runtime.streams import CopyEngine, active_engine
+from memfit.runtime.streams import CopyEngine, active_engine, current_engine
 
 
 class FakeDeviceModule:
@@ -124,3 +124,37 @@ def test_executor_synchronizes_then_forgets_events(fake_engine):
     result = Executor(torch.fx.GraphModule({}, graph), engine=engine).run(torch.ones(3))
     assert torch.equal(result, -torch.ones(3))
     assert log[-1] == ("synchronize",) and engine.events == {}
+
+
+def test_each_thread_sees_only_its_own_engine():
+    """A run ending in one thread must not take the engine away from a run in another.
+
+    The order is fixed by events: the first thread enters its block, the second enters its own,
+    the first leaves, and only then does the second look its engine up.
+    """
+    import threading
+
+    first_engine, second_engine = CopyEngine("cpu"), CopyEngine("cpu")
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        with active_engine(first_engine):
+            first_in.set()
+            second_in.wait(timeout=30)
+            seen["first"] = current_engine()
+        first_out.set()
+
+    def second():
+        first_in.wait(timeout=30)
+        with active_engine(second_engine):
+            second_in.set()
+            first_out.wait(timeout=30)
+            seen["second"] = current_engine()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert seen["first"] is first_engine and seen["second"] is second_engine

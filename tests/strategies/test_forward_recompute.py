@@ -177,7 +177,7 @@ def test_checkpoint_with_forward_recompute_end_to_end():
     for (name, got), expected in zip(model.named_parameters(), keep_model.parameters(), strict=True):
         assert torch.equal(got.grad, expected.grad), f"gradient of {name} differs"
     measured, predicted = step.measured.peak_bytes, step.predicted.peak_bytes
-    assert abs(measured - predicted) <= max(0.01 * measured, MiB)
+    assert measured == predicted  # the CPU tracker counts what the simulator models
     assert measured <= budget_bytes < keep.measured.peak_bytes
 
 
