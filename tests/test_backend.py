@@ -189,7 +189,7 @@ def test_hooks_input_gradients_and_accumulation_behave_as_eager():
     data = batches(count=2)
     inputs = [x.clone().requires_grad_() for x, _ in data]
     reference_inputs = [x.clone().requires_grad_() for x, _ in data]
-    for (x, y), mine, theirs in zip(data, inputs, reference_inputs, strict=True):  # 2 micro-batches
+    for (_, y), mine, theirs in zip(data, inputs, reference_inputs, strict=True):  # 2 micro-batches
         nn.functional.mse_loss(fitted(mine), y).backward()
         nn.functional.mse_loss(reference(theirs), y).backward()
     assert seen == ["memfit", "eager", "memfit", "eager"]
