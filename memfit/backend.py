@@ -61,6 +61,7 @@ class Region:
     outside_bytes: int
     forward: fx.GraphModule
     backward: fx.GraphModule
+    resident_bytes: int = 0  # model and optimizer bytes (reserved state included) it planned for
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -83,10 +84,11 @@ class Backend:
         self.strategy = strategy
         self.hardware_spec = hardware
         self.compiler = compiler
-        self.optimizer = optimizer
+        self.optimizers: list[torch.optim.Optimizer] = [optimizer] if optimizer else []
         self.model = model
         self.params = dict(params)
         self.regions: list[Region] = []
+        self.replans = 0  # plans made again because more stayed resident than planned for
 
     def __call__(self, graph_module: fx.GraphModule, example_inputs: list) -> Any:
         from torch._dynamo.backends.common import aot_autograd
@@ -121,33 +123,62 @@ class Backend:
         inside = sum(binding_bytes(node) for node, binding in
                      zip(joint.graph.find_nodes(op="placeholder"), captured.inputs, strict=True)
                      if binding.kind == "parameter")
-        outside = max(0, resident_bytes(self.model, self.optimizer, device) - inside)
+        resident = resident_bytes(self.model, self.optimizers, device)
+        outside = max(0, resident - inside)
         made, baseline, budget_bytes = make_plan(graph, hardware, self.budget, self.strategy,
                                                  self.params, outside, what_ifs=False)
         program = rewrite(joint, graph, made)
         forward, backward = split(program, num_fwd_outputs, static_lifetime_input_indices)
         predicted = simulate(graph, made, hardware)
         self.regions.append(Region(len(self.regions), graph, made, baseline, predicted,
-                                   budget_bytes, outside, forward, backward))
+                                   budget_bytes, outside, forward, backward, resident))
         return forward, backward
 
+    # ---- re-planning when more stays resident ---------------------------------------------------
+
+    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count ``optimizer``'s state from now on (found by its first ``step``)."""
+        if self.model is None or any(known is optimizer for known in self.optimizers):
+            return
+        mine = {id(parameter) for parameter in self.model.parameters()}
+        if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+            self.optimizers.append(optimizer)
+
+    def stale(self, device: torch.device) -> bool:
+        """Whether more bytes are resident now than the newest plans left room for: optimizer
+        state that was not reserved, gradients kept across micro-batches. Only with a budget:
+        without one, nothing can be over it."""
+        if self.budget is None or not self.regions:
+            return False
+        planned = self.regions[-1].resident_bytes
+        return resident_bytes(self.model, self.optimizers, device) > planned
+
     def report(self) -> str:
-        """Per compiled region: budget, unplanned and predicted peak, what was decided."""
+        """Per compiled region: budget, unplanned and predicted peak, what was swapped and
+        recomputed (re-runs and their predicted time), and how often a plan was remade."""
+        from memfit.core.recompute import planned_reruns
         from memfit.render.text import table
 
         if not self.regions:
             return "memfit: no region has been compiled yet (call the model once)"
         rows = []
         for region in self.regions:
-            plan = region.plan
-            rows.append((region.index, len(region.graph.ops),
+            plan, graph = region.plan, region.graph
+            reruns = [r for group in planned_reruns(graph, plan).values() for r in group]
+            rerun_s = sum(graph.op(rerun.op).time_s for rerun in reruns)
+            rows.append((region.index, len(graph.ops),
                          format_bytes(region.budget_bytes) if region.budget_bytes else "none",
                          format_bytes(region.baseline_peak_bytes),
                          format_bytes(region.predicted_peak_bytes),
                          f"{plan.strategy} ({plan.params.get('solver', plan.strategy)})",
-                         len(plan.swapped), len(plan.reruns)))
-        return table(("region", "ops", "budget", "unplanned", "predicted", "strategy",
-                      "swapped", "re-runs"), rows)
+                         len(plan.swapped), f"{len(reruns)} ({rerun_s * 1e3:.2f} ms)",
+                         f"{region.predicted.step_time_s * 1e3:.2f} ms"))
+        text = table(("region", "ops", "budget", "unplanned", "predicted", "strategy", "swapped",
+                      "re-runs (time)", "step (simulated)"), rows)
+        if self.replans:
+            text += (f"\nplanned again {self.replans} time(s): more stayed resident than the "
+                     "earlier plans left room for (optimizer state, kept gradients)")
+        return text
 
 
 def binding_bytes(node: fx.Node) -> int:
@@ -232,10 +263,37 @@ def fit(model: torch.nn.Module, budget: str | int | float | None = None,
         >>> loss = model(**batch).loss; loss.backward(); optimizer.step()
     """
     planner = backend(budget, strategy, hardware, compiler, optimizer, model=model, **params)
+    model._memfit_plans = 0  # type: ignore[assignment]
+    model.register_forward_pre_hook(_guard_plans)
+    _watch_optimizers(planner)
     compiled = torch.compile(model, backend=planner, dynamic=False)
     compiled.__class__ = _fitted_class()
     compiled._memfit_backend = planner  # type: ignore[assignment]
     return compiled
+
+
+def _guard_plans(module: torch.nn.Module, args: Any) -> None:
+    """Traced by Dynamo with the module: its branch on ``_memfit_plans`` becomes a guard, so
+    raising that count makes the next call trace, and so plan, the model again."""
+    if module._memfit_plans < 0:
+        raise AssertionError("memfit's plan count is never negative")
+
+
+def _watch_optimizers(planner: Backend) -> None:
+    """Find the loop's optimizer by its first step, when ``optimizer=`` was not given, so that
+    its state counts from the next iteration on (a global post-step hook, held weakly)."""
+    import weakref
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    reference = weakref.ref(planner)
+
+    def adopt(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        found = reference()  # a dead backend leaves a hook that does nothing: torch iterates
+        if found is not None:  # the hooks while calling them, so it cannot remove itself here
+            found.adopt(optimizer)
+
+    register_optimizer_step_post_hook(adopt)
 
 
 def _fitted_class() -> type:
@@ -252,6 +310,10 @@ def _fitted_class() -> type:
 
     class FittedModule(OptimizedModule):
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            planner = self._memfit_backend
+            if planner.stale(_device_of(self._orig_mod.parameters())):
+                planner.replans += 1
+                self._orig_mod._memfit_plans += 1
             try:
                 return super().__call__(*args, **kwargs)
             except BackendCompilerFailed as failed:

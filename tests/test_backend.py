@@ -284,3 +284,38 @@ def test_bert_with_a_padded_attention_mask_trains_as_eager_at_half_its_peak():
     losses, peaks = _train_hf(fitted, optimizer, data)
     assert_same_training(model, reference, losses, reference_losses)
     assert max(peaks) <= budget, (peaks, budget)
+
+
+def test_gradient_accumulation_and_a_found_optimizer_replan_within_the_budget():
+    """No optimizer= given: the first step reveals AdamW (a global post-step hook) and its state,
+    and the second micro-batch finds gradients kept from the first: each makes the next call
+    plan again, so every iteration from then on fits."""
+    data = batches(count=4, size=4096)
+    reference = mlp()
+    reference_optimizer = torch.optim.AdamW(reference.parameters())
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    eager_peak = 0
+    for x, y in data[:2]:
+        measured = measure_allocator_peak(
+            lambda x=x, y=y: nn.functional.mse_loss(reference(x), y).backward(),
+            track=(list(reference.parameters()), reference_optimizer.state, x, y))
+        eager_peak = max(eager_peak, measured.peak_bytes)
+    reference_optimizer.step()
+    reference_optimizer.zero_grad(set_to_none=True)
+    budget = int(0.6 * eager_peak)
+    fitted = memfit.fit(model, budget=budget)
+    peaks = []
+    for index, (x, y) in enumerate(data):  # micro-batches of 2, then a step
+        measured = measure_allocator_peak(
+            lambda x=x, y=y: nn.functional.mse_loss(fitted(x), y).backward(),
+            track=(list(model.parameters()), optimizer.state, x, y))
+        peaks.append(measured.peak_bytes)
+        if index % 2:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    planner = fitted._memfit_backend
+    assert planner.optimizers == [optimizer]
+    assert planner.replans >= 1
+    assert max(peaks[1:]) <= budget, (peaks, budget)  # the first had nothing to re-plan for
+    assert "planned again" in memfit.report(fitted)

@@ -9,6 +9,8 @@ parameters (``STATE_SLOTS``), the way the optimizer will allocate it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -24,9 +26,9 @@ _HAS_STEP = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.opti
              torch.optim.RAdam, torch.optim.Adadelta, torch.optim.Adagrad, torch.optim.RMSprop)
 
 
-def resident_bytes(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
-                   device: torch.device) -> int:
-    """Bytes on ``device`` held by the model and the optimizer, reserved state included."""
+def resident_bytes(model: torch.nn.Module | None,
+                   optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> int:
+    """Bytes on ``device`` held by the model and the optimizers, reserved state included."""
     storages: dict[StorageWeakRef, int] = {}
 
     def add(tensor: torch.Tensor | None) -> None:
@@ -40,7 +42,8 @@ def resident_bytes(model: torch.nn.Module | None, optimizer: torch.optim.Optimiz
             add(parameter.grad)
         for buffer in model.buffers():
             add(buffer)
-    if optimizer is not None:
+    reserved = 0
+    for optimizer in optimizers:
         for group in optimizer.param_groups:
             for parameter in group["params"]:
                 add(parameter)
@@ -48,7 +51,8 @@ def resident_bytes(model: torch.nn.Module | None, optimizer: torch.optim.Optimiz
         for state in optimizer.state.values():
             for value in state.values():
                 add(value)
-    return sum(storages.values()) + reserved_state_bytes(optimizer, device)
+        reserved += reserved_state_bytes(optimizer, device)
+    return sum(storages.values()) + reserved
 
 
 def reserved_state_bytes(optimizer: torch.optim.Optimizer | None, device: torch.device) -> int:
