@@ -119,7 +119,8 @@ class Backend:
 
         hardware = resolve_hardware(self.hardware_spec, device)
         captured = as_captured(joint, num_fwd_outputs, static_lifetime_input_indices)
-        graph = analyze(captured, hardware, name=f"region {len(self.regions)}")
+        graph = analyze(captured, hardware, name=f"region {len(self.regions)}",
+                        kernel_temporaries=True)
         inside = sum(binding_bytes(node) for node, binding in
                      zip(joint.graph.find_nodes(op="placeholder"), captured.inputs, strict=True)
                      if binding.kind == "parameter")

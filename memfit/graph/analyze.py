@@ -3,6 +3,8 @@
 Sizes are counted per *storage*: a view, ``detach`` or ``t(weight)`` aliases its base and adds no
 bytes, and a multi-output op's tuple holds all its outputs until its last ``getitem``. An op reads
 every storage held by the values it takes, which is exactly when the executor can free them.
+With ``kernel_temporaries``, an op whose kernel allocates buffers for itself (``temporaries.py``)
+also allocates a storage of those bytes that nothing reads: alive while the op runs, freed after.
 FLOPs come from PyTorch's own FLOP counter registry; time from the roofline of a ``Hardware``.
 """
 
@@ -18,6 +20,7 @@ from torch.utils.flop_counter import flop_registry
 from memfit.core.costgraph import CostGraph, Op, Tensor
 from memfit.core.hardware import Hardware
 from memfit.graph.capture import SCOPE_KEY, TYPE_KEY, Binding, Captured
+from memfit.graph.temporaries import kernel_temporary_bytes
 
 _PHASES = {"is_forward": "forward", "is_backward": "backward"}
 _ROLES = {"parameter": "parameter", "buffer": "buffer", "input": "input", "tangent": "input"}
@@ -46,8 +49,16 @@ def op_kind(node: torch.fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target))
 
 
-def analyze(captured: Captured, hardware: Hardware, name: str = "step") -> CostGraph:
-    """The CostGraph of a captured step, with op times from ``hardware``'s roofline."""
+def analyze(captured: Captured, hardware: Hardware, name: str = "step",
+            kernel_temporaries: bool = False) -> CostGraph:
+    """The CostGraph of a captured step, with op times from ``hardware``'s roofline.
+
+    Args:
+        kernel_temporaries: count the buffers kernels allocate and free inside one op (what the
+            allocator sees, as ``torch.cuda.max_memory_allocated`` and ``measure_allocator_peak``
+            do). ``False`` counts op outputs only, as the CPU dispatch tracker that measures the
+            executor does.
+    """
     graph = captured.graph_module.graph
     owner: dict[StorageWeakRef, str] = {}  # storage -> name of the tensor (first node holding it)
     tensors: dict[str, Tensor] = {}
@@ -57,7 +68,7 @@ def analyze(captured: Captured, hardware: Hardware, name: str = "step") -> CostG
         _add_input(node, binding, owner, tensors)
     for node in graph.nodes:
         if node.op == "call_function":
-            ops.append(_op(node, owner, tensors, hardware))
+            ops.append(_op(node, owner, tensors, hardware, kernel_temporaries))
         elif node.op == "get_attr":  # a constant the graph holds: resident like an input
             _add_input(node, Binding("constant"), owner, tensors)
     output = graph.find_nodes(op="output")[0]
@@ -82,7 +93,7 @@ def _as_output(tensor: Tensor) -> Tensor:
     return Tensor(tensor.name, tensor.size_bytes, tensor.role, tensor.producer, (), True)
 
 
-def _op(node: torch.fx.Node, owner, tensors, hardware: Hardware) -> Op:
+def _op(node: torch.fx.Node, owner, tensors, hardware: Hardware, kernel_temporaries: bool) -> Op:
     """One Op: the storages it reads and allocates, its phase, scope, FLOPs and time."""
     reads: dict[str, None] = {}
     for source in node.all_input_nodes:
@@ -91,16 +102,19 @@ def _op(node: torch.fx.Node, owner, tensors, hardware: Hardware) -> Op:
             if name is not None:
                 reads[name] = None
     value = node.meta.get("val")
+    phase = _PHASES.get(node.meta.get("partitioner_tag"), "backward")
+    role = "activation" if phase == "forward" else "gradient"
     allocated: list[str] = []
     for tensor in tensors_in(value):
         key = storage_key(tensor)
         if key not in owner:
             owner[key] = node.name if not allocated else f"{node.name}.{len(allocated)}"
             allocated.append(owner[key])
-            phase = _PHASES.get(node.meta.get("partitioner_tag"), "backward")
-            role = "activation" if phase == "forward" else "gradient"
             tensors[owner[key]] = Tensor(owner[key], tensor.untyped_storage().nbytes(), role)
-    phase = _PHASES.get(node.meta.get("partitioner_tag"), "backward")
+    temporary_bytes = kernel_temporary_bytes(node) if kernel_temporaries else 0
+    if temporary_bytes:  # a storage nothing reads: freed right after the op
+        allocated.append(f"{node.name}.temporary")
+        tensors[allocated[-1]] = Tensor(allocated[-1], temporary_bytes, role)
     custom = node.meta.get("custom") or {}
     flops = _flops(node) if allocated else 0.0
     moved = _bytes_accessed(node) if allocated else 0

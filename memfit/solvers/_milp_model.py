@@ -28,6 +28,8 @@ class StageProblem:
         reads: indices of the ops whose values it reads (``depends_on`` and storage producers).
         recomputable: forward ops that return nothing may run again; all others run once.
         resident_bytes: graph inputs and parameters, live throughout.
+        transient_bytes: bytes of its outputs that nothing reads and the step does not return
+            (a kernel's own buffers): live while it runs, freed right after, never kept.
     """
 
     time_s: tuple[float, ...]
@@ -36,6 +38,7 @@ class StageProblem:
     reads: tuple[tuple[int, ...], ...]
     recomputable: tuple[bool, ...]
     resident_bytes: int
+    transient_bytes: tuple[int, ...] = ()
     readers: tuple[tuple[int, ...], ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -48,17 +51,21 @@ class StageProblem:
     @staticmethod
     def from_graph(graph: CostGraph) -> StageProblem:
         index = graph.index
-        reads, dying, returned = [], [], []
+        reads, dying, returned, transient = [], [], [], []
         for op in graph.ops:
             producers = {graph.tensors[t].producer for t in op.inputs} - {None}
             sources = {index[name] for name in (*op.depends_on, *producers) if name is not None}
             reads.append(tuple(sorted(sources)))
-            sizes = [(graph.tensors[t].size_bytes, graph.tensors[t].is_output) for t in op.outputs]
-            dying.append(sum(size for size, is_output in sizes if not is_output))
-            returned.append(sum(size for size, is_output in sizes if is_output))
+            outputs = [graph.tensors[t] for t in op.outputs]
+            dying.append(sum(t.size_bytes for t in outputs if not t.is_output and t.consumers))
+            returned.append(sum(t.size_bytes for t in outputs if t.is_output))
+            transient.append(sum(t.size_bytes for t in outputs if not t.is_output and not t.consumers))
         recomputable = tuple(op.phase == "forward" and not returned[i] for i, op in enumerate(graph.ops))
         return StageProblem(tuple(op.time_s for op in graph.ops), tuple(dying), tuple(returned),
-                            tuple(reads), recomputable, graph.resident_bytes)
+                            tuple(reads), recomputable, graph.resident_bytes, tuple(transient))
+
+    def transient(self, op: int) -> int:
+        return self.transient_bytes[op] if self.transient_bytes else 0
 
     @property
     def stages(self) -> int:
@@ -82,7 +89,7 @@ class StageProblem:
                     raise ValueError(f"stage {stage}: op {op} runs without ops {missing} in memory")
                 live.add(op)
                 used += self.dying_bytes[op] + (self.returned_bytes[op] if op == stage else 0)
-                peak = max(peak, base + used)
+                peak = max(peak, base + used + self.transient(op))
                 later = set(ops[position + 1:])
                 for source in (*self.reads[op], op):
                     if source in live and source not in keep_next and not later & set(self.readers[source]):
@@ -186,14 +193,17 @@ class MilpModel:
             for op in range(stage + 1):
                 self.column(("U", stage, op), lower=0.0, upper=budget_units, integer=False)
             returned_now = problem.returned_bytes[stage] / unit
-            terms = [(("U", stage, 0), 1.0), (("R", stage, 0), -(dying[0] + (returned_now if stage == 0 else 0)))]
+            transient = [problem.transient(op) / unit for op in range(stage + 1)]
+            first = dying[0] + transient[0] + (returned_now if stage == 0 else 0)
+            terms = [(("U", stage, 0), 1.0), (("R", stage, 0), -first)]
             for i in range(stage):  # kept, or (swap model) being brought in during the stage
                 terms += [(("S", stage, i), -dying[i]), (("I", stage, i), -dying[i]),
                           (("J", stage, i), -dying[i])]
             self.row(terms, base, base)
             for op in range(1, stage + 1):
-                added = dying[op] + (returned_now if op == stage else 0.0)
-                terms = [(("U", stage, op), 1.0), (("U", stage, op - 1), -1.0), (("R", stage, op), -added)]
+                added = dying[op] + transient[op] + (returned_now if op == stage else 0.0)
+                terms = [(("U", stage, op), 1.0), (("U", stage, op - 1), -1.0), (("R", stage, op), -added),
+                         (("R", stage, op - 1), transient[op - 1])]
                 terms += [(key, dying[key[2]]) for key in self._free_columns(stage, op - 1)]
                 self.row(terms, 0.0, 0.0)
             base += problem.returned_bytes[stage] / unit

@@ -50,7 +50,8 @@ class SwapFacts:
         index = graph.index
         swappable, d2h, h2d, readers, sources = [], [], [], [], []
         for position, op in enumerate(graph.ops):
-            dying = [graph.tensors[t] for t in op.outputs if not graph.tensors[t].is_output]
+            dying = [graph.tensors[t] for t in op.outputs
+                     if not graph.tensors[t].is_output and graph.tensors[t].consumers]
             read_by = sorted({index[c] for t in dying for c in t.consumers})
             readers.append(tuple(read_by))
             producers = {graph.tensors[t].producer for t in op.inputs} - {None}
