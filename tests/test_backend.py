@@ -92,10 +92,12 @@ def test_fit_trains_as_eager_within_the_budget_from_the_first_iteration(strategy
         assert max(peaks) <= budget, (peaks, budget)
         assert region.plan.strategy == strategy
     # from the second iteration on the optimizer state is real, not reserved, and the prediction
-    # is the measurement within 1% of the peak (keep, auto and swap agree to the bytes of the
-    # scalar loss; re-runs measured ~16 KB above on this MLP, cause not yet found)
-    gap = abs(peaks[-1] - region.predicted_peak_bytes)
-    assert gap <= 0.01 * peaks[-1], (peaks, region.predicted_peak_bytes)
+    # is the measurement, up to the scalar loss the region's caller makes. Known exception:
+    # checkpoint's peak here measures 15,872 B (0.1%) above, a CPU kernel buffer that the
+    # model does not know yet (see memfit/graph/temporaries.py); it is held to 1%.
+    gap = peaks[-1] - region.predicted_peak_bytes
+    allowed = 0.01 * peaks[-1] if strategy == "checkpoint" else 64
+    assert 0 <= gap <= allowed, (peaks, region.predicted_peak_bytes)
 
 
 @pytest.mark.parametrize("strategy", ["checkpoint", "memory-poor"])
