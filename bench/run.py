@@ -89,6 +89,7 @@ def cpu_sections() -> list[str]:
     """The CPU part: capacity, overhead, alternatives, recomputation curves, auto at real sizes."""
     from bench.alternatives import ALTERNATIVE_HEADERS, alternative_rows
     from bench.auto import auto_section
+    from bench.fit import fit_section
     from bench.models import (
         BENCH_MODELS,
         CAPACITY_HEADERS,
@@ -132,6 +133,7 @@ def cpu_sections() -> list[str]:
         "differ computed its backward pass from values other than its forward pass's (a "
         "recomputed dropout that draws a new mask would do this).\n",
         recompute,
+        "\n" + fit_section(log),
         "\n" + auto_section(log),
         "\n" + planning_section(log),
     ]
@@ -144,17 +146,19 @@ def section_builders() -> dict[str, Callable[[], str]]:
     """The CPU sections that can be rerun alone (``--only``), by name; each returns Markdown
     starting with its ``## `` title."""
     from bench.auto import auto_section
+    from bench.fit import fit_section
     from bench.planning import planning_section
     from bench.recompute import recompute_section
 
     return {
+        "fit": lambda: fit_section(log),
         "recompute": lambda: recompute_section(log, plot_path=ROOT / "bench" / "recompute.png"),
         "auto": lambda: auto_section(log),
         "planning": lambda: planning_section(log),
     }
 
 
-ONLY_CHOICES = ("recompute", "auto", "planning")  # section_builders()'s keys, without importing the sections
+ONLY_CHOICES = ("fit", "recompute", "auto", "planning")  # section_builders()'s keys, without importing the sections
 
 
 def splice(old: str, section: str, stamp: str) -> str:
