@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from memfit.api import BudgetWarning
 from memfit.core.costgraph import CostGraph
+from memfit.core.errors import BudgetError
 from memfit.core.hardware import Hardware
 from memfit.core.plan import Plan
 from memfit.core.simulate import simulate
@@ -62,6 +65,8 @@ class Region:
     forward: fx.GraphModule
     backward: fx.GraphModule
     resident_bytes: int = 0  # model and optimizer bytes (reserved state included) it planned for
+    saved_bytes: int = 0  # device bytes its forward saves for its backward
+    open_forwards: int = 0  # forwards run whose backward has not run yet (their saves are alive)
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -95,7 +100,7 @@ class Backend:
 
         device = _device_of(example_inputs)
         engine = CopyEngine(device)
-        compile_module = _runner(engine)
+        compile_module = _runner(engine, self.regions)
         return aot_autograd(fw_compiler=compile_module, bw_compiler=compile_module,
                             partition_fn=self._partition(device),
                             keep_inference_input_mutations=True)(graph_module, example_inputs)
@@ -125,15 +130,43 @@ class Backend:
                      zip(joint.graph.find_nodes(op="placeholder"), captured.inputs, strict=True)
                      if binding.kind == "parameter")
         resident = resident_bytes(self.model, self.optimizers, device)
-        outside = max(0, resident - inside)
-        made, baseline, budget_bytes = make_plan(graph, hardware, self.budget, self.strategy,
-                                                 self.params, outside, what_ifs=False)
+        # regions whose forward ran and whose backward has not hold their saved values meanwhile
+        # (a model with graph breaks: the later region plans around the earlier one's saves)
+        pending = sum(region.saved_bytes * region.open_forwards for region in self.regions)
+        outside = max(0, resident - inside) + pending
+        try:
+            made, baseline, budget_bytes = make_plan(graph, hardware, self.budget, self.strategy,
+                                                     self.params, outside, what_ifs=False)
+        except BudgetError as error:
+            if not pending:
+                raise
+            made, baseline, budget_bytes = self._over_budget(graph, hardware, error, pending,
+                                                             outside)
         program = rewrite(joint, graph, made)
         forward, backward = split(program, num_fwd_outputs, static_lifetime_input_indices)
         predicted = simulate(graph, made, hardware)
-        self.regions.append(Region(len(self.regions), graph, made, baseline, predicted,
-                                   budget_bytes, outside, forward, backward, resident))
+        index = len(self.regions)
+        forward.meta[REGION_KEY] = backward.meta[REGION_KEY] = index
+        self.regions.append(Region(index, graph, made, baseline, predicted, budget_bytes, outside,
+                                   forward, backward, resident, saved_device_bytes(forward,
+                                                                                   num_fwd_outputs)))
         return forward, backward
+
+    def _over_budget(self, graph: CostGraph, hardware: Hardware, error: BudgetError,
+                     pending: int, outside: int) -> tuple[Plan, Timeline, int | None]:
+        """Plan a region that only misses the budget because earlier regions (before a graph
+        break) still hold their saves: at its smallest peak, with a warning, so training goes on
+        exactly; planning the regions jointly is not done yet."""
+        warnings.warn(
+            f"memfit: a compiled region cannot fit {format_bytes(error.budget_bytes)} while the "
+            f"regions before it (a graph break) hold {format_bytes(pending)} of saved values; it "
+            f"runs at its smallest peak, {format_bytes(error.minimum_bytes)}. Remove the graph "
+            "break (torch._dynamo.explain(model)(...) shows it) or raise the budget.",
+            BudgetWarning, stacklevel=2)
+        from memfit.api import make_plan
+
+        return make_plan(graph, hardware, Budget(bytes=error.minimum_bytes), self.strategy,
+                         self.params, outside, what_ifs=False)
 
     # ---- re-planning when more stays resident ---------------------------------------------------
 
@@ -182,24 +215,52 @@ class Backend:
         return text
 
 
+REGION_KEY = "memfit_region"  # GraphModule.meta: which region a forward / backward module is
+
+
+def saved_device_bytes(forward: fx.GraphModule, num_fwd_outputs: int) -> int:
+    """Device bytes of the values ``forward`` returns for its backward: not its inputs (the
+    caller holds those anyway), not memfit's host copies and random states."""
+    from memfit.graph.analyze import storage_key, tensors_in
+
+    output = forward.graph.find_nodes(op="output")[0]
+    sizes: dict = {}
+    for node in output.args[0][num_fwd_outputs:]:
+        if not isinstance(node, fx.Node) or node.op == "placeholder":
+            continue
+        if node.meta.get("memfit", {}).get("kind") in ("swap_out", "rng_save"):
+            continue
+        for tensor in tensors_in(node.meta.get("val")):
+            sizes.setdefault(storage_key(tensor), tensor.untyped_storage().nbytes())
+    return sum(sizes.values())
+
+
 def binding_bytes(node: fx.Node) -> int:
     value = node.meta.get("val")
     return value.untyped_storage().nbytes() if isinstance(value, torch.Tensor) else 0
 
 
-def _runner(engine: CopyEngine):
+def _runner(engine: CopyEngine, regions: list[Region]):
     """AOTAutograd's module compiler for ``aot_eager``: the module's own generated code, boxed
-    (it frees its inputs as it goes), run with the region's copy engine current."""
+    (it frees its inputs as it goes), run with the region's copy engine current; a region's
+    forward opens it and its backward closes it (see ``Region.open_forwards``)."""
     from torch.fx.graph import _BoxedCodeGen
 
     def compile_module(module: fx.GraphModule, example_inputs) -> Any:
+        index = module.meta.get(REGION_KEY)
+        region = regions[index] if index is not None else None
+        is_backward = any(node.meta.get("autograd_backward") for node in module.graph.nodes)
         module.graph.set_codegen(_BoxedCodeGen())
         module.recompile()
         forward = module.forward
 
         def run(args: list) -> Any:
             with active_engine(engine):
-                return forward(args)
+                result = forward(args)
+            if region is not None:
+                region.open_forwards += -1 if is_backward else 1
+                region.open_forwards = max(region.open_forwards, 0)
+            return result
 
         run._boxed_call = True  # type: ignore[attr-defined]
         return run
