@@ -72,7 +72,7 @@ def test_milp_equals_chain_dp_on_uniform_chains(length):
     graph = synthetic.chain(length, **SMALL)
     costs = chain_costs_from_graph(graph)
     for budget_bytes in budgets(graph, 7):
-        solution = solve_milp(graph, budget_bytes, time_limit_s=30)
+        solution = solve_milp(graph, budget_bytes)
         schedule = solve_chain_costs(costs, budget_bytes - graph.resident_bytes, memory_units=5000)
         if schedule is None:
             assert solution.status == "infeasible", budget_bytes
@@ -85,7 +85,7 @@ def test_milp_equals_chain_dp_on_uniform_chains(length):
 def test_milp_equals_chain_dp_on_an_eight_step_chain():
     graph = synthetic.chain(8, **SMALL)
     budget_bytes = graph.resident_bytes + 4 + 8 * 16 + 5 * 1024
-    solution = solve_milp(graph, budget_bytes, time_limit_s=30)
+    solution = solve_milp(graph, budget_bytes)
     schedule = solve_chain_costs(chain_costs_from_graph(graph), budget_bytes - graph.resident_bytes,
                                  memory_units=5000)
     assert solution.status == "optimal" and schedule is not None
@@ -116,7 +116,7 @@ def test_milp_equals_chain_dp_on_heterogeneous_chains(seed):
     least = least_chain_budget(costs, keep_all)
     assert solve_milp(graph, graph.resident_bytes + least - 1).status == "infeasible"
     for chain_budget in sorted({least + (keep_all - least) * step // 4 for step in range(5)}):
-        solution = solve_milp(graph, graph.resident_bytes + chain_budget, time_limit_s=30)
+        solution = solve_milp(graph, graph.resident_bytes + chain_budget)
         schedule = solve_chain_costs(costs, chain_budget, memory_units=5000)
         assert schedule is not None
         assert_valid(graph, solution, graph.resident_bytes + chain_budget)
@@ -128,7 +128,7 @@ def test_resnet_schedule_fits_and_recomputes_only_forward_ops():
     keep_all = peak_bytes(graph, Plan("keep"))
     assert solve_milp(graph, keep_all).recompute_time_s == 0.0
     budget_bytes = graph.resident_bytes + (keep_all - graph.resident_bytes) * 7 // 10
-    solution = solve_milp(graph, budget_bytes, time_limit_s=30)
+    solution = solve_milp(graph, budget_bytes)
     assert solution.status == "optimal"
     assert_valid(graph, solution, budget_bytes)
     assert solution.recompute_time_s > 0
@@ -179,7 +179,7 @@ def test_milp_equals_exhaustive_search_over_all_chain_schedules(case):
     costs, budget_bytes = case
     graph = chain_graph(costs)
     assert chain_costs_from_graph(graph) == costs and graph.resident_bytes == 0
-    solution = solve_milp(graph, budget_bytes, time_limit_s=30)
+    solution = solve_milp(graph, budget_bytes)
     best = brute_force_recompute_time_s(costs, budget_bytes, persistent=False)
     if best == math.inf:
         assert solution.status == "infeasible"
