@@ -45,7 +45,8 @@ from memfit.solvers._milp_model import MilpModel, MilpStatus, StageProblem
 
 __all__ = ["NODE_LIMIT", "MilpSolution", "MilpStatus", "solve_milp"]
 
-NODE_LIMIT = 1000  # branch-and-bound nodes; the 96-op 6-layer MLP proves its optimum in 39-67
+NODE_LIMIT = 200  # branch-and-bound nodes: the 96-op 6-layer MLP proves its optimum in 39-67;
+# each node of a 100-op model costs ~0.1-1 s on a shared 2-core CPU, so this bounds minutes
 
 
 @dataclass(frozen=True)
