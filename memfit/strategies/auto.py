@@ -143,7 +143,7 @@ def _smallest_refusal(graph: CostGraph, keep: Plan, budget_bytes: int,
                    key=lambda error: error.minimum_bytes)
     notes = " ".join(dict.fromkeys(error.note for error in refusals if error.note))
     return BudgetError(budget_bytes, smallest.minimum_bytes, smallest.dominant, strategy="auto",
-                       note=(f"The smallest is {smallest.strategy!r}'s. " + notes).strip())
+                       note=f"Strategy {smallest.strategy} reaches that minimum. {notes}".strip())
 
 
 def _hybrid(graph: CostGraph, hardware: Hardware, budget_bytes: int,
