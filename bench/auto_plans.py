@@ -39,7 +39,6 @@ ALTERNATIVES: tuple[tuple[str, str, Mapping[str, Any]], ...] = (
 )
 MILP = "MILP optimum"
 MILP_MAX_OPS = 40  # solve_swap_milp's model has O(ops^2) binaries: tens of ops solve in seconds
-MILP_TIME_LIMIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -139,7 +138,7 @@ def milp_outcome(graph: CostGraph, hardware: Hardware, budget_bytes: int) -> Out
         return None
     from memfit.solvers.milp_swap import solve_swap_milp
 
-    solution = solve_swap_milp(graph, hardware, budget_bytes, time_limit_s=MILP_TIME_LIMIT_S)
+    solution = solve_swap_milp(graph, hardware, budget_bytes)
     fits = solution.plan is not None and 0 <= solution.peak_bytes <= budget_bytes
     return Outcome(solution.simulated_step_time_s if fits else None, solution.solve_time_s,
                    solution.status)

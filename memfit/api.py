@@ -382,7 +382,7 @@ def make_plan(graph: CostGraph, hardware: Hardware, budget: Budget | None, strat
             made = replan(max(budget_bytes - outside_bytes, 1))
         except BudgetError as error:  # report the whole device, the bytes outside the graph included
             raise BudgetError(budget_bytes, error.minimum_bytes + outside_bytes, error.dominant,
-                              error.strategy) from None
+                              error.strategy, error.note) from None
     explanation = explain(graph, made, hardware, baseline, budget_bytes, outside_bytes,
                           replan if what_ifs else None)
     return (replace(made, topology_hash=topology_hash(graph), explanation=explanation), baseline,

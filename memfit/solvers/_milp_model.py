@@ -2,18 +2,23 @@
 
 ``StageProblem`` is the graph reduced to what the MILP needs (per op: bytes, reads, readers,
 whether it may be recomputed) and replays a decoded schedule exactly. ``MilpModel`` lays the
-variables out in one vector and the constraints out as sparse rows for ``scipy.optimize.milp``.
+variables out in one vector and the constraints out as sparse rows for ``scipy.optimize.milp``,
+and solves them bounded by work, never by the clock (``MilpModel.solve``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
 
 from memfit.core.costgraph import CostGraph
 
+MilpStatus = Literal["optimal", "feasible", "infeasible", "node_limit", "error"]
 Key = tuple  # ("R", t, i) | ("S", t, i) | ("F", t, i, k) | ("U", t, k); swap model: I, J, O, W
 
 
@@ -126,6 +131,29 @@ class MilpModel:
         unit = max(1.0, budget_bytes / 1e4)
         model._add_memory_rows(budget_bytes / unit, unit)
         return model
+
+    def solve(self, node_limit: int, mip_rel_gap: float) -> tuple[np.ndarray | None, MilpStatus]:
+        """HiGHS's solution vector (``None`` when none was found) and what it says.
+
+        The search stops after ``node_limit`` branch-and-bound nodes, never on a clock: HiGHS is
+        deterministic for a fixed model and options, so the same graph and budget give the same
+        schedule on a busy machine and an idle one. ``"node_limit"``: no schedule within the
+        limit, which proves nothing about the budget.
+        """
+        matrix = coo_matrix((self.values, (self.rows, self.columns)),
+                            shape=(len(self.row_lower), len(self.cost))).tocsr()
+        result = milp(
+            c=np.array(self.cost), integrality=np.array(self.integrality),
+            bounds=Bounds(np.array(self.lower), np.array(self.upper)),
+            constraints=LinearConstraint(matrix, np.array(self.row_lower), np.array(self.row_upper)),
+            options={"node_limit": node_limit, "mip_rel_gap": mip_rel_gap, "disp": False},
+        )
+        if result.x is not None:
+            return result.x, "optimal" if result.status == 0 else "feasible"
+        if result.status == 2:
+            return None, "infeasible"
+        nodes = getattr(result, "mip_node_count", None) or 0
+        return None, "node_limit" if nodes >= node_limit else "error"
 
     def column(self, key: Key, cost: float = 0.0, lower: float = 0.0, upper: float = 1.0,
                integer: bool = True) -> int:

@@ -39,8 +39,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from memfit.core.costgraph import CostGraph
 from memfit.core.hardware import Hardware
@@ -48,7 +46,7 @@ from memfit.core.plan import Decision, Plan, Rerun, Swap, SwapIn
 from memfit.core.simulate import simulate
 from memfit.solvers._milp_model import StageProblem
 from memfit.solvers._milp_swap_model import SwapFacts, SwapMilpModel
-from memfit.solvers.milp import MilpStatus
+from memfit.solvers.milp import NODE_LIMIT, MilpStatus
 
 MISMATCHES = """\
 Where the MILP and memfit's simulator differ (the MILP is never the optimistic one):
@@ -97,7 +95,7 @@ class SwapMilpSolution:
 
 
 def solve_swap_milp(graph: CostGraph, hardware: Hardware, budget_bytes: int, *,
-                    time_limit_s: float = 60.0, mip_rel_gap: float = 1e-4) -> SwapMilpSolution:
+                    node_limit: int = NODE_LIMIT, mip_rel_gap: float = 1e-4) -> SwapMilpSolution:
     """The swap + recompute schedule of least step time whose peak fits ``budget_bytes``.
 
     Args:
@@ -105,8 +103,8 @@ def solve_swap_milp(graph: CostGraph, hardware: Hardware, budget_bytes: int, *,
             O(T²) swap-ins over the forward ops).
         hardware: link bandwidths and latency, ``duplex`` and ``async_copies`` set the copy rows.
         budget_bytes: total device bytes, resident storages included.
-        time_limit_s: HiGHS's wall-time limit (default 60 s); past it the best schedule so far
-            comes back as ``"feasible"``, or none as ``"time_limit"``.
+        node_limit: HiGHS's branch-and-bound nodes (default ``milp.NODE_LIMIT``); past it the
+            best schedule so far comes back as ``"feasible"``, or none as ``"node_limit"``.
         mip_rel_gap: HiGHS's relative gap (default 1e-4: a tenth of a permille of the step).
 
     An infeasible budget is not an error: the solution says ``"infeasible"``.
@@ -115,29 +113,20 @@ def solve_swap_milp(graph: CostGraph, hardware: Hardware, budget_bytes: int, *,
     problem = StageProblem.from_graph(graph)
     facts = SwapFacts.from_graph(graph, hardware, problem)
     model = SwapMilpModel.build_swap(problem, facts, hardware, budget_bytes)
-    matrix = coo_matrix((model.values, (model.rows, model.columns)),
-                        shape=(len(model.row_lower), len(model.cost))).tocsr()
-    result = milp(
-        c=np.array(model.cost), integrality=np.array(model.integrality),
-        bounds=Bounds(np.array(model.lower), np.array(model.upper)),
-        constraints=LinearConstraint(matrix, np.array(model.row_lower), np.array(model.row_upper)),
-        options={"time_limit": time_limit_s, "mip_rel_gap": mip_rel_gap, "disp": False},
-    )
+    x, status = model.solve(node_limit, mip_rel_gap)
     elapsed = time.perf_counter() - started
-    if result.x is None:
-        statuses: dict[int, MilpStatus] = {2: "infeasible", 1: "time_limit"}
+    if x is None:
         inf = float("inf")
-        return SwapMilpSolution(statuses.get(result.status, "error"), inf, inf, inf, None, elapsed)
-    x = result.x
+        return SwapMilpSolution(status, inf, inf, inf, None, elapsed)
     computed, _ = model.decode(x)
     recompute_time_s = sum(problem.time_s[op] for stage, ops in enumerate(computed)
                            for op in ops if op != stage)
     stall_s = sum(model.value(x, ("W", t)) for t in range(problem.stages)) * model.time_unit_s
     plan = decode_plan(graph, hardware, budget_bytes, model, x,
-                       {"time_limit_s": time_limit_s, "mip_rel_gap": mip_rel_gap})
+                       {"node_limit": node_limit, "mip_rel_gap": mip_rel_gap})
     timeline = simulate(graph, plan, hardware, record_intervals=False)
     return SwapMilpSolution(
-        status="optimal" if result.status == 0 else "feasible",
+        status=status,
         step_time_s=graph.step_time_s + recompute_time_s + stall_s,
         recompute_time_s=recompute_time_s, stall_s=stall_s, plan=plan, solve_time_s=elapsed,
         simulated_step_time_s=timeline.step_time_s, peak_bytes=timeline.peak_bytes,

@@ -8,6 +8,14 @@ from memfit.core.plan import Plan
 from memfit.core.schedule import live_buffers, lower, memory_profile
 
 
+def live_at_peak(graph: CostGraph, plan: Plan) -> tuple[int, tuple[tuple[str, int], ...]]:
+    """``plan``'s peak and the ``(tensor, bytes)`` live at it, largest first: what a
+    ``BudgetError`` reports."""
+    schedule = lower(graph, plan)
+    profile = memory_profile(schedule)
+    return profile.peak_bytes, tuple(live_buffers(schedule, profile.peak_index))
+
+
 def require_fit(graph: CostGraph, plan: Plan, budget_bytes: int | None) -> Plan:
     """Return ``plan`` if its peak fits ``budget_bytes`` (or there is none), else raise.
 
@@ -16,9 +24,7 @@ def require_fit(graph: CostGraph, plan: Plan, budget_bytes: int | None) -> Plan:
     """
     if budget_bytes is None:
         return plan
-    schedule = lower(graph, plan)
-    profile = memory_profile(schedule)
-    if profile.peak_bytes > budget_bytes:
-        dominant = live_buffers(schedule, profile.peak_index)
-        raise BudgetError(budget_bytes, profile.peak_bytes, dominant, strategy=plan.strategy)
+    peak, dominant = live_at_peak(graph, plan)
+    if peak > budget_bytes:
+        raise BudgetError(budget_bytes, peak, dominant, strategy=plan.strategy)
     return plan

@@ -10,10 +10,7 @@ balance lies depends on the hardware profile, not on a rule of thumb.
 The candidates, each simulated exactly by ``simulate`` (memory is program-order liveness):
 
 1. ``keep``, if it fits;
-2. recompute only: ``optimal-recompute``'s separator-block DP, and on graphs of up to
-   ``MILP_MAX_OPS`` ops its MILP too, held to ``MILP_TIME_LIMIT_S`` (its own default of a
-   minute would make auto's planning time depend on HiGHS's luck, three times over with the
-   what-if rows);
+2. recompute only: ``optimal-recompute``'s separator-block DP;
 3. swap only: the TFLMS tuner (``swap``);
 4. the vDNN policies, where registered;
 5. the hybrid: the separator-block DP's recomputation at a budget relaxed by up to what the
@@ -30,12 +27,20 @@ The candidates, each simulated exactly by ``simulate`` (memory is program-order 
 The fastest that fits wins; ``plan.params["solver"]`` names it and ``plan.params["candidates"]``
 lists every candidate's simulated step time (``None``: did not fit), which is how ``explain``
 shows what the others would have cost.
+
+Where none fits, auto does not give up before every other registered strategy has tried with its
+own defaults (``checkpoint``, ``memory-poor``, ...; last, ``optimal-recompute``'s MILP on graphs
+small enough for it): auto fails only where each of them does, and its ``BudgetError`` reports
+the smallest minimum among theirs, at which that strategy, and so auto, fits. The MILP is not in
+the portfolio: bounded by work rather than a clock (so the plan never depends on the machine's
+load), its root alone takes seconds to tens of seconds on a 50-op chain near its minimum.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 from memfit.core.costgraph import CostGraph
 from memfit.core.errors import BudgetError
@@ -45,15 +50,15 @@ from memfit.core.recompute import planned_reruns
 from memfit.core.simulate import simulate
 from memfit.solvers import segments
 from memfit.strategies import get_strategy, register, strategy_names
+from memfit.strategies._fit import live_at_peak
 from memfit.strategies._link_swap import free_swaps
-from memfit.strategies.optimal_recompute import priced_segments
+from memfit.strategies.optimal_recompute import MILP_MAX_OPS, priced_segments
 
 MIN_SWAP_BYTES = 1 << 16  # smaller copies are mostly link latency
 HYBRID_SHARES = (1.25, 1.0, 0.75, 0.5, 0.25, 0.0)  # budget relaxations, shares of what free swaps save
 CHECKPOINT_ROUNDS = 6  # recompute-then-swap rounds; GPT-2 settles (or cycles) within five
 VDNN_POLICIES = ("vdnn_all", "vdnn_conv", "vdnn_dyn")
-MILP_MAX_OPS = 100  # optimal-recompute's own default
-MILP_TIME_LIMIT_S = 2.0
+LAST_RESORT = "optimal-recompute"  # with its defaults: the MILP on small graphs, minutes at worst
 
 
 def check_params(**unknown) -> None:
@@ -69,7 +74,8 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
     """The fastest simulated plan whose peak fits ``budget_bytes`` (Keep without a budget).
 
     Raises:
-        BudgetError: if no candidate fits; its minimum is the smallest any candidate reached.
+        BudgetError: if no candidate and no other registered strategy fits; its minimum is the
+            smallest any of them reported, so auto fits at it.
     """
     check_params(**unknown)
     keep = Plan("auto", graph_hash=graph.structure_hash, hardware=hardware.name,
@@ -78,44 +84,66 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
     if budget_bytes is None or keep_timeline.peak_bytes <= budget_bytes:
         return keep
     found: dict[str, tuple[float, Plan] | None] = {}
-    smallest = [keep_timeline.peak_bytes]
+    refusals: list[BudgetError] = []
 
     def consider(name: str, make: Callable[[], Plan | None]) -> None:
         try:
             made = make()
         except BudgetError as error:
-            smallest.append(error.minimum_bytes)
+            refusals.append(error)
             found[name] = None
             return
         if made is None:
             found[name] = None
             return
         timeline = simulate(graph, made, hardware, record_intervals=False)
-        smallest.append(timeline.peak_bytes)
         fits = timeline.peak_bytes <= budget_bytes
         found[name] = (timeline.step_time_s, made) if fits else None
 
-    recompute = partial(get_strategy("optimal-recompute"), graph, hardware, budget_bytes)
-    consider("recompute", partial(recompute, method="segments"))
-    if len(graph.ops) <= MILP_MAX_OPS:
-        consider("recompute-milp", partial(recompute, method="milp", max_ops=MILP_MAX_OPS,
-                                           time_limit_s=MILP_TIME_LIMIT_S))
-    consider("swap", partial(get_strategy("swap"), graph, hardware, budget_bytes))
+    def run(strategy: str, **params: Any) -> Callable[[], Plan]:
+        return partial(get_strategy(strategy), graph, hardware, budget_bytes, **params)
+
+    consider("recompute", run("optimal-recompute", method="segments"))
+    consider("swap", run("swap"))
     for policy in VDNN_POLICIES:
         if policy in strategy_names():
-            consider(policy, partial(get_strategy(policy), graph, hardware, budget_bytes))
+            consider(policy, run(policy))
     consider("hybrid", lambda: _hybrid(graph, hardware, budget_bytes, keep_timeline.peak_bytes))
     consider("swapped-checkpoints", lambda: _swapped_checkpoints(graph, hardware, budget_bytes))
-    fitting = {name: entry for name, entry in found.items() if entry is not None}
-    if not fitting:
-        raise BudgetError(budget_bytes, min(smallest), strategy="auto")
-    name, (_, best) = min(fitting.items(), key=lambda item: item[1][0])
+    for strategy in _others(graph):  # only where nothing fits: auto never gives up before them
+        if not any(found.values()):
+            consider(strategy, run(strategy))
+    if not any(found.values()):
+        raise _smallest_refusal(graph, keep, budget_bytes, refusals)
+    name, (_, best) = min(((n, e) for n, e in found.items() if e is not None),
+                          key=lambda item: item[1][0])
     candidates = {key: (entry[0] if entry else None) for key, entry in found.items()}
     return Plan("auto", best.decisions, graph_hash=graph.structure_hash,
                 budget_bytes=budget_bytes, hardware=hardware.name, reruns=best.reruns,
                 params={"solver": name, "from": best.strategy, "candidates": candidates,
                         **{f"{best.strategy}.{k}": v for k, v in best.params.items()
                            if k != "candidates"}})
+
+
+def _others(graph: CostGraph) -> list[str]:
+    """The registered strategies the portfolio has not run with their defaults, cheapest first:
+    the rest, then optimal-recompute's MILP where the graph is small enough for it (above, its
+    default is the DP, which the portfolio ran)."""
+    ran = {"auto", "keep", "swap", LAST_RESORT, *VDNN_POLICIES}
+    others = [name for name in strategy_names() if name not in ran]
+    return others + ([LAST_RESORT] if len(graph.ops) <= MILP_MAX_OPS else [])
+
+
+def _smallest_refusal(graph: CostGraph, keep: Plan, budget_bytes: int,
+                      refusals: list[BudgetError]) -> BudgetError:
+    """auto's error: the smallest minimum any strategy reported (each one fits at its own, so
+    auto does too), its tensors, and what the others said (a solver that stopped early)."""
+    peak, dominant = live_at_peak(graph, keep)
+    smallest = min([BudgetError(budget_bytes, peak, dominant, "keep"), *refusals],
+                   key=lambda error: error.minimum_bytes)
+    notes = " ".join(dict.fromkeys(error.note for error in refusals if error.note))
+    return BudgetError(budget_bytes, smallest.minimum_bytes, smallest.dominant, strategy="auto",
+                       note=f"Strategy {smallest.strategy} reaches that minimum. {notes}".strip())
 
 
 def _hybrid(graph: CostGraph, hardware: Hardware, budget_bytes: int,

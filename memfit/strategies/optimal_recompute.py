@@ -6,7 +6,11 @@ Two solvers, picked by size (``method="auto"``):
 - ``"milp"``: Checkmate's MILP (``memfit.solvers.milp``) on HiGHS decides, before every op, which
   forward ops to run again; each decision becomes a ``Rerun(op, before)``, so a value may be
   rebuilt many times, as the optimum often wants. It has one binary per (stage, op) pair, so it
-  is for graphs of up to ``max_ops`` ops (100 by default: seconds to a minute here).
+  is for graphs of up to ``max_ops`` ops (100 by default: seconds to minutes here), and HiGHS
+  stops after ``node_limit`` branch-and-bound nodes, a work limit, never a clock, so the plan is
+  the same on a busy machine and an idle one. Where it finds no schedule (infeasible in its
+  per-op accounting, or stopped at the node limit) the DP below plans instead: a MILP that
+  stopped early never makes the strategy say "does not fit".
 - ``"segments"``: the chain of separator blocks (``memfit.solvers.segments``): each segment of
   blocks is kept, rebuilt whole from the separator before it, or rebuilt but for its matmul /
   conv / attention outputs; the DP picks the split with the least recompute time whose exact
@@ -39,67 +43,94 @@ from memfit.core.simulate import simulate
 from memfit.core.timeline import Timeline
 from memfit.solvers import segments
 from memfit.solvers.block_chain import nested_reruns
-from memfit.solvers.milp import solve_milp
+from memfit.solvers.milp import NODE_LIMIT, solve_milp
 from memfit.strategies import register
+from memfit.strategies._fit import live_at_peak
 from memfit.strategies._forward_recompute import recompute_in_forward
 
 METHODS = ("auto", "milp", "segments")
+MILP_MAX_OPS = 100  # the default max_ops: the MILP's root takes seconds to a minute at this size
 MAX_BLOCKS = 48  # blocks beyond this are merged: the table grows with their square (see below)
 POOR_MAX_FORWARD_OPS = 2000  # memory-poor re-runs O(n^2) ops: beyond this, never worth a plan
 _TIGHTEN_ROUNDS = 6  # re-solves with a budget lowered by the assembled plan's excess
 _TABLES: dict[tuple, tuple[segments.Blocks, list[segments.Segment]]] = {}  # small cache
 
 
-def check_params(method: str = "auto", max_ops: int = 100, time_limit_s: float = 60.0,
+def check_params(method: str = "auto", max_ops: int = MILP_MAX_OPS, node_limit: int = NODE_LIMIT,
                  **unknown) -> None:
     """Validate optimal-recompute's parameters without a graph."""
+    if "time_limit_s" in unknown:
+        raise ValueError("optimal-recompute no longer takes time_limit_s: a clock made the plan "
+                         "depend on the machine's load. Bound the MILP's work with node_limit= "
+                         f"(branch-and-bound nodes, default {NODE_LIMIT}) and its size with "
+                         "max_ops=, or use method='segments'")
     if unknown:
         raise ValueError(f"strategy 'optimal-recompute' got unknown parameters {sorted(unknown)}; "
-                         "it accepts method=, max_ops= and time_limit_s=")
+                         "it accepts method=, max_ops= and node_limit=")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if not isinstance(max_ops, int) or isinstance(max_ops, bool) or max_ops < 1:
         raise ValueError(f"max_ops must be a positive int, got {max_ops!r}")
-    if not isinstance(time_limit_s, (int, float)) or time_limit_s <= 0:
-        raise ValueError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
+    if not isinstance(node_limit, int) or isinstance(node_limit, bool) or node_limit < 1:
+        raise ValueError(f"node_limit must be a positive int (branch-and-bound nodes), "
+                         f"got {node_limit!r}")
 
 
 @register("optimal-recompute")
 def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, *,
-         method: str = "auto", max_ops: int = 100, time_limit_s: float = 60.0,
+         method: str = "auto", max_ops: int = MILP_MAX_OPS, node_limit: int = NODE_LIMIT,
          **unknown) -> Plan:
     """The recomputation schedule with the least recompute time whose peak fits ``budget_bytes``.
 
     Args:
         method: ``"milp"`` (exact, small graphs), ``"segments"`` (the separator-block DP) or
             ``"auto"``: the MILP up to ``max_ops`` ops, the DP above.
-        max_ops: the largest graph handed to the MILP (default 100 ops: seconds to a minute here).
-        time_limit_s: HiGHS's time limit; a schedule found but not proven optimal is still used.
+        max_ops: the largest graph handed to the MILP (default 100 ops: seconds to minutes here).
+        node_limit: HiGHS's branch-and-bound nodes (default ``milp.NODE_LIMIT``); a schedule
+            found but not proven optimal is still used, and none found hands over to the DP.
 
     Raises:
         ValueError: for bad parameters, no budget, or ``method="milp"`` on a graph larger than
             ``max_ops``.
-        BudgetError: if no recomputation schedule fits the budget.
+        BudgetError: if no recomputation schedule fits the budget; planning again at its
+            ``minimum_bytes`` fits.
     """
-    check_params(method, max_ops, time_limit_s, **unknown)
+    check_params(method, max_ops, node_limit, **unknown)
     if budget_bytes is None:
         raise ValueError("optimal-recompute needs a budget: memfit.compile(..., budget='0.5')")
-    params = {"method": method, "max_ops": max_ops, "time_limit_s": time_limit_s}
+    params = {"method": method, "max_ops": max_ops, "node_limit": node_limit}
     if method == "milp" or (method == "auto" and len(graph.ops) <= max_ops):
         if len(graph.ops) > max_ops:
             raise ValueError(
                 f"this graph has {len(graph.ops)} ops, more than the MILP's max_ops={max_ops}; "
                 "raise max_ops (the solve grows fast) or use method='segments'")
-        return _milp_plan(graph, hardware, budget_bytes, params, time_limit_s)
+        made = _milp_plan(graph, hardware, budget_bytes, params, node_limit)
+        if isinstance(made, Plan):
+            return made
+        try:
+            return _segment_plan(graph, hardware, budget_bytes, {**params, "milp_status": made})
+        except BudgetError as error:
+            if made in ("infeasible", "over"):
+                raise
+            raise BudgetError(error.budget_bytes, error.minimum_bytes, error.dominant,
+                              error.strategy, note=_stopped_early(made, node_limit)) from None
     return _segment_plan(graph, hardware, budget_bytes, params)
 
 
+def _stopped_early(status: str, node_limit: int) -> str:
+    """What to tell a user whose MILP gave no schedule without proving there is none."""
+    how = (f"stopped at its node limit ({node_limit} nodes)" if status == "node_limit"
+           else f"failed ({status})")
+    return (f"The MILP {how} without a schedule, so the separator-block DP planned instead: a "
+            "larger node_limit= may fit lower.")
+
+
 def _milp_plan(graph: CostGraph, hardware: Hardware, budget_bytes: int, params: dict,
-               time_limit_s: float) -> Plan:
-    solution = solve_milp(graph, budget_bytes, time_limit_s=time_limit_s)
+               node_limit: int) -> Plan | str:
+    """The MILP's plan if it found one that fits, else why not (its status, or ``"over"``)."""
+    solution = solve_milp(graph, budget_bytes, node_limit=node_limit)
     if not solution.found:
-        minimum = simulate(graph, _memory_poor(graph), hardware, record_intervals=False).peak_bytes
-        raise BudgetError(budget_bytes, minimum, strategy="optimal-recompute")
+        return solution.status
     reruns = tuple(
         Rerun(op, stage[-1]) for stage in solution.computed for op in stage[:-1]
         if graph.op(op).outputs  # views allocate nothing; the rewriter replays them anyway
@@ -109,7 +140,7 @@ def _milp_plan(graph: CostGraph, hardware: Hardware, budget_bytes: int, params: 
                 params={**params, "solver": "milp", "milp_status": solution.status})
     predicted = simulate(graph, made, hardware, record_intervals=False).peak_bytes
     if predicted > budget_bytes:  # the MILP's accounting is an upper bound; this is a safeguard
-        raise BudgetError(budget_bytes, predicted, strategy="optimal-recompute")
+        return "over"
     return made
 
 
@@ -157,8 +188,7 @@ def _below_the_segments(graph: CostGraph, hardware: Hardware, profiler: RerunPro
     if nested is not None:
         return nested
     if poor is None or poor_timeline is None:
-        smallest = _least_fitting(graph, profiler, budget_bytes)
-        raise BudgetError(budget_bytes, smallest, strategy="optimal-recompute")
+        raise _refusal(graph, profiler, budget_bytes, None)
     return _memory_poor_fit(graph, hardware, profiler, budget_bytes, params, poor, poor_timeline)
 
 
@@ -202,11 +232,25 @@ def _memory_poor_fit(graph: CostGraph, hardware: Hardware, profiler: RerunProfil
     """Memory-poor's plan (rebuild everything before each backward op) if it fits: below the
     DP's smallest peak it is the only recomputation plan we have, at O(n^2) recompute."""
     if poor_timeline.peak_bytes > budget_bytes:
-        smallest = min(poor_timeline.peak_bytes, _least_fitting(graph, profiler, budget_bytes))
-        raise BudgetError(budget_bytes, smallest, strategy="optimal-recompute")
+        raise _refusal(graph, profiler, budget_bytes, (poor, poor_timeline.peak_bytes))
     return Plan("optimal-recompute", graph_hash=graph.structure_hash, budget_bytes=budget_bytes,
                 hardware=hardware.name, reruns=poor.reruns,
                 params={**params, "solver": "memory-poor"})
+
+
+def _refusal(graph: CostGraph, profiler: RerunProfiler, budget_bytes: int,
+             poor: tuple[Plan, int] | None) -> BudgetError:
+    """The error below every plan: the lower of memory-poor's peak and the DP's least fitting
+    budget (each one this strategy plans and fits at), with the tensors live at that peak."""
+    least = _least_fitting(graph, profiler, budget_bytes)
+    if poor is not None and poor[1] <= least:
+        at_peak, smallest = poor
+    else:
+        recomputed = _segment_recomputed(graph, profiler, least) or frozenset()
+        smallest, at_peak = least, Plan("optimal-recompute",
+                                        {t: Recompute("optimal segment") for t in sorted(recomputed)})
+    return BudgetError(budget_bytes, smallest, live_at_peak(graph, at_peak)[1],
+                       strategy="optimal-recompute")
 
 
 def _segment_recomputed(graph: CostGraph, profiler: RerunProfiler,
