@@ -321,3 +321,34 @@ def test_gradient_accumulation_and_a_found_optimizer_replan_within_the_budget():
     assert planner.replans >= 1
     assert max(peaks[1:]) <= budget, (peaks, budget)  # the first had nothing to re-plan for
     assert "planned again" in memfit.report(fitted)
+
+
+class Broken(nn.Module):
+    """Two compiled regions: a graph break between two stacks of layers."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = mlp(depth=4)[:-1]
+        self.second = mlp(depth=4)
+
+    def forward(self, x):
+        hidden = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(hidden)
+
+
+def test_a_graph_break_region_plans_around_the_saves_of_the_region_before_it():
+    data = batches(count=2, size=4096)
+    reference, reference_losses, eager_peak = eager_reference(Broken, data)
+    model = Broken()
+    optimizer = torch.optim.AdamW(model.parameters())
+    budget = int(0.7 * eager_peak)
+    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
+    losses, peaks = train(fitted, optimizer, data)
+    assert_same_training(model, reference, losses, reference_losses)
+    first, second = fitted._memfit_backend.regions
+    assert first.saved_bytes > 0
+    assert second.outside_bytes >= first.saved_bytes  # the first region's saves were open
+    assert max(peaks) <= budget, (peaks, budget)
+    assert first.open_forwards == second.open_forwards == 0  # every backward closed its region
