@@ -352,3 +352,29 @@ def test_a_graph_break_region_plans_around_the_saves_of_the_region_before_it():
     assert second.outside_bytes >= first.saved_bytes  # the first region's saves were open
     assert max(peaks) <= budget, (peaks, budget)
     assert first.open_forwards == second.open_forwards == 0  # every backward closed its region
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                         nn.Flatten(), nn.Linear(8 * 16 * 16, 1))
+
+
+@pytest.mark.parametrize("strategy", ["keep", "swap"])
+def test_batchnorm_statistics_update_in_the_forward_as_in_eager(strategy):
+    """AOTAutograd traces the running-statistics copies after the backward; memfit moves them
+    back into the forward module, so a forward alone updates them, as eager does."""
+    reference, model = _cnn(), _cnn()
+    fitted = memfit.fit(model, strategy=strategy)
+    x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    output, expected = fitted(x), reference(x)
+    for mine, theirs in zip(model.buffers(), reference.buffers(), strict=True):
+        assert torch.equal(mine, theirs)  # before any backward
+    output.sum().backward()
+    expected.sum().backward()
+    _assert_same_grads(model, reference)
+    for mine, theirs in zip(model.buffers(), reference.buffers(), strict=True):
+        assert torch.equal(mine, theirs)
+    (region,) = fitted._memfit_backend.regions
+    assert not [n for n in region.backward.graph.nodes if n.target is torch.ops.aten.copy_.default]

@@ -43,6 +43,7 @@ def as_captured(joint: fx.GraphModule, num_fwd_outputs: int,
     Raises:
         CaptureError: for a region with symbolic shapes, which memfit cannot size.
     """
+    _mutations_in_forward(joint.graph)
     static = set(static_lifetime_input_indices or ())
     inputs = []
     for position, node in enumerate(joint.graph.find_nodes(op="placeholder")):
@@ -63,6 +64,33 @@ def as_captured(joint: fx.GraphModule, num_fwd_outputs: int,
     outputs = tuple(Binding("loss", index=i) if i < num_fwd_outputs else Binding("gradient")
                     for i in range(count))
     return Captured(joint, tuple(inputs), outputs)
+
+
+def _mutations_in_forward(graph: fx.Graph) -> None:
+    """Move each input mutation the forward pass makes (BatchNorm's running statistics) to
+    right after what it reads, as forward nodes.
+
+    AOTAutograd traces these ``copy_`` nodes at the end of the joint graph, after the backward;
+    eager makes them in the forward, so a forward without a backward (or code reading the buffer
+    before ``backward()``) sees the update. Moved, they are planned, rewritten and split as the
+    forward nodes they are, and nothing is kept alive for them until the end of the step.
+    """
+    order = {node: position for position, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and node.target is torch.ops.aten.copy_.default):
+            continue
+        sources = node.all_input_nodes
+        if not sources or sources[0].op != "placeholder" or any(
+                source.name.startswith("tangents")
+                or (source.op != "placeholder" and source.meta.get("partitioner_tag") != "is_forward")
+                for source in sources):
+            continue
+        last = max(sources, key=order.__getitem__)
+        if last.op == "placeholder":
+            continue
+        last.append(node)
+        node.meta["partitioner_tag"] = "is_forward"
+        order = {n: position for position, n in enumerate(graph.nodes)}
 
 
 def _symbolic(value: torch.Tensor) -> bool:
