@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
