@@ -42,7 +42,7 @@ from memfit.graph.rewrite import rewrite
 from memfit.runtime.resident import resident_bytes
 from memfit.runtime.streams import CopyEngine, active_engine
 
-COMPILERS = ("aot_eager",)
+COMPILERS = ("aot_eager", "inductor")
 
 
 @dataclass
@@ -100,6 +100,11 @@ class Backend:
 
         device = _device_of(example_inputs)
         engine = CopyEngine(device)
+        if self.compiler == "inductor":
+            from memfit.graph.inductor import compile_with_inductor
+
+            return compile_with_inductor(graph_module, example_inputs, self._partition(device),
+                                         engine)
         compile_module = _runner(engine, self.regions)
         return aot_autograd(fw_compiler=compile_module, bw_compiler=compile_module,
                             partition_fn=self._partition(device),
@@ -288,7 +293,9 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
         strategy: as ``memfit.compile`` (default ``"auto"`` with a budget, ``"keep"`` without).
         hardware: the profile for the cost model (default: ``cpu`` on a CPU, measured on a GPU).
         compiler: how the planned modules run: ``"aot_eager"`` (their generated Python code;
-            gradients bit for bit eager's with deterministic algorithms on).
+            gradients bit for bit eager's with deterministic algorithms on) or ``"inductor"``
+            (inductor compiles them, fused kernels and all; memfit replaces only its
+            partitioner, so results are ``torch.compile(model)``'s, see ``memfit.graph.inductor``).
         optimizer: the optimizer of the loop, so that its state is reserved in the budget before
             its first ``step()`` creates it. Without it, state that exists when a region is
             planned still counts, but on the first iteration none exists yet.
@@ -305,6 +312,11 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
 
     if compiler not in COMPILERS:
         raise ValueError(f"unknown compiler {compiler!r}: use one of {COMPILERS}")
+    if compiler == "inductor" and budget is not None:
+        warnings.warn("memfit: compiler='inductor' is experimental: inductor fuses and reorders "
+                      "the planned modules, and measured peaks above the budget were seen (a CNN "
+                      "with re-runs, GPT-2 with swaps); use compiler='aot_eager' where the budget "
+                      "must hold", BudgetWarning, stacklevel=2)
     parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
     return Backend(parsed, chosen, hardware, compiler, optimizer, model, params)
 

@@ -1,0 +1,152 @@
+"""memfit.fit(compiler="inductor"): inductor's own results and fused kernels, within the budget.
+
+The reference is ``torch.compile(model)`` (inductor, its min-cut partitioner, no budget); memfit
+replaces only the partitioner, so the step is that reference's bit for bit where nothing is
+recomputed. Inductor compiles C++ on the CPU: the models are tiny and each test compiles twice.
+
+Note:
+    The reference's min-cut partitioner itself re-runs cheap ops (normalisations, activations)
+    in its backward, where memfit's partition saves or swaps them; inductor then fuses the two
+    backward modules differently, so the comparison is within the float32 tolerance torch's own
+    inductor tests use (``torch.testing.assert_close`` defaults: rtol 1.3e-6, atol 1e-5), not
+    bitwise.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit.runtime.measure import measure_allocator_peak
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
+                       reason="inductor needs a C++ compiler on the CPU (install g++)"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+
+def cnn_case():
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 3, 32, 32, generator=generator),
+             torch.randint(0, 10, (16,), generator=generator)) for _ in range(2)]
+    return cnn, lambda model, x, y: nn.functional.cross_entropy(model(x), y), data
+
+
+def gpt2_case():
+    from memfit.examples import gpt2
+
+    example = gpt2(layers=2, dropout=0.0)  # no random draws: both runs compute the same thing
+
+    def build():
+        return gpt2(layers=2, dropout=0.0).model
+
+    data = [example.make_inputs(example.batch_size) for _ in range(2)]
+    return build, example.loss_fn, data
+
+
+def train(model, loss_fn, data):
+    """Two AdamW steps as a user writes them: losses, allocator peaks, seconds per step (the first
+    compiles), and the code inductor generated."""
+    from torch._inductor.utils import run_and_get_code
+
+    optimizer = torch.optim.AdamW(model.parameters())
+    losses, peaks, times_s = [], [], []
+    code: list[str] = []
+    for inputs in data:
+        def step(inputs=inputs):
+            loss = loss_fn(model, *inputs)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        def measured_step(step=step, inputs=inputs):
+            resident = (list(model.parameters()), list(model.buffers()), optimizer.state, inputs)
+            return measure_allocator_peak(step, track=resident)
+
+        started = time.perf_counter()
+        if not code:  # it resets Dynamo first: only the step that compiles anyway
+            measured, code = run_and_get_code(measured_step)
+        else:
+            measured = measured_step()
+        times_s.append(time.perf_counter() - started)
+        losses.append(measured.result)
+        peaks.append(measured.peak_bytes)
+    return losses, peaks, times_s, "\n".join(code)
+
+
+def kernels(code: str) -> int:
+    """Inductor's fused C++ kernels in generated code (``cpp_fused_*`` definitions)."""
+    return len(re.findall(r"^cpp_fused_\w+ = ", code, flags=re.MULTILINE))
+
+
+def run_case(case, budget_fraction: float, strategy: str):
+    build, loss_fn, data = case()
+    _, eager_peaks, _, _ = train(build(), loss_fn, data)
+    reference = build()
+    reference_run = train(torch.compile(reference), loss_fn, data)
+    model = build()
+    budget = int(budget_fraction * max(eager_peaks))
+    fitted = memfit.fit(model, budget=budget, strategy=strategy, compiler="inductor")
+    run = train(fitted, loss_fn, data)
+    print(f"peaks: eager {max(eager_peaks)}, torch.compile {max(reference_run[1])}, "
+          f"memfit {max(run[1])}, budget {budget}; first step s (compiles): "
+          f"torch.compile {reference_run[2][0]:.1f}, memfit {run[2][0]:.1f}; second step s: "
+          f"torch.compile {reference_run[2][1]:.4f}, memfit {run[2][1]:.4f}; kernels: "
+          f"torch.compile {kernels(reference_run[3])}, memfit {kernels(run[3])}")
+    print(memfit.report(fitted))
+    return model, reference, fitted, budget, run, reference_run
+
+
+def check(case, budget_fraction: float, strategy: str) -> None:
+    model, reference, fitted, budget, run, reference_run = run_case(case, budget_fraction,
+                                                                   strategy)
+    losses, peaks, _, code = run
+    for loss, expected in zip(losses, reference_run[0], strict=True):
+        torch.testing.assert_close(loss, expected)  # the min-cut reference re-runs, see Note
+    for (name, parameter), expected in zip(model.named_parameters(), reference.parameters(),
+                                           strict=True):
+        torch.testing.assert_close(parameter, expected, msg=name)
+    assert max(peaks) <= budget, (peaks, budget)
+    regions = fitted._memfit_backend.regions
+    assert any(region.plan.swapped or region.plan.reruns for region in regions)
+    assert kernels(code) > 0  # inductor's fused kernels are still there
+    swapped = any(region.plan.swapped for region in regions)
+    assert ("torch.ops.memfit.swap_out" in code) == swapped
+
+
+def test_a_swap_plan_of_the_cnn_holds_its_budget_with_inductors_kernels():
+    # swap's smallest CNN peak is 0.51 of eager's: 0.55 leaves it room
+    check(cnn_case, 0.55, "swap")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "inductor does not keep the plan's order: on the CNN, auto picks re-runs and inductor fuses "
+    "the re-run chains with each other (measured 9.9 MB against a 4.3 MB budget, 8.6 MB eager); "
+    "on GPT-2 (auto picks 35 swaps) measured 5.88 MB against a 5.29 MB budget, predicted 5.10 MB"))
+@pytest.mark.parametrize("case", [cnn_case, gpt2_case], ids=["cnn", "gpt2"])
+def test_auto_at_half_the_eager_peak_holds_the_budget(case):
+    check(case, 0.5, "auto")
