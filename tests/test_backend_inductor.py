@@ -146,7 +146,7 @@ def test_a_swap_plan_of_the_cnn_holds_its_budget_with_inductors_kernels():
 @pytest.mark.xfail(strict=True, reason=(
     "inductor does not keep the plan's order: on the CNN, auto picks re-runs and inductor fuses "
     "the re-run chains with each other (measured 9.9 MB against a 4.3 MB budget, 8.6 MB eager); "
-    "on GPT-2 (auto picks 35 swaps) measured 5.88 MB against a 5.29 MB budget, predicted 5.10 MB"))
-@pytest.mark.parametrize("case", [cnn_case, gpt2_case], ids=["cnn", "gpt2"])
-def test_auto_at_half_the_eager_peak_holds_the_budget(case):
-    check(case, 0.5, "auto")
+    "on GPT-2 (auto picks 35 swaps) measured 5.88 MB against a 5.29 MB budget, predicted 5.10 MB; "
+    "only the CNN runs here, GPT-2's cold inductor compile costs CI a minute or more"))
+def test_auto_at_half_the_eager_peak_holds_the_budget():
+    check(cnn_case, 0.5, "auto")
