@@ -161,6 +161,144 @@ def t5(layers: int = 2, width: int = 64, heads: int = 4, vocab: int = 64, sequen
     return Example("t5", model, loss_fn, make_inputs, batch_size)
 
 
+def bert(layers: int = 2, width: int = 64, heads: int = 2, vocab: int = 128, sequence: int = 64,
+         batch_size: int = 8, dropout: float = 0.0, seed: int = 0) -> Example:
+    """transformers ``BertForSequenceClassification`` from a config, with a padded attention mask:
+    every other row ends in a quarter of padding, so the mask changes the loss.
+
+    The config names its ``problem_type``: otherwise the model's first forward sets it, and
+    ``torch.compile`` sees a changed config on the second call and traces (and plans) again.
+    """
+    _require("transformers")
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=vocab, hidden_size=width, num_hidden_layers=layers,
+                        num_attention_heads=heads, intermediate_size=2 * width,
+                        max_position_embeddings=sequence, hidden_dropout_prob=dropout,
+                        attention_probs_dropout_prob=dropout, attn_implementation="eager",
+                        problem_type="single_label_classification")
+    model = BertForSequenceClassification(config)
+
+    def loss_fn(model, input_ids, attention_mask, labels):
+        return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+
+    def make_inputs(batch):
+        generator = _generator(seed + batch)
+        ids = torch.randint(0, vocab, (batch, sequence), generator=generator)
+        mask = torch.ones(batch, sequence, dtype=torch.long)
+        mask[::2, sequence - sequence // 4:] = 0
+        return ids, mask, torch.randint(0, 2, (batch,), generator=generator)
+
+    return Example("bert", model, loss_fn, make_inputs, batch_size)
+
+
+def llama(layers: int = 2, width: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 128,
+          sequence: int = 64, batch_size: int = 4, seed: int = 0) -> Example:
+    """transformers ``LlamaForCausalLM`` from a config (grouped-query attention, rotary
+    positions, RMSNorm, SwiGLU), language-model loss."""
+    _require("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, max_position_embeddings=sequence,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = LlamaForCausalLM(config)
+
+    def loss_fn(model, input_ids, labels):
+        return model(input_ids=input_ids, labels=labels).loss
+
+    def make_inputs(batch):
+        generator = _generator(seed + batch)
+        ids = torch.randint(0, vocab, (batch, sequence), generator=generator)
+        return ids, ids.clone()
+
+    return Example("llama", model, loss_fn, make_inputs, batch_size)
+
+
+def vit(layers: int = 2, width: int = 64, heads: int = 4, image: int = 32, patch: int = 4,
+        batch_size: int = 8, classes: int = 10, dropout: float = 0.0, seed: int = 0) -> Example:
+    """transformers ``ViTForImageClassification`` from a config, cross-entropy on random labels."""
+    _require("transformers")
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(seed)
+    config = ViTConfig(hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
+                       intermediate_size=2 * width, image_size=image, patch_size=patch,
+                       num_labels=classes, hidden_dropout_prob=dropout,
+                       attention_probs_dropout_prob=dropout)
+    model = ViTForImageClassification(config)
+
+    def loss_fn(model, pixels, labels):
+        return model(pixel_values=pixels, labels=labels).loss
+
+    def make_inputs(batch):
+        generator = _generator(seed + batch)
+        return (torch.randn(batch, 3, image, image, generator=generator),
+                torch.randint(0, classes, (batch,), generator=generator))
+
+    return Example("vit", model, loss_fn, make_inputs, batch_size)
+
+
+def cnn(channels: int = 16, blocks: int = 3, image: int = 32, batch_size: int = 8,
+        classes: int = 10, seed: int = 0) -> Example:
+    """A plain CNN of convolution, BatchNorm (training mode: running statistics are updated, a
+    buffer mutation) and in-place ReLU blocks, then pooling and a linear classifier."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    width = 3
+    for _ in range(blocks):
+        layers += [nn.Conv2d(width, channels, 3, padding=1, bias=False),
+                   nn.BatchNorm2d(channels), nn.ReLU(inplace=True)]
+        width = channels
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(channels, classes))
+
+    def loss_fn(model, pixels, labels):
+        return nn.functional.cross_entropy(model(pixels), labels)
+
+    def make_inputs(batch):
+        generator = _generator(seed + batch)
+        return (torch.randn(batch, 3, image, image, generator=generator),
+                torch.randint(0, classes, (batch,), generator=generator))
+
+    return Example("cnn", model, loss_fn, make_inputs, batch_size)
+
+
+class _LSTMTagger(nn.Module):
+    """Embedding, a multi-layer ``nn.LSTM`` and a per-token classifier."""
+
+    def __init__(self, vocab: int, width: int, layers: int, dropout: float) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, width)
+        self.lstm = nn.LSTM(width, width, num_layers=layers, batch_first=True, dropout=dropout)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.lstm(self.embedding(tokens))
+        return self.head(hidden)
+
+
+def lstm(layers: int = 2, width: int = 64, vocab: int = 64, sequence: int = 16,
+         batch_size: int = 8, dropout: float = 0.0, seed: int = 0) -> Example:
+    """A token tagger around ``nn.LSTM`` (CPU: the fused mkldnn RNN op, several outputs),
+    cross-entropy per token."""
+    torch.manual_seed(seed)
+    model = _LSTMTagger(vocab, width, layers, dropout)
+
+    def loss_fn(model, tokens, labels):
+        return nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
+
+    def make_inputs(batch):
+        generator = _generator(seed + batch)
+        tokens = torch.randint(0, vocab, (batch, sequence), generator=generator)
+        return tokens, tokens.roll(1, dims=1)
+
+    return Example("lstm", model, loss_fn, make_inputs, batch_size)
+
+
 class _SwinStage(nn.Module):
     """A pair of MONAI ``SwinTransformerBlock``s, plain then shifted windows, whose mask is built
     inside the stage by MONAI's ``compute_mask`` (slice assignments: ``slice_scatter`` into
@@ -209,4 +347,9 @@ EXAMPLES: dict[str, Callable[..., Example]] = {
     "unet3d": unet3d,
     "t5": t5,
     "swin": swin_blocks,
+    "bert": bert,
+    "llama": llama,
+    "vit": vit,
+    "cnn": cnn,
+    "lstm": lstm,
 }
