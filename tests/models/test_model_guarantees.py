@@ -16,7 +16,7 @@ from memfit.core.plan import Plan
 from memfit.core.simulate import simulate
 from memfit.graph.capture import capture
 from memfit.strategies import get_strategy, strategy_names
-from tests.strategies.test_guarantees import slow_clock, spy_on_highs
+from tests.strategies.test_strategy_guarantees import slow_clock, spy_on_highs
 
 SMALL = {
     "mlp": lambda: examples.mlp(depth=8, width=64, batch_size=256),
