@@ -8,12 +8,20 @@ the output), and ``native_dropout_backward`` computes ``grad * mask`` and then m
 the scale (a second output-sized buffer, plus the scale wrapped as a 0-dim double and cast).
 On CUDA both ops are single fused kernels with no temporaries.
 
+Convolutions on the CPU go through oneDNN (mkldnn), which computes in channel-blocked layouts:
+the input, weight and output are reordered into copies whose channels are rounded up to the
+vector width (8 floats on AVX2), the result is reordered back into the plain output, and the
+copies are freed. Batch-norm keeps two per-channel buffers beside its outputs in the forward and
+an input-sized one in the backward. The rules below were measured on torch 2.13 with AVX2
+(``bench/kernel_survey.py`` runs every op of a captured graph alone under the allocator).
+
 ``analyze(..., kernel_temporaries=True)`` adds these bytes to each op as a storage nobody reads,
 so every memory profile counts them while the op runs and frees them right after.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -40,9 +48,126 @@ def _dropout_backward(values: torch.Tensor, output_bytes: int) -> int:
     return output_bytes + _scalar_bytes(values.dtype)
 
 
-_CPU_TEMPORARIES: dict[object, Callable[[torch.Tensor, int], int]] = {
-    torch.ops.aten.native_dropout.default: _dropout_forward,
-    torch.ops.aten.native_dropout_backward.default: _dropout_backward,
+def _dropout_rule(rule: Callable[[torch.Tensor, int], int]) -> Callable[[fx.Node], int]:
+    def node_rule(node: fx.Node) -> int:
+        first = _values(node)[0]
+        return rule(first, first.untyped_storage().nbytes())
+
+    return node_rule
+
+
+def _values(node: fx.Node) -> list:
+    value = node.meta.get("val")
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+def _argument(node: fx.Node, name: str):
+    """The argument called ``name`` in the op's schema (a node's fake value for a node)."""
+    assert isinstance(node.target, torch._ops.OpOverload)
+    names = [argument.name for argument in node.target._schema.arguments]
+    index = names.index(name)
+    argument = node.args[index] if index < len(node.args) else node.kwargs[name]
+    return argument.meta.get("val") if isinstance(argument, fx.Node) else argument
+
+
+def _block_channels() -> int:
+    """oneDNN's channel block: the floats in one vector register (measured on AVX2 only)."""
+    return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+
+
+def _blocked_bytes(tensor: torch.Tensor, channel_dims: tuple[int, ...]) -> int:
+    """``tensor``'s bytes with the sizes of ``channel_dims`` rounded up to the channel block."""
+    block = _block_channels()
+    sizes = [-(-size // block) * block if dim in channel_dims else size
+             for dim, size in enumerate(tensor.shape)]
+    return math.prod(sizes) * tensor.element_size()
+
+
+def _uses_mkldnn(node: fx.Node, values: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ATen sends this convolution to oneDNN (float32, not transposed, one group: the
+    cases measured), following ATen's own test of batch size, kernel size and threads."""
+    stride, dilation = _argument(node, "stride"), _argument(node, "dilation")
+    transposed, groups = _argument(node, "transposed"), _argument(node, "groups")
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    if values.dtype != torch.float32 or transposed or groups != 1:
+        return False
+    one_by_one = all(size == 1 for size in weight.shape[2:])
+    plain = all(s == 1 for s in stride) and all(d == 1 for d in dilation)
+    if one_by_one and plain and values.shape[0] < 16 and torch.get_num_threads() == 1:
+        return False
+    large_kernel = all(size > 3 for size in weight.shape[2:])
+    return large_kernel or values.shape[0] > 1 or values.numel() > 20480
+
+
+def _convolution_forward(node: fx.Node) -> int:
+    """oneDNN reorders the input (when it has a full channel block; narrower inputs are read as
+    they are) and the weight, computes into a blocked output, frees both copies, then reorders
+    the blocked output into the plain one."""
+    values, weight, output = _argument(node, "input"), _argument(node, "weight"), _values(node)[0]
+    if not _uses_mkldnn(node, values, weight):
+        return 0
+    wide = values.shape[1] >= _block_channels()
+    blocked_input = _blocked_bytes(values, (1,)) if wide else 0
+    blocked_weight = _blocked_bytes(weight, (0, 1) if wide else (0,))
+    blocked_output = _blocked_bytes(output, (1,))
+    bias = _argument(node, "bias")
+    if bias is not None and bias.shape[0] % _block_channels():  # a padded copy, 128 bytes over
+        blocked_input += _blocked_bytes(bias, (0,)) + 128
+    output_bytes = output.untyped_storage().nbytes()
+    peak = max(blocked_input + blocked_weight + blocked_output, blocked_output + output_bytes)
+    return peak - output_bytes
+
+
+def _convolution_backward(node: fx.Node) -> int:
+    """The input gradient first (blocked grad-output, weight and grad-input copies, then the
+    reorder into the plain result), then the weight gradient beside it (blocked grad-output,
+    input and weight-gradient copies, then the reorder); every channel count is blocked."""
+    values, weight = _argument(node, "input"), _argument(node, "weight")
+    gradient, mask = _argument(node, "grad_output"), _argument(node, "output_mask")
+    if not _uses_mkldnn(node, values, weight):
+        return 0
+    results = _values(node)
+    grad_input = results[0].untyped_storage().nbytes() if mask[0] else 0
+    blocked_gradient = _blocked_bytes(gradient, (1,))
+    blocked_weight = _blocked_bytes(weight, (0, 1))
+    peak = 0
+    if mask[0]:
+        blocked_grad_input = _blocked_bytes(values, (1,))
+        peak = max(blocked_gradient + blocked_weight + blocked_grad_input,
+                   blocked_grad_input + grad_input)
+    if mask[1]:
+        grad_weight = results[1].untyped_storage().nbytes()
+        peak = max(peak, grad_input + blocked_gradient + _blocked_bytes(values, (1,))
+                   + blocked_weight, grad_input + blocked_weight + grad_weight)
+    outputs = sum(r.untyped_storage().nbytes() for r, wanted in zip(results, mask, strict=True)
+                  if wanted and isinstance(r, torch.Tensor))
+    return max(0, peak - outputs)
+
+
+def _batch_norm_forward(node: fx.Node) -> int:
+    """Training mode: two per-channel buffers (the batch's mean and variance) beside the outputs."""
+    values, training = _argument(node, "input"), _argument(node, "training")
+    return 2 * values.shape[1] * values.element_size() if training else 0
+
+
+def _batch_norm_backward(node: fx.Node) -> int:
+    """Training mode: one buffer the size of the input beside the gradients."""
+    values, training = _argument(node, "input"), _argument(node, "train")
+    return values.untyped_storage().nbytes() if training else 0
+
+
+aten = torch.ops.aten
+_CPU_TEMPORARIES: dict[object, Callable[[fx.Node], int]] = {
+    aten.native_dropout.default: _dropout_rule(_dropout_forward),
+    aten.native_dropout_backward.default: _dropout_rule(_dropout_backward),
+    aten.convolution.default: _convolution_forward,
+    aten.convolution_backward.default: _convolution_backward,
+    aten.native_batch_norm.default: _batch_norm_forward,
+    aten._native_batch_norm_legit.default: _batch_norm_forward,
+    aten._native_batch_norm_legit.no_stats: _batch_norm_forward,
+    aten._native_batch_norm_legit_functional.default: _batch_norm_forward,
+    aten.native_batch_norm_backward.default: _batch_norm_backward,
 }
 
 
@@ -50,8 +175,7 @@ def kernel_temporary_bytes(node: fx.Node) -> int:
     """The bytes ``node``'s kernel holds for itself at its high-water mark, beyond its outputs
     (0 for a kernel not known to make any)."""
     rule = _CPU_TEMPORARIES.get(node.target)
-    value = node.meta.get("val")
-    first = value[0] if isinstance(value, (tuple, list)) and value else value
-    if rule is None or not isinstance(first, torch.Tensor) or first.device.type != "cpu":
+    first = next((value for value in _values(node) if isinstance(value, torch.Tensor)), None)
+    if rule is None or first is None or first.device.type != "cpu":
         return 0
-    return rule(first, first.untyped_storage().nbytes())
+    return rule(node)
