@@ -6,8 +6,10 @@ Claims, per model:
 - always: losses and weights after the loop bit for bit eager's (deterministic algorithms on);
 - where ``BUDGET_HOLDS``: every iteration's measured peak (the first included, AdamW state
   included) within the budget. Where it does not, the cause is measured and named: CPU
-  convolution and batch-norm kernels allocate activation-sized scratch buffers inside the op
-  that the cost model does not count yet (``memfit/graph/temporaries.py`` knows only dropout's).
+  oneDNN convolutions allocate activation-sized scratch buffers inside the op
+  (``memfit/graph/temporaries.py`` models 2D forward and backward and batch norm, so the CNN
+  holds at auto's minimum; 3D and transposed convolutions' backward buffers, the U-Net's, are
+  not modelled yet: ``python -m bench.kernel_survey unet3d`` lists them).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from memfit.runtime.measure import measure_allocator_peak
 
 pytestmark = pytest.mark.slow
 
-BUDGET_HOLDS = {"llama": True, "t5": True, "cnn": False, "unet3d": False}
+BUDGET_HOLDS = {"llama": True, "t5": True, "cnn": True, "unet3d": False}
 BUILDERS = {"llama": examples.llama, "t5": examples.t5, "cnn": examples.cnn,
             "unet3d": lambda: examples.unet3d(channels=(4, 8, 16), size=16)}
 
