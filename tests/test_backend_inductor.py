@@ -139,8 +139,9 @@ def check(case, budget_fraction: float, strategy: str) -> None:
 
 
 def test_a_swap_plan_of_the_cnn_holds_its_budget_with_inductors_kernels():
-    # swap's smallest CNN peak is 0.51 of eager's: 0.55 leaves it room
-    check(cnn_case, 0.55, "swap")
+    # swap's smallest CNN peak is about 0.61 of eager's with the convolutions' scratch buffers
+    # counted (memfit/graph/temporaries.py): 0.7 leaves it room
+    check(cnn_case, 0.7, "swap")
 
 
 @pytest.mark.xfail(strict=True, reason=(
