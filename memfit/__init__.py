@@ -16,9 +16,9 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "fit": "memfit.backend",
+    "fit": "memfit.fitted",
     "backend": "memfit.backend",
-    "report": "memfit.backend",
+    "report": "memfit.fitted",
     "Backend": "memfit.backend",
     "compile": "memfit.api",
     "plan": "memfit.api",

@@ -98,7 +98,7 @@ class Backend:
     def __call__(self, graph_module: fx.GraphModule, example_inputs: list) -> Any:
         from torch._dynamo.backends.common import aot_autograd
 
-        device = _device_of(example_inputs)
+        device = device_of(example_inputs)
         engine = CopyEngine(device)
         if self.compiler == "inductor":
             from memfit.graph.inductor import compile_with_inductor
@@ -273,7 +273,7 @@ def _runner(engine: CopyEngine, regions: list[Region]):
     return compile_module
 
 
-def _device_of(values) -> torch.device:
+def device_of(values) -> torch.device:
     for value in values:
         if isinstance(value, torch.Tensor):
             return value.device
@@ -319,91 +319,3 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
                       "must hold", BudgetWarning, stacklevel=2)
     parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
     return Backend(parsed, chosen, hardware, compiler, optimizer, model, params)
-
-
-def fit(model: torch.nn.Module, budget: str | int | float | None = None,
-        strategy: str | None = None, hardware: Hardware | str | None = None,
-        compiler: str = "aot_eager", optimizer: torch.optim.Optimizer | None = None,
-        **params: Any) -> torch.nn.Module:
-    """``model`` compiled so that each training iteration fits ``budget``: the one-line form of
-    ``torch.compile(model, backend=memfit.backend(...), dynamic=False)``.
-
-    Each input shape is planned on its own (``dynamic=False``); Dynamo's guards decide when a
-    region is traced and planned again (a frozen layer, a changed Python value, a new shape).
-    Arguments are those of ``memfit.backend``; ``memfit.report(compiled)`` shows the plans.
-
-    Example:
-        >>> model = memfit.fit(model, budget=0.5, optimizer=optimizer)
-        >>> loss = model(**batch).loss; loss.backward(); optimizer.step()
-    """
-    planner = backend(budget, strategy, hardware, compiler, optimizer, model=model, **params)
-    model._memfit_plans = 0  # type: ignore[assignment]
-    model.register_forward_pre_hook(_guard_plans)
-    _watch_optimizers(planner)
-    compiled = torch.compile(model, backend=planner, dynamic=False)
-    compiled.__class__ = _fitted_class()
-    compiled._memfit_backend = planner  # type: ignore[assignment]
-    return compiled
-
-
-def _guard_plans(module: torch.nn.Module, args: Any) -> None:
-    """Traced by Dynamo with the module: its branch on ``_memfit_plans`` becomes a guard, so
-    raising that count makes the next call trace, and so plan, the model again."""
-    if module._memfit_plans < 0:
-        raise AssertionError("memfit's plan count is never negative")
-
-
-def _watch_optimizers(planner: Backend) -> None:
-    """Find the loop's optimizer by its first step, when ``optimizer=`` was not given, so that
-    its state counts from the next iteration on (a global post-step hook, held weakly)."""
-    import weakref
-
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    reference = weakref.ref(planner)
-
-    def adopt(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        found = reference()  # a dead backend leaves a hook that does nothing: torch iterates
-        if found is not None:  # the hooks while calling them, so it cannot remove itself here
-            found.adopt(optimizer)
-
-    register_optimizer_step_post_hook(adopt)
-
-
-def _fitted_class() -> type:
-    """``torch.compile``'s module type, raising memfit's own errors as they are.
-
-    Dynamo wraps an error of a backend in ``BackendCompilerFailed``; a ``BudgetError`` (with its
-    ``minimum_bytes``) or a ``CaptureError`` is what the user can act on, so it comes out whole.
-    """
-    from torch._dynamo.eval_frame import OptimizedModule
-    from torch._dynamo.exc import BackendCompilerFailed
-
-    from memfit.core.errors import BudgetError, CaptureError
-    from memfit.core.schedule import PlanError
-
-    class FittedModule(OptimizedModule):
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            planner = self._memfit_backend
-            if planner.stale(_device_of(self._orig_mod.parameters())):
-                planner.replans += 1
-                self._orig_mod._memfit_plans += 1
-            try:
-                return super().__call__(*args, **kwargs)
-            except BackendCompilerFailed as failed:
-                inner = failed.inner_exception
-                if isinstance(inner, (BudgetError, CaptureError, PlanError)):
-                    raise inner.with_traceback(None) from None
-                raise
-
-    return FittedModule
-
-
-def report(model_or_backend: torch.nn.Module | Backend) -> str:
-    """What memfit planned for a model from ``memfit.fit`` (or a ``memfit.backend``)."""
-    planner = model_or_backend
-    if not isinstance(planner, Backend):
-        planner = getattr(model_or_backend, "_memfit_backend", None)
-    if not isinstance(planner, Backend):
-        raise ValueError("memfit.report takes a model returned by memfit.fit or a memfit.backend")
-    return planner.report()
