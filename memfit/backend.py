@@ -37,7 +37,7 @@ from memfit.core.simulate import simulate
 from memfit.core.timeline import Timeline
 from memfit.core.units import Budget, format_bytes
 from memfit.graph.analyze import analyze
-from memfit.graph.joint import as_captured, split
+from memfit.graph.joint import as_captured, elide_clones, split
 from memfit.graph.rewrite import rewrite
 from memfit.runtime.resident import resident_bytes
 from memfit.runtime.streams import CopyEngine, active_engine
@@ -128,6 +128,7 @@ class Backend:
         from memfit.api import make_plan, resolve_hardware
 
         hardware = resolve_hardware(self.hardware_spec, device)
+        elide_clones(joint)
         captured = as_captured(joint, num_fwd_outputs, static_lifetime_input_indices)
         graph = analyze(captured, hardware, name=f"region {len(self.regions)}",
                         kernel_temporaries=True)

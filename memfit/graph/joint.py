@@ -31,6 +31,7 @@ from torch.fx.experimental.proxy_tensor import is_sym_node
 from torch.utils._ordered_set import OrderedSet
 
 from memfit.core.errors import CaptureError
+from memfit.graph.analyze import storage_key, tensors_in
 from memfit.graph.capture import Binding, Captured
 
 _FORWARD, _BACKWARD = "must_be_in_forward", "must_be_in_backward"
@@ -91,6 +92,80 @@ def _mutations_in_forward(graph: fx.Graph) -> None:
         last.append(node)
         node.meta["partitioner_tag"] = "is_forward"
         order = {n: position for position, n in enumerate(graph.nodes)}
+
+
+def elide_clones(joint: fx.GraphModule) -> int:
+    """Read each redundant ``aten.clone`` of the joint graph's source instead; returns how many.
+
+    Decompositions add copies that eager does not make: ``dropout`` with ``p=0`` (or in eval)
+    decomposes to ``input.clone()`` where eager returns the input itself, so a transformer with
+    zero dropout would keep each attention probability and hidden state twice (BERT: 440 KB
+    more than eager at its peak). The joint graph is functional, so a clone whose readers only
+    read it is its source: it is elided unless it changes strides, feeds an output (outputs must
+    not alias what they did not alias when traced), feeds an op that mutates, or copies a
+    storage that some op mutates (an input updated in place, as BatchNorm's running statistics).
+    """
+    mutated = {_storage(node.args[0]) for node in joint.graph.nodes if _mutates(node)}
+    elided = set()
+    for node in list(joint.graph.nodes):
+        if node.target is not torch.ops.aten.clone.default or not _same_layout(node):
+            continue
+        source = node.args[0]
+        if (_storage(source) in mutated
+                or any(user.op == "output" or _mutates(user) for user in node.users)):
+            continue
+        elided.add(_storage(node))
+        node.replace_all_uses_with(source)
+        joint.graph.erase_node(node)
+    if elided:
+        _alias_views(joint.graph, elided)
+        joint.recompile()
+    return len(elided)
+
+
+def _alias_views(graph: fx.Graph, storages: set) -> None:
+    """Re-derive the fake value of every view that lay in an elided clone's storage, so that it
+    lies in the source's storage, as it will when it runs.
+
+    ``analyze`` and ``rewrite`` tell storages apart by the fake values' storages: a view left on
+    the erased clone's storage would be taken for a fresh allocation (counted twice, and refused
+    by ``rewrite`` as a reader that is not a view when its source is swapped or recomputed).
+    """
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode([node.meta["val"] for node in graph.nodes if "val" in node.meta])
+    if mode is None:
+        return
+    with mode:
+        for node in graph.nodes:
+            if node.op != "call_function" or not any(
+                    storage_key(tensor) in storages for tensor in tensors_in(node.meta.get("val"))):
+                continue
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+            node.meta["val"] = node.target(*args, **kwargs)
+
+
+def _mutates(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.is_mutable
+
+
+def _storage(node) -> object:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return storage_key(value) if isinstance(value, torch.Tensor) else None
+
+
+def _same_layout(node: fx.Node) -> bool:
+    """The clone is its source's values in its source's layout (no dtype, device or strides
+    change), so reading the source instead is reading the same tensor."""
+    source, value = node.args[0], node.meta.get("val")
+    before = source.meta.get("val") if isinstance(source, fx.Node) else None
+    if not isinstance(value, torch.Tensor) or not isinstance(before, torch.Tensor):
+        return False
+    return (value.shape == before.shape and value.stride() == before.stride()
+            and value.dtype == before.dtype and value.device == before.device
+            and value.storage_offset() == 0 and before.storage_offset() == 0
+            and value.untyped_storage().nbytes() == before.untyped_storage().nbytes())
 
 
 def _symbolic(value: torch.Tensor) -> bool:
