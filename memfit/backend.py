@@ -256,6 +256,8 @@ def _runner(engine: CopyEngine, regions: list[Region]):
         index = module.meta.get(REGION_KEY)
         region = regions[index] if index is not None else None
         is_backward = any(node.meta.get("autograd_backward") for node in module.graph.nodes)
+        if is_backward:
+            _zeros_at_first_use(module.graph)
         module.graph.set_codegen(_BoxedCodeGen())
         module.recompile()
         forward = module.forward
@@ -272,6 +274,42 @@ def _runner(engine: CopyEngine, regions: list[Region]):
         return run
 
     return compile_module
+
+
+def _zeros_at_first_use(graph: fx.Graph) -> None:
+    """Let a backward module take ``None`` for the gradient of an output nothing used: zeros of
+    the traced layout are made where the gradient is first read.
+
+    Autograd otherwise materializes these zeros before the backward starts (a Llama's unused
+    key/value cache and logits: 256 KB at a peak that eager does not have, since in eager no one
+    asks for them), and they live until the backward reads them, for a cached key or value in the
+    last layer the backward reaches. ``memfit.fitted`` turns materialization off for its regions.
+    """
+    for placeholder in graph.find_nodes(op="placeholder"):
+        value = placeholder.meta.get("val")
+        if not placeholder.name.startswith("tangents") or not isinstance(value, torch.Tensor):
+            continue
+        if not placeholder.users:
+            continue
+        first = min(placeholder.users, key=_position(graph).__getitem__)
+        with graph.inserting_before(first):
+            zeros = graph.call_function(_zeros_if_none, (placeholder, tuple(value.shape),
+                                                         tuple(value.stride()), value.dtype,
+                                                         value.device))
+        placeholder.replace_all_uses_with(zeros, delete_user_cb=lambda user, made=zeros: user is not made)
+
+
+def _position(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {node: index for index, node in enumerate(graph.nodes)}
+
+
+def _zeros_if_none(gradient: torch.Tensor | None, shape: tuple[int, ...],
+                   stride: tuple[int, ...], dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+    """``gradient``, or zeros in the layout it was traced with (what autograd would have made)."""
+    if gradient is not None:
+        return gradient
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
 
 
 def device_of(values) -> torch.device:

@@ -90,14 +90,29 @@ def _fitted_class() -> type:
                 planner.replans += 1
                 self._orig_mod._memfit_plans += 1
             try:
-                return super().__call__(*args, **kwargs)
+                result = super().__call__(*args, **kwargs)
             except BackendCompilerFailed as failed:
                 inner = failed.inner_exception
                 if isinstance(inner, (BudgetError, CaptureError, PlanError)):
                     raise inner.with_traceback(None) from None
                 raise
+            if planner.compiler == "aot_eager":  # its backward modules take None (inductor's do not)
+                _lazy_output_gradients(result)
+            return result
 
     return FittedModule
+
+
+def _lazy_output_gradients(result: Any) -> None:
+    """Let the backward of each compiled region that produced ``result`` receive ``None`` for
+    outputs nothing used, instead of zeros autograd makes before it starts (see
+    ``memfit.backend._zeros_at_first_use``). All outputs of a region share one backward node."""
+    from torch.utils._pytree import tree_leaves
+
+    for leaf in tree_leaves(result):
+        node = getattr(leaf, "grad_fn", None) if isinstance(leaf, torch.Tensor) else None
+        if node is not None and type(node).__name__ == "CompiledFunctionBackward":
+            node.set_materialize_grads(False)
 
 
 def report(model_or_backend: torch.nn.Module | Backend) -> str:
