@@ -36,3 +36,71 @@ def test_predicted_region_peak_is_the_measured_one_with_dropout(strategy, budget
     region = compiled._memfit_backend.regions[0]
     loss_bytes = measured.result.nbytes
     assert 0 <= measured.peak_bytes - region.predicted_peak_bytes <= loss_bytes
+
+
+class _ZeroDropoutThenView(nn.Module):
+    """Dropout with p=0 decomposes to ``relu.clone()``, and a view of that clone feeds a linear."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.first, self.dropout = nn.Linear(width, width), nn.Dropout(0.0)
+        self.rest = nn.Sequential(*(module for _ in range(4)
+                                    for module in (nn.Linear(width, width), nn.Tanh())))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        hidden = self.dropout(torch.relu(self.first(inputs)))
+        return self.rest(hidden.view(-1, hidden.shape[-1])).sum()
+
+
+def test_an_elided_clones_views_are_views_of_its_source():
+    """The clone is gone and its view is no storage of its own: it lies in ``relu``'s, so a plan
+    that swaps or re-runs ``relu`` replays the view on the copy (``rewrite`` refused a view it
+    took for a fresh storage); training is eager's bit for bit."""
+    torch.manual_seed(0)
+    model, reference = _ZeroDropoutThenView(), _ZeroDropoutThenView()
+    reference.load_state_dict(model.state_dict())
+    inputs = torch.randn(4, 8, 16)
+    compiled = memfit.fit(model, strategy="keep")
+    loss = compiled(inputs)
+    loss.backward()
+    expected = reference(inputs)
+    expected.backward()
+    region = compiled._memfit_backend.regions[0]
+    nodes = list(region.forward.graph.nodes)
+    views = {node.name for node in nodes if node.target is torch.ops.aten.view.default}
+    assert not any(node.target is torch.ops.aten.clone.default for node in nodes)
+    assert "relu" in region.graph.tensors
+    assert not views & set(region.graph.tensors)
+    assert torch.equal(loss, expected)
+    for parameter, reference_parameter in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(parameter.grad, reference_parameter.grad)
+
+
+class _TwoOutputs(nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.first, self.second = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = torch.tanh(self.first(inputs))
+        return self.second(hidden).sum(), hidden
+
+
+@pytest.mark.parametrize("uses_hidden", [False, True])
+def test_an_unused_outputs_gradient_is_zeros_only_where_read(uses_hidden):
+    """The backward gets ``None`` for ``hidden`` when the loss does not read it (zeros are made
+    at its first reader; ``test_fit_keep`` measures what that saves), the gradient itself when
+    it does: both give eager's gradients bit for bit."""
+    torch.manual_seed(0)
+    model, reference = _TwoOutputs(), _TwoOutputs()
+    reference.load_state_dict(model.state_dict())
+    inputs = torch.randn(32, 16)
+    compiled = memfit.fit(model, strategy="keep")
+    losses = []
+    for module in (compiled, reference):
+        loss, hidden = module(inputs)
+        (loss + hidden.square().sum() if uses_hidden else loss).backward()
+        losses.append(loss)
+    assert torch.equal(losses[0], losses[1])
+    for parameter, reference_parameter in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(parameter.grad, reference_parameter.grad)
