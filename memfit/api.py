@@ -7,9 +7,11 @@ A new input shape re-captures and re-plans; the same shape reuses the plan.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -35,6 +37,44 @@ from memfit.runtime.profile import run_measured
 from memfit.strategies import get_strategy, resolve_budget_and_strategy
 
 __all__ = ["Step", "Round", "BudgetWarning", "compile", "plan", "measure_peak"]
+
+
+class _SharedExclusive:
+    """Steps run side by side in threads (shared); a capture and its planning run alone
+    (exclusive). Tracing uses process-wide torch state: a capture in one thread beside a
+    measured run in another failed now and then with functorch's "Expected current_level > 0"."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._running = 0
+        self._exclusive = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._condition:
+            self._condition.wait_for(lambda: not self._exclusive)
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._running -= 1
+                self._condition.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._condition:
+            self._condition.wait_for(lambda: not self._exclusive and not self._running)
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._exclusive = False
+                self._condition.notify_all()
+
+
+_STEPS = _SharedExclusive()
 
 
 class BudgetWarning(UserWarning):
@@ -129,15 +169,21 @@ class Step:
             BudgetError: if the plan cannot fit the budget (raised before anything runs).
             CaptureError: if the step cannot be captured.
         """
-        compiled = self.compile_for(*inputs)
+        check_inputs(inputs)
+        if input_signature(self.model, inputs) in self._compiled:
+            compiled = self.compile_for(*inputs)  # planned: nothing traces
+        else:
+            with _STEPS.exclusive():
+                compiled = self.compile_for(*inputs)
         flat = self._flat_inputs(compiled.captured, inputs)  # held: inputs are resident
         measured = None
-        if self.measure:
-            existing = [p.grad for p in self.model.parameters() if p.grad is not None]
-            outputs, measured = run_measured(compiled.program, list(flat), track=existing)
-            compiled.measured.append(measured)
-        else:
-            outputs = Executor(compiled.program, device=_device_of(flat)).run_flat(list(flat))
+        with _STEPS.shared():
+            if self.measure:
+                existing = [p.grad for p in self.model.parameters() if p.grad is not None]
+                outputs, measured = run_measured(compiled.program, list(flat), track=existing)
+                compiled.measured.append(measured)
+            else:
+                outputs = Executor(compiled.program, device=_device_of(flat)).run_flat(list(flat))
         del flat
         loss = self._apply(compiled.captured, outputs)
         if measured is not None and compiled.budget_bytes is not None:
