@@ -101,17 +101,8 @@ def resnet50_shaped(widths: tuple[int, ...] = (32, 64, 128, 256), image: int = 6
     config = ResNetConfig(num_channels=3, embedding_size=max(widths[0] // 4, 1),
                           hidden_sizes=list(widths),
                           depths=[3, 4, 6, 3], layer_type="bottleneck", num_labels=classes)
-    model = ResNetForImageClassification(config)
-
-    def loss_fn(model, pixels, labels):
-        return model(pixel_values=pixels, labels=labels).loss
-
-    def make_inputs(batch):
-        generator = _generator(seed + batch)
-        return (torch.randn(batch, 3, image, image, generator=generator),
-                torch.randint(0, classes, (batch,), generator=generator))
-
-    return Example("resnet50", model, loss_fn, make_inputs, batch_size)
+    return _image_classifier("resnet50", ResNetForImageClassification(config), image, classes,
+                             batch_size, seed)
 
 
 def unet3d(channels: tuple[int, ...] = (4, 8, 16, 32), size: int = 32, batch_size: int = 2,
@@ -229,7 +220,13 @@ def vit(layers: int = 2, width: int = 64, heads: int = 4, image: int = 32, patch
                        intermediate_size=2 * width, image_size=image, patch_size=patch,
                        num_labels=classes, hidden_dropout_prob=dropout,
                        attention_probs_dropout_prob=dropout)
-    model = ViTForImageClassification(config)
+    return _image_classifier("vit", ViTForImageClassification(config), image, classes,
+                             batch_size, seed)
+
+
+def _image_classifier(name: str, model: nn.Module, image: int, classes: int, batch_size: int,
+                      seed: int) -> Example:
+    """A transformers image classifier on random RGB images and labels."""
 
     def loss_fn(model, pixels, labels):
         return model(pixel_values=pixels, labels=labels).loss
@@ -239,7 +236,7 @@ def vit(layers: int = 2, width: int = 64, heads: int = 4, image: int = 32, patch
         return (torch.randn(batch, 3, image, image, generator=generator),
                 torch.randint(0, classes, (batch,), generator=generator))
 
-    return Example("vit", model, loss_fn, make_inputs, batch_size)
+    return Example(name, model, loss_fn, make_inputs, batch_size)
 
 
 def cnn(channels: int = 16, blocks: int = 3, image: int = 32, batch_size: int = 8,

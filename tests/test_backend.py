@@ -12,13 +12,7 @@ from torch import nn
 import memfit
 from memfit.runtime.measure import measure_allocator_peak
 
-
-@pytest.fixture(autouse=True)
-def _deterministic():
-    torch.use_deterministic_algorithms(True)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("compiled_fresh")
 
 
 def mlp(depth: int = 6, width: int = 128, dropout: float = 0.0) -> nn.Module:

@@ -18,18 +18,10 @@ import memfit
 from memfit import examples
 from tests.models.test_fit_models import train
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compiled_fresh")]
 
 BUILDERS = {"bert": examples.bert, "llama": lambda: examples.llama(layers=1),
             "t5": lambda: examples.t5(layers=1)}
-
-
-@pytest.fixture(autouse=True)
-def _deterministic():
-    torch.use_deterministic_algorithms(True)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def assert_same_training(model, reference, losses, reference_losses) -> None:

@@ -23,19 +23,11 @@ import memfit
 from memfit import examples
 from memfit.runtime.measure import measure_allocator_peak
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compiled_fresh")]
 
 BUDGET_HOLDS = {"llama": True, "t5": True, "cnn": True, "unet3d": False}
 BUILDERS = {"llama": examples.llama, "t5": examples.t5, "cnn": examples.cnn,
             "unet3d": lambda: examples.unet3d(channels=(4, 8, 16), size=16)}
-
-
-@pytest.fixture(autouse=True)
-def _deterministic():
-    torch.use_deterministic_algorithms(True)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def train(example, model, runner=None, iterations: int = 2):
