@@ -74,6 +74,12 @@ def gpt2(layers: int = 4, width: int = 64, heads: int = 4, vocab: int = 128, seq
                         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
     model = GPT2LMHeadModel(config)
     model.loss_type = "ForCausalLM"  # otherwise a warning on every call breaks tracing
+    return _causal_lm("gpt2", model, vocab, sequence, batch_size, seed)
+
+
+def _causal_lm(name: str, model: nn.Module, vocab: int, sequence: int, batch_size: int,
+               seed: int) -> Example:
+    """A transformers causal language model on random tokens, its labels the tokens."""
 
     def loss_fn(model, input_ids, labels):
         return model(input_ids=input_ids, labels=labels).loss
@@ -83,7 +89,7 @@ def gpt2(layers: int = 4, width: int = 64, heads: int = 4, vocab: int = 128, seq
         ids = torch.randint(0, vocab, (batch, sequence), generator=generator)
         return ids, ids.clone()
 
-    return Example("gpt2", model, loss_fn, make_inputs, batch_size)
+    return Example(name, model, loss_fn, make_inputs, batch_size)
 
 
 def resnet50_shaped(widths: tuple[int, ...] = (32, 64, 128, 256), image: int = 64,
@@ -196,17 +202,7 @@ def llama(layers: int = 2, width: int = 64, heads: int = 4, kv_heads: int = 2, v
                          num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, max_position_embeddings=sequence,
                          bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    model = LlamaForCausalLM(config)
-
-    def loss_fn(model, input_ids, labels):
-        return model(input_ids=input_ids, labels=labels).loss
-
-    def make_inputs(batch):
-        generator = _generator(seed + batch)
-        ids = torch.randint(0, vocab, (batch, sequence), generator=generator)
-        return ids, ids.clone()
-
-    return Example("llama", model, loss_fn, make_inputs, batch_size)
+    return _causal_lm("llama", LlamaForCausalLM(config), vocab, sequence, batch_size, seed)
 
 
 def vit(layers: int = 2, width: int = 64, heads: int = 4, image: int = 32, patch: int = 4,
