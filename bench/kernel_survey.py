@@ -19,11 +19,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from memfit import examples
 from memfit.graph.capture import capture
-from memfit.graph.temporaries import kernel_temporary_bytes
+from memfit.graph.kernel_probe import new_storage_bytes, real_like
+from memfit.graph.temporaries import kernel_temporary_bytes_of
 from memfit.runtime.measure import _allocator_peak_above_start
 
 EXAMPLES = {"cnn": examples.cnn, "unet3d": lambda: examples.unet3d(channels=(4, 8, 16), size=16)}
@@ -40,50 +41,23 @@ class Finding:
     predicted_extra_bytes: int
 
 
-def _real(value: object) -> object:
-    """A real tensor like fake ``value`` (same shape, strides, dtype); other values as they are."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(value.shape, value.stride(),
-                                                                 strict=True))
-    flat = torch.empty(extent if value.numel() else 0, dtype=value.dtype)
-    if value.dtype.is_floating_point:
-        flat.normal_()
-    elif value.dtype == torch.bool:
-        flat.copy_(torch.rand(flat.shape) > 0.5)
-    else:
-        flat.zero_()
-    return flat.as_strided(value.shape, value.stride())
-
-
 def _argument(argument: object) -> object:
-    return tree_map(lambda item: _real(item.meta.get("val")) if isinstance(item, fx.Node) else item,
+    return tree_map(lambda item: real_like(item.meta.get("val")) if isinstance(item, fx.Node) else item,
                     argument)
-
-
-def _new_storage_bytes(result: object, inputs: object) -> int:
-    """Bytes of the result's storages that are not the inputs' (views and in-place ops own none)."""
-    seen = {t.untyped_storage().data_ptr() for t in tree_leaves(inputs)
-            if isinstance(t, torch.Tensor)}
-    total = 0
-    for leaf in tree_leaves(result):
-        if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() not in seen:
-            seen.add(leaf.untyped_storage().data_ptr())
-            total += leaf.untyped_storage().nbytes()
-    return total
 
 
 def survey(graph_module: fx.GraphModule) -> Iterator[Finding]:
     """Each op node of ``graph_module``, measured alone."""
+    predicted = kernel_temporary_bytes_of(graph_module.graph.nodes)
     for node in graph_module.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
         args, kwargs = _argument(node.args), _argument(node.kwargs)
         result, peak_bytes = _allocator_peak_above_start(
             lambda op=node.target, args=args, kwargs=kwargs: op(*args, **kwargs))
-        output_bytes = _new_storage_bytes(result, (args, kwargs))
+        output_bytes = new_storage_bytes(result, (args, kwargs))
         yield Finding(node.name, str(node.target), output_bytes, peak_bytes - output_bytes,
-                      kernel_temporary_bytes(node))
+                      predicted.get(node, 0))
 
 
 def main(names: list[str]) -> None:

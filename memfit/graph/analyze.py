@@ -20,7 +20,7 @@ from torch.utils.flop_counter import flop_registry
 from memfit.core.costgraph import CostGraph, Op, Tensor
 from memfit.core.hardware import Hardware
 from memfit.graph.capture import SCOPE_KEY, TYPE_KEY, Binding, Captured
-from memfit.graph.temporaries import kernel_temporary_bytes
+from memfit.graph.temporaries import kernel_temporary_bytes_of
 
 _PHASES = {"is_forward": "forward", "is_backward": "backward"}
 _ROLES = {"parameter": "parameter", "buffer": "buffer", "input": "input", "tangent": "input"}
@@ -66,9 +66,10 @@ def analyze(captured: Captured, hardware: Hardware, name: str = "step",
     placeholders = graph.find_nodes(op="placeholder")
     for node, binding in zip(placeholders, captured.inputs, strict=True):
         _add_input(node, binding, owner, tensors)
+    temporaries = kernel_temporary_bytes_of(graph.nodes) if kernel_temporaries else {}
     for node in graph.nodes:
         if node.op == "call_function":
-            ops.append(_op(node, owner, tensors, hardware, kernel_temporaries))
+            ops.append(_op(node, owner, tensors, hardware, temporaries.get(node, 0)))
         elif node.op == "get_attr":  # a constant the graph holds: resident like an input
             _add_input(node, Binding("constant"), owner, tensors)
     output = graph.find_nodes(op="output")[0]
@@ -93,8 +94,9 @@ def _as_output(tensor: Tensor) -> Tensor:
     return Tensor(tensor.name, tensor.size_bytes, tensor.role, tensor.producer, (), True)
 
 
-def _op(node: torch.fx.Node, owner, tensors, hardware: Hardware, kernel_temporaries: bool) -> Op:
-    """One Op: the storages it reads and allocates, its phase, scope, FLOPs and time."""
+def _op(node: torch.fx.Node, owner, tensors, hardware: Hardware, temporary_bytes: int) -> Op:
+    """One Op: the storages it reads and allocates (``temporary_bytes`` of kernel scratch among
+    them), its phase, scope, FLOPs and time."""
     reads: dict[str, None] = {}
     for source in node.all_input_nodes:
         for tensor in tensors_in(source.meta.get("val")):
@@ -111,7 +113,6 @@ def _op(node: torch.fx.Node, owner, tensors, hardware: Hardware, kernel_temporar
             owner[key] = node.name if not allocated else f"{node.name}.{len(allocated)}"
             allocated.append(owner[key])
             tensors[owner[key]] = Tensor(owner[key], tensor.untyped_storage().nbytes(), role)
-    temporary_bytes = kernel_temporary_bytes(node) if kernel_temporaries else 0
     if temporary_bytes:  # a storage nothing reads: freed right after the op
         allocated.append(f"{node.name}.temporary")
         tensors[allocated[-1]] = Tensor(allocated[-1], temporary_bytes, role)

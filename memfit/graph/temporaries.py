@@ -15,6 +15,14 @@ copies are freed. Batch-norm keeps two per-channel buffers beside its outputs in
 an input-sized one in the backward. The rules below were measured on torch 2.13 with AVX2
 (``bench/kernel_survey.py`` runs every op of a captured graph alone under the allocator).
 
+Convolutions the rules are not exact for are measured instead (``kernel_probe.py``: the op run
+once at its exact shapes in a child process): transposed convolutions, 3D backward, bias
+gradients, strided data gradients, ATen's slow (non-oneDNN) paths. Their scratch depends on the
+implementation oneDNN picks and on the thread count: on AVX2 at 2 threads, the 3D weight gradient
+of a 3x3x3 convolution (gemm-based) holds an im2col buffer (input channels x kernel volume x
+output voxels) and a weight-gradient copy per thread plus 256 bytes, 7.9x its outputs for 16
+channels at 4^3 voxels, twice what one thread holds; a transposed 3D forward holds 5.8x its output.
+
 ``analyze(..., kernel_temporaries=True)`` adds these bytes to each op as a storage nobody reads,
 so every memory profile counts them while the op runs and frees them right after.
 """
@@ -22,10 +30,12 @@ so every memory profile counts them while the op runs and frees them right after
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.fx as fx
+
+from memfit.graph.kernel_probe import measured_temporary_bytes
 
 _WRAPPED_SCALAR_BYTES = 8  # a Python float becomes a 0-dim float64 tensor
 
@@ -84,20 +94,37 @@ def _blocked_bytes(tensor: torch.Tensor, channel_dims: tuple[int, ...]) -> int:
 
 
 def _uses_mkldnn(node: fx.Node, values: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ATen sends this convolution to oneDNN (float32, not transposed, one group: the
-    cases measured), following ATen's own test of batch size, kernel size and threads."""
+    """Whether ATen sends this convolution to oneDNN in the cases the rules below were measured on
+    (float32, not transposed, one group), following ATen's own test of batch size, the last two
+    kernel sizes and threads."""
     stride, dilation = _argument(node, "stride"), _argument(node, "dilation")
     transposed, groups = _argument(node, "transposed"), _argument(node, "groups")
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return False
     if values.dtype != torch.float32 or transposed or groups != 1:
         return False
-    one_by_one = all(size == 1 for size in weight.shape[2:])
+    one_by_one = weight.shape[-1] == 1 and weight.shape[-2] == 1
     plain = all(s == 1 for s in stride) and all(d == 1 for d in dilation)
     if one_by_one and plain and values.shape[0] < 16 and torch.get_num_threads() == 1:
         return False
-    large_kernel = all(size > 3 for size in weight.shape[2:])
-    return large_kernel or values.shape[0] > 1 or values.numel() > 20480
+    large_kernel = weight.shape[-1] > 3 and weight.shape[-2] > 3
+    return large_kernel or values.shape[0] > 1 or math.prod(values.shape[:4]) > 20480
+
+
+def _forward_rule_is_exact(node: fx.Node) -> bool:
+    """oneDNN's plain (not transposed, one group) float32 forward, 2D and 3D: measured exact."""
+    return _uses_mkldnn(node, _argument(node, "input"), _argument(node, "weight"))
+
+
+def _backward_rule_is_exact(node: fx.Node) -> bool:
+    """oneDNN's 2D backward at stride 1, from 5 input channels, without the bias gradient:
+    measured exact. Elsewhere (3D: gemm weight gradients with an im2col buffer and a
+    weight-gradient copy per thread; strided data gradients; the bias gradient's reduction
+    buffers) the layouts and per-thread buffers depend on oneDNN's choice of implementation."""
+    values, weight = _argument(node, "input"), _argument(node, "weight")
+    return (_uses_mkldnn(node, values, weight) and values.dim() == 4 and values.shape[1] >= 5
+            and all(s == 1 for s in _argument(node, "stride"))
+            and not _argument(node, "output_mask")[2])
 
 
 def _convolution_forward(node: fx.Node) -> int:
@@ -105,8 +132,6 @@ def _convolution_forward(node: fx.Node) -> int:
     they are) and the weight, computes into a blocked output, frees both copies, then reorders
     the blocked output into the plain one."""
     values, weight, output = _argument(node, "input"), _argument(node, "weight"), _values(node)[0]
-    if not _uses_mkldnn(node, values, weight):
-        return 0
     wide = values.shape[1] >= _block_channels()
     blocked_input = _blocked_bytes(values, (1,)) if wide else 0
     blocked_weight = _blocked_bytes(weight, (0, 1) if wide else (0,))
@@ -125,8 +150,6 @@ def _convolution_backward(node: fx.Node) -> int:
     input and weight-gradient copies, then the reorder); every channel count is blocked."""
     values, weight = _argument(node, "input"), _argument(node, "weight")
     gradient, mask = _argument(node, "grad_output"), _argument(node, "output_mask")
-    if not _uses_mkldnn(node, values, weight):
-        return 0
     results = _values(node)
     grad_input = results[0].untyped_storage().nbytes() if mask[0] else 0
     blocked_gradient = _blocked_bytes(gradient, (1,))
@@ -169,13 +192,34 @@ _CPU_TEMPORARIES: dict[object, Callable[[fx.Node], int]] = {
     aten._native_batch_norm_legit_functional.default: _batch_norm_forward,
     aten.native_batch_norm_backward.default: _batch_norm_backward,
 }
+# where the rule above is exact; elsewhere the kernel is measured (kernel_probe.py)
+_EXACT_WHERE: dict[object, Callable[[fx.Node], bool]] = {
+    aten.convolution.default: _forward_rule_is_exact,
+    aten.convolution_backward.default: _backward_rule_is_exact,
+}
 
 
 def kernel_temporary_bytes(node: fx.Node) -> int:
     """The bytes ``node``'s kernel holds for itself at its high-water mark, beyond its outputs
     (0 for a kernel not known to make any)."""
-    rule = _CPU_TEMPORARIES.get(node.target)
+    return kernel_temporary_bytes_of([node]).get(node, 0)
+
+
+def kernel_temporary_bytes_of(nodes: Iterable[fx.Node]) -> dict[fx.Node, int]:
+    """``kernel_temporary_bytes`` of each node that has any, the kernels no rule is exact for
+    measured together (one child process for all new signatures).
+
+    A kernel whose measurement fails (a warning says so) gets its rule's estimate.
+    """
+    ruled = [node for node in nodes if _on_cpu(node) and node.target in _CPU_TEMPORARIES]
+    unruled = [node for node in ruled
+               if node.target in _EXACT_WHERE and not _EXACT_WHERE[node.target](node)]
+    measured = measured_temporary_bytes(unruled) if unruled else {}
+    found = {node: measured[node] if node in measured else _CPU_TEMPORARIES[node.target](node)
+             for node in ruled}
+    return {node: size for node, size in found.items() if size}
+
+
+def _on_cpu(node: fx.Node) -> bool:
     first = next((value for value in _values(node) if isinstance(value, torch.Tensor)), None)
-    if rule is None or first is None or first.device.type != "cpu":
-        return 0
-    return rule(node)
+    return first is not None and first.device.type == "cpu"
