@@ -25,6 +25,7 @@ import sys
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -116,8 +117,8 @@ def real_like(value: object) -> object:
     zeros for integers (indices stay in range); other values as they are."""
     if not isinstance(value, torch.Tensor):
         return value
-    return _real_tensor(list(value.shape), list(value.stride()), value.storage_offset(),
-                        value.dtype)
+    return _real_tensor([int(size) for size in value.shape], [int(step) for step in value.stride()],
+                        int(value.storage_offset()), value.dtype)
 
 
 def _real_tensor(shape: list[int], stride: list[int], offset: int,
@@ -145,7 +146,7 @@ def new_storage_bytes(result: object, inputs: object) -> int:
     return total
 
 
-def _decode(encoded: object) -> object:
+def _decode(encoded: Any) -> Any:
     if isinstance(encoded, dict) and "tensor" in encoded:
         shape, stride, offset, dtype = encoded["tensor"]
         return _real_tensor(shape, stride, offset, getattr(torch, dtype))
@@ -170,7 +171,7 @@ def measure_one(signature: str) -> int:
     torch.set_num_threads(settings["threads"])
     torch.backends.mkldnn.enabled = settings["mkldnn"]
     torch.use_deterministic_algorithms(settings["deterministic"])
-    op, args, kwargs = _resolve(target), _decode(args), _decode(kwargs)
+    op, args, kwargs = _resolve(target), list(_decode(args)), dict(_decode(kwargs))
     extra_bytes = 0
     for _ in range(2):
         result, peak_bytes = _allocator_peak_above_start(lambda: op(*args, **kwargs))
