@@ -20,7 +20,7 @@ from torch.utils.flop_counter import flop_registry
 from memfit.core.costgraph import CostGraph, Op, Tensor
 from memfit.core.hardware import Hardware
 from memfit.graph.capture import SCOPE_KEY, TYPE_KEY, Binding, Captured
-from memfit.graph.temporaries import kernel_temporary_bytes_of
+from memfit.graph.temporaries import kernel_output_storage_bytes, kernel_temporary_bytes_of
 
 _PHASES = {"is_forward": "forward", "is_backward": "backward"}
 _ROLES = {"parameter": "parameter", "buffer": "buffer", "input": "input", "tangent": "input"}
@@ -56,8 +56,9 @@ def analyze(captured: Captured, hardware: Hardware, name: str = "step",
     Args:
         kernel_temporaries: count the buffers kernels allocate and free inside one op (what the
             allocator sees, as ``torch.cuda.max_memory_allocated`` and ``measure_allocator_peak``
-            do). ``False`` counts op outputs only, as the CPU dispatch tracker that measures the
-            executor does.
+            do), and an output at its kernel's real storage where that is larger than the fake
+            value's (a reduced loss on the CPU). ``False`` counts op outputs only, at their fake
+            storages, as the CPU dispatch tracker that measures the executor does.
     """
     graph = captured.graph_module.graph
     owner: dict[StorageWeakRef, str] = {}  # storage -> name of the tensor (first node holding it)
@@ -69,7 +70,8 @@ def analyze(captured: Captured, hardware: Hardware, name: str = "step",
     temporaries = kernel_temporary_bytes_of(graph.nodes) if kernel_temporaries else {}
     for node in graph.nodes:
         if node.op == "call_function":
-            ops.append(_op(node, owner, tensors, hardware, temporaries.get(node, 0)))
+            temporary_bytes = temporaries.get(node, 0) if kernel_temporaries else None
+            ops.append(_op(node, owner, tensors, hardware, temporary_bytes))
         elif node.op == "get_attr":  # a constant the graph holds: resident like an input
             _add_input(node, Binding("constant"), owner, tensors)
     output = graph.find_nodes(op="output")[0]
@@ -94,9 +96,13 @@ def _as_output(tensor: Tensor) -> Tensor:
     return Tensor(tensor.name, tensor.size_bytes, tensor.role, tensor.producer, (), True)
 
 
-def _op(node: torch.fx.Node, owner, tensors, hardware: Hardware, temporary_bytes: int) -> Op:
-    """One Op: the storages it reads and allocates (``temporary_bytes`` of kernel scratch among
-    them), its phase, scope, FLOPs and time."""
+def _op(node: torch.fx.Node, owner, tensors, hardware: Hardware,
+        temporary_bytes: int | None) -> Op:
+    """One Op: the storages it reads and allocates, its phase, scope, FLOPs and time.
+
+    ``temporary_bytes``: the kernel's scratch, a storage of its own; ``None`` counts what the
+    dispatcher sees only (no scratch, outputs at their fake values' storage sizes).
+    """
     reads: dict[str, None] = {}
     for source in node.all_input_nodes:
         for tensor in tensors_in(source.meta.get("val")):
@@ -111,8 +117,11 @@ def _op(node: torch.fx.Node, owner, tensors, hardware: Hardware, temporary_bytes
         key = storage_key(tensor)
         if key not in owner:
             owner[key] = node.name if not allocated else f"{node.name}.{len(allocated)}"
+            size = tensor.untyped_storage().nbytes()
+            if not allocated and temporary_bytes is not None:  # the kernel's real storage
+                size = max(size, kernel_output_storage_bytes(node) or 0)
             allocated.append(owner[key])
-            tensors[owner[key]] = Tensor(owner[key], tensor.untyped_storage().nbytes(), role)
+            tensors[owner[key]] = Tensor(owner[key], size, role)
     if temporary_bytes:  # a storage nothing reads: freed right after the op
         allocated.append(f"{node.name}.temporary")
         tensors[allocated[-1]] = Tensor(allocated[-1], temporary_bytes, role)

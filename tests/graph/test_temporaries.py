@@ -5,7 +5,11 @@ import torch
 import torch.fx as fx
 
 from memfit.graph import kernel_probe, temporaries
-from memfit.graph.temporaries import kernel_temporary_bytes, kernel_temporary_bytes_of
+from memfit.graph.temporaries import (
+    kernel_output_storage_bytes,
+    kernel_temporary_bytes,
+    kernel_temporary_bytes_of,
+)
 from memfit.runtime.measure import _allocator_peak_above_start
 
 aten = torch.ops.aten
@@ -219,3 +223,25 @@ def test_batch_norm_temporaries_match_the_allocator(shape):
     results, peak_bytes = _allocator_peak_above_start(lambda: backward(*arguments))
     node = traced(backward, *arguments)
     assert peak_bytes - storage_bytes(results) == kernel_temporary_bytes(node) > 0
+
+
+LOSSES = [
+    lambda x, t, reduction: aten.mse_loss.default(x, t, reduction),
+    lambda x, t, reduction: aten.smooth_l1_loss.default(x, t, reduction, 1.0),
+    lambda x, t, reduction: aten.binary_cross_entropy.default(x, t, None, reduction),
+]
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+@pytest.mark.parametrize(("shape", "target_shape"), [((2, 2, 8, 8, 8), (2, 2, 8, 8, 8)),
+                                                     ((3, 5), (1, 5)), ((7,), (7,))])
+def test_reduced_losses_keep_their_elementwise_buffer(loss, reduction, shape, target_shape):
+    """The storage under a CPU loss's output, by the kernel itself (the fake value says less)."""
+    values, target = torch.rand(shape), torch.rand(target_shape)
+    if loss is LOSSES[2] and shape != target_shape:  # binary cross-entropy does not broadcast
+        target = target.expand(shape).contiguous()
+    output = loss(values, target, reduction)
+    node = traced(lambda x, t: loss(x, t, reduction), values, target)
+    expected = kernel_output_storage_bytes(node) or node.meta["val"].untyped_storage().nbytes()
+    assert output.untyped_storage().nbytes() == expected
