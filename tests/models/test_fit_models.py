@@ -5,19 +5,24 @@ half does not fit.
 Claims, per model:
 - always: losses and weights after the loop bit for bit eager's (deterministic algorithms on);
 - where ``BUDGET_HOLDS``: every iteration's measured peak (the first included, AdamW state
-  included) within the budget. Where it does not, the cause is measured and named: CPU
-  oneDNN convolutions allocate activation-sized scratch buffers inside the op
-  (``memfit/graph/temporaries.py`` models 2D forward and backward and batch norm, so the CNN
-  holds at auto's minimum; 3D and transposed convolutions' backward buffers, the U-Net's, are
-  not modelled yet: ``python -m bench.kernel_survey unet3d`` lists them).
+  included) within the budget. The CPU kernels' own buffers are counted
+  (``memfit/graph/temporaries.py``: dropout, batch norm, oneDNN convolutions by rule or, for 3D and
+  transposed ones, measured once per shape; reduced losses' elementwise buffers).
+  ``unet3d_loss_outside`` does not hold, by its loss: computed eagerly outside the compiled model,
+  CPU ``mse_loss`` keeps its elementwise buffer (65,536 B) under the 0-dim loss until the backward
+  ends, in memory no region plans and that a CPU allocator cannot be asked about (measured: peak
+  = budget + 65,540 B). ``unet3d`` computes the same loss inside the compiled module (as a
+  Hugging Face model returns its loss), where it is planned: predicted peak = measured peak.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
+from torch import nn
 
 import memfit
 from memfit import examples
@@ -25,9 +30,36 @@ from memfit.runtime.measure import measure_allocator_peak
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compiled_fresh")]
 
-BUDGET_HOLDS = {"llama": True, "t5": True, "cnn": True, "unet3d": False}
+
+class _LossInside(nn.Module):
+    """A model with its example's loss inside: ``forward(*inputs)`` returns the loss."""
+
+    def __init__(self, model: nn.Module, loss_fn) -> None:
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+
+    def forward(self, *inputs):
+        return self.loss_fn(self.model, *inputs)
+
+
+def _loss_inside(example: examples.Example) -> examples.Example:
+    return dataclasses.replace(example, model=_LossInside(example.model, example.loss_fn),
+                               loss_fn=lambda model, *inputs: model(*inputs))
+
+
+def _unet3d() -> examples.Example:
+    return examples.unet3d(channels=(4, 8, 16), size=16)
+
+
+BUDGET_HOLDS = {"llama": True, "t5": True, "cnn": True, "unet3d": True,
+                "unet3d_loss_outside": False}
 BUILDERS = {"llama": examples.llama, "t5": examples.t5, "cnn": examples.cnn,
-            "unet3d": lambda: examples.unet3d(channels=(4, 8, 16), size=16)}
+            "unet3d": lambda: _loss_inside(_unet3d()), "unet3d_loss_outside": _unet3d}
+FRACTIONS = {"unet3d": (0.5, 0.3)}  # of eager's peak; 0.5 for the others
+# where the region's predicted peak is the measured one within 1%; llama's and t5's predictions
+# are ~23% above it (llama: 2,458,268 B predicted, 1,999,516 measured; t5: 3,589,580 and
+# 2,934,212), not examined yet
+PREDICTION_MATCHES = {"cnn", "unet3d"}
 
 
 def train(example, model, runner=None, iterations: int = 2):
@@ -52,20 +84,24 @@ def train(example, model, runner=None, iterations: int = 2):
     return losses, peaks
 
 
-@pytest.mark.parametrize("name", sorted(BUILDERS))
-def test_fit_trains_real_models_as_eager(name):
+@pytest.mark.parametrize(("name", "fraction"), [(name, fraction) for name in sorted(BUILDERS)
+                                                for fraction in FRACTIONS.get(name, (0.5,))])
+def test_fit_trains_real_models_as_eager(name, fraction):
     example = BUILDERS[name]()
     reference = copy.deepcopy(example.model)
     reference_losses, eager_peaks = train(example, reference)
     model = copy.deepcopy(example.model)
-    budget = int(0.5 * max(eager_peaks))
+    budget = int(fraction * max(eager_peaks))
+
+    compiled = []
 
     def fitted(model, optimizer, budget_bytes=budget):
-        return memfit.fit(model, budget=budget_bytes, optimizer=optimizer)
+        compiled.append(memfit.fit(model, budget=budget_bytes, optimizer=optimizer))
+        return compiled[-1]
 
     try:
         losses, peaks = train(example, model, fitted)
-    except memfit.BudgetError as error:  # half does not fit: auto's minimum must
+    except memfit.BudgetError as error:  # the fraction does not fit: auto's minimum must
         assert error.minimum_bytes > budget
         budget = error.minimum_bytes
         model = copy.deepcopy(example.model)
@@ -78,3 +114,6 @@ def test_fit_trains_real_models_as_eager(name):
         assert torch.equal(buffer, expected)
     if BUDGET_HOLDS[name]:
         assert max(peaks) <= budget, (peaks, budget)
+    if name in PREDICTION_MATCHES:  # one region, AdamW's state reserved: its predicted peak
+        predicted = max(r.predicted_peak_bytes for r in compiled[-1]._memfit_backend.regions)
+        assert abs(max(peaks) - predicted) <= 0.01 * max(peaks), (peaks, predicted)
