@@ -17,14 +17,18 @@ an input-sized one in the backward. The rules below were measured on torch 2.13 
 
 Convolutions the rules are not exact for are measured instead (``kernel_probe.py``: the op run
 once at its exact shapes in a child process): transposed convolutions, 3D backward, bias
-gradients, strided data gradients, ATen's slow (non-oneDNN) paths. Their scratch depends on the
-implementation oneDNN picks and on the thread count: on AVX2 at 2 threads, the 3D weight gradient
-of a 3x3x3 convolution (gemm-based) holds an im2col buffer (input channels x kernel volume x
-output voxels) and a weight-gradient copy per thread plus 256 bytes, 7.9x its outputs for 16
-channels at 4^3 voxels, twice what one thread holds; a transposed 3D forward holds 5.8x its output.
+gradients, strided data gradients, ATen's slow (non-oneDNN) paths. Their scratch follows oneDNN's
+choice of implementation, its cache-sized blocking and the thread count, not a formula in the
+shapes: measured on AVX2, the 3D 3x3x3 weight gradient (gemm-based, per-thread im2col blocks and
+weight-gradient copies) of 8 to 16 channels at 4^3 voxels holds 69,376 B at one thread and
+138,496 B at two; of 16 to 16 channels 276,736 B at batch 2 and at batch 8 alike, and at 8^3
+voxels 442,624 B, half of one whole im2col buffer; a transposed 3D forward (24 to 4 channels,
+4^3 to 8^3) holds 94,640 B beside its 16,384 B output.
 
 ``analyze(..., kernel_temporaries=True)`` adds these bytes to each op as a storage nobody reads,
-so every memory profile counts them while the op runs and frees them right after.
+so every memory profile counts them while the op runs and frees them right after. It also counts
+an output at the storage its kernel really returns where that is larger than the fake value's
+(``kernel_output_storage_bytes``: reduced losses on the CPU).
 """
 
 from __future__ import annotations
