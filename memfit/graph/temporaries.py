@@ -216,8 +216,8 @@ def kernel_output_storage_bytes(node: fx.Node) -> int | None:
     larger buffer than its fake value shows, else ``None``.
 
     A reduced ``mse_loss``, ``smooth_l1_loss`` or ``binary_cross_entropy`` on the CPU computes the
-    elementwise loss into a buffer of the broadcast inputs' size, reduces into its first element
-    and returns that 0-dim view, so the whole buffer lives as long as the loss (measured:
+    elementwise loss into a buffer of the broadcast inputs' size and returns the reduced loss as a
+    0-dim tensor on that buffer, so the whole buffer lives as long as the loss (measured:
     65,536 bytes under a float32 loss of a 2x2x16^3 volume; the fake value's storage is 4).
     """
     if node.target not in _REDUCED_LOSSES or not _on_cpu(node):
