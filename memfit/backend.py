@@ -39,6 +39,7 @@ from memfit.core.units import Budget, format_bytes
 from memfit.graph.analyze import analyze
 from memfit.graph.joint import as_captured, elide_clones, split
 from memfit.graph.rewrite import rewrite
+from memfit.graph.rnn import eager_lstm_kernels, run_rnn_layers_for_training, size_lstm_buffers
 from memfit.runtime.resident import resident_bytes
 from memfit.runtime.streams import CopyEngine, active_engine
 
@@ -106,9 +107,10 @@ class Backend:
             return compile_with_inductor(graph_module, example_inputs, self._partition(device),
                                          engine)
         compile_module = _runner(engine, self.regions)
-        return aot_autograd(fw_compiler=compile_module, bw_compiler=compile_module,
-                            partition_fn=self._partition(device),
-                            keep_inference_input_mutations=True)(graph_module, example_inputs)
+        with eager_lstm_kernels():  # nn.LSTM traced as eager runs it (memfit.graph.rnn)
+            return aot_autograd(fw_compiler=compile_module, bw_compiler=compile_module,
+                                partition_fn=self._partition(device),
+                                keep_inference_input_mutations=True)(graph_module, example_inputs)
 
     def _partition(self, device: torch.device):
         def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int,
@@ -129,6 +131,7 @@ class Backend:
 
         hardware = resolve_hardware(self.hardware_spec, device)
         elide_clones(joint)
+        size_lstm_buffers(joint.graph, num_fwd_outputs)
         captured = as_captured(joint, num_fwd_outputs, static_lifetime_input_indices)
         graph = analyze(captured, hardware, name=f"region {len(self.regions)}",
                         kernel_temporaries=True)
@@ -258,6 +261,7 @@ def _runner(engine: CopyEngine, regions: list[Region]):
         is_backward = any(node.meta.get("autograd_backward") for node in module.graph.nodes)
         if is_backward:
             _zeros_at_first_use(module.graph)
+        run_rnn_layers_for_training(module.graph)
         module.graph.set_codegen(_BoxedCodeGen())
         module.recompile()
         forward = module.forward

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -90,7 +91,8 @@ def _fitted_class() -> type:
                 planner.replans += 1
                 self._orig_mod._memfit_plans += 1
             try:
-                result = super().__call__(*args, **kwargs)
+                with _rnn_traced(planner):
+                    result = super().__call__(*args, **kwargs)
             except BackendCompilerFailed as failed:
                 inner = failed.inner_exception
                 if isinstance(inner, (BudgetError, CaptureError, PlanError)):
@@ -101,6 +103,15 @@ def _fitted_class() -> type:
             return result
 
     return FittedModule
+
+
+def _rnn_traced(planner: Backend) -> contextlib.AbstractContextManager:
+    """Dynamo traces ``nn.LSTM`` (it skips frames with one otherwise, and the LSTM would run
+    outside any plan) while the model runs, with ``aot_eager``, where memfit traces the LSTM as
+    eager's kernels (``memfit.graph.rnn``); the flag is put back after."""
+    if planner.compiler != "aot_eager":
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(allow_rnn=True)
 
 
 def _lazy_output_gradients(result: Any) -> None:

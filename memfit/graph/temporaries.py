@@ -40,6 +40,7 @@ import torch
 import torch.fx as fx
 
 from memfit.graph.kernel_probe import measured_temporary_bytes
+from memfit.graph.rnn import RNN_TEMPORARIES
 
 _WRAPPED_SCALAR_BYTES = 8  # a Python float becomes a 0-dim float64 tensor
 
@@ -188,6 +189,12 @@ def _batch_norm_backward(node: fx.Node) -> int:
     return values.untyped_storage().nbytes() if training else 0
 
 
+def _embedding_backward(node: fx.Node) -> int:
+    """A strided output gradient (an LSTM's, transposed to batch-first) is copied contiguous."""
+    gradient = _argument(node, "grad_output")
+    return 0 if gradient.is_contiguous() else gradient.numel() * gradient.element_size()
+
+
 aten = torch.ops.aten
 _CPU_TEMPORARIES: dict[object, Callable[[fx.Node], int]] = {
     aten.native_dropout.default: _dropout_rule(_dropout_forward),
@@ -199,6 +206,8 @@ _CPU_TEMPORARIES: dict[object, Callable[[fx.Node], int]] = {
     aten._native_batch_norm_legit.no_stats: _batch_norm_forward,
     aten._native_batch_norm_legit_functional.default: _batch_norm_forward,
     aten.native_batch_norm_backward.default: _batch_norm_backward,
+    aten.embedding_dense_backward.default: _embedding_backward,
+    **RNN_TEMPORARIES,  # oneDNN's LSTM layer and its backward (memfit.graph.rnn)
 }
 # where the rule above is exact; elsewhere the kernel is measured (kernel_probe.py)
 _EXACT_WHERE: dict[object, Callable[[fx.Node], bool]] = {

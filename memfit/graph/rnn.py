@@ -1,0 +1,335 @@
+"""``nn.LSTM`` traced with the kernels eager runs on a CPU: oneDNN's one-layer LSTM and its backward.
+
+Eager CPU training sends ``aten::lstm`` to oneDNN when ATen's own test holds (``use_mkldnn`` in
+``aten/src/ATen/native/RNN.cpp``: mkldnn enabled, CPU tensors, float32 or bfloat16, no
+projections): one ``mkldnn_rnn_layer`` per layer and direction, whose autograd formula is
+``mkldnn_rnn_layer_backward``. Traced, three things differ, and each breaks bit-for-bit equality:
+
+1. torch's Python kernel for ``aten.lstm`` (``torch/_decomp/decompositions.py``, registered on the
+   ``Autograd`` key, so AOTAutograd's tracing takes it) picks oneDNN for inference only: with an
+   input that requires grad it unrolls the sequence into per-step ``linear``/``sigmoid``/``tanh``
+   ops, with other rounding than oneDNN's fused cell. ``eager_lstm_kernels`` puts a kernel that
+   mirrors ATen's ``mkldnn_rnn`` in its place while memfit traces.
+2. ``mkldnn_rnn_layer`` picks its training kernel, which fills the workspace its backward
+   reads, by grad mode, not by its ``train`` argument; AOTAutograd runs the compiled forward
+   without grad, where the kernel returns no workspace. ``run_rnn_layers_for_training`` makes
+   each layer whose workspace is read run as eager's does.
+3. The op's meta kernel gives the workspace 0 bytes; oneDNN's holds every gate value and state
+   of the sequence (520 KB for 16 steps of 8 x 64). ``size_lstm_buffers`` gives the traced
+   workspace its real size, so the planner counts, swaps and frees it; the kernels' own
+   buffers are ``RNN_TEMPORARIES`` (``memfit.graph.temporaries`` counts them).
+
+Note:
+    Dynamo skips a frame with an ``nn.LSTM`` unless ``torch._dynamo.config.allow_rnn``;
+    ``memfit.fit`` sets it while its model runs and puts it back after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._C import DispatchKey
+
+aten = torch.ops.aten
+_LSTM = aten.lstm.input
+_RNN_LAYER = aten.mkldnn_rnn_layer.default
+_KEYS = (DispatchKey.Autograd, DispatchKey.CompositeImplicitAutograd)
+_LSTM_MODE = 2  # ideep::rnn_kind::LSTM
+_WORKSPACE = 3  # mkldnn_rnn_layer returns (output, hy, cy, workspace)
+_BIAS_GRADIENTS = (3, 4)  # its backward returns (dx, dw_ih, dw_hh, db_ih, db_hh, dhx, dcx)
+
+
+def uses_onednn(input: torch.Tensor, hx: Sequence[torch.Tensor],
+                params: Sequence[torch.Tensor]) -> bool:
+    """Whether eager's ``aten::lstm`` runs this call on oneDNN (ATen's ``use_mkldnn`` for a
+    training step, and no projections)."""
+    if not torch._C._get_mkldnn_enabled():
+        return False
+    if any(t.device.type != "cpu" or t.layout != torch.strided for t in (input, *hx, *params)):
+        return False
+    if input.dtype == torch.bfloat16:
+        supported = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    else:
+        supported = input.dtype == torch.float32
+    symbolic = any(isinstance(size, torch.SymInt) for t in (input, *hx) for size in t.shape)
+    return supported and not symbolic and input.numel() != 0 and hx[0].size(2) == hx[1].size(2)
+
+
+def _onednn_lstm(input: torch.Tensor, hx: Sequence[torch.Tensor],
+                 params: Sequence[torch.Tensor], has_biases: bool, num_layers: int,
+                 dropout: float, train: bool, bidirectional: bool, batch_first: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ATen's ``mkldnn_rnn`` op for op: one ``mkldnn_rnn_layer`` per layer and direction on the
+    sequence-first input, directions concatenated, dropout between layers, states stacked."""
+    if batch_first:
+        input = input.transpose(0, 1)
+    layer_input = input.contiguous()
+    hidden, cell = hx[0].contiguous(), hx[1].contiguous()
+    stride = 4 if has_biases else 2
+    directions = 2 if bidirectional else 1
+    hidden_out, cell_out = [], []
+    for layer in range(num_layers):
+        outputs = []
+        for direction in range(directions):
+            index = layer * directions + direction
+            weights = params[index * stride:(index + 1) * stride]
+            bias_ih = weights[2] if has_biases else weights[0].new_zeros(weights[0].shape)
+            bias_hh = weights[3] if has_biases else weights[1].new_zeros(weights[1].shape)
+            result = _RNN_LAYER(layer_input, weights[0], weights[1], bias_ih, bias_hh,
+                                hidden[index], cell[index], direction > 0, [], _LSTM_MODE,
+                                hidden.size(2), num_layers, has_biases, bidirectional,
+                                batch_first, train)
+            outputs.append(result[0])
+            hidden_out.append(result[1])
+            cell_out.append(result[2])
+        layer_input = outputs[0] if directions == 1 else torch.cat(outputs, -1)
+        if dropout != 0 and train and layer < num_layers - 1:
+            layer_input = torch.dropout(layer_input, dropout, True)
+    output = layer_input.transpose(0, 1) if batch_first else layer_input
+    return output, torch.stack(hidden_out, 0), torch.stack(cell_out, 0)
+
+
+@contextlib.contextmanager
+def eager_lstm_kernels() -> Iterator[None]:
+    """While tracing, ``aten.lstm`` decomposes into eager's oneDNN layers where eager uses them,
+    and into torch's own decomposition elsewhere; torch's kernels are put back after.
+
+    Note:
+        The kernels of an op are global: a trace in another thread meanwhile sees these too
+        (a region's capture and planning run alone, see ``memfit.api``).
+    """
+    saved = {key: _LSTM.py_kernels.get(key) for key in _KEYS}
+    for key in _KEYS:
+        _LSTM.py_kernels[key] = functools.partial(_lstm_kernel, fallback=saved[key])
+    _LSTM._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for key, kernel in saved.items():
+            if kernel is None:
+                _LSTM.py_kernels.pop(key, None)
+            else:
+                _LSTM.py_kernels[key] = kernel
+        _LSTM._dispatch_cache.clear()
+
+
+def _lstm_kernel(input: torch.Tensor, hx: Sequence[torch.Tensor],
+                 params: Sequence[torch.Tensor], *args: Any, fallback: Any) -> Any:
+    if uses_onednn(input, hx, params):
+        return _onednn_lstm(input, hx, params, *args)
+    if fallback is None:
+        from torch._decomp.decompositions import lstm_impl as fallback
+    return fallback(input, hx, params, *args)
+
+
+def rnn_layer_for_training(*args: Any) -> tuple[torch.Tensor, ...]:
+    """``mkldnn_rnn_layer`` with its training kernel, as eager runs it under autograd: grad
+    mode on (the kernel's test), inputs detached so nothing is recorded."""
+    detached = [arg.detach() if isinstance(arg, torch.Tensor) else arg for arg in args]
+    with torch.enable_grad():
+        return _RNN_LAYER(*detached)
+
+
+def run_rnn_layers_for_training(graph: fx.Graph) -> int:
+    """Make each oneDNN LSTM layer of ``graph`` whose workspace is read (by its backward, or
+    saved for it) run its training kernel; returns how many. A layer of an inference graph
+    keeps the inference kernel eager runs without grad."""
+    changed = 0
+    for node in graph.find_nodes(op="call_function", target=_RNN_LAYER):
+        if _workspace_nodes(node, read=True):
+            node.target = rnn_layer_for_training
+            changed += 1
+    return changed
+
+
+def size_lstm_buffers(graph: fx.Graph, num_fwd_outputs: int) -> None:
+    """Give the traced oneDNN layers of a joint graph the buffers eager's kernels make, so the
+    planner counts them: each workspace that is read its real size (the meta kernel's is empty),
+    and each backward's second bias gradient its own storage."""
+    for node in graph.find_nodes(op="call_function", target=_RNN_LAYER):
+        _size_workspace(node)
+    for node in graph.find_nodes(op="call_function",
+                                 target=aten.mkldnn_rnn_layer_backward.default):
+        _own_bias_gradients(graph, node, num_fwd_outputs)
+
+
+def _own_bias_gradients(graph: fx.Graph, node: fx.Node, num_fwd_outputs: int) -> None:
+    """The meta kernel returns one tensor for both bias gradients where the kernel returns the
+    gradient and a clone of it. Traced so, the joint graph returns the clone for both biases (a
+    trace that meets the fake-tensor cache gets two, so plans of one model would differ by the
+    bias bytes): give the clone its own fake storage and return each gradient to its bias."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    first_index, second_index = _BIAS_GRADIENTS
+    value = list(node.meta["val"])
+    first, second = value[first_index], value[second_index]
+    if StorageWeakRef(first.untyped_storage()) == StorageWeakRef(second.untyped_storage()):
+        with first.fake_mode:
+            value[second_index] = torch.empty_like(first)
+        node.meta["val"] = tuple(value)
+    getters = {user.args[1]: user for user in node.users if user.target is operator.getitem}
+    if second_index in getters:
+        getters[second_index].meta["val"] = value[second_index]
+    if first_index in getters or second_index not in getters:
+        return
+    output = graph.find_nodes(op="output")[0]
+    primals = [p for p in graph.find_nodes(op="placeholder") if not p.name.startswith("tangents")]
+    position = num_fwd_outputs + primals.index(node.args[first_index]) \
+        if node.args[first_index] in primals else None
+    results = list(output.args[0])
+    if position is None or results[position] is not getters[second_index]:
+        return
+    with graph.inserting_after(getters[second_index]):
+        results[position] = graph.call_function(operator.getitem, (node, first_index))
+    results[position].meta.update(getters[second_index].meta)
+    results[position].meta["val"] = value[first_index]
+    output.args = (tuple(results), *output.args[1:])
+
+
+def _size_workspace(node: fx.Node) -> None:
+    getters = _workspace_nodes(node, read=False)
+    if not any(getter.users for getter in getters):
+        return
+    traced = node.meta["val"][_WORKSPACE]
+    size = workspace_bytes(*(_signature(arg) for arg in node.args))
+    if traced.numel() == size:
+        return
+    with traced.fake_mode:
+        real = torch.empty(size, dtype=torch.uint8, device=traced.device)
+    node.meta["val"] = (*node.meta["val"][:_WORKSPACE], real)
+    for getter in getters:
+        getter.meta["val"] = real
+
+
+def _workspace_nodes(node: fx.Node, read: bool) -> list[fx.Node]:
+    return [user for user in node.users
+            if user.target is operator.getitem and user.args[1] == _WORKSPACE
+            and (user.users or not read)]
+
+
+def _signature(argument: Any) -> Any:
+    """A hashable stand-in for an argument: (shape, dtype) for a tensor."""
+    if isinstance(argument, fx.Node):
+        value = argument.meta["val"]
+        return (tuple(value.shape), value.dtype)
+    return tuple(argument) if isinstance(argument, list) else argument
+
+
+@functools.lru_cache(maxsize=64)
+def workspace_bytes(*signature: Any) -> int:
+    """The bytes of oneDNN's workspace for a layer of this signature, from one run of the layer
+    on zeros.
+
+    Note:
+        oneDNN sizes the workspace from its primitive descriptor (leading dimensions padded,
+        each part page aligned, depending on the CPU's instruction set); Python cannot ask the
+        descriptor without running the layer. The run holds the layer's input, output and
+        workspace, which the planned step holds at that layer too, so it needs no more memory
+        than the plan already allows there; it is made once per shape, on real tensors (outside
+        the fake mode the planner runs in).
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        arguments = [torch.zeros(item[0], dtype=item[1]) if _is_tensor_signature(item) else item
+                     for item in signature]
+        return rnn_layer_for_training(*arguments)[_WORKSPACE].numel()
+
+
+def _is_tensor_signature(item: Any) -> bool:
+    return isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.dtype)
+
+
+# ---- bytes oneDNN's LSTM kernels allocate for themselves (measured on torch 2.13, AVX2) ---------
+#
+# Beside its outputs, a layer holds: the sum of its two biases, its weights reordered into
+# oneDNN's layout (leading dimensions padded: ``_padded``), and a scratchpad holding the gates
+# of every step (of one step in a forward with a batch of 128 or more) and two state buffers,
+# each part page aligned. The backward also holds zeros for each missing output gradient, a
+# contiguous copy of a strided output gradient, a copy of ``cx`` when it shares ``hx``'s
+# storage, and, where padding makes them differ, the weights in a second, transposed layout.
+# ``python -m bench.kernel_survey lstm`` runs both ops alone under the allocator.
+
+_PAGE_BYTES = 4096
+_SCRATCH_FIXED_BYTES = _PAGE_BYTES + 568  # measured, the same for every shape and thread count
+_FLOAT_BYTES = 4
+_MERGED_GATES_MAX_BATCH = 127  # a forward with a larger batch computes gates step by step
+
+
+def _padded(count: int) -> int:
+    """oneDNN's leading dimension for ``count`` floats: a multiple of 16 (one cache line), one
+    line more where it is a multiple of 256 (to avoid cache-set aliasing)."""
+    padded = -(-count // 16) * 16
+    return padded + 16 if padded % 256 == 0 else padded
+
+
+def _pages(size_bytes: int) -> int:
+    return -(-size_bytes // _PAGE_BYTES) * _PAGE_BYTES
+
+
+def _layer_shape(node: fx.Node) -> tuple[int, int, int, int]:
+    """(steps, batch, input size, hidden size) of a traced layer or its backward."""
+    steps, batch, inputs = _schema_argument(node, "input").shape
+    return steps, batch, inputs, _schema_argument(node, "hidden_size")
+
+
+def _schema_argument(node: fx.Node, name: str) -> Any:
+    assert isinstance(node.target, torch._ops.OpOverload)
+    names = [argument.name for argument in node.target._schema.arguments]
+    index = names.index(name)
+    argument = node.args[index] if index < len(node.args) else node.kwargs[name]
+    return argument.meta.get("val") if isinstance(argument, fx.Node) else argument
+
+
+def _common_bytes(node: fx.Node, forward: bool) -> int:
+    """The summed bias, the reordered weights and the scratchpad."""
+    steps, batch, inputs, hidden = _layer_shape(node)
+    gates = _padded(4 * hidden)
+    reordered = sum(size * gates for size in (inputs, hidden) if size > 1) * _FLOAT_BYTES
+    merged = not forward or batch <= _MERGED_GATES_MAX_BATCH
+    gate_bytes = (steps if merged else 1) * batch * gates * _FLOAT_BYTES
+    state_bytes = batch * _padded(hidden) * _FLOAT_BYTES
+    scratch = _pages(gate_bytes) + 2 * _pages(state_bytes) + _SCRATCH_FIXED_BYTES
+    return 4 * hidden * _FLOAT_BYTES + reordered + scratch
+
+
+def _layer_forward_bytes(node: fx.Node) -> int:
+    if not _is_float(node) or not _workspace_nodes(node, read=True):
+        return 0  # the inference kernel (no workspace) was not measured
+    return _common_bytes(node, forward=True)
+
+
+def _layer_backward_bytes(node: fx.Node) -> int:
+    if not _is_float(node):
+        return 0
+    steps, batch, inputs, hidden = _layer_shape(node)
+    state = batch * hidden * _FLOAT_BYTES
+    gradient = _schema_argument(node, "grad_output")
+    extra = sum(state for name in ("grad_hy", "grad_cy")
+                if _schema_argument(node, name) is None)
+    if gradient is None or not gradient.is_contiguous():
+        extra += steps * batch * hidden * _FLOAT_BYTES
+    hx, cx = _schema_argument(node, "hx_"), _schema_argument(node, "cx_tmp")
+    if hx.untyped_storage() is cx.untyped_storage():
+        extra += state
+    transposed = sum(4 * hidden * _padded(size) for size in (inputs, hidden)
+                     if _padded(size) != size) * _FLOAT_BYTES
+    # oneDNN's bias-gradient buffer (one bias's bytes) is alive at the peak, and the clone of
+    # the bias gradient, an output, is made only after it: the two cancel
+    return extra + transposed + _common_bytes(node, forward=False)
+
+
+def _is_float(node: fx.Node) -> bool:
+    return _schema_argument(node, "input").dtype == torch.float32
+
+
+RNN_TEMPORARIES = {
+    _RNN_LAYER: _layer_forward_bytes,
+    aten.mkldnn_rnn_layer_backward.default: _layer_backward_bytes,
+}
