@@ -261,7 +261,8 @@ def _runner(engine: CopyEngine, regions: list[Region]):
         is_backward = any(node.meta.get("autograd_backward") for node in module.graph.nodes)
         if is_backward:
             _zeros_at_first_use(module.graph)
-        run_rnn_layers_for_training(module.graph)
+        if region is not None:  # a training region's module: eager runs under autograd
+            run_rnn_layers_for_training(module.graph)
         module.graph.set_codegen(_BoxedCodeGen())
         module.recompile()
         forward = module.forward

@@ -15,10 +15,12 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import torch
 
+from memfit.api import BudgetWarning
 from memfit.backend import Backend, backend, device_of
 from memfit.core.hardware import Hardware
 
@@ -45,6 +47,7 @@ def fit(model: torch.nn.Module, budget: str | int | float | None = None,
     compiled = torch.compile(model, backend=planner, dynamic=False)
     compiled.__class__ = _fitted_class()
     compiled._memfit_backend = planner  # type: ignore[assignment]
+    compiled._memfit_traces_rnns = _traces_rnns(model, compiler)  # type: ignore[assignment]
     return compiled
 
 
@@ -91,7 +94,7 @@ def _fitted_class() -> type:
                 planner.replans += 1
                 self._orig_mod._memfit_plans += 1
             try:
-                with _rnn_traced(planner):
+                with _rnn_traced(self._memfit_traces_rnns):
                     result = super().__call__(*args, **kwargs)
             except BackendCompilerFailed as failed:
                 inner = failed.inner_exception
@@ -105,13 +108,30 @@ def _fitted_class() -> type:
     return FittedModule
 
 
-def _rnn_traced(planner: Backend) -> contextlib.AbstractContextManager:
-    """Dynamo traces ``nn.LSTM`` (it skips frames with one otherwise, and the LSTM would run
-    outside any plan) while the model runs, with ``aot_eager``, where memfit traces the LSTM as
-    eager's kernels (``memfit.graph.rnn``); the flag is put back after."""
-    if planner.compiler != "aot_eager":
-        return contextlib.nullcontext()
-    return torch._dynamo.config.patch(allow_rnn=True)
+def _rnn_traced(traced: bool) -> contextlib.AbstractContextManager:
+    """While the model runs, Dynamo traces its RNNs where ``_traces_rnns`` said so; the flag is
+    put back after."""
+    return torch._dynamo.config.patch(allow_rnn=True) if traced else contextlib.nullcontext()
+
+
+def _traces_rnns(model: torch.nn.Module, compiler: str) -> bool:
+    """Whether Dynamo should trace ``model``'s RNN modules (it skips the frames that call one
+    otherwise, and they run eagerly, outside any plan): with ``aot_eager``, where memfit traces
+    ``nn.LSTM`` as eager runs it (``memfit.graph.rnn``), and not for a model with an ``nn.GRU``,
+    whose traced gradients are not eager's bit for bit. Warns where RNNs stay outside the plans.
+    """
+    rnns = [module for module in model.modules() if isinstance(module, torch.nn.RNNBase)]
+    if not rnns or torch._dynamo.config.allow_rnn:  # none, or the user lets Dynamo trace them
+        return False
+    if compiler == "aot_eager" and not any(isinstance(rnn, torch.nn.GRU) for rnn in rnns):
+        return True
+    kinds = sorted({type(rnn).__name__ for rnn in rnns})
+    why = ("nn.GRU traced is not bit for bit eager's" if compiler == "aot_eager"
+           else "memfit traces RNNs with compiler='aot_eager' only")
+    warnings.warn(f"memfit: the model's {', '.join(kinds)} run eagerly, outside any plan ({why}); "
+                  "Dynamo skips the code that calls them, so that memory is not planned and a "
+                  "measured peak may exceed the budget", BudgetWarning, stacklevel=3)
+    return False
 
 
 def _lazy_output_gradients(result: Any) -> None:

@@ -8,12 +8,12 @@ projections): one ``mkldnn_rnn_layer`` per layer and direction, whose autograd f
 1. torch's Python kernel for ``aten.lstm`` (``torch/_decomp/decompositions.py``, registered on the
    ``Autograd`` key, so AOTAutograd's tracing takes it) picks oneDNN for inference only: with an
    input that requires grad it unrolls the sequence into per-step ``linear``/``sigmoid``/``tanh``
-   ops, with other rounding than oneDNN's fused cell. ``eager_lstm_kernels`` puts a kernel that
-   mirrors ATen's ``mkldnn_rnn`` in its place while memfit traces.
+   ops, with other rounding than oneDNN's fused cell. ``eager_lstm_kernels`` sets it aside
+   while memfit traces, so ATen's own kernel traces the ops eager runs.
 2. ``mkldnn_rnn_layer`` picks its training kernel, which fills the workspace its backward
    reads, by grad mode, not by its ``train`` argument; AOTAutograd runs the compiled forward
-   without grad, where the kernel returns no workspace. ``run_rnn_layers_for_training`` makes
-   each layer whose workspace is read run as eager's does.
+   without grad, where the kernel returns no workspace (and rounds differently).
+   ``run_rnn_layers_for_training`` makes each layer of a training region run as eager's does.
 3. The op's meta kernel gives the workspace 0 bytes; oneDNN's holds every gate value and state
    of the sequence (520 KB for 16 steps of 8 x 64). ``size_lstm_buffers`` gives the traced
    workspace its real size, so the planner counts, swaps and frees it; the kernels' own
@@ -21,7 +21,10 @@ projections): one ``mkldnn_rnn_layer`` per layer and direction, whose autograd f
 
 Note:
     Dynamo skips a frame with an ``nn.LSTM`` unless ``torch._dynamo.config.allow_rnn``;
-    ``memfit.fit`` sets it while its model runs and puts it back after.
+    ``memfit.fit`` sets it while its model runs and puts it back after. The flag lets Dynamo
+    trace ``nn.GRU`` too, whose traced gradients are not eager's bit for bit (the in-place
+    gate updates on views of one matmul's output become functional ops, and the backward
+    sums in another order: 1.9e-6 apart); ``memfit.fit`` leaves it off for a model with one.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,95 +40,35 @@ import torch.fx as fx
 from torch._C import DispatchKey
 
 aten = torch.ops.aten
-_LSTM = aten.lstm.input
+_LSTMS = (aten.lstm.input, aten.lstm.data)
 _RNN_LAYER = aten.mkldnn_rnn_layer.default
 _KEYS = (DispatchKey.Autograd, DispatchKey.CompositeImplicitAutograd)
-_LSTM_MODE = 2  # ideep::rnn_kind::LSTM
 _WORKSPACE = 3  # mkldnn_rnn_layer returns (output, hy, cy, workspace)
 _BIAS_GRADIENTS = (3, 4)  # its backward returns (dx, dw_ih, dw_hh, db_ih, db_hh, dhx, dcx)
 
 
-def uses_onednn(input: torch.Tensor, hx: Sequence[torch.Tensor],
-                params: Sequence[torch.Tensor]) -> bool:
-    """Whether eager's ``aten::lstm`` runs this call on oneDNN (ATen's ``use_mkldnn`` for a
-    training step, and no projections)."""
-    if not torch._C._get_mkldnn_enabled():
-        return False
-    if any(t.device.type != "cpu" or t.layout != torch.strided for t in (input, *hx, *params)):
-        return False
-    if input.dtype == torch.bfloat16:
-        supported = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    else:
-        supported = input.dtype == torch.float32
-    symbolic = any(isinstance(size, torch.SymInt) for t in (input, *hx) for size in t.shape)
-    return supported and not symbolic and input.numel() != 0 and hx[0].size(2) == hx[1].size(2)
-
-
-def _onednn_lstm(input: torch.Tensor, hx: Sequence[torch.Tensor],
-                 params: Sequence[torch.Tensor], has_biases: bool, num_layers: int,
-                 dropout: float, train: bool, bidirectional: bool, batch_first: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ATen's ``mkldnn_rnn`` op for op: one ``mkldnn_rnn_layer`` per layer and direction on the
-    sequence-first input, directions concatenated, dropout between layers, states stacked."""
-    if batch_first:
-        input = input.transpose(0, 1)
-    layer_input = input.contiguous()
-    hidden, cell = hx[0].contiguous(), hx[1].contiguous()
-    stride = 4 if has_biases else 2
-    directions = 2 if bidirectional else 1
-    hidden_out, cell_out = [], []
-    for layer in range(num_layers):
-        outputs = []
-        for direction in range(directions):
-            index = layer * directions + direction
-            weights = params[index * stride:(index + 1) * stride]
-            bias_ih = weights[2] if has_biases else weights[0].new_zeros(weights[0].shape)
-            bias_hh = weights[3] if has_biases else weights[1].new_zeros(weights[1].shape)
-            result = _RNN_LAYER(layer_input, weights[0], weights[1], bias_ih, bias_hh,
-                                hidden[index], cell[index], direction > 0, [], _LSTM_MODE,
-                                hidden.size(2), num_layers, has_biases, bidirectional,
-                                batch_first, train)
-            outputs.append(result[0])
-            hidden_out.append(result[1])
-            cell_out.append(result[2])
-        layer_input = outputs[0] if directions == 1 else torch.cat(outputs, -1)
-        if dropout != 0 and train and layer < num_layers - 1:
-            layer_input = torch.dropout(layer_input, dropout, True)
-    output = layer_input.transpose(0, 1) if batch_first else layer_input
-    return output, torch.stack(hidden_out, 0), torch.stack(cell_out, 0)
-
-
 @contextlib.contextmanager
 def eager_lstm_kernels() -> Iterator[None]:
-    """While tracing, ``aten.lstm`` decomposes into eager's oneDNN layers where eager uses them,
-    and into torch's own decomposition elsewhere; torch's kernels are put back after.
+    """While tracing, ``aten.lstm`` runs ATen's own composite kernel, the code eager runs: on a
+    CPU one ``mkldnn_rnn_layer`` per layer and direction where ATen's ``use_mkldnn`` holds, its
+    cell loop elsewhere (projections, float64, packed sequences). torch's Python kernels, which
+    tracing takes otherwise, are put back after.
 
     Note:
-        The kernels of an op are global: a trace in another thread meanwhile sees these too
-        (a region's capture and planning run alone, see ``memfit.api``).
+        The kernels of an op are process-wide: a trace in another thread meanwhile traces the
+        LSTM as eager runs it too.
     """
-    saved = {key: _LSTM.py_kernels.get(key) for key in _KEYS}
-    for key in _KEYS:
-        _LSTM.py_kernels[key] = functools.partial(_lstm_kernel, fallback=saved[key])
-    _LSTM._dispatch_cache.clear()
+    saved = {(op, key): op.py_kernels.pop(key) for op in _LSTMS for key in _KEYS
+             if key in op.py_kernels}
+    for op in _LSTMS:
+        op._dispatch_cache.clear()
     try:
         yield
     finally:
-        for key, kernel in saved.items():
-            if kernel is None:
-                _LSTM.py_kernels.pop(key, None)
-            else:
-                _LSTM.py_kernels[key] = kernel
-        _LSTM._dispatch_cache.clear()
-
-
-def _lstm_kernel(input: torch.Tensor, hx: Sequence[torch.Tensor],
-                 params: Sequence[torch.Tensor], *args: Any, fallback: Any) -> Any:
-    if uses_onednn(input, hx, params):
-        return _onednn_lstm(input, hx, params, *args)
-    if fallback is None:
-        from torch._decomp.decompositions import lstm_impl as fallback
-    return fallback(input, hx, params, *args)
+        for (op, key), kernel in saved.items():
+            op.py_kernels[key] = kernel
+        for op in _LSTMS:
+            op._dispatch_cache.clear()
 
 
 def rnn_layer_for_training(*args: Any) -> tuple[torch.Tensor, ...]:
@@ -137,15 +80,19 @@ def rnn_layer_for_training(*args: Any) -> tuple[torch.Tensor, ...]:
 
 
 def run_rnn_layers_for_training(graph: fx.Graph) -> int:
-    """Make each oneDNN LSTM layer of ``graph`` whose workspace is read (by its backward, or
-    saved for it) run its training kernel; returns how many. A layer of an inference graph
-    keeps the inference kernel eager runs without grad."""
-    changed = 0
-    for node in graph.find_nodes(op="call_function", target=_RNN_LAYER):
-        if _workspace_nodes(node, read=True):
-            node.target = rnn_layer_for_training
-            changed += 1
-    return changed
+    """Make each oneDNN LSTM layer of ``graph``, a forward or backward module of a training
+    region, run its training kernel, as eager does under autograd; returns how many.
+
+    Note:
+        Every layer, also one whose workspace the plan does not save (it is recomputed in the
+        backward): the inference kernel rounds differently, so a forward that ran it would
+        not be eager's. An inference region (no backward) is not passed here and keeps the
+        inference kernel that eager runs without grad.
+    """
+    layers = graph.find_nodes(op="call_function", target=_RNN_LAYER)
+    for node in layers:
+        node.target = rnn_layer_for_training
+    return len(layers)
 
 
 def size_lstm_buffers(graph: fx.Graph, num_fwd_outputs: int) -> None:
