@@ -111,12 +111,10 @@ def _own_bias_gradients(graph: fx.Graph, node: fx.Node, num_fwd_outputs: int) ->
     gradient and a clone of it. Traced so, the joint graph returns the clone for both biases (a
     trace that meets the fake-tensor cache gets two, so plans of one model would differ by the
     bias bytes): give the clone its own fake storage and return each gradient to its bias."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     first_index, second_index = _BIAS_GRADIENTS
     value = list(node.meta["val"])
     first, second = value[first_index], value[second_index]
-    if StorageWeakRef(first.untyped_storage()) == StorageWeakRef(second.untyped_storage()):
+    if _storage(first) == _storage(second):
         with first.fake_mode:
             value[second_index] = torch.empty_like(first)
         node.meta["val"] = tuple(value)
@@ -201,7 +199,9 @@ def _is_tensor_signature(item: Any) -> bool:
 # each part page aligned. The backward also holds zeros for each missing output gradient, a
 # contiguous copy of a strided output gradient, a copy of ``cx`` when it shares ``hx``'s
 # storage, and, where padding makes them differ, the weights in a second, transposed layout.
-# ``python -m bench.kernel_survey lstm`` runs both ops alone under the allocator.
+# A weight with one row (an input of one feature, a hidden state of one) is not reordered in
+# the forward and reordered unpadded in the backward. ``tests/graph/test_rnn.py`` runs both
+# ops alone under the allocator.
 
 _PAGE_BYTES = 4096
 _SCRATCH_FIXED_BYTES = _PAGE_BYTES + 568  # measured, the same for every shape and thread count
@@ -238,7 +238,9 @@ def _common_bytes(node: fx.Node, forward: bool) -> int:
     """The summed bias, the reordered weights and the scratchpad."""
     steps, batch, inputs, hidden = _layer_shape(node)
     gates = _padded(4 * hidden)
-    reordered = sum(size * gates for size in (inputs, hidden) if size > 1) * _FLOAT_BYTES
+    one_row = 0 if forward else 4 * hidden
+    reordered = sum(size * gates if size > 1 else one_row for size in (inputs, hidden))
+    reordered *= _FLOAT_BYTES
     merged = not forward or batch <= _MERGED_GATES_MAX_BATCH
     gate_bytes = (steps if merged else 1) * batch * gates * _FLOAT_BYTES
     state_bytes = batch * _padded(hidden) * _FLOAT_BYTES
@@ -263,13 +265,19 @@ def _layer_backward_bytes(node: fx.Node) -> int:
     if gradient is None or not gradient.is_contiguous():
         extra += steps * batch * hidden * _FLOAT_BYTES
     hx, cx = _schema_argument(node, "hx_"), _schema_argument(node, "cx_tmp")
-    if hx.untyped_storage() is cx.untyped_storage():
+    if _storage(hx) == _storage(cx):
         extra += state
     transposed = sum(4 * hidden * _padded(size) for size in (inputs, hidden)
                      if _padded(size) != size) * _FLOAT_BYTES
     # oneDNN's bias-gradient buffer (one bias's bytes) is alive at the peak, and the clone of
     # the bias gradient, an output, is made only after it: the two cancel
     return extra + transposed + _common_bytes(node, forward=False)
+
+
+def _storage(tensor: torch.Tensor) -> Any:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(tensor.untyped_storage())
 
 
 def _is_float(node: fx.Node) -> bool:

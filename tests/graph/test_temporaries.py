@@ -245,3 +245,18 @@ def test_reduced_losses_keep_their_elementwise_buffer(loss, reduction, shape, ta
     node = traced(lambda x, t: loss(x, t, reduction), values, target)
     expected = kernel_output_storage_bytes(node) or node.meta["val"].untyped_storage().nbytes()
     assert output.untyped_storage().nbytes() == expected
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_embedding_backward_copies_a_strided_gradient(strided):
+    """An LSTM's gradient reaches the embedding transposed to batch-first: copied contiguous."""
+    gradient = torch.randn(16, 8, 32).transpose(0, 1) if strided else torch.randn(8, 16, 32)
+    indices = torch.randint(0, 64, (8, 16))
+
+    def backward(g, i):
+        return aten.embedding_dense_backward.default(g, i, 64, -1, False)
+
+    result, peak_bytes = _allocator_peak_above_start(lambda: backward(gradient, indices))
+    node = traced(backward, gradient, indices)
+    assert peak_bytes - storage_bytes(result) == kernel_temporary_bytes(node)
+    assert kernel_temporary_bytes(node) == (gradient.nbytes if strided else 0)

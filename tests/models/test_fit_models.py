@@ -62,8 +62,13 @@ FRACTIONS = {"unet3d": (0.5, 0.3)}  # of eager's peak; 0.5 for the others
 PREDICTION_MATCHES = {"cnn", "unet3d"}
 
 
-def train(example, model, runner=None, iterations: int = 2):
+def train(example, model, runner=None, iterations: int = 2, gradients: list | None = None):
+    """Losses and measured peaks of ``iterations`` AdamW steps; with ``gradients``, each step's
+    gradients are appended to it (cloned before the optimizer reads them)."""
     optimizer = torch.optim.AdamW(model.parameters())
+    if gradients is not None:
+        optimizer.register_step_pre_hook(lambda *_: gradients.append(
+            [None if p.grad is None else p.grad.clone() for p in model.parameters()]))
     runner = runner(model, optimizer) if runner else model
     inputs = example.inputs()
     losses, peaks = [], []
