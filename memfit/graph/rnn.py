@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -284,7 +284,7 @@ def _is_float(node: fx.Node) -> bool:
     return _schema_argument(node, "input").dtype == torch.float32
 
 
-RNN_TEMPORARIES = {
+RNN_TEMPORARIES: dict[object, Callable[[fx.Node], int]] = {
     _RNN_LAYER: _layer_forward_bytes,
     aten.mkldnn_rnn_layer_backward.default: _layer_backward_bytes,
 }
