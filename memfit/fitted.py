@@ -116,18 +116,25 @@ def _rnn_traced(traced: bool) -> contextlib.AbstractContextManager:
 
 def _traces_rnns(model: torch.nn.Module, compiler: str) -> bool:
     """Whether Dynamo should trace ``model``'s RNN modules (it skips the frames that call one
-    otherwise, and they run eagerly, outside any plan): with ``aot_eager``, where memfit traces
-    ``nn.LSTM`` as eager runs it (``memfit.graph.rnn``), and not for a model with an ``nn.GRU``,
-    whose traced gradients are not eager's bit for bit. Warns where RNNs stay outside the plans.
+    otherwise, and they run eagerly, outside any plan): with ``aot_eager`` on a CPU, where memfit
+    traces ``nn.LSTM`` as eager runs it (``memfit.graph.rnn``), and not for a model with an
+    ``nn.GRU``, whose traced gradients are not eager's bit for bit. Warns where RNNs stay
+    outside the plans.
     """
     rnns = [module for module in model.modules() if isinstance(module, torch.nn.RNNBase)]
     if not rnns or torch._dynamo.config.allow_rnn:  # none, or the user lets Dynamo trace them
         return False
-    if compiler == "aot_eager" and not any(isinstance(rnn, torch.nn.GRU) for rnn in rnns):
+    on_cpu = all(p.device.type == "cpu" for rnn in rnns for p in rnn.parameters())
+    has_gru = any(isinstance(rnn, torch.nn.GRU) for rnn in rnns)
+    if compiler == "aot_eager" and on_cpu and not has_gru:
         return True
+    if compiler != "aot_eager":
+        why = "memfit traces RNNs with compiler='aot_eager' only"
+    elif not on_cpu:
+        why = "memfit traces RNNs on a CPU only: cuDNN's RNN kernels are not checked"
+    else:
+        why = "nn.GRU traced is not bit for bit eager's"
     kinds = sorted({type(rnn).__name__ for rnn in rnns})
-    why = ("nn.GRU traced is not bit for bit eager's" if compiler == "aot_eager"
-           else "memfit traces RNNs with compiler='aot_eager' only")
     warnings.warn(f"memfit: the model's {', '.join(kinds)} run eagerly, outside any plan ({why}); "
                   "Dynamo skips the code that calls them, so that memory is not planned and a "
                   "measured peak may exceed the budget", BudgetWarning, stacklevel=3)
