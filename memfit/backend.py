@@ -43,16 +43,16 @@ from memfit.graph_breaks import (
     compiling_code,
     latest_regions,
     retrace,
+    save_at_most,
     saves_caps,
     watch_recompile_limit,
 )
-from memfit.runtime.region_peak import run_measured
-from memfit.runtime.resident import resident_bytes, resident_tensors
+from memfit.runtime.region_peak import measure_region_run
+from memfit.runtime.resident import resident_bytes
 from memfit.runtime.streams import CopyEngine, active_engine
 
 COMPILERS = ("aot_eager", "inductor")
 MAX_JOINT_ROUNDS = 2  # joint re-plans of a graph-broken model; each costs a trace of every region
-SAVES_BISECTION_STEPS = 6  # budgets tried for a region whose saves are capped (1/64 resolution)
 
 
 @dataclass
@@ -231,36 +231,14 @@ class Backend:
 
     def _save_at_most(self, cap_bytes: int, graph: CostGraph, hardware: Hardware, outside: int,
                       budget_bytes: int, lower: Any) -> tuple[Plan, Any]:
-        """The plan whose forward saves at most ``cap_bytes`` at the largest budget a bisection
-        between the region's smallest peak and ``budget_bytes`` finds (a larger budget re-runs
-        less); the smallest-peak plan where even that saves more. Returns it and ``lower(it)``."""
+        """A plan of this region whose forward saves at most ``cap_bytes`` (``save_at_most``)."""
         from memfit.api import make_plan
 
-        def attempt(at_bytes: int) -> tuple[Plan, Any] | None:
-            try:
-                made = make_plan(graph, hardware, Budget(bytes=at_bytes), self.strategy,
-                                 self.params, outside, what_ifs=False)[0]
-            except BudgetError:
-                return None
-            return made, lower(made)
+        def plan_at(at_bytes: int) -> Plan:
+            return make_plan(graph, hardware, Budget(bytes=at_bytes), self.strategy, self.params,
+                             outside, what_ifs=False)[0]
 
-        try:
-            make_plan(graph, hardware, Budget(bytes=1), self.strategy, self.params, outside,
-                      what_ifs=False)
-            raise AssertionError("a plan cannot fit a budget of one byte")
-        except BudgetError as error:
-            low = error.minimum_bytes
-        best = attempt(low)
-        assert best is not None, "a strategy's minimum peak is the peak of a plan it built"
-        high = budget_bytes
-        for _ in range(SAVES_BISECTION_STEPS):
-            middle = (low + high) // 2
-            found = attempt(middle)
-            if found is not None and found[1][2] <= cap_bytes:
-                best, low = found, middle
-            else:
-                high = middle
-        return best
+        return save_at_most(plan_at, lower, cap_bytes, budget_bytes)
 
     # ---- planning the regions of a graph-broken model jointly -----------------------------------
 
@@ -280,6 +258,13 @@ class Backend:
             return  # nothing new to plan for (no caps, or the same caps again)
         self.joint_rounds += 1
         self.saves_caps.update(caps)
+        self.retrace_regions()
+
+    def retrace_regions(self) -> None:
+        """Make Dynamo trace, and so plan, every current region again on its next run. The plan
+        count that ``memfit.fit`` guards on is read only in the region its pre-hook is traced in;
+        the regions after a graph break guard on nothing memfit changes."""
+        current = latest_regions(self.regions)
         for region in current:
             region.replaced = True
         retrace({region.code for region in current if region.code is not None})
@@ -317,56 +302,11 @@ class Backend:
 
     def report(self) -> str:
         """Per compiled region: budget, unplanned, predicted and measured peak (and the gap),
-        what was swapped and recomputed (re-runs and their predicted time); then how often plans
-        were remade, and which code ran outside any plan."""
-        from memfit.render.text import table
+        what was swapped and recomputed; then how often plans were remade, and which code ran
+        outside any plan (``memfit.render.regions``)."""
+        from memfit.render.regions import regions_report
 
-        if not self.regions:
-            return "memfit: no region has been compiled yet (call the model once)"
-        text = table(("region", "ops", "budget", "unplanned", "predicted", "measured", "gap",
-                      "strategy", "swapped", "re-runs (time)", "step (simulated)"),
-                     [_report_row(region) for region in self.regions])
-        return "\n".join([text, *self._report_notes()])
-
-    def _report_notes(self) -> list[str]:
-        notes = []
-        if any(region.measured_peak_bytes is not None for region in self.regions):
-            notes.append("measured: the device's peak while the region's forward or backward ran "
-                         "(latest measured run); on a CPU, of what memfit sees (the model, "
-                         "optimizer state, the regions' inputs and saves), not the loop's own "
-                         "tensors. gap: measured - predicted.")
-        if any(region.replaced for region in self.regions):
-            notes.append(f"planned jointly {self.joint_rounds} time(s): a region could not fit "
-                         "beside the saves of the regions before its graph break, so those save "
-                         "at most their share ('saves <=' in budget); '*' marks replaced plans")
-        if self.replans:
-            notes.append(f"planned again {self.replans} time(s): more stayed resident than the "
-                         "earlier plans left room for (optimizer state, kept gradients)")
-        for where in self.eager_codes:
-            notes.append(f"ran outside any plan: {where} (Dynamo's recompile limit)")
-        return notes
-
-
-def _report_row(region: Region) -> tuple:
-    from memfit.core.recompute import planned_reruns
-
-    plan, graph = region.plan, region.graph
-    reruns = [r for group in planned_reruns(graph, plan).values() for r in group]
-    rerun_s = sum(graph.op(rerun.op).time_s for rerun in reruns)
-    budget = format_bytes(region.budget_bytes) if region.budget_bytes else "none"
-    if region.saves_cap_bytes is not None:
-        budget += f", saves <= {format_bytes(region.saves_cap_bytes)}"
-    measured = region.measured_peak_bytes
-    gap = "-"
-    if measured is not None:
-        difference = measured - region.predicted_peak_bytes
-        gap = f"{difference:+,d} B ({100 * difference / region.predicted_peak_bytes:+.2f}%)"
-    return (f"{region.index}{'*' if region.replaced else ''}", len(graph.ops), budget,
-            format_bytes(region.baseline_peak_bytes), format_bytes(region.predicted_peak_bytes),
-            format_bytes(measured) if measured is not None else "-", gap,
-            f"{plan.strategy} ({plan.params.get('solver', plan.strategy)})", len(plan.swapped),
-            f"{len(reruns)} ({rerun_s * 1e3:.2f} ms)",
-            f"{region.predicted.step_time_s * 1e3:.2f} ms")
+        return regions_report(self)
 
 
 REGION_KEY = "memfit_region"  # GraphModule.meta: which region a forward / backward module is
@@ -414,7 +354,7 @@ def _runner(engine: CopyEngine, planner: Backend):
         def run(args: list) -> Any:
             with active_engine(engine):
                 if region is not None and region.measured_runs < 2 * planner.measure_runs:
-                    result = _run_measuring(planner, region, forward, args, is_backward)
+                    result = measure_region_run(planner, region, forward, args, is_backward)
                 else:
                     result = forward(args)
             if region is not None:
@@ -428,35 +368,6 @@ def _runner(engine: CopyEngine, planner: Backend):
         return run
 
     return compile_module
-
-
-def _run_measuring(planner: Backend, region: Region, call: Any, args: list,
-                   is_backward: bool) -> Any:
-    """Run a region's module, recording the device's measured peak during it on the region.
-    Alive beside it: the model, its optimizers' state, the saves of the other open regions (and,
-    for a forward, of this region's own earlier forwards whose backward has not run) and, for a
-    backward, the inputs and outputs of its forward still alive (the loop holds the batch and
-    the loss; a CPU ``mse_loss`` returns a scalar view of an input-sized buffer)."""
-    import weakref
-
-    device = device_of(args)
-    others = sum(other.saved_bytes * other.open_forwards for other in planner.regions
-                 if other is not region)
-    own = region.saved_bytes * (region.open_forwards - (1 if is_backward else 0))
-    alive = resident_tensors(planner.model, planner.optimizers)
-    if is_backward:
-        alive += [tensor for tensor in (ref() for ref in region.forward_values) if tensor is not None]
-    inputs = [weakref.ref(value) for value in args if isinstance(value, torch.Tensor)]
-    result, peak_bytes = run_measured(call, args, device, alive, others + max(own, 0))
-    if not is_backward:
-        region.forward_values = (*inputs, *(weakref.ref(value) for value in result
-                                            if isinstance(value, torch.Tensor)))
-    if is_backward:
-        region.measured_backward_bytes = peak_bytes
-    else:
-        region.measured_forward_bytes = peak_bytes
-    region.measured_runs += 1
-    return result
 
 
 def _zeros_at_first_use(graph: fx.Graph) -> None:

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import CodeType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from memfit.backend import Backend, Region
+    from memfit.core.plan import Plan
 
 
 def compiling_code() -> CodeType | None:
@@ -78,6 +79,50 @@ def saves_caps(regions: Sequence[Region]) -> dict[CodeType, int]:
             share = room * region.saved_bytes // total
             caps[region.code] = min(caps.get(region.code, share), share)
     return caps
+
+
+SAVES_BISECTION_STEPS = 6  # budgets tried for a region whose saves are capped (1/64 resolution)
+
+
+def save_at_most(plan_at: Callable[[int], Plan], lower: Callable[[Plan], tuple],
+                 cap_bytes: int, budget_bytes: int) -> tuple[Plan, tuple]:
+    """The plan whose forward saves at most ``cap_bytes``, at the largest budget a bisection
+    between the region's smallest peak and ``budget_bytes`` finds (a larger budget re-runs
+    less); the smallest-peak plan where even that saves more.
+
+    Args:
+        plan_at: the region's plan at a whole-device budget in bytes (raises ``BudgetError``
+            below the strategy's smallest peak).
+        lower: a plan's forward and backward modules and the device bytes the forward saves.
+        cap_bytes: the most the forward may save.
+        budget_bytes: the region's budget, the top of the bisection.
+
+    Returns:
+        The plan and ``lower(plan)``.
+    """
+    from memfit.core.errors import BudgetError
+
+    try:
+        plan_at(1)
+        raise AssertionError("no plan fits a budget of one byte")
+    except BudgetError as error:
+        low = error.minimum_bytes
+    smallest = plan_at(low)  # a strategy's smallest peak is the peak of a plan it built
+    best = (smallest, lower(smallest))
+    high = budget_bytes
+    for _ in range(SAVES_BISECTION_STEPS):
+        middle = (low + high) // 2
+        try:
+            made = plan_at(middle)
+        except BudgetError:
+            low = middle
+            continue
+        lowered = lower(made)
+        if lowered[-1] <= cap_bytes:
+            best, low = (made, lowered), middle
+        else:
+            high = middle
+    return best
 
 
 class RecompileLimitWatch(logging.Handler):

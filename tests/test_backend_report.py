@@ -108,3 +108,24 @@ def test_a_region_past_dynamos_recompile_limit_is_named_once():
     limit = [w for w in caught if "recompile limit" in str(w.message)]
     assert len(limit) == 1 and limit[0].category is BudgetWarning
     assert "ran outside any plan" in memfit.report(fitted)
+
+
+def test_a_found_optimizer_replans_every_region_of_a_graph_broken_model():
+    """No optimizer= given: its state appears at the first step, and every region, the ones
+    after the graph break included (the plan-count guard does not reach them), is planned
+    again, so the iterations after it fit the budget."""
+    data = batches(count=3, size=4096)
+    reference, reference_losses, eager_peak = eager_reference(Broken, data)
+    model = Broken()
+    optimizer = torch.optim.AdamW(model.parameters())
+    budget = int(0.8 * eager_peak)
+    fitted = memfit.fit(model, budget=budget)
+    losses, peaks = train(fitted, optimizer, data)
+    assert_same_training(model, reference, losses, reference_losses)
+    planner = fitted._memfit_backend
+    assert planner.replans == 1
+    before, after = planner.regions[:2], planner.regions[2:]
+    assert all(region.replaced for region in before) and len(after) == 2
+    assert [region.code for region in after] == [region.code for region in before]
+    assert all(region.resident_bytes > before[0].resident_bytes for region in after)
+    assert max(peaks[1:]) <= budget, (peaks, budget)

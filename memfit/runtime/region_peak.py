@@ -6,9 +6,10 @@ tracker around the module's generated code: it only sees the aten ops inside, so
 keeps running (a dispatch mode around the *compiled model* would make Dynamo fall back to
 eager). What is alive at the start is read from the allocator on CUDA
 (``torch.cuda.memory_allocated``: every byte, whoever holds it); on a CPU, which has no such
-counter, it is what memfit knows to be resident (parameters, gradients, buffers, optimizer
-state, the module's arguments, the saves of regions still open), so tensors the user's loop
-holds outside memfit's view (labels, the loss) are not in the CPU figure.
+counter, it is what memfit knows to be alive (parameters, gradients, buffers, optimizer state,
+the module's arguments, the saves of regions still open and, in a backward, its forward's
+inputs and outputs still alive), so other tensors the user's loop holds (the labels of a loss
+computed outside the region) are not in the CPU figure.
 
 Example:
     >>> result, peak_bytes = run_measured(module, args, device, resident, outside_bytes=0)
@@ -17,11 +18,14 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from memfit.runtime.tracker import DeviceMemoryTracker
+
+if TYPE_CHECKING:
+    from memfit.backend import Backend, Region
 
 
 def run_measured(call: Callable[[list], Any], args: list, device: torch.device,
@@ -67,3 +71,36 @@ def _run_measured_cuda(call: Callable[[list], Any], args: list, device: torch.de
     if peak_after > peak_before:
         return result, peak_after
     return result, start_bytes + (tracker.peak_bytes - tracked_start)
+
+
+def measure_region_run(planner: Backend, region: Region, call: Callable[[list], Any], args: list,
+                       is_backward: bool) -> Any:
+    """Run a region's module (boxed), recording the device's peak during it on the region.
+
+    Alive beside it: the model, its optimizers' state, the saves of the other open regions (and,
+    for a forward, of this region's own earlier forwards whose backward has not run) and, for a
+    backward, the inputs and outputs of its forward still alive (the loop holds the batch and
+    the loss; a CPU ``mse_loss`` returns a 0-dim view of an input-sized buffer).
+    """
+    import weakref
+
+    from memfit.runtime.resident import resident_tensors
+
+    device = next((value.device for value in args if isinstance(value, torch.Tensor)),
+                  torch.device("cpu"))
+    others = sum(other.saved_bytes * other.open_forwards for other in planner.regions
+                 if other is not region)
+    own = region.saved_bytes * (region.open_forwards - (1 if is_backward else 0))
+    alive = resident_tensors(planner.model, planner.optimizers)
+    inputs = [weakref.ref(value) for value in args if isinstance(value, torch.Tensor)]
+    if is_backward:
+        alive += [value for value in (ref() for ref in region.forward_values) if value is not None]
+    result, peak_bytes = run_measured(call, args, device, alive, others + max(own, 0))
+    if is_backward:
+        region.measured_backward_bytes = peak_bytes
+    else:
+        outputs = [weakref.ref(value) for value in result if isinstance(value, torch.Tensor)]
+        region.forward_values = (*inputs, *outputs)
+        region.measured_forward_bytes = peak_bytes
+    region.measured_runs += 1
+    return result
