@@ -85,6 +85,7 @@ class Region:
     measured_forward_bytes: int | None = None  # device peak of its forward's latest measured run
     measured_backward_bytes: int | None = None  # ... and of its backward's
     measured_runs: int = 0  # runs of its modules measured so far
+    measured_by: str = ""  # "allocator" or "ops" (see memfit.runtime.region_peak.run_measured)
     forward_values: tuple = field(default=(), repr=False)  # its forward's inputs and outputs,
     # weakly: those still alive when its backward runs are measured with it (the loop holds them)
 
@@ -437,8 +438,8 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
         measure_runs: how many forward and backward runs of each planned region are measured
             for ``report``'s measured column (the first ones after each plan; 2 covers the first
             iteration, whose optimizer state is only reserved, and one with it real). A measured
-            run goes through a dispatch mode (a few microseconds per op, so not on every run);
-            0 turns measuring off, a large number measures every run.
+            run starts a profiler (on a CPU) or a dispatch mode, which costs time, so not every
+            run is measured; 0 turns measuring off, a large number measures every run.
         **params: the strategy's parameters.
 
     Raises:

@@ -33,7 +33,8 @@ def _notes(planner: Backend) -> list[str]:
         notes.append("measured: the device's peak while the region's forward or backward ran "
                      "(latest measured run); on a CPU, of the tensors memfit sees (the model, "
                      "optimizer state, the regions' inputs, outputs and saves), not others the "
-                     "loop may hold. gap: measured - predicted.")
+                     "loop may hold. gap: measured - predicted; 'ops': counted from what ops "
+                     "returned (a profiler of the user's was on), kernel scratch not seen.")
     if planner.joint_rounds:
         notes.append(f"planned jointly {planner.joint_rounds} time(s): a region could not fit "
                      "beside the saves of the regions before its graph break, so those save "
@@ -64,7 +65,14 @@ def _row(region: Region) -> tuple:
         gap = f"{difference:+,d} B ({100 * difference / region.predicted_peak_bytes:+.2f}%)"
     return (f"{region.index}{'*' if region.replaced else ''}", len(graph.ops), budget,
             format_bytes(region.baseline_peak_bytes), format_bytes(region.predicted_peak_bytes),
-            format_bytes(measured) if measured is not None else "-", gap,
+            _measured(region), gap,
             f"{plan.strategy} ({plan.params.get('solver', plan.strategy)})", len(plan.swapped),
             f"{len(reruns)} ({rerun_s * 1e3:.2f} ms)",
             f"{region.predicted.step_time_s * 1e3:.2f} ms")
+
+
+def _measured(region: Region) -> str:
+    measured = region.measured_peak_bytes
+    if measured is None:
+        return "-"
+    return format_bytes(measured) + (" (ops)" if region.measured_by == "ops" else "")

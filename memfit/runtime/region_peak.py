@@ -1,10 +1,13 @@
 """The measured device peak of one run of a planned region's forward or backward module.
 
 The budget is the whole device's peak, so a region's measured peak is the bytes alive when its
-module starts plus the most its run adds above that. What adds is counted by the dispatch
-tracker around the module's generated code: it only sees the aten ops inside, so compiled code
-keeps running (a dispatch mode around the *compiled model* would make Dynamo fall back to
-eager). What is alive at the start is read from the allocator on CUDA
+module starts plus the most its run adds above that. What adds is read from the allocator: the
+profiler's CPU-allocator events on a CPU (kernel scratch included), the allocator's peak on CUDA
+where it rose. Where that cannot be read (the user's own profiler is on, and profilers do not
+nest; on CUDA, a peak below an earlier one, since the user's statistics are not reset) the
+dispatch tracker counts it inside the module's generated code, which sees only what ops return
+(a dispatch mode there leaves compiled code running; around the *compiled model* it would make
+Dynamo fall back to eager). What is alive at the start is read from the allocator on CUDA
 (``torch.cuda.memory_allocated``: every byte, whoever holds it); on a CPU, which has no such
 counter, it is what memfit knows to be alive (parameters, gradients, buffers, optimizer state,
 the module's arguments, the saves of regions still open and, in a backward, its forward's
@@ -29,8 +32,11 @@ if TYPE_CHECKING:
 
 
 def run_measured(call: Callable[[list], Any], args: list, device: torch.device,
-                 resident: list[torch.Tensor], outside_bytes: int) -> tuple[Any, int]:
-    """``call(args)`` (a boxed module: it empties ``args``) and the device's peak bytes during it.
+                 resident: list[torch.Tensor], outside_bytes: int) -> tuple[Any, int, str]:
+    """``call(args)`` (a boxed module: it empties ``args``), the device's peak bytes during it,
+    and how the rise was counted: ``"allocator"`` (CUDA's allocator, or on a CPU the profiler's
+    allocator events, kernel scratch included) or ``"ops"`` (the dispatch tracker, used on a CPU
+    while the user's own profiler runs, since profilers do not nest: what ops return only).
 
     Args:
         call: the module's boxed call.
@@ -47,13 +53,35 @@ def run_measured(call: Callable[[list], Any], args: list, device: torch.device,
     tracker = DeviceMemoryTracker(device)
     tracker.register((resident, args))
     resident.clear()
-    with tracker:
+    if torch._C._autograd._profiler_enabled():  # the user's profiler is on, and none nests in it
+        with tracker:
+            result = call(args)
+        return result, outside_bytes + tracker.peak_bytes, "ops"  # resident and args included
+    start_bytes = tracker.current_bytes  # the tracker only counts here: no mode is entered
+    result, above_bytes = _allocator_rise(call, args)
+    return result, outside_bytes + start_bytes + above_bytes, "allocator"
+
+
+def _allocator_rise(call: Callable[[list], Any], args: list) -> tuple[Any, int]:
+    """``call(args)`` and the most bytes torch's CPU allocator held above its start level during
+    it, from the profiler's memory events: scratch memory a kernel allocates inside itself (a
+    oneDNN convolution's) counts, which the dispatch tracker cannot see."""
+    from torch._C._autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         result = call(args)
-    return result, outside_bytes + tracker.peak_bytes  # the resident and args included
+    events = [event for event in profiler.profiler.kineto_results.events()
+              if event.name() == "[memory]" and event.device_type() == DeviceType.CPU]
+    live = peak = 0
+    for event in sorted(events, key=lambda event: event.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return result, peak
 
 
 def _run_measured_cuda(call: Callable[[list], Any], args: list, device: torch.device,
-                       resident: list[torch.Tensor]) -> tuple[Any, int]:
+                       resident: list[torch.Tensor]) -> tuple[Any, int, str]:
     """The allocator's bytes at the start plus the tracker's rise; where the allocator's own
     peak rose during the call, that peak (it also sees kernel workspaces). The user's peak
     statistics are left as they are: nothing is reset."""
@@ -69,8 +97,8 @@ def _run_measured_cuda(call: Callable[[list], Any], args: list, device: torch.de
     torch.cuda.synchronize(device)
     peak_after = torch.cuda.max_memory_allocated(device)
     if peak_after > peak_before:
-        return result, peak_after
-    return result, start_bytes + (tracker.peak_bytes - tracked_start)
+        return result, peak_after, "allocator"
+    return result, start_bytes + (tracker.peak_bytes - tracked_start), "ops"
 
 
 def measure_region_run(planner: Backend, region: Region, call: Callable[[list], Any], args: list,
@@ -95,7 +123,8 @@ def measure_region_run(planner: Backend, region: Region, call: Callable[[list], 
     inputs = [weakref.ref(value) for value in args if isinstance(value, torch.Tensor)]
     if is_backward:
         alive += [value for value in (ref() for ref in region.forward_values) if value is not None]
-    result, peak_bytes = run_measured(call, args, device, alive, others + max(own, 0))
+    result, peak_bytes, region.measured_by = run_measured(call, args, device, alive,
+                                                          others + max(own, 0))
     if is_backward:
         region.measured_backward_bytes = peak_bytes
     else:
