@@ -81,7 +81,7 @@ class Region:
     pending_bytes: int = 0  # saves of earlier regions (before a graph break) it planned around
     minimum_bytes: int | None = None  # its smallest peak, where it could not fit the budget
     saves_cap_bytes: int | None = None  # the most its forward may save, planned jointly
-    replaced: bool = False  # planned again jointly with the other regions (see graph_breaks)
+    replaced: bool = False  # a newer plan of its code replaces it (joint or resident re-plan)
     measured_forward_bytes: int | None = None  # device peak of its forward's latest measured run
     measured_backward_bytes: int | None = None  # ... and of its backward's
     measured_runs: int = 0  # runs of its modules measured so far
@@ -262,12 +262,15 @@ class Backend:
         self.retrace_regions()
 
     def retrace_regions(self) -> None:
-        """Make Dynamo trace, and so plan, every current region again on its next run. The plan
-        count that ``memfit.fit`` guards on is read only in the region its pre-hook is traced in;
-        the regions after a graph break guard on nothing memfit changes."""
+        """Make Dynamo trace, and so plan, every current region again on its next run: the plan
+        count that ``memfit.fit`` guards on is raised, but it is read only in the frame its
+        pre-hook is traced in, so the regions' own code objects are reset too (the regions
+        after a graph break guard on nothing memfit changes)."""
         current = latest_regions(self.regions)
         for region in current:
             region.replaced = True
+        if self.model is not None and hasattr(self.model, "_memfit_plans"):
+            self.model._memfit_plans += 1
         retrace({region.code for region in current if region.code is not None})
 
     def recompile_limit_hit(self, where: str) -> None:

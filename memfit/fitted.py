@@ -88,8 +88,7 @@ def _fitted_class() -> type:
             planner = self._memfit_backend
             if planner.stale(device_of(self._orig_mod.parameters())):
                 planner.replans += 1
-                self._orig_mod._memfit_plans += 1
-                planner.retrace_regions()  # the guard above misses regions after a graph break
+                planner.retrace_regions()
             try:
                 result = super().__call__(*args, **kwargs)
             except BackendCompilerFailed as failed:

@@ -42,11 +42,22 @@ def compiling_code() -> CodeType | None:
 
 def retrace(codes: Iterable[CodeType]) -> None:
     """Drop Dynamo's compiled entries for ``codes``, so their next run traces, and so plans,
-    them again (``torch._dynamo.reset`` does this for every code object)."""
+    them again (``torch._dynamo.reset`` does this for every code object).
+
+    torch's own code is left alone: a model without a graph break is compiled from a wrapper
+    that every compiled module shares (``torch/_dynamo/external_utils.py``'s ``inner``), and
+    resetting it would re-trace all of them; that frame traces ``memfit.fit``'s pre-hook, whose
+    guard on the plan count re-traces it instead.
+    """
+    import os
+
+    import torch
     from torch._dynamo.eval_frame import reset_code
 
+    torch_folder = os.path.dirname(torch.__file__) + os.sep
     for code in codes:
-        reset_code(code)
+        if not code.co_filename.startswith(torch_folder):
+            reset_code(code)
 
 
 def latest_regions(regions: Sequence[Region]) -> list[Region]:
