@@ -126,6 +126,7 @@ class Backend:
         self.measure_runs = measure_runs  # forward+backward runs measured per region
         self.saves_caps: dict[Any, int] = {}  # code object -> most bytes its forward may save
         self.joint_rounds = 0  # times the regions were planned again jointly
+        self.joint_failed = False  # planning jointly could not make a region fit (said once)
         self.eager_codes: list[str] = []  # code Dynamo stopped compiling (its recompile limit)
         watch_recompile_limit(self)
 
@@ -248,18 +249,34 @@ class Backend:
         region could not fit because of earlier regions' saves, cap those saves and have Dynamo
         trace every region again, so the next iteration fits (see ``memfit.graph_breaks``)."""
         current = latest_regions(self.regions)
-        if any(region.open_forwards for region in current):
+        if any(region.open_forwards for region in current) or self.joint_failed:
             return
-        if not any(region.minimum_bytes is not None for region in current):
-            return
-        if self.joint_rounds >= MAX_JOINT_ROUNDS:
+        short = [region for region in current if region.minimum_bytes is not None]
+        if not short:
             return
         caps = saves_caps(current)
-        if all(self.saves_caps.get(code) == cap for code, cap in caps.items()):
-            return  # nothing new to plan for (no caps, or the same caps again)
+        if self.joint_rounds >= MAX_JOINT_ROUNDS or all(
+                self.saves_caps.get(code) == cap for code, cap in caps.items()):
+            self._joint_failed(short[0])  # nothing new to plan for: no caps, or the same again
+            return
         self.joint_rounds += 1
         self.saves_caps.update(caps)
         self.retrace_regions()
+
+    def _joint_failed(self, short: Region) -> None:
+        """Say once that planning jointly cannot make ``short`` fit: it keeps running at its
+        smallest peak, over the budget, on every iteration."""
+        self.joint_failed = True
+        alone = (short.minimum_bytes or 0) - short.pending_bytes
+        why = (f"it needs {format_bytes(alone)} even without the saves of the regions before its "
+               "graph break" if alone > (short.budget_bytes or 0) else
+               f"the regions before its graph break cannot save less than the "
+               f"{format_bytes(short.pending_bytes)} it ran beside")
+        warnings.warn(
+            f"memfit: planning the regions jointly cannot fit region {short.index} in "
+            f"{format_bytes(short.budget_bytes or 0)}: {why}; every iteration runs over the "
+            "budget. Raise the budget or remove the graph break (torch._dynamo.explain(model)"
+            "(...) shows it).", BudgetWarning, stacklevel=2)
 
     def retrace_regions(self) -> None:
         """Make Dynamo trace, and so plan, every current region again on its next run: the plan

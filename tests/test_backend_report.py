@@ -160,3 +160,34 @@ def test_a_found_optimizer_replans_every_region_of_a_graph_broken_model():
     assert [region.code for region in after] == [region.code for region in before]
     assert all(region.resident_bytes > before[0].resident_bytes for region in after)
     assert max(peaks[1:]) <= budget, (peaks, budget)
+
+
+class WideAfterTheBreak(nn.Module):
+    """A graph break before a wide layer whose activations alone exceed the budget used below."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = mlp(depth=4)[:-1]
+        self.second = nn.Sequential(nn.Linear(128, 8192), nn.ReLU(), nn.Linear(8192, 1))
+
+    def forward(self, x):
+        hidden = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(hidden)
+
+
+def test_a_region_that_joint_planning_cannot_fit_is_said_once_and_not_retraced_again():
+    data = batches(count=3, size=1024)
+    reference, reference_losses, eager_peak = eager_reference(WideAfterTheBreak, data)
+    model = WideAfterTheBreak()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=int(0.9 * eager_peak), optimizer=optimizer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, _ = train(fitted, optimizer, data, measure=False)
+    assert_same_training(model, reference, losses, reference_losses)
+    said = [str(w.message) for w in caught if w.category is BudgetWarning]
+    assert len(said) == 2 and "cannot fit region 1" in said[1], said
+    planner = fitted._memfit_backend
+    assert planner.joint_failed and planner.joint_rounds == 0 and len(planner.regions) == 2
