@@ -162,19 +162,12 @@ def test_a_found_optimizer_replans_every_region_of_a_graph_broken_model():
     assert max(peaks[1:]) <= budget, (peaks, budget)
 
 
-class WideAfterTheBreak(nn.Module):
+class WideAfterTheBreak(Broken):
     """A graph break before a wide layer whose activations alone exceed the budget used below."""
 
     def __init__(self):
         super().__init__()
-        torch.manual_seed(0)
-        self.first = mlp(depth=4)[:-1]
         self.second = nn.Sequential(nn.Linear(128, 8192), nn.ReLU(), nn.Linear(8192, 1))
-
-    def forward(self, x):
-        hidden = self.first(x)
-        torch._dynamo.graph_break()
-        return self.second(hidden)
 
 
 def test_a_region_that_joint_planning_cannot_fit_is_said_once_and_not_retraced_again():
