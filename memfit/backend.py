@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,10 +40,20 @@ from memfit.graph.analyze import analyze
 from memfit.graph.joint import as_captured, elide_clones, split
 from memfit.graph.rewrite import rewrite
 from memfit.graph.rnn import eager_lstm_kernels, run_rnn_layers_for_training, size_lstm_buffers
+from memfit.graph_breaks import (
+    compiling_code,
+    latest_regions,
+    retrace,
+    save_at_most,
+    saves_caps,
+    watch_recompile_limit,
+)
+from memfit.runtime.region_peak import measure_region_run
 from memfit.runtime.resident import resident_bytes
 from memfit.runtime.streams import CopyEngine, active_engine
 
 COMPILERS = ("aot_eager", "inductor")
+MAX_JOINT_ROUNDS = 2  # joint re-plans of a graph-broken model; each costs a trace of every region
 
 
 @dataclass
@@ -68,6 +78,17 @@ class Region:
     resident_bytes: int = 0  # model and optimizer bytes (reserved state included) it planned for
     saved_bytes: int = 0  # device bytes its forward saves for its backward
     open_forwards: int = 0  # forwards run whose backward has not run yet (their saves are alive)
+    code: Any = None  # the code object Dynamo compiled it from: its place in the user's program
+    pending_bytes: int = 0  # saves of earlier regions (before a graph break) it planned around
+    minimum_bytes: int | None = None  # its smallest peak, where it could not fit the budget
+    saves_cap_bytes: int | None = None  # the most its forward may save, planned jointly
+    replaced: bool = False  # a newer plan of its code replaces it (joint or resident re-plan)
+    measured_forward_bytes: int | None = None  # device peak of its forward's latest measured run
+    measured_backward_bytes: int | None = None  # ... and of its backward's
+    measured_runs: int = 0  # runs of its modules measured so far
+    measured_by: str = ""  # "allocator" or "ops" (see memfit.runtime.region_peak.run_measured)
+    forward_values: tuple = field(default=(), repr=False)  # its forward's inputs and outputs,
+    # weakly: those still alive when its backward runs are measured with it (the loop holds them)
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -78,6 +99,13 @@ class Region:
     def baseline_peak_bytes(self) -> int:
         return self.baseline.peak_bytes + self.outside_bytes
 
+    @property
+    def measured_peak_bytes(self) -> int | None:
+        """The whole device's measured peak over the latest measured forward and backward."""
+        measured = [b for b in (self.measured_forward_bytes, self.measured_backward_bytes)
+                    if b is not None]
+        return max(measured) if measured else None
+
 
 class Backend:
     """A ``torch.compile`` backend whose partitioner is memfit's planner. Build with
@@ -85,7 +113,8 @@ class Backend:
 
     def __init__(self, budget: Budget | None, strategy: str, hardware: Hardware | str | None,
                  compiler: str, optimizer: torch.optim.Optimizer | None,
-                 model: torch.nn.Module | None, params: Mapping[str, Any]) -> None:
+                 model: torch.nn.Module | None, params: Mapping[str, Any],
+                 measure_runs: int = 2) -> None:
         self.budget = budget
         self.strategy = strategy
         self.hardware_spec = hardware
@@ -95,6 +124,12 @@ class Backend:
         self.params = dict(params)
         self.regions: list[Region] = []
         self.replans = 0  # plans made again because more stayed resident than planned for
+        self.measure_runs = measure_runs  # forward+backward runs measured per region
+        self.saves_caps: dict[Any, int] = {}  # code object -> most bytes its forward may save
+        self.joint_rounds = 0  # times the regions were planned again jointly
+        self.joint_failed = False  # planning jointly could not make a region fit (said once)
+        self.eager_codes: list[str] = []  # code Dynamo stopped compiling (its recompile limit)
+        watch_recompile_limit(self)
 
     def __call__(self, graph_module: fx.GraphModule, example_inputs: list) -> Any:
         from torch._dynamo.backends.common import aot_autograd
@@ -106,7 +141,7 @@ class Backend:
 
             return compile_with_inductor(graph_module, example_inputs, self._partition(device),
                                          engine)
-        compile_module = _runner(engine, self.regions)
+        compile_module = _runner(engine, self)
         with eager_lstm_kernels():  # nn.LSTM traced as eager runs it (memfit.graph.rnn)
             return aot_autograd(fw_compiler=compile_module, bw_compiler=compile_module,
                                 partition_fn=self._partition(device),
@@ -127,14 +162,14 @@ class Backend:
         Raises:
             BudgetError: if no plan of the strategy fits, before anything runs.
         """
-        from memfit.api import make_plan, resolve_hardware
+        from memfit.api import resolve_hardware
 
         hardware = resolve_hardware(self.hardware_spec, device)
         elide_clones(joint)
         size_lstm_buffers(joint.graph, num_fwd_outputs)
         captured = as_captured(joint, num_fwd_outputs, static_lifetime_input_indices)
-        graph = analyze(captured, hardware, name=f"region {len(self.regions)}",
-                        kernel_temporaries=True)
+        index = len(self.regions)
+        graph = analyze(captured, hardware, name=f"region {index}", kernel_temporaries=True)
         inside = sum(binding_bytes(node) for node, binding in
                      zip(joint.graph.find_nodes(op="placeholder"), captured.inputs, strict=True)
                      if binding.kind == "parameter")
@@ -143,39 +178,132 @@ class Backend:
         # (a model with graph breaks: the later region plans around the earlier one's saves)
         pending = sum(region.saved_bytes * region.open_forwards for region in self.regions)
         outside = max(0, resident - inside) + pending
+        code = compiling_code()
+
+        def lower(plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule, int]:
+            forward, backward = split(rewrite(joint, graph, plan), num_fwd_outputs,
+                                      static_lifetime_input_indices)
+            return forward, backward, saved_device_bytes(forward, num_fwd_outputs)
+
+        made, baseline, budget_bytes, minimum = self._choose(graph, hardware, outside, pending)
+        forward, backward, saved = lower(made)
+        cap = self.saves_caps.get(code)
+        if cap is not None and budget_bytes is not None and saved > cap:
+            made, (forward, backward, saved) = self._save_at_most(cap, graph, hardware, outside,
+                                                                  budget_bytes, lower)
+        forward.meta[REGION_KEY] = backward.meta[REGION_KEY] = index
+        self.regions.append(Region(index, graph, made, baseline, simulate(graph, made, hardware),
+                                   budget_bytes, outside, forward, backward, resident, saved,
+                                   code=code, pending_bytes=pending, minimum_bytes=minimum,
+                                   saves_cap_bytes=cap))
+        return forward, backward
+
+    def _choose(self, graph: CostGraph, hardware: Hardware, outside: int, pending: int
+                ) -> tuple[Plan, Timeline, int | None, int | None]:
+        """The strategy's plan under the budget, its unplanned timeline, the whole-device budget,
+        and the region's smallest peak where it only misses the budget because of ``pending``
+        saves of earlier regions (``None`` where it fits)."""
+        from memfit.api import make_plan
+
         try:
             made, baseline, budget_bytes = make_plan(graph, hardware, self.budget, self.strategy,
                                                      self.params, outside, what_ifs=False)
         except BudgetError as error:
             if not pending:
                 raise
-            made, baseline, budget_bytes = self._over_budget(graph, hardware, error, pending,
-                                                             outside)
-        program = rewrite(joint, graph, made)
-        forward, backward = split(program, num_fwd_outputs, static_lifetime_input_indices)
-        predicted = simulate(graph, made, hardware)
-        index = len(self.regions)
-        forward.meta[REGION_KEY] = backward.meta[REGION_KEY] = index
-        self.regions.append(Region(index, graph, made, baseline, predicted, budget_bytes, outside,
-                                   forward, backward, resident, saved_device_bytes(forward,
-                                                                                   num_fwd_outputs)))
-        return forward, backward
+            made, baseline, _ = self._over_budget(graph, hardware, error, pending, outside)
+            return made, baseline, error.budget_bytes, error.minimum_bytes
+        return made, baseline, budget_bytes, None
 
     def _over_budget(self, graph: CostGraph, hardware: Hardware, error: BudgetError,
                      pending: int, outside: int) -> tuple[Plan, Timeline, int | None]:
         """Plan a region that only misses the budget because earlier regions (before a graph
         break) still hold their saves: at its smallest peak, with a warning, so training goes on
-        exactly; planning the regions jointly is not done yet."""
+        exactly; after this iteration the regions are planned again jointly (``graph_breaks``)."""
+        again = ("memfit plans the regions again jointly after this iteration"
+                 if self.joint_rounds < MAX_JOINT_ROUNDS else
+                 "planning the regions jointly did not make it fit")
         warnings.warn(
             f"memfit: a compiled region cannot fit {format_bytes(error.budget_bytes)} while the "
             f"regions before it (a graph break) hold {format_bytes(pending)} of saved values; it "
-            f"runs at its smallest peak, {format_bytes(error.minimum_bytes)}. Remove the graph "
-            "break (torch._dynamo.explain(model)(...) shows it) or raise the budget.",
-            BudgetWarning, stacklevel=2)
+            f"runs at its smallest peak, {format_bytes(error.minimum_bytes)}, and {again}. "
+            "Remove the graph break (torch._dynamo.explain(model)(...) shows it) or raise the "
+            "budget.", BudgetWarning, stacklevel=2)
         from memfit.api import make_plan
 
         return make_plan(graph, hardware, Budget(bytes=error.minimum_bytes), self.strategy,
                          self.params, outside, what_ifs=False)
+
+    def _save_at_most(self, cap_bytes: int, graph: CostGraph, hardware: Hardware, outside: int,
+                      budget_bytes: int, lower: Any) -> tuple[Plan, Any]:
+        """A plan of this region whose forward saves at most ``cap_bytes`` (``save_at_most``)."""
+        from memfit.api import make_plan
+
+        def plan_at(at_bytes: int) -> Plan:
+            return make_plan(graph, hardware, Budget(bytes=at_bytes), self.strategy, self.params,
+                             outside, what_ifs=False)[0]
+
+        return save_at_most(plan_at, lower, cap_bytes, budget_bytes)
+
+    # ---- planning the regions of a graph-broken model jointly -----------------------------------
+
+    def iteration_closed(self) -> None:
+        """After a backward: once no region is open (the iteration's backward is done), if a
+        region could not fit because of earlier regions' saves, cap those saves and have Dynamo
+        trace every region again, so the next iteration fits (see ``memfit.graph_breaks``)."""
+        current = latest_regions(self.regions)
+        if any(region.open_forwards for region in current) or self.joint_failed:
+            return
+        short = [region for region in current if region.minimum_bytes is not None]
+        if not short:
+            return
+        caps = saves_caps(current)
+        if self.joint_rounds >= MAX_JOINT_ROUNDS or all(
+                self.saves_caps.get(code) == cap for code, cap in caps.items()):
+            self._joint_failed(short[0])  # nothing new to plan for: no caps, or the same again
+            return
+        self.joint_rounds += 1
+        self.saves_caps.update(caps)
+        self.retrace_regions()
+
+    def _joint_failed(self, short: Region) -> None:
+        """Say once that planning jointly cannot make ``short`` fit: it keeps running at its
+        smallest peak, over the budget, on every iteration."""
+        self.joint_failed = True
+        alone = (short.minimum_bytes or 0) - short.pending_bytes
+        why = (f"it needs {format_bytes(alone)} even without the saves of the regions before its "
+               "graph break" if alone > (short.budget_bytes or 0) else
+               f"the regions before its graph break cannot save less than the "
+               f"{format_bytes(short.pending_bytes)} it ran beside")
+        warnings.warn(
+            f"memfit: planning the regions jointly cannot fit region {short.index} in "
+            f"{format_bytes(short.budget_bytes or 0)}: {why}; every iteration runs over the "
+            "budget. Raise the budget or remove the graph break (torch._dynamo.explain(model)"
+            "(...) shows it).", BudgetWarning, stacklevel=2)
+
+    def retrace_regions(self) -> None:
+        """Make Dynamo trace, and so plan, every current region again on its next run: the plan
+        count that ``memfit.fit`` guards on is raised, but it is read only in the frame its
+        pre-hook is traced in, so the regions' own code objects are reset too (the regions
+        after a graph break guard on nothing memfit changes)."""
+        current = latest_regions(self.regions)
+        for region in current:
+            region.replaced = True
+        if self.model is not None and hasattr(self.model, "_memfit_plans"):
+            self.model._memfit_plans += 1
+        retrace({region.code for region in current if region.code is not None})
+
+    def recompile_limit_hit(self, where: str) -> None:
+        """Dynamo stopped compiling ``where`` for this backend (its recompile limit): that code
+        now runs eagerly, outside any plan; say so once."""
+        if self.eager_codes:
+            return
+        self.eager_codes.append(where)
+        warnings.warn(
+            f"memfit: Dynamo hit its recompile limit on {where}; that code now runs eagerly, "
+            "outside any plan, so the budget no longer holds. Raise "
+            "torch._dynamo.config.recompile_limit or remove what makes it recompile "
+            '(TORCH_LOGS="recompiles" shows why).', BudgetWarning, stacklevel=2)
 
     # ---- re-planning when more stays resident ---------------------------------------------------
 
@@ -197,31 +325,12 @@ class Backend:
         return resident_bytes(self.model, self.optimizers, device) > planned
 
     def report(self) -> str:
-        """Per compiled region: budget, unplanned and predicted peak, what was swapped and
-        recomputed (re-runs and their predicted time), and how often a plan was remade."""
-        from memfit.core.recompute import planned_reruns
-        from memfit.render.text import table
+        """Per compiled region: budget, unplanned, predicted and measured peak (and the gap),
+        what was swapped and recomputed; then how often plans were remade, and which code ran
+        outside any plan (``memfit.render.regions``)."""
+        from memfit.render.regions import regions_report
 
-        if not self.regions:
-            return "memfit: no region has been compiled yet (call the model once)"
-        rows = []
-        for region in self.regions:
-            plan, graph = region.plan, region.graph
-            reruns = [r for group in planned_reruns(graph, plan).values() for r in group]
-            rerun_s = sum(graph.op(rerun.op).time_s for rerun in reruns)
-            rows.append((region.index, len(graph.ops),
-                         format_bytes(region.budget_bytes) if region.budget_bytes else "none",
-                         format_bytes(region.baseline_peak_bytes),
-                         format_bytes(region.predicted_peak_bytes),
-                         f"{plan.strategy} ({plan.params.get('solver', plan.strategy)})",
-                         len(plan.swapped), f"{len(reruns)} ({rerun_s * 1e3:.2f} ms)",
-                         f"{region.predicted.step_time_s * 1e3:.2f} ms"))
-        text = table(("region", "ops", "budget", "unplanned", "predicted", "strategy", "swapped",
-                      "re-runs (time)", "step (simulated)"), rows)
-        if self.replans:
-            text += (f"\nplanned again {self.replans} time(s): more stayed resident than the "
-                     "earlier plans left room for (optimizer state, kept gradients)")
-        return text
+        return regions_report(self)
 
 
 REGION_KEY = "memfit_region"  # GraphModule.meta: which region a forward / backward module is
@@ -249,15 +358,16 @@ def binding_bytes(node: fx.Node) -> int:
     return value.untyped_storage().nbytes() if isinstance(value, torch.Tensor) else 0
 
 
-def _runner(engine: CopyEngine, regions: list[Region]):
+def _runner(engine: CopyEngine, planner: Backend):
     """AOTAutograd's module compiler for ``aot_eager``: the module's own generated code, boxed
     (it frees its inputs as it goes), run with the region's copy engine current; a region's
-    forward opens it and its backward closes it (see ``Region.open_forwards``)."""
+    forward opens it and its backward closes it (see ``Region.open_forwards``). The first
+    ``planner.measure_runs`` runs of each region's modules are measured (``run_measured``)."""
     from torch.fx.graph import _BoxedCodeGen
 
     def compile_module(module: fx.GraphModule, example_inputs) -> Any:
         index = module.meta.get(REGION_KEY)
-        region = regions[index] if index is not None else None
+        region = planner.regions[index] if index is not None else None
         is_backward = any(node.meta.get("autograd_backward") for node in module.graph.nodes)
         if is_backward:
             _zeros_at_first_use(module.graph)
@@ -269,10 +379,15 @@ def _runner(engine: CopyEngine, regions: list[Region]):
 
         def run(args: list) -> Any:
             with active_engine(engine):
-                result = forward(args)
+                if region is not None and region.measured_runs < 2 * planner.measure_runs:
+                    result = measure_region_run(planner, region, forward, args, is_backward)
+                else:
+                    result = forward(args)
             if region is not None:
                 region.open_forwards += -1 if is_backward else 1
                 region.open_forwards = max(region.open_forwards, 0)
+                if is_backward:
+                    planner.iteration_closed()
             return result
 
         run._boxed_call = True  # type: ignore[attr-defined]
@@ -327,7 +442,8 @@ def device_of(values) -> torch.device:
 def backend(budget: str | int | float | None = None, strategy: str | None = None,
             hardware: Hardware | str | None = None, compiler: str = "aot_eager",
             optimizer: torch.optim.Optimizer | None = None, *,
-            model: torch.nn.Module | None = None, **params: Any) -> Backend:
+            model: torch.nn.Module | None = None, measure_runs: int = 2,
+            **params: Any) -> Backend:
     """A ``torch.compile`` backend that plans every compiled region under ``budget``.
 
     Args:
@@ -344,6 +460,11 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
             its first ``step()`` creates it. Without it, state that exists when a region is
             planned still counts, but on the first iteration none exists yet.
         model: the model, so that its parameters outside a region count (``memfit.fit`` passes it).
+        measure_runs: how many forward and backward runs of each planned region are measured
+            for ``report``'s measured column (the first ones after each plan; 2 covers the first
+            iteration, whose optimizer state is only reserved, and one with it real). A measured
+            run starts a profiler (on a CPU) or a dispatch mode, which costs time, so not every
+            run is measured; 0 turns measuring off, a large number measures every run.
         **params: the strategy's parameters.
 
     Raises:
@@ -354,6 +475,8 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
     """
     from memfit.api import resolve_budget_and_strategy
 
+    if measure_runs < 0:
+        raise ValueError(f"measure_runs must be 0 or more, got {measure_runs}")
     if compiler not in COMPILERS:
         raise ValueError(f"unknown compiler {compiler!r}: use one of {COMPILERS}")
     if compiler == "inductor" and budget is not None:
@@ -362,4 +485,4 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
                       "with re-runs, GPT-2 with swaps); use compiler='aot_eager' where the budget "
                       "must hold", BudgetWarning, stacklevel=2)
     parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
-    return Backend(parsed, chosen, hardware, compiler, optimizer, model, params)
+    return Backend(parsed, chosen, hardware, compiler, optimizer, model, params, measure_runs)

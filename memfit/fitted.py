@@ -92,7 +92,7 @@ def _fitted_class() -> type:
             planner = self._memfit_backend
             if planner.stale(device_of(self._orig_mod.parameters())):
                 planner.replans += 1
-                self._orig_mod._memfit_plans += 1
+                planner.retrace_regions()
             try:
                 with _rnn_traced(self._memfit_traces_rnns):
                     result = super().__call__(*args, **kwargs)

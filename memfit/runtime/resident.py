@@ -29,12 +29,25 @@ _HAS_STEP = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.opti
 def resident_bytes(model: torch.nn.Module | None,
                    optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> int:
     """Bytes on ``device`` held by the model and the optimizers, reserved state included."""
+    optimizers = list(optimizers)
     storages: dict[StorageWeakRef, int] = {}
-
-    def add(tensor: torch.Tensor | None) -> None:
-        if isinstance(tensor, torch.Tensor) and tensor.device == device:
+    for tensor in resident_tensors(model, optimizers):
+        if tensor.device == device:
             storage = tensor.untyped_storage()
             storages.setdefault(StorageWeakRef(storage), storage.nbytes())
+    reserved = sum(reserved_state_bytes(optimizer, device) for optimizer in optimizers)
+    return sum(storages.values()) + reserved
+
+
+def resident_tensors(model: torch.nn.Module | None,
+                     optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """The tensors that exist now and stay across iterations: parameters, their ``.grad``,
+    buffers and optimizer state (on any device; a storage may appear more than once)."""
+    found: list[torch.Tensor] = []
+
+    def add(tensor: object) -> None:
+        if isinstance(tensor, torch.Tensor):
+            found.append(tensor)
 
     if model is not None:
         for parameter in model.parameters():
@@ -42,7 +55,6 @@ def resident_bytes(model: torch.nn.Module | None,
             add(parameter.grad)
         for buffer in model.buffers():
             add(buffer)
-    reserved = 0
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             for parameter in group["params"]:
@@ -51,8 +63,7 @@ def resident_bytes(model: torch.nn.Module | None,
         for state in optimizer.state.values():
             for value in state.values():
                 add(value)
-        reserved += reserved_state_bytes(optimizer, device)
-    return sum(storages.values()) + reserved
+    return found
 
 
 def reserved_state_bytes(optimizer: torch.optim.Optimizer | None, device: torch.device) -> int:

@@ -1,0 +1,78 @@
+"""The text of ``memfit.report``: one row per compiled region, then notes.
+
+Example:
+    >>> print(regions_report(compiled._memfit_backend))
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from memfit.core.units import format_bytes
+from memfit.render.text import table
+
+if TYPE_CHECKING:
+    from memfit.backend import Backend, Region
+
+
+def regions_report(planner: Backend) -> str:
+    """Per compiled region: budget, unplanned, predicted and measured peak and their gap, what
+    was swapped and recomputed (re-runs and their predicted time), the simulated step; then how
+    often plans were remade and which code ran outside any plan."""
+    if not planner.regions:
+        return "memfit: no region has been compiled yet (call the model once)"
+    text = table(("region", "ops", "budget", "unplanned", "predicted", "measured", "gap",
+                  "strategy", "swapped", "re-runs (time)", "step (simulated)"),
+                 [_row(region) for region in planner.regions])
+    return "\n".join([text, *_notes(planner)])
+
+
+def _notes(planner: Backend) -> list[str]:
+    notes = []
+    if any(region.measured_peak_bytes is not None for region in planner.regions):
+        notes.append("measured: the device's peak while the region's forward or backward ran "
+                     "(latest measured run); on a CPU, of the tensors memfit sees (the model, "
+                     "optimizer state, the regions' inputs, outputs and saves), not others the "
+                     "loop may hold. gap: measured - predicted; 'ops': counted from what ops "
+                     "returned (a profiler of the user's was on), kernel scratch not seen.")
+    if planner.joint_rounds:
+        notes.append(f"planned jointly {planner.joint_rounds} time(s): a region could not fit "
+                     "beside the saves of the regions before its graph break, so those save "
+                     "at most their share ('saves <=' in budget)")
+    if any(region.replaced for region in planner.regions):
+        notes.append("*: a plan replaced by a later one of the same code")
+    if planner.replans:
+        notes.append(f"planned again {planner.replans} time(s): more stayed resident than the "
+                     "earlier plans left room for (optimizer state, kept gradients)")
+    for where in planner.eager_codes:
+        notes.append(f"ran outside any plan: {where} (Dynamo's recompile limit)")
+    return notes
+
+
+def _row(region: Region) -> tuple:
+    from memfit.core.recompute import planned_reruns
+
+    plan, graph = region.plan, region.graph
+    reruns = [r for group in planned_reruns(graph, plan).values() for r in group]
+    rerun_s = sum(graph.op(rerun.op).time_s for rerun in reruns)
+    budget = format_bytes(region.budget_bytes) if region.budget_bytes else "none"
+    if region.saves_cap_bytes is not None:
+        budget += f", saves <= {format_bytes(region.saves_cap_bytes)}"
+    measured = region.measured_peak_bytes
+    gap = "-"
+    if measured is not None:
+        difference = measured - region.predicted_peak_bytes
+        gap = f"{difference:+,d} B ({100 * difference / region.predicted_peak_bytes:+.2f}%)"
+    return (f"{region.index}{'*' if region.replaced else ''}", len(graph.ops), budget,
+            format_bytes(region.baseline_peak_bytes), format_bytes(region.predicted_peak_bytes),
+            _measured(region), gap,
+            f"{plan.strategy} ({plan.params.get('solver', plan.strategy)})", len(plan.swapped),
+            f"{len(reruns)} ({rerun_s * 1e3:.2f} ms)",
+            f"{region.predicted.step_time_s * 1e3:.2f} ms")
+
+
+def _measured(region: Region) -> str:
+    measured = region.measured_peak_bytes
+    if measured is None:
+        return "-"
+    return format_bytes(measured) + (" (ops)" if region.measured_by == "ops" else "")

@@ -1,0 +1,135 @@
+"""The measured device peak of one run of a planned region's forward or backward module.
+
+The budget is the whole device's peak, so a region's measured peak is the bytes alive when its
+module starts plus the most its run adds above that. What adds is read from the allocator: the
+profiler's CPU-allocator events on a CPU (kernel scratch included), the allocator's peak on CUDA
+where it rose. Where that cannot be read (the user's own profiler is on, and profilers do not
+nest; on CUDA, a peak below an earlier one, since the user's statistics are not reset) the
+dispatch tracker counts it inside the module's generated code, which sees only what ops return
+(a dispatch mode there leaves compiled code running; around the *compiled model* it would make
+Dynamo fall back to eager). What is alive at the start is read from the allocator on CUDA
+(``torch.cuda.memory_allocated``: every byte, whoever holds it); on a CPU, which has no such
+counter, it is what memfit knows to be alive (parameters, gradients, buffers, optimizer state,
+the module's arguments, the saves of regions still open and, in a backward, its forward's
+inputs and outputs still alive), so other tensors the user's loop holds (the labels of a loss
+computed outside the region) are not in the CPU figure.
+
+Example:
+    >>> result, peak_bytes = run_measured(module, args, device, resident, outside_bytes=0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from memfit.runtime.tracker import DeviceMemoryTracker
+
+if TYPE_CHECKING:
+    from memfit.backend import Backend, Region
+
+
+def run_measured(call: Callable[[list], Any], args: list, device: torch.device,
+                 resident: list[torch.Tensor], outside_bytes: int) -> tuple[Any, int, str]:
+    """``call(args)`` (a boxed module: it empties ``args``), the device's peak bytes during it,
+    and how the rise was counted: ``"allocator"`` (CUDA's allocator, or on a CPU the profiler's
+    allocator events, kernel scratch included) or ``"ops"`` (the dispatch tracker, used on a CPU
+    while the user's own profiler runs, since profilers do not nest: what ops return only).
+
+    Args:
+        call: the module's boxed call.
+        args: its arguments.
+        device: the device measured.
+        resident: tensors alive at the start besides ``args`` (counted once per storage);
+            emptied once counted, so that holding them does not keep a tensor alive that the
+            call frees (a saved activation the loop also saw).
+        outside_bytes: bytes alive that no tensor here stands for (saves of other regions),
+            added on a CPU only: on CUDA the allocator already holds them.
+    """
+    if device.type == "cuda":
+        return _run_measured_cuda(call, args, device, resident)
+    tracker = DeviceMemoryTracker(device)
+    tracker.register((resident, args))
+    resident.clear()
+    if torch._C._autograd._profiler_enabled():  # the user's profiler is on, and none nests in it
+        with tracker:
+            result = call(args)
+        return result, outside_bytes + tracker.peak_bytes, "ops"  # resident and args included
+    start_bytes = tracker.current_bytes  # the tracker only counts here: no mode is entered
+    result, above_bytes = _allocator_rise(call, args)
+    return result, outside_bytes + start_bytes + above_bytes, "allocator"
+
+
+def _allocator_rise(call: Callable[[list], Any], args: list) -> tuple[Any, int]:
+    """``call(args)`` and the most bytes torch's CPU allocator held above its start level during
+    it, from the profiler's memory events: scratch memory a kernel allocates inside itself (a
+    oneDNN convolution's) counts, which the dispatch tracker cannot see."""
+    from torch._C._autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        result = call(args)
+    events = [event for event in profiler.profiler.kineto_results.events()
+              if event.name() == "[memory]" and event.device_type() == DeviceType.CPU]
+    live = peak = 0
+    for event in sorted(events, key=lambda event: event.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return result, peak
+
+
+def _run_measured_cuda(call: Callable[[list], Any], args: list, device: torch.device,
+                       resident: list[torch.Tensor]) -> tuple[Any, int, str]:
+    """The allocator's bytes at the start plus the tracker's rise; where the allocator's own
+    peak rose during the call, that peak (it also sees kernel workspaces). The user's peak
+    statistics are left as they are: nothing is reset."""
+    resident.clear()  # the allocator counts them; holding them could only extend lifetimes
+    torch.cuda.synchronize(device)
+    start_bytes = torch.cuda.memory_allocated(device)
+    peak_before = torch.cuda.max_memory_allocated(device)
+    tracker = DeviceMemoryTracker(device)
+    tracker.register(args)
+    tracked_start = tracker.current_bytes
+    with tracker:
+        result = call(args)
+    torch.cuda.synchronize(device)
+    peak_after = torch.cuda.max_memory_allocated(device)
+    if peak_after > peak_before:
+        return result, peak_after, "allocator"
+    return result, start_bytes + (tracker.peak_bytes - tracked_start), "ops"
+
+
+def measure_region_run(planner: Backend, region: Region, call: Callable[[list], Any], args: list,
+                       is_backward: bool) -> Any:
+    """Run a region's module (boxed), recording the device's peak during it on the region.
+
+    Alive beside it: the model, its optimizers' state, the saves of the other open regions (and,
+    for a forward, of this region's own earlier forwards whose backward has not run) and, for a
+    backward, the inputs and outputs of its forward still alive (the loop holds the batch and
+    the loss; a CPU ``mse_loss`` returns a 0-dim view of an input-sized buffer).
+    """
+    import weakref
+
+    from memfit.runtime.resident import resident_tensors
+
+    device = next((value.device for value in args if isinstance(value, torch.Tensor)),
+                  torch.device("cpu"))
+    others = sum(other.saved_bytes * other.open_forwards for other in planner.regions
+                 if other is not region)
+    own = region.saved_bytes * (region.open_forwards - (1 if is_backward else 0))
+    alive = resident_tensors(planner.model, planner.optimizers)
+    inputs = [weakref.ref(value) for value in args if isinstance(value, torch.Tensor)]
+    if is_backward:
+        alive += [value for value in (ref() for ref in region.forward_values) if value is not None]
+    result, peak_bytes, region.measured_by = run_measured(call, args, device, alive,
+                                                          others + max(own, 0))
+    if is_backward:
+        region.measured_backward_bytes = peak_bytes
+    else:
+        outputs = [weakref.ref(value) for value in result if isinstance(value, torch.Tensor)]
+        region.forward_values = (*inputs, *outputs)
+        region.measured_forward_bytes = peak_bytes
+    region.measured_runs += 1
+    return result

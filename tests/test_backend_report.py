@@ -1,0 +1,186 @@
+"""memfit.report's measured peaks, graph-broken models planned jointly, and code that Dynamo stops
+compiling named: what the report says is what ran."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit.api import BudgetWarning
+from memfit.runtime.measure import measure_allocator_peak
+from tests.test_backend import Broken, assert_same_training, batches, eager_reference, mlp, train
+
+pytestmark = pytest.mark.usefixtures("compiled_fresh")
+
+
+class WithLoss(nn.Module):
+    """The MLP with its loss inside the compiled region, so that the loop holds nothing the
+    region does not see but the scalar loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = mlp()
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.body(x), y)
+
+
+def test_the_measured_peak_is_an_independent_measurement_of_the_iteration():
+    """The report's measured figure (a dispatch tracker inside the region's modules, the
+    resident state counted) equals the profiler's allocator peak of the whole iteration, which
+    here peaks inside the region, up to the scalar loss the loop holds (64 B)."""
+    model = WithLoss()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=None, optimizer=optimizer)
+    peaks = []
+    for x, y in batches(count=2, size=4096):
+        def iteration(x=x, y=y):
+            fitted(x, y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        peaks.append(measure_allocator_peak(
+            iteration, track=(list(model.parameters()), optimizer.state, x, y)).peak_bytes)
+    (region,) = fitted._memfit_backend.regions
+    assert region.measured_runs == 4  # two forwards, two backwards (measure_runs=2)
+    assert 0 <= peaks[-1] - region.measured_peak_bytes <= 64, (peaks, region.measured_peak_bytes)
+    # the prediction is within 1% of it (the issue's acceptance)
+    assert abs(region.measured_peak_bytes - region.predicted_peak_bytes) <= 0.01 * peaks[-1]
+    report = memfit.report(fitted)
+    assert "measured" in report and f"{region.measured_peak_bytes - region.predicted_peak_bytes:+,d} B" in report
+
+
+def test_without_a_profiler_of_the_users_the_allocator_is_read_kernel_scratch_included():
+    """With no profiler of the user's on, a region's run is measured from the profiler's CPU
+    allocator events: a oneDNN convolution's scratch buffers (inside the op, unseen by a dispatch
+    tracker) count. The figure equals the profiler's peak of the iteration before, same shapes,
+    within 1 KiB (the iterations are not byte-identical), and the ops-only figure is below it."""
+    from memfit import examples
+
+    example = examples.cnn()
+    model = example.model
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=None, optimizer=optimizer, measure_runs=3)
+    inputs = example.inputs()
+
+    def iteration():
+        example.loss_fn(fitted, *inputs).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(2):  # the user's profiler on: the regions' runs are counted by ops
+        independent = measure_allocator_peak(iteration, track=(
+            list(model.parameters()), list(model.buffers()), optimizer.state, inputs)).peak_bytes
+    (region,) = fitted._memfit_backend.regions
+    by_ops = region.measured_peak_bytes
+    assert region.measured_by == "ops"
+    iteration()
+    assert region.measured_by == "allocator" and region.measured_runs == 6
+    assert abs(region.measured_peak_bytes - independent) <= 1024, (region.measured_peak_bytes,
+                                                                   independent)
+    assert by_ops < region.measured_peak_bytes
+
+
+def test_measuring_can_be_turned_off():
+    model = mlp(depth=2)
+    fitted = memfit.fit(model, measure_runs=0)
+    fitted(torch.randn(8, 128)).sum().backward()
+    (region,) = fitted._memfit_backend.regions
+    assert region.measured_peak_bytes is None and region.measured_runs == 0
+    with pytest.raises(ValueError, match="measure_runs"):
+        memfit.fit(mlp(depth=2), measure_runs=-1)
+
+
+def test_graph_broken_regions_are_planned_jointly_and_fit_from_the_second_iteration():
+    """At 0.75 of eager's peak the second region cannot fit beside the first region's saves
+    (planned alone, the first keeps everything): the first iteration runs it at its minimum with
+    a warning; then both are planned again, the first saving at most its share, and from the
+    second iteration on every region's prediction and every measured peak are within the budget,
+    with eager's losses and weights bit for bit."""
+    data = batches(count=3, size=4096)
+    reference, reference_losses, eager_peak = eager_reference(Broken, data)
+    model = Broken()
+    optimizer = torch.optim.AdamW(model.parameters())
+    budget = int(0.75 * eager_peak)
+    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, peaks = train(fitted, optimizer, data)
+    assert_same_training(model, reference, losses, reference_losses)
+    planner = fitted._memfit_backend
+    first_alone, second_alone, *joint = planner.regions
+    assert second_alone.minimum_bytes is not None  # per-region planning could not fit it
+    assert second_alone.predicted_peak_bytes > budget
+    short = [w for w in caught if w.category is BudgetWarning]
+    assert len(short) == 1 and "jointly after this iteration" in str(short[0].message)
+    assert planner.joint_rounds == 1 and first_alone.replaced and second_alone.replaced
+    first, second = joint
+    assert first.code is first_alone.code and second.code is second_alone.code
+    assert first.saved_bytes <= first.saves_cap_bytes < first_alone.saved_bytes
+    assert second.minimum_bytes is None
+    assert max(first.predicted_peak_bytes, second.predicted_peak_bytes) <= budget
+    assert max(peaks[1:]) <= budget, (peaks, budget)
+    assert "planned jointly 1 time(s)" in memfit.report(fitted)
+
+
+def test_a_region_past_dynamos_recompile_limit_is_named_once():
+    """Past the recompile limit Dynamo runs the code eagerly, outside any plan: memfit warns
+    once and the report names the code."""
+    model = mlp(depth=2)
+    fitted = memfit.fit(model)
+    with torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for size in (4, 5, 6):  # dynamic=False: each batch size is a new compile
+            fitted(torch.randn(size, 128)).sum().backward()
+    limit = [w for w in caught if "recompile limit" in str(w.message)]
+    assert len(limit) == 1 and limit[0].category is BudgetWarning
+    assert "ran outside any plan" in memfit.report(fitted)
+
+
+def test_a_found_optimizer_replans_every_region_of_a_graph_broken_model():
+    """No optimizer= given: its state appears at the first step, and every region, the ones
+    after the graph break included (the plan-count guard does not reach them), is planned
+    again, so the iterations after it fit the budget."""
+    data = batches(count=3, size=4096)
+    reference, reference_losses, eager_peak = eager_reference(Broken, data)
+    model = Broken()
+    optimizer = torch.optim.AdamW(model.parameters())
+    budget = int(0.8 * eager_peak)
+    fitted = memfit.fit(model, budget=budget)
+    losses, peaks = train(fitted, optimizer, data)
+    assert_same_training(model, reference, losses, reference_losses)
+    planner = fitted._memfit_backend
+    assert planner.replans == 1
+    before, after = planner.regions[:2], planner.regions[2:]
+    assert all(region.replaced for region in before) and len(after) == 2
+    assert [region.code for region in after] == [region.code for region in before]
+    assert all(region.resident_bytes > before[0].resident_bytes for region in after)
+    assert max(peaks[1:]) <= budget, (peaks, budget)
+
+
+class WideAfterTheBreak(Broken):
+    """A graph break before a wide layer whose activations alone exceed the budget used below."""
+
+    def __init__(self):
+        super().__init__()
+        self.second = nn.Sequential(nn.Linear(128, 8192), nn.ReLU(), nn.Linear(8192, 1))
+
+
+def test_a_region_that_joint_planning_cannot_fit_is_said_once_and_not_retraced_again():
+    data = batches(count=3, size=1024)
+    reference, reference_losses, eager_peak = eager_reference(WideAfterTheBreak, data)
+    model = WideAfterTheBreak()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=int(0.9 * eager_peak), optimizer=optimizer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, _ = train(fitted, optimizer, data, measure=False)
+    assert_same_training(model, reference, losses, reference_losses)
+    said = [str(w.message) for w in caught if w.category is BudgetWarning]
+    assert len(said) == 2 and "cannot fit region 1" in said[1], said
+    planner = fitted._memfit_backend
+    assert planner.joint_failed and planner.joint_rounds == 0 and len(planner.regions) == 2

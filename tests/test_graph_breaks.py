@@ -1,0 +1,70 @@
+"""The shares of saved bytes that graph-broken regions get when planned jointly, and the
+bisection that finds a plan within a share, on stand-in regions and plans (no model runs)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from memfit.core.errors import BudgetError
+from memfit.graph_breaks import latest_regions, save_at_most, saves_caps
+
+
+def region(index, code, saved_bytes, budget_bytes=100, minimum_bytes=None, pending_bytes=0,
+           replaced=False):
+    return SimpleNamespace(index=index, code=code, saved_bytes=saved_bytes,
+                           budget_bytes=budget_bytes, minimum_bytes=minimum_bytes,
+                           pending_bytes=pending_bytes, replaced=replaced)
+
+
+def test_a_short_region_splits_its_room_among_the_earlier_regions_by_what_they_saved():
+    # the third region needs 70 without the earlier saves (its minimum 130 less 60 pending):
+    # the 30 left of its budget of 100 goes 1:2 to the two regions before it
+    regions = [region(0, "a", 20), region(1, "b", 40),
+               region(2, "c", 10, minimum_bytes=130, pending_bytes=60)]
+    assert saves_caps(regions) == {"a": 10, "b": 20}
+
+
+def test_no_caps_where_nothing_ran_short_or_even_alone_it_cannot_fit():
+    assert saves_caps([region(0, "a", 20), region(1, "b", 40)]) == {}
+    hopeless = region(1, "b", 40, minimum_bytes=170, pending_bytes=20)  # 150 alone > 100
+    assert saves_caps([region(0, "a", 20), hopeless]) == {}
+
+
+def test_the_tighter_of_two_short_regions_caps_a_shared_earlier_region():
+    regions = [region(0, "a", 50),
+               region(1, "b", 50, minimum_bytes=120, pending_bytes=50),   # room 30 for "a"
+               region(2, "c", 0, minimum_bytes=150, pending_bytes=100)]   # room 50 for a and b
+    assert saves_caps(regions) == {"a": 25, "b": 25}
+
+
+def test_the_latest_region_of_each_code_is_the_current_one():
+    old = region(0, "a", 1, replaced=True)
+    regions = [old, region(1, "b", 1), region(2, "a", 1)]
+    assert [r.index for r in latest_regions(regions)] == [1, 2]
+
+
+def plan_at(budget_bytes):
+    """A stand-in strategy: its smallest peak is 40; its plan at a budget is the budget."""
+    if budget_bytes < 40:
+        raise BudgetError(budget_bytes, 40)
+    return budget_bytes
+
+
+def test_the_bisection_keeps_the_largest_budget_whose_saves_fit_the_cap():
+    """A plan at budget b saves b // 2: the best within a cap of 30 is b = 60 or 61."""
+    made, lowered = save_at_most(plan_at, lambda plan: ("forward", "backward", plan // 2),
+                                 cap_bytes=30, budget_bytes=104)
+    assert lowered[-1] <= 30 and made // 2 == lowered[-1]
+    assert made >= 60 - (104 - 40) // 64  # within the bisection's resolution of the best, 60
+    smallest, _ = save_at_most(plan_at, lambda plan: (None, None, plan), cap_bytes=1,
+                               budget_bytes=104)
+    assert smallest == 40  # nothing fits the cap: the smallest-peak plan
+
+
+@pytest.mark.parametrize("cap", [20, 52])
+def test_the_bisection_never_returns_a_plan_over_the_cap_when_one_fits(cap):
+    made, lowered = save_at_most(plan_at, lambda plan: (None, None, plan // 2), cap_bytes=cap,
+                                 budget_bytes=104)
+    assert lowered[-1] <= cap and made >= 40
