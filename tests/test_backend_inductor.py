@@ -13,10 +13,9 @@ Note:
     bitwise.
 
     memfit predicts the program it planned, every op's output a buffer; inductor's fused
-    kernels keep fewer, so its measured peak is mostly below the prediction (the CNN with
-    re-runs: 4,673,796 B measured, 5,524,260 B predicted). The one excess seen is GPT-2's:
-    6,042,744 B measured, 12,288 B (0.2%) over its prediction, its cause not pinned down; the
-    prediction bounds the measured peak within 1%.
+    kernels keep fewer, so with the plan's order pinned (``memfit.graph.inductor``) the
+    prediction bounds the measured peak: 15% above it on each model here (the CNN with re-runs:
+    4,673,796 B measured, 5,524,260 B predicted; GPT-2: 5,518,456 B and 6,030,456 B).
 """
 
 from __future__ import annotations
@@ -149,8 +148,8 @@ def check(case, budget_fraction: float, strategy: str) -> None:
         torch.testing.assert_close(parameter, expected, msg=name)
     assert max(peaks) <= budget, (peaks, budget)
     regions = fitted._memfit_backend.regions
-    # the plan's prediction bounds what inductor's kernels hold (within 1%: see the Note)
-    assert max(peaks) <= 1.01 * max(region.predicted_peak_bytes for region in regions)
+    # the plan's prediction bounds what inductor's kernels hold (see the Note)
+    assert max(peaks) <= max(region.predicted_peak_bytes for region in regions)
     assert any(region.plan.swapped or region.plan.reruns for region in regions)
     assert kernels(code) > 0  # inductor's fused kernels are still there
     swapped = any(region.plan.swapped for region in regions)
