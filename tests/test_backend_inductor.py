@@ -14,7 +14,7 @@ Note:
 
     memfit predicts the program it planned, every op's output a buffer; inductor's fused
     kernels keep fewer, so with the plan's order pinned (``memfit.graph.inductor``) the
-    prediction bounds the measured peak: 15% above it on each model here (the CNN with re-runs:
+    prediction bounds the measured peak, 9% to 18% above it here (the CNN with re-runs:
     4,673,796 B measured, 5,524,260 B predicted; GPT-2: 5,518,456 B and 6,030,456 B).
 """
 
