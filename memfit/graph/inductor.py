@@ -30,7 +30,7 @@ Note:
     tensor are not ordered after its ``memfit::wait`` (a no-op on the CPU): giving them that
     dependency the same way (tried: the readers wrapped too) raised a CNN's peak from 4.8 to
     7.2 MB and moved its parameters up to 3.6e-5 from ``torch.compile``'s after two AdamW steps
-    (1.6e-7 without), so ``memfit.backend`` warns for inductor on an accelerator instead.
+    (within 1e-5 without), so ``memfit.backend`` warns for inductor on an accelerator instead.
 """
 
 from __future__ import annotations
