@@ -139,6 +139,13 @@ class Backend:
         if self.compiler == "inductor":
             from memfit.graph.inductor import compile_with_inductor
 
+            if device.type != "cpu" and self.budget is not None:
+                warnings.warn(
+                    f"memfit: compiler='inductor' on {device.type} is experimental: inductor may "
+                    "fuse a reader of a swapped-in tensor into a kernel before the wait for its "
+                    "copy (checked on the CPU only, where copies are synchronous); use "
+                    "compiler='aot_eager' for plans with swaps", BudgetWarning, stacklevel=2)
+
             return compile_with_inductor(graph_module, example_inputs, self._partition(device),
                                          engine)
         compile_module = _runner(engine, self)
@@ -479,10 +486,5 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
         raise ValueError(f"measure_runs must be 0 or more, got {measure_runs}")
     if compiler not in COMPILERS:
         raise ValueError(f"unknown compiler {compiler!r}: use one of {COMPILERS}")
-    if compiler == "inductor" and budget is not None:
-        warnings.warn("memfit: compiler='inductor' is experimental: inductor fuses and reorders "
-                      "the planned modules, and measured peaks above the budget were seen (a CNN "
-                      "with re-runs, GPT-2 with swaps); use compiler='aot_eager' where the budget "
-                      "must hold", BudgetWarning, stacklevel=2)
     parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
     return Backend(parsed, chosen, hardware, compiler, optimizer, model, params, measure_runs)

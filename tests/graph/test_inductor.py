@@ -1,0 +1,95 @@
+"""pin_planned_order: the ordering-only dependencies that keep inductor from hoisting re-runs.
+
+Checked on a hand-built program (no inductor compile): which ops get a ``control_deps`` wrapper,
+on which anchor, and that the pinned program still computes what it did.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from memfit.graph.inductor import pin_planned_order
+
+aten = torch.ops.aten
+
+
+def program(kinds: dict[str, str], with_product: bool = False) -> fx.GraphModule:
+    """``mm`` of the inputs, a re-run chain (``relu`` -> ``neg``) used with ``mm`` (and, with
+    ``with_product``, then in an ``mm`` and a ``mul``), an op that does not read the chain, and
+    a second re-run of ``relu``; ``kinds`` marks ops as memfit's."""
+    graph = fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    example = {x: torch.randn(4, 4), w: torch.randn(4, 4)}
+    made: dict[str, fx.Node] = {}
+
+    def call(name: str, target, *args) -> fx.Node:
+        node = graph.call_function(target, args, name=name)
+        values = [example[a] if isinstance(a, fx.Node) else a for a in args]
+        example[node] = target(*values)
+        node.meta["val"] = example[node]
+        if name in kinds:
+            node.meta["memfit"] = {"kind": kinds[name], "tensor": name, "buffer": name}
+        made[name] = node
+        return node
+
+    product = call("mm", aten.mm.default, x, w)
+    chain = call("rerun_relu", aten.relu.default, x)
+    chain = call("rerun_neg", aten.neg.default, chain)
+    used = call("use", aten.mul.Tensor, chain, product)
+    if with_product:  # a reader of the chain that is not elementwise, then one that is
+        used = call("use_mm", aten.mm.default, used, w)
+        used = call("use_after", aten.mul.Tensor, used, 2.0)
+    apart = call("apart", aten.add.Tensor, product, 1.0)
+    again = call("rerun_relu_again", aten.relu.default, x)
+    total = call("total", aten.add.Tensor, used, again)
+    graph.output((total, apart))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+RERUNS = {"rerun_relu": "recompute", "rerun_neg": "recompute", "rerun_relu_again": "recompute"}
+
+
+def pinned(module: fx.GraphModule) -> dict[str, tuple[str, ...]]:
+    from torch._inductor.fx_passes.control_dependencies import control_deps
+
+    return {node.name: tuple(dep.name for dep in node.args[0])
+            for node in module.graph.nodes if node.target is control_deps}
+
+
+def test_each_rerun_chain_waits_for_the_last_reader_of_the_one_before():
+    module = program(RERUNS)
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    expected = module(x, w)
+
+    assert pin_planned_order(module) == 2
+    # the first chain after the op before it; the second after the op that used the first
+    # chain ("use"), not after "apart", which reads no re-run and so may move anywhere
+    assert pinned(module) == {"rerun_relu": ("mm",), "rerun_relu_again": ("use",)}
+    for got, want in zip(module(x, w), expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_swap_in_prefers_an_anchor_inductor_computes_as_a_buffer_anyway():
+    kinds = {"rerun_relu": "recompute", "rerun_neg": "recompute", "rerun_relu_again": "swap_in"}
+    module = program(kinds, with_product=True)
+    inputs = (torch.randn(4, 4), torch.randn(4, 4))
+    expected = module(*inputs)
+
+    pin_planned_order(module)
+    # "use_after" is later, but elementwise: inductor would fuse it, and anchoring on it would
+    # make it a buffer of its own; a re-run chain waits for it all the same
+    assert pinned(module) == {"rerun_relu": ("mm",), "rerun_relu_again": ("use_mm",)}
+    reruns = program(RERUNS, with_product=True)
+    pin_planned_order(reruns)
+    assert pinned(reruns) == {"rerun_relu": ("mm",), "rerun_relu_again": ("use_after",)}
+    for got, want in zip(module(*inputs), expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_program_without_reruns_or_swap_ins_is_left_alone():
+    module = program({})
+    before = module.code
+
+    assert pin_planned_order(module) == 0
+    assert module.code == before
