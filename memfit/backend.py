@@ -28,17 +28,16 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from memfit.api import BudgetWarning
 from memfit.core.costgraph import CostGraph
 from memfit.core.errors import BudgetError
 from memfit.core.hardware import Hardware
 from memfit.core.plan import Plan
-from memfit.core.simulate import simulate
 from memfit.core.timeline import Timeline
 from memfit.core.units import Budget, format_bytes
-from memfit.graph.analyze import analyze
+from memfit.graph.capture import DECOMPOSE
 from memfit.graph.joint import as_captured, elide_clones, split
 from memfit.graph.rewrite import rewrite
+from memfit.planning import BudgetWarning, Planned, analyzed, plan_step, resolve_hardware
 from memfit.runtime.resident import resident_bytes
 from memfit.runtime.streams import CopyEngine, active_engine
 
@@ -94,6 +93,11 @@ class Backend:
         self.params = dict(params)
         self.regions: list[Region] = []
         self.replans = 0  # plans made again because more stayed resident than planned for
+        # set by memfit.compile's Step: its options, and the closed loop's tighter budget
+        self.linearize = False
+        self.fixed_plan: Plan | None = None
+        self.budget_override: Budget | None = None
+        self.what_ifs = False  # memfit.plan explains its plan: the plans at the budget x0.9, x1.1
 
     def __call__(self, graph_module: fx.GraphModule, example_inputs: list) -> Any:
         from torch._dynamo.backends.common import aot_autograd
@@ -107,7 +111,7 @@ class Backend:
                                          engine)
         compile_module = _runner(engine, self.regions)
         return aot_autograd(fw_compiler=compile_module, bw_compiler=compile_module,
-                            partition_fn=self._partition(device),
+                            partition_fn=self._partition(device), decompositions=DECOMPOSE,
                             keep_inference_input_mutations=True)(graph_module, example_inputs)
 
     def _partition(self, device: torch.device):
@@ -125,13 +129,11 @@ class Backend:
         Raises:
             BudgetError: if no plan of the strategy fits, before anything runs.
         """
-        from memfit.api import make_plan, resolve_hardware
-
         hardware = resolve_hardware(self.hardware_spec, device)
         elide_clones(joint)
         captured = as_captured(joint, num_fwd_outputs, static_lifetime_input_indices)
-        graph = analyze(captured, hardware, name=f"region {len(self.regions)}",
-                        kernel_temporaries=True)
+        captured, graph = analyzed(captured, hardware, f"region {len(self.regions)}",
+                                   self.linearize, kernel_temporaries=True)
         inside = sum(binding_bytes(node) for node, binding in
                      zip(joint.graph.find_nodes(op="placeholder"), captured.inputs, strict=True)
                      if binding.kind == "parameter")
@@ -140,26 +142,26 @@ class Backend:
         # (a model with graph breaks: the later region plans around the earlier one's saves)
         pending = sum(region.saved_bytes * region.open_forwards for region in self.regions)
         outside = max(0, resident - inside) + pending
+        budget = self.budget_override or self.budget
         try:
-            made, baseline, budget_bytes = make_plan(graph, hardware, self.budget, self.strategy,
-                                                     self.params, outside, what_ifs=False)
+            planned = plan_step(graph, hardware, budget, self.strategy, self.params, outside,
+                                self.fixed_plan, self.what_ifs)
         except BudgetError as error:
             if not pending:
                 raise
-            made, baseline, budget_bytes = self._over_budget(graph, hardware, error, pending,
-                                                             outside)
-        program = rewrite(joint, graph, made)
+            planned = self._over_budget(graph, hardware, error, pending, outside)
+        program = rewrite(captured.graph_module, graph, planned.plan)
         forward, backward = split(program, num_fwd_outputs, static_lifetime_input_indices)
-        predicted = simulate(graph, made, hardware)
         index = len(self.regions)
         forward.meta[REGION_KEY] = backward.meta[REGION_KEY] = index
-        self.regions.append(Region(index, graph, made, baseline, predicted, budget_bytes, outside,
-                                   forward, backward, resident, saved_device_bytes(forward,
-                                                                                   num_fwd_outputs)))
+        self.regions.append(Region(index, graph, planned.plan, planned.baseline,
+                                   planned.predicted, planned.budget.device_bytes, outside,
+                                   forward, backward, resident,
+                                   saved_device_bytes(forward, num_fwd_outputs)))
         return forward, backward
 
     def _over_budget(self, graph: CostGraph, hardware: Hardware, error: BudgetError,
-                     pending: int, outside: int) -> tuple[Plan, Timeline, int | None]:
+                     pending: int, outside: int) -> Planned:
         """Plan a region that only misses the budget because earlier regions (before a graph
         break) still hold their saves: at its smallest peak, with a warning, so training goes on
         exactly; planning the regions jointly is not done yet."""
@@ -169,10 +171,8 @@ class Backend:
             f"runs at its smallest peak, {format_bytes(error.minimum_bytes)}. Remove the graph "
             "break (torch._dynamo.explain(model)(...) shows it) or raise the budget.",
             BudgetWarning, stacklevel=2)
-        from memfit.api import make_plan
-
-        return make_plan(graph, hardware, Budget(bytes=error.minimum_bytes), self.strategy,
-                         self.params, outside, what_ifs=False)
+        return plan_step(graph, hardware, Budget(bytes=error.minimum_bytes), self.strategy,
+                         self.params, outside)
 
     # ---- re-planning when more stays resident ---------------------------------------------------
 
@@ -347,7 +347,7 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
     Example:
         >>> compiled = torch.compile(model, backend=memfit.backend(budget=0.5), dynamic=False)
     """
-    from memfit.api import resolve_budget_and_strategy
+    from memfit.strategies import resolve_budget_and_strategy
 
     if compiler not in COMPILERS:
         raise ValueError(f"unknown compiler {compiler!r}: use one of {COMPILERS}")
