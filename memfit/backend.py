@@ -35,7 +35,7 @@ from memfit.core.plan import Plan
 from memfit.core.timeline import Timeline
 from memfit.core.units import Budget, format_bytes
 from memfit.graph.capture import DECOMPOSE
-from memfit.graph.joint import as_captured, elide_clones, split
+from memfit.graph.joint import as_captured, elide_clones, record_scopes, split
 from memfit.graph.rewrite import rewrite
 from memfit.planning import BudgetWarning, Planned, analyzed, plan_step, resolve_hardware
 from memfit.runtime.resident import resident_bytes
@@ -97,7 +97,8 @@ class Backend:
         self.linearize = False
         self.fixed_plan: Plan | None = None
         self.budget_override: Budget | None = None
-        self.what_ifs = False  # memfit.plan explains its plan: the plans at the budget x0.9, x1.1
+        self.what_ifs = False
+        self.scope_prefix = ""  # where the model sits in the compiled module (Step's "model.")  # memfit.plan explains its plan: the plans at the budget x0.9, x1.1
 
     def __call__(self, graph_module: fx.GraphModule, example_inputs: list) -> Any:
         from torch._dynamo.backends.common import aot_autograd
@@ -131,6 +132,7 @@ class Backend:
         """
         hardware = resolve_hardware(self.hardware_spec, device)
         elide_clones(joint)
+        record_scopes(joint, self.scope_prefix)
         captured = as_captured(joint, num_fwd_outputs, static_lifetime_input_indices)
         captured, graph = analyzed(captured, hardware, f"region {len(self.regions)}",
                                    self.linearize, kernel_temporaries=True)

@@ -65,10 +65,9 @@ def memfit_error(error: BaseException) -> BaseException:
     ``BackendCompilerFailed``; a tracing failure as a ``CaptureError``; else ``error`` itself."""
     from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException
 
-    if isinstance(error, BackendCompilerFailed):
+    if isinstance(error, BackendCompilerFailed):  # memfit's backend raised it: show it whole
         inner = error.inner_exception
-        if isinstance(inner, MEMFIT_ERRORS):
-            return inner.with_traceback(None)
+        return inner.with_traceback(None) if isinstance(inner, MEMFIT_ERRORS) else inner
     if isinstance(error, TorchDynamoException):
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return CaptureError(f"torch.compile could not trace the step: {first}. Run "
@@ -106,6 +105,7 @@ def trace_plan(model: torch.nn.Module, loss_fn: Callable, inputs: Sequence[torch
 
     planner = _PlanOnly(budget, strategy, hardware, "aot_eager", None, model, params)
     planner.linearize, planner.what_ifs = linearize, what_ifs
+    planner.scope_prefix = "model."  # LossModule holds the model as .model
     device = device_of(model.parameters())
     with FakeTensorMode() as mode:
         fake = tuple(_fake(t, device) for t in inputs)
