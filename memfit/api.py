@@ -37,9 +37,10 @@ __all__ = ["Step", "Round", "BudgetWarning", "CLOSED_LOOP", "compile", "plan", "
 
 
 class _SharedExclusive:
-    """Steps run side by side in threads (shared); a capture and its planning run alone
-    (exclusive). Tracing uses process-wide torch state: a capture in one thread beside a
-    measured run in another failed now and then with functorch's "Expected current_level > 0"."""
+    """Steps run side by side in threads (shared); a call that may trace and plan, or that is
+    measured, runs alone (exclusive). Tracing uses process-wide torch state (a capture beside a
+    run in another thread failed now and then with functorch's "Expected current_level > 0"),
+    and the profiler whose allocator events measure a step sees every thread's allocations."""
 
     def __init__(self) -> None:
         self._condition = threading.Condition()
