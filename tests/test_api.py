@@ -144,3 +144,37 @@ def test_inputs_must_be_tensors():
     step = memfit.compile(nn.Linear(2, 2), lambda m, x, k: m(x).sum() * k, strategy="keep")
     with pytest.raises(ValueError, match="tensors only"):
         step(torch.randn(3, 2), 2.0)
+
+
+def test_a_layer_frozen_between_steps_gets_no_gradient_as_in_eager():
+    """Dynamo's guards see requires_grad: freezing re-traces and re-plans (the old capture,
+    keyed on input shapes, kept writing .grad to frozen parameters)."""
+    example = small()
+    eager = copy.deepcopy(example.model)
+    step = memfit.compile(example.model, example.loss_fn, budget="0.7", strategy="swap")
+    for index in range(2):
+        if index == 1:
+            for model in (example.model, eager):
+                model.zero_grad(set_to_none=True)
+                for parameter in model[0].parameters():
+                    parameter.requires_grad_(False)
+        inputs = example.inputs()
+        step(*inputs)
+        example.loss_fn(eager, *inputs).backward()
+    assert len(step.regions) == 2  # planned again after the freeze
+    for (name, ours), theirs in zip(example.model.named_parameters(), eager.parameters(),
+                                    strict=True):
+        assert (ours.grad is None) == (theirs.grad is None), name
+        assert ours.grad is None or torch.equal(ours.grad, theirs.grad), name
+    assert all(p.grad is None for p in example.model[0].parameters())
+
+
+def test_planning_allocates_no_input_memory():
+    """memfit.plan traces fake tensors: a batch of 4 GiB of inputs is planned in a few MiB."""
+    from memfit.runtime.measure import measure_allocator_peak
+
+    example = examples.mlp(depth=2, width=64, batch_size=1)
+    inputs = tuple(t.to("meta") for t in example.inputs(1 << 24))  # 4 GiB of float32 x
+    measured = measure_allocator_peak(memfit.plan, example.model, example.loss_fn, *inputs,
+                                      strategy="keep", hardware="cpu")
+    assert measured.result.graph_hash and measured.above_start_bytes < 64 * 2**20

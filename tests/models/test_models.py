@@ -114,7 +114,8 @@ def bound_inputs(model, captured, inputs):
         elif binding.kind == "input":
             flat.append(inputs[binding.index])
         else:  # the seed of backward: d loss / d loss = 1
-            flat.append(torch.ones_like(node.meta["val"], device="cpu"))
+            value = node.meta["val"]
+            flat.append(torch.ones(value.shape, dtype=value.dtype))
     return flat
 
 

@@ -83,7 +83,8 @@ def test_half_the_peak_or_a_true_minimum(reference, strategy):
         # buffer memfit/graph/temporaries.py does not know. The dispatch tracker of the old
         # executor path did not see kernel buffers. Fails when that changes: then remove this.
         assert step.compiled.predicted_peak_bytes <= step.budget_bytes
-        assert 0 < step.measured.peak_bytes - step.budget_bytes <= 0.02 * step.budget_bytes
+        assert step.budget_bytes // 100 < step.measured.peak_bytes - step.budget_bytes \
+            <= 0.02 * step.budget_bytes  # beyond the 1% tolerance of tests/measured_peaks.py
     else:
         assert_within_budget(step, step.budget_bytes)
     if (reference["name"], strategy) in REBUILT_UNCOVERED:
