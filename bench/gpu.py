@@ -20,6 +20,7 @@ from memfit import examples
 from memfit.core.hardware import Hardware
 from memfit.render.text import table
 from memfit.runtime.probe import measure_link
+from memfit.traced import trace_plan
 
 LINK_BYTES = 256 * 2**20
 DEVICE_FRACTION = 0.7  # headroom for the allocator's fragmentation and the CUDA context
@@ -36,10 +37,10 @@ def choose_batch(device: torch.device, hardware: Hardware) -> int:
     """The largest of 8, 4, 2, 1 whose extrapolated unplanned peak fits ``DEVICE_FRACTION``."""
     example = examples.gpt2(**GPT2_MEDIUM, batch_size=1)
     model = example.model.to(device)
-    step = memfit.compile(model, example.loss_fn, strategy="keep", hardware=hardware)
-    compiled = step.compile_for(*(t.to(device) for t in example.inputs(1)))
-    resident = compiled.graph.resident_bytes
-    per_sample = compiled.baseline.peak_bytes - resident
+    inputs = tuple(t.to("meta") for t in example.inputs(1))  # planned from shapes: nothing runs
+    planned = trace_plan(model, example.loss_fn, inputs, None, "keep", hardware, {})
+    resident = planned.graph.resident_bytes
+    per_sample = planned.baseline.peak_bytes - resident
     for batch in (8, 4, 2, 1):
         if resident + batch * per_sample <= DEVICE_FRACTION * hardware.device_bytes:
             return batch

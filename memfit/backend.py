@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from memfit.api import BudgetWarning
 from memfit.core.costgraph import CostGraph
 from memfit.core.errors import BudgetError
 from memfit.core.hardware import Hardware
@@ -36,8 +35,8 @@ from memfit.core.plan import Plan
 from memfit.core.simulate import simulate
 from memfit.core.timeline import Timeline
 from memfit.core.units import Budget, format_bytes
-from memfit.graph.analyze import analyze
-from memfit.graph.joint import as_captured, elide_clones, split
+from memfit.graph.capture import DECOMPOSE
+from memfit.graph.joint import as_captured, elide_clones, record_scopes, split
 from memfit.graph.rewrite import rewrite
 from memfit.graph.rnn import eager_lstm_kernels, run_rnn_layers_for_training, size_lstm_buffers
 from memfit.graph_breaks import (
@@ -48,6 +47,7 @@ from memfit.graph_breaks import (
     saves_caps,
     watch_recompile_limit,
 )
+from memfit.planning import BudgetWarning, Planned, analyzed, plan_step, resolve_hardware
 from memfit.runtime.region_peak import measure_region_run
 from memfit.runtime.resident import resident_bytes
 from memfit.runtime.streams import CopyEngine, active_engine
@@ -130,6 +130,12 @@ class Backend:
         self.joint_failed = False  # planning jointly could not make a region fit (said once)
         self.eager_codes: list[str] = []  # code Dynamo stopped compiling (its recompile limit)
         watch_recompile_limit(self)
+        # set by memfit.compile's Step: its options, and the closed loop's tighter budget
+        self.linearize = False
+        self.fixed_plan: Plan | None = None
+        self.budget_override: Budget | None = None
+        self.what_ifs = False  # memfit.plan explains its plan: the plans at the budget x0.9, x1.1
+        self.scope_prefix = ""  # where the model sits in the compiled module (Step's "model.")
 
     def __call__(self, graph_module: fx.GraphModule, example_inputs: list) -> Any:
         from torch._dynamo.backends.common import aot_autograd
@@ -151,7 +157,7 @@ class Backend:
         compile_module = _runner(engine, self)
         with eager_lstm_kernels():  # nn.LSTM traced as eager runs it (memfit.graph.rnn)
             return aot_autograd(fw_compiler=compile_module, bw_compiler=compile_module,
-                                partition_fn=self._partition(device),
+                                partition_fn=self._partition(device), decompositions=DECOMPOSE,
                                 keep_inference_input_mutations=True)(graph_module, example_inputs)
 
     def _partition(self, device: torch.device):
@@ -169,14 +175,14 @@ class Backend:
         Raises:
             BudgetError: if no plan of the strategy fits, before anything runs.
         """
-        from memfit.api import resolve_hardware
-
         hardware = resolve_hardware(self.hardware_spec, device)
         elide_clones(joint)
+        record_scopes(joint, self.scope_prefix)
         size_lstm_buffers(joint.graph, num_fwd_outputs)
         captured = as_captured(joint, num_fwd_outputs, static_lifetime_input_indices)
         index = len(self.regions)
-        graph = analyze(captured, hardware, name=f"region {index}", kernel_temporaries=True)
+        captured, graph = analyzed(captured, hardware, f"region {index}", self.linearize,
+                                   kernel_temporaries=True)
         inside = sum(binding_bytes(node) for node, binding in
                      zip(joint.graph.find_nodes(op="placeholder"), captured.inputs, strict=True)
                      if binding.kind == "parameter")
@@ -188,42 +194,43 @@ class Backend:
         code = compiling_code()
 
         def lower(plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule, int]:
-            forward, backward = split(rewrite(joint, graph, plan), num_fwd_outputs,
-                                      static_lifetime_input_indices)
+            forward, backward = split(rewrite(captured.graph_module, graph, plan),
+                                      num_fwd_outputs, static_lifetime_input_indices)
             return forward, backward, saved_device_bytes(forward, num_fwd_outputs)
 
-        made, baseline, budget_bytes, minimum = self._choose(graph, hardware, outside, pending)
+        planned, budget_bytes, minimum = self._choose(graph, hardware, outside, pending)
+        made, predicted = planned.plan, planned.predicted
         forward, backward, saved = lower(made)
         cap = self.saves_caps.get(code)
         if cap is not None and budget_bytes is not None and saved > cap:
             made, (forward, backward, saved) = self._save_at_most(cap, graph, hardware, outside,
                                                                   budget_bytes, lower)
+            predicted = simulate(graph, made, hardware)
         forward.meta[REGION_KEY] = backward.meta[REGION_KEY] = index
-        self.regions.append(Region(index, graph, made, baseline, simulate(graph, made, hardware),
-                                   budget_bytes, outside, forward, backward, resident, saved,
-                                   code=code, pending_bytes=pending, minimum_bytes=minimum,
+        self.regions.append(Region(index, graph, made, planned.baseline, predicted, budget_bytes,
+                                   outside, forward, backward, resident, saved, code=code,
+                                   pending_bytes=pending, minimum_bytes=minimum,
                                    saves_cap_bytes=cap))
         return forward, backward
 
     def _choose(self, graph: CostGraph, hardware: Hardware, outside: int, pending: int
-                ) -> tuple[Plan, Timeline, int | None, int | None]:
-        """The strategy's plan under the budget, its unplanned timeline, the whole-device budget,
-        and the region's smallest peak where it only misses the budget because of ``pending``
-        saves of earlier regions (``None`` where it fits)."""
-        from memfit.api import make_plan
-
+                ) -> tuple[Planned, int | None, int | None]:
+        """The strategy's plan under the budget, the whole-device budget, and the region's
+        smallest peak where it only misses the budget because of ``pending`` saves of earlier
+        regions (``None`` where it fits)."""
+        budget = self.budget_override or self.budget
         try:
-            made, baseline, budget_bytes = make_plan(graph, hardware, self.budget, self.strategy,
-                                                     self.params, outside, what_ifs=False)
+            planned = plan_step(graph, hardware, budget, self.strategy, self.params, outside,
+                                self.fixed_plan, self.what_ifs)
         except BudgetError as error:
             if not pending:
                 raise
-            made, baseline, _ = self._over_budget(graph, hardware, error, pending, outside)
-            return made, baseline, error.budget_bytes, error.minimum_bytes
-        return made, baseline, budget_bytes, None
+            planned = self._over_budget(graph, hardware, error, pending, outside)
+            return planned, error.budget_bytes, error.minimum_bytes
+        return planned, planned.budget.device_bytes, None
 
     def _over_budget(self, graph: CostGraph, hardware: Hardware, error: BudgetError,
-                     pending: int, outside: int) -> tuple[Plan, Timeline, int | None]:
+                     pending: int, outside: int) -> Planned:
         """Plan a region that only misses the budget because earlier regions (before a graph
         break) still hold their saves: at its smallest peak, with a warning, so training goes on
         exactly; after this iteration the regions are planned again jointly (``graph_breaks``)."""
@@ -236,19 +243,15 @@ class Backend:
             f"runs at its smallest peak, {format_bytes(error.minimum_bytes)}, and {again}. "
             "Remove the graph break (torch._dynamo.explain(model)(...) shows it) or raise the "
             "budget.", BudgetWarning, stacklevel=2)
-        from memfit.api import make_plan
-
-        return make_plan(graph, hardware, Budget(bytes=error.minimum_bytes), self.strategy,
-                         self.params, outside, what_ifs=False)
+        return plan_step(graph, hardware, Budget(bytes=error.minimum_bytes), self.strategy,
+                         self.params, outside)
 
     def _save_at_most(self, cap_bytes: int, graph: CostGraph, hardware: Hardware, outside: int,
                       budget_bytes: int, lower: Any) -> tuple[Plan, Any]:
         """A plan of this region whose forward saves at most ``cap_bytes`` (``save_at_most``)."""
-        from memfit.api import make_plan
-
         def plan_at(at_bytes: int) -> Plan:
-            return make_plan(graph, hardware, Budget(bytes=at_bytes), self.strategy, self.params,
-                             outside, what_ifs=False)[0]
+            return plan_step(graph, hardware, Budget(bytes=at_bytes), self.strategy, self.params,
+                             outside).plan
 
         return save_at_most(plan_at, lower, cap_bytes, budget_bytes)
 
@@ -480,7 +483,7 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
     Example:
         >>> compiled = torch.compile(model, backend=memfit.backend(budget=0.5), dynamic=False)
     """
-    from memfit.api import resolve_budget_and_strategy
+    from memfit.strategies import resolve_budget_and_strategy
 
     if measure_runs < 0:
         raise ValueError(f"measure_runs must be 0 or more, got {measure_runs}")

@@ -219,8 +219,9 @@ def _annotated(timeline: Timeline, graph, record: RunRecord) -> Timeline:
 def write_outputs(result: DemoResult, out: Path) -> list[Path]:
     """``memory.png`` and the timelines as JSON in ``out``; returns the paths written.
 
-    ``unplanned.json`` and ``swap-measured.json`` are measured (device bytes after every op of
-    the last step), ``swap.json`` is the simulator's prediction for the swap plan.
+    ``unplanned.json`` and ``swap-measured.json`` are measured (the last step's peak and time:
+    compiled code is measured by the allocator as a whole), ``swap.json`` is the simulator's
+    prediction for the swap plan, op by op.
     """
     from memfit.render.plot import memory_plot
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from memfit.api import BudgetWarning
 from memfit.backend import Backend, backend, device_of
 from memfit.core.hardware import Hardware
+from memfit.planning import BudgetWarning
 
 
 def fit(model: torch.nn.Module, budget: str | int | float | None = None,

@@ -18,14 +18,15 @@ from typing import Any
 
 import torch
 
-from memfit.api import Step, analyzed, make_plan, resolve_budget_and_strategy, resolve_hardware
+from memfit.api import Step
 from memfit.core.errors import BudgetError
 from memfit.core.hardware import Hardware
 from memfit.core.plan import Plan
-from memfit.core.simulate import simulate
 from memfit.core.timeline import Timeline
 from memfit.core.units import Budget, format_bytes
-from memfit.graph.capture import capture
+from memfit.planning import resolve_hardware
+from memfit.strategies import resolve_budget_and_strategy
+from memfit.traced import trace_plan
 
 __all__ = ["Trial", "BatchSearch", "max_batch_size"]
 
@@ -106,7 +107,7 @@ class _Planned:
     plan: Plan
     predicted: Timeline
     budget_bytes: int
-    outside_bytes: int  # existing .grad, on the device but outside the graph
+    outside_bytes: int  # buffers and existing .grad: on the device, outside the graph
 
 
 def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
@@ -237,21 +238,14 @@ def meta_inputs(make_inputs: Callable[[int], tuple[torch.Tensor, ...]],
     return tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs)
 
 
-def _outside_bytes(model: torch.nn.Module) -> int:
-    """Existing ``.grad`` bytes: outside the graph, on the device all the same (as ``compile``)."""
-    return sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
-
-
 def _plan_batch(model, loss_fn, make_inputs, batch, budget, strategy, hardware, params,
                 linearize) -> _Planned:
-    inputs = meta_inputs(make_inputs, batch)
-    captured = capture(model, loss_fn, *inputs)
-    _, graph = analyzed(captured, hardware, type(model).__name__, linearize)
-    outside = _outside_bytes(model)
-    made, _, budget_bytes = make_plan(graph, hardware, budget, strategy, params, outside,
-                                      what_ifs=False)
-    assert budget_bytes is not None
-    return _Planned(batch, made, simulate(graph, made, hardware), budget_bytes, outside)
+    """Plan ``batch`` from meta inputs, as ``compile`` would plan it (nothing runs)."""
+    planned = trace_plan(model, loss_fn, meta_inputs(make_inputs, batch), budget, strategy,
+                         hardware, params, linearize)
+    assert planned.budget.device_bytes is not None
+    return _Planned(batch, planned.plan, planned.predicted, planned.budget.device_bytes,
+                    planned.budget.outside_bytes)
 
 
 def _verify(model, loss_fn, make_inputs, best: _Planned, attempt, tried: list[Trial], strategy,
@@ -291,7 +285,7 @@ def _measure_step(model, loss_fn, make_inputs, planned: _Planned, strategy, hard
                 params, linearize)
     try:
         inputs = tuple(t.to(device) for t in make_inputs(planned.batch_size))
-        step.compile_for(*inputs).settled = True  # one step, judged here: no closed loop
+        step.closed_loop = False  # one step, judged here
         step(*inputs)
         del inputs
         assert step.measured is not None

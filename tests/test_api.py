@@ -87,10 +87,15 @@ def test_gradients_accumulate_like_backward():
 def test_same_shape_reuses_the_plan_and_a_new_shape_replans():
     example = small()
     step = memfit.compile(example.model, example.loss_fn, budget="0.7", strategy="swap")
-    first = step.compile_for(*example.inputs(1024))
-    assert step.compile_for(*example.inputs(1024)) is first
-    other = step.compile_for(*example.inputs(512))
-    assert other is not first
+    step(*example.inputs(1024))
+    first = step.compiled
+    example.model.zero_grad(set_to_none=True)  # no gradients kept: nothing more is resident
+    step(*example.inputs(1024))
+    assert step.compiled is first and step.regions == [first]
+    example.model.zero_grad(set_to_none=True)
+    step(*example.inputs(512))
+    other = step.compiled
+    assert other is not first and step.regions == [first, other]
     assert other.graph.structure_hash != first.graph.structure_hash
 
 
@@ -126,7 +131,7 @@ def test_a_budget_alone_plans_with_auto_bit_for_bit():
     for (name, p), q in zip(example.model.named_parameters(), reference_model.parameters(),
                             strict=True):
         assert torch.equal(p.grad, q.grad), name
-    assert step.measured.peak_bytes <= step.compiled.budget_bytes
+    assert step.measured.peak_bytes <= step.budget_bytes
 
 
 def test_measure_peak_counts_what_a_call_allocates():
@@ -139,3 +144,37 @@ def test_inputs_must_be_tensors():
     step = memfit.compile(nn.Linear(2, 2), lambda m, x, k: m(x).sum() * k, strategy="keep")
     with pytest.raises(ValueError, match="tensors only"):
         step(torch.randn(3, 2), 2.0)
+
+
+def test_a_layer_frozen_between_steps_gets_no_gradient_as_in_eager():
+    """Dynamo's guards see requires_grad: freezing re-traces and re-plans (the old capture,
+    keyed on input shapes, kept writing .grad to frozen parameters)."""
+    example = small()
+    eager = copy.deepcopy(example.model)
+    step = memfit.compile(example.model, example.loss_fn, budget="0.7", strategy="swap")
+    for index in range(2):
+        if index == 1:
+            for model in (example.model, eager):
+                model.zero_grad(set_to_none=True)
+                for parameter in model[0].parameters():
+                    parameter.requires_grad_(False)
+        inputs = example.inputs()
+        step(*inputs)
+        example.loss_fn(eager, *inputs).backward()
+    assert len(step.regions) == 2  # planned again after the freeze
+    for (name, ours), theirs in zip(example.model.named_parameters(), eager.parameters(),
+                                    strict=True):
+        assert (ours.grad is None) == (theirs.grad is None), name
+        assert ours.grad is None or torch.equal(ours.grad, theirs.grad), name
+    assert all(p.grad is None for p in example.model[0].parameters())
+
+
+def test_planning_allocates_no_input_memory():
+    """memfit.plan traces fake tensors: a batch of 4 GiB of inputs is planned in a few MiB."""
+    from memfit.runtime.measure import measure_allocator_peak
+
+    example = examples.mlp(depth=2, width=64, batch_size=1)
+    inputs = tuple(t.to("meta") for t in example.inputs(1 << 24))  # 4 GiB of float32 x
+    measured = measure_allocator_peak(memfit.plan, example.model, example.loss_fn, *inputs,
+                                      strategy="keep", hardware="cpu")
+    assert measured.result.graph_hash and measured.above_start_bytes < 64 * 2**20

@@ -2,8 +2,9 @@
 
 On the CPU the planner's prediction is exact, so the discrepancy is injected for real: a custom
 op whose real kernel returns its result in a storage larger than the tensor (as an
-allocator that rounds up would), while its fake kernel, which capture and the planner see, does
-not. The dispatch tracker counts storages, so only the measurement sees the extra bytes.
+allocator that rounds up would), while its fake kernel, which tracing and the planner see, does
+not. The allocator's events count what was allocated, so only the measurement sees the extra
+bytes.
 """
 
 import copy
@@ -103,10 +104,12 @@ def test_without_measuring_there_is_no_loop():
     predicted, _ = unplanned_peak()
     step = memfit.compile(example.model, example.loss_fn, budget=int(0.7 * predicted),
                           strategy="swap", measure=False)
-    first = step.compile_for(*example.inputs())
     step(*example.inputs())
-    step(*example.inputs())
-    assert step.rounds == [] and step.compiled.program is first.program
+    first = step.compiled
+    for _ in range(2):
+        example.model.zero_grad(set_to_none=True)  # no gradients kept: nothing else re-plans
+        step(*example.inputs())
+    assert step.rounds == [] and step.compiled is first and step.regions == [first]
 
 
 def test_a_budget_no_plan_can_reach_warns_by_how_much_and_keeps_running():
@@ -118,7 +121,7 @@ def test_a_budget_no_plan_can_reach_warns_by_how_much_and_keeps_running():
         for _ in range(memfit.api.CLOSED_LOOP.max_rounds):
             loss = step(*example.inputs())
             example.model.zero_grad(set_to_none=True)
-            if step.compiled.settled:
+            if step.loop.settled:
                 break
-    assert torch.isfinite(loss) and step.compiled.settled
-    assert step.rounds[0].measured_peak_bytes > step.compiled.budget_bytes
+    assert torch.isfinite(loss) and step.loop.settled
+    assert step.rounds[0].measured_peak_bytes > step.budget_bytes

@@ -4,6 +4,7 @@ import pytest
 
 import memfit
 from memfit import examples
+from memfit.runtime.measure import measure_allocator_peak
 from memfit.search import Trial, _Planned, _search, meta_inputs
 
 BUDGET_BYTES = 1_080_000  # parameters and gradients are ~1.06 MB: room for a batch of about 20
@@ -21,12 +22,14 @@ def test_the_largest_batch_fits_when_measured_and_the_next_one_does_not():
     assert [t.how for t in found.tried][-1] == "measured" and not found.note
     assert all(p.grad is None for p in model.parameters())  # verifying left no gradients behind
 
-    # the answer, measured independently of the step's own tracker: fits
+    # the answer, measured outside the step (which does not measure itself here): fits
     step = memfit.compile(model, loss_fn, budget=BUDGET_BYTES, strategy=found.plan.strategy,
                           measure=False)
     inputs = example.make_inputs(batch)
-    step.compile_for(*inputs)  # capture and plan outside the measurement
-    peak = memfit.measure_peak(step, *inputs, track=list(model.parameters()))
+    step(*inputs)  # trace and plan outside the measurement
+    model.zero_grad(set_to_none=True)
+    peak = measure_allocator_peak(step, *inputs, track=list(model.parameters())).peak_bytes
+    assert step.regions == [step.compiled]  # the measured call ran the plan made before
     assert peak <= BUDGET_BYTES
     # the next batch up: no plan fits
     with pytest.raises(memfit.BudgetError) as error:

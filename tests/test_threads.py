@@ -16,10 +16,13 @@ def run_steps(example, iterations, barrier=None):
     """Compile a swap plan for a copy of the model, run it ``iterations`` times, return its
     gradients; with a barrier, every step starts together with the other thread's."""
     model = copy.deepcopy(example.model)
-    step = memfit.compile(model, example.loss_fn, budget="0.8", strategy="swap")
+    # unmeasured: a measured step runs alone (the profiler's allocator events are process-wide),
+    # an unmeasured one that traces nothing runs beside the other thread's
+    step = memfit.compile(model, example.loss_fn, budget="0.8", strategy="swap", measure=False)
     inputs = example.inputs()
     try:
         for _ in range(iterations):
+            model.zero_grad(set_to_none=True)  # kept gradients would make each step re-plan
             if barrier is not None:
                 barrier.wait()
             step(*inputs)

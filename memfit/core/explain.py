@@ -1,6 +1,6 @@
 """Explanation: why a plan decided what it did and what each decision costs. Torch-free data.
 
-``explain`` is called once, where the plan is made (``memfit.api.make_plan``), and the result
+``explain`` is called once, where the plan is made (``memfit.planning.plan_step``), and the result
 travels inside the ``Plan`` (``Plan.explanation``), so a plan loaded from JSON explains itself
 without its graph. It holds one row per decided tensor (its module, bytes, decision, the strategy's
 reason, where a swap is prefetched, what the decision costs in step time), the predicted figures,

@@ -46,7 +46,7 @@ SCOPE_KEY = "memfit_scope"
 # kernels allocate only the result. Decomposing them makes the graph show every allocation, so
 # the planner's memory model stays exact. ``tests/models`` checks every real storage against the
 # fake one, so a new such op is caught there.
-_DECOMPOSE = get_decompositions([torch.ops.aten.mse_loss])
+DECOMPOSE = get_decompositions([torch.ops.aten.mse_loss])
 
 
 def _mse_loss_backward_of_empty(grad_output: torch.Tensor, input: torch.Tensor,
@@ -62,7 +62,7 @@ def _mse_loss_backward_of_empty(grad_output: torch.Tensor, input: torch.Tensor,
     return (input - target) * grad_output
 
 
-_DECOMPOSE[torch.ops.aten.mse_loss_backward.default] = _mse_loss_backward_of_empty
+DECOMPOSE[torch.ops.aten.mse_loss_backward.default] = _mse_loss_backward_of_empty
 TYPE_KEY = "memfit_type"
 # torch's tracing state is process-global: one capture at a time (see the module's Note).
 _CAPTURE_LOCK = threading.Lock()
@@ -152,7 +152,7 @@ def capture(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor) ->
     with _CAPTURE_LOCK, _record_scopes(model), contextlib.ExitStack() as stack:
         try:
             joint = aot_export_joint_with_descriptors(
-                stack, step, tuple(inputs), decompositions=_DECOMPOSE
+                stack, step, tuple(inputs), decompositions=DECOMPOSE
             )
         except CaptureError:
             raise

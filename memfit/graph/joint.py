@@ -24,6 +24,8 @@ Note:
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.fx as fx
 from torch._functorch.partitioners import _extract_fwd_bwd_modules
@@ -32,9 +34,38 @@ from torch.utils._ordered_set import OrderedSet
 
 from memfit.core.errors import CaptureError
 from memfit.graph.analyze import storage_key, tensors_in
-from memfit.graph.capture import Binding, Captured
+from memfit.graph.capture import SCOPE_KEY, TYPE_KEY, Binding, Captured
 
 _FORWARD, _BACKWARD = "must_be_in_forward", "must_be_in_backward"
+
+
+def record_scopes(joint: fx.GraphModule, prefix: str = "") -> None:
+    """Give each node the module path and class that made it (``memfit_scope`` / ``memfit_type``
+    in ``meta["custom"]``, as ``capture`` records them), from Dynamo's module stack.
+
+    Forward nodes carry ``nn_module_stack``; AOTAutograd copies it to the backward nodes derived
+    from them as ``fwd_nn_module_stack``. Paths are the user's (``transformer.h.0.attn``): Dynamo's
+    ``L['self']`` and ``prefix`` (the attribute a wrapper holds the model in) are dropped. The
+    scopes are what module-path parameters (``checkpoints=["transformer.h.*"]``, TFLMS scopes)
+    and the vDNN strategies' layer types match.
+    """
+    for node in joint.graph.nodes:
+        stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+        custom = node.meta.setdefault("custom", {})
+        if not stack or SCOPE_KEY in custom:
+            continue
+        path, module_type = list(stack.values())[-1]
+        custom[SCOPE_KEY] = module_path(path, prefix)
+        custom[TYPE_KEY] = getattr(module_type, "__name__", str(module_type))
+
+
+def module_path(dynamo_path: str, prefix: str = "") -> str:
+    """``L['self'].model.transformer.h[0]`` -> ``transformer.h.0`` (with ``prefix="model."``)."""
+    path = re.sub(r"\[\s*'?([^\]']*)'?\s*\]", r".\1", dynamo_path)  # h[0] -> h.0
+    path = re.sub(r"^L\.self\.?", "", path)
+    if prefix and (path + ".").startswith(prefix):
+        return path[len(prefix):]
+    return path
 
 
 def as_captured(joint: fx.GraphModule, num_fwd_outputs: int,

@@ -37,20 +37,18 @@ def plan_example(model: str, batch_size: int | None, model_args: Mapping[str, An
     """Build ``examples.<model>``, capture its step and plan it for ``hardware``.
 
     Note:
-        The model is built on the CPU with random weights and real (small) inputs; capture traces
-        with fake tensors, so no step runs. GPT-2 cannot yet be captured from ``meta`` inputs
-        (transformers' mask code reads a value), which is why real inputs are used here.
+        The model is built on the CPU with random weights; its inputs are meta tensors, traced
+        as fake ones the way ``memfit.compile`` would trace the step (``memfit.traced``), so no
+        step runs.
 
     Raises:
         ValueError: unknown model argument, strategy, parameter or hardware; a bad budget.
         BudgetError: if the strategy cannot reach the budget.
     """
     from memfit import examples
-    from memfit.api import make_plan, resolve_budget_and_strategy
     from memfit.core.hardware import get_hardware
-    from memfit.core.simulate import simulate
-    from memfit.graph.analyze import analyze
-    from memfit.graph.capture import capture
+    from memfit.strategies import resolve_budget_and_strategy
+    from memfit.traced import trace_plan
 
     parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
     profile = get_hardware(hardware)
@@ -60,11 +58,10 @@ def plan_example(model: str, batch_size: int | None, model_args: Mapping[str, An
         raise ValueError(f"bad --model-arg for {model}: {error}") from None
     batch = batch_size or example.batch_size
     inputs = tuple(t.to("meta") for t in example.inputs(batch))  # shapes only: nothing runs
-    captured = capture(example.model, example.loss_fn, *inputs)
-    graph = analyze(captured, profile, name=example.name)
-    made, baseline, budget_bytes = make_plan(graph, profile, parsed, chosen, params)
-    return Planned(model, batch, graph, made, baseline, simulate(graph, made, profile),
-                   budget_bytes)
+    planned = trace_plan(example.model, example.loss_fn, inputs, parsed, chosen, profile, params,
+                         what_ifs=True)
+    return Planned(model, batch, planned.graph, planned.plan, planned.baseline, planned.predicted,
+                   planned.budget.device_bytes)
 
 
 def _ms(seconds: float) -> str:

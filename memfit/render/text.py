@@ -21,10 +21,12 @@ def _time(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms" if seconds >= 0 else "-"
 
 
-def step_report(compiled) -> str:
-    """What a compiled step planned, predicted and measured, as a short table."""
+def step_report(compiled, measured=None, rounds=()) -> str:
+    """What a compiled step planned, predicted and measured, as a short table.
+
+    ``compiled`` is the region that ran (``memfit.backend.Region``), ``measured`` its last
+    measured ``Timeline`` (whole device), ``rounds`` its closed loop."""
     plan, graph = compiled.plan, compiled.graph
-    measured = compiled.measured[-1] if compiled.measured else None
     budget = format_bytes(compiled.budget_bytes) if compiled.budget_bytes else "none"
     outside = compiled.outside_bytes
     rows = [
@@ -44,7 +46,6 @@ def step_report(compiled) -> str:
         f"({plan.swap_in_count} swap-ins), exposed transfer "
         f"{_time(compiled.predicted.exposed_transfer_s)} (predicted)",
     ]
-    rounds = getattr(compiled, "rounds", ())
     if rounds:
         lines.append("closed loop (a measured peak over the budget re-plans for a tighter one):")
         lines.append(table(("round", "planning budget", "predicted peak", "measured peak",

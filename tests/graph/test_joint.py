@@ -104,3 +104,32 @@ def test_an_unused_outputs_gradient_is_zeros_only_where_read(uses_hidden):
     assert torch.equal(losses[0], losses[1])
     for parameter, reference_parameter in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(parameter.grad, reference_parameter.grad)
+
+
+@pytest.mark.parametrize("dynamo_path, prefix, expected", [
+    ("L['self'].model.transformer.h[0].attn", "model.", "transformer.h.0.attn"),
+    ("L['self'].model.0", "model.", "0"),
+    ("L['self'].model", "model.", ""),  # the model itself: the root scope, as capture names it
+    ("L['self'].layer1._modules['0']", "", "layer1._modules.0"),
+    ("L['self'].encoder.blocks[11]", "", "encoder.blocks.11"),
+])
+def test_module_paths_are_the_users_from_dynamo_s(dynamo_path, prefix, expected):
+    from memfit.graph.joint import module_path
+
+    assert module_path(dynamo_path, prefix) == expected
+
+
+def test_compile_plans_module_path_checkpoints():
+    """``checkpoints=`` names modules of the user's model, as on the old capture path: the scopes
+    come from Dynamo's module stack, the backward's from the forward nodes they derive from."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)))
+    x = torch.randn(64, 32)
+    step = memfit.compile(model, lambda m, x: m(x).square().mean(), strategy="checkpoint",
+                          checkpoints=["1", "3"], measure=False)
+    step(x)
+    scopes = {op.scope for op in step.graph.ops}
+    assert {"0.0", "1.1", "3.0"} <= scopes
+    backward = [op for op in step.graph.ops if op.phase == "backward" and op.scope]
+    assert backward and all(op.scope.split(".")[0] in "0123" for op in backward)
+    assert step.plan.recomputed  # blocks between the checkpoints are re-run
