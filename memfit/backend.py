@@ -496,6 +496,21 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
 
     Raises:
         ValueError: for a malformed budget, an unknown strategy, parameter or compiler.
+        BudgetError: when a region is compiled or planned again and no plan fits.
+
+    Note:
+        What is planned again, and when: before each run of a training region, if more device
+        bytes are resident than its plan left room for, every current region is planned again
+        from the graph Dynamo captured (``memfit.replanning``); Dynamo traces nothing again.
+        "Resident" is what this backend knows of: ``model``'s parameters, gradients and buffers
+        and ``optimizer``'s parameters, gradients and state. So used directly in
+        ``torch.compile`` without ``model=`` and ``optimizer=``, nothing resident is counted:
+        optimizer state and gradients kept across micro-batches are planned for by no one, and
+        the budget covers the regions' own tensors only. With ``optimizer=`` but no ``model=``,
+        its parameters' gradients and state count; an optimizer it was not given is not found
+        (``memfit.fit`` finds it by its first ``step``). Graph-broken regions are planned
+        jointly after the first iteration either way. Dynamo's own guards (a frozen layer, a
+        new shape) trace and plan anew as ``torch.compile`` does.
 
     Example:
         >>> compiled = torch.compile(model, backend=memfit.backend(budget=0.5), dynamic=False)

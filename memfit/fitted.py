@@ -1,10 +1,11 @@
 """``memfit.fit``: a model compiled with memfit's backend, in the user's own loop.
 
 ``fit`` is ``torch.compile(model, backend=memfit.backend(...), dynamic=False)`` plus what makes a
-budget hold over a whole training run: a traced guard that makes the model plan again when more
-stays resident than its plans left room for (optimizer state, gradients kept across
-micro-batches), the loop's optimizer found by its first step, and memfit's own errors raised
-whole instead of wrapped by Dynamo. ``report`` shows what was planned.
+budget hold over a whole training run: the model itself passed to the backend, so that its
+parameters, gradients and buffers count and its regions are planned again when more stays
+resident than their plans left room for (``memfit.replanning``: optimizer state, gradients kept
+across micro-batches), the loop's optimizer found by its first step, and memfit's own errors
+raised whole instead of wrapped by Dynamo. ``report`` shows what was planned.
 
 Example:
     >>> model = memfit.fit(model, budget=0.5, optimizer=optimizer)
