@@ -124,3 +124,26 @@ def test_planning_one_model_again_retraces_no_other_model():
     assert counters["stats"]["unique_graphs"] == graphs + 1  # the fitted model's, once
     example.loss_fn(other, *inputs).backward()
     assert counters["stats"]["unique_graphs"] == graphs + 1  # the other's entry still serves
+
+
+def test_what_is_resident_is_counted_again_only_when_it_can_have_changed(monkeypatch):
+    """Counting what is resident walks every module and storage; a region's run counts again
+    only when a gradient appeared or went, or an optimizer's state or groups changed."""
+    import memfit.backend
+    from tests.test_backend import mlp
+
+    model = mlp(depth=2)
+    fitted = memfit.fit(model, budget=1.0)
+    x = torch.randn(64, 128)
+    for _ in range(3):  # compiled, then planned again for the gradients kept from the first call
+        fitted(x).sum().backward()
+    counted = []
+    real = memfit.backend.resident_bytes
+    monkeypatch.setattr(memfit.backend, "resident_bytes",
+                        lambda *args: counted.append(args) or real(*args))
+    for _ in range(3):
+        fitted(x).sum().backward()
+    assert counted == []
+    model.zero_grad(set_to_none=True)
+    fitted(x).sum().backward()
+    assert len(counted) == 1 and fitted._memfit_backend.replans == 1
