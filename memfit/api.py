@@ -130,9 +130,6 @@ class Step:
         """
         check_inputs(inputs)
         signature = input_signature(self.model, inputs)
-        if self.backend.stale(device_of(inputs)):  # more gradients resident than planned for
-            self.backend.replans += 1
-            self._force_replan()
         loop = self._loops.setdefault(signature, Loop())
         known = len(self.backend.regions)
         alone = self.measure or signature not in self._traced

@@ -42,12 +42,12 @@ from memfit.graph.rnn import eager_lstm_kernels, run_rnn_layers_for_training, si
 from memfit.graph_breaks import (
     compiling_code,
     latest_regions,
-    retrace,
     save_at_most,
     saves_caps,
     watch_recompile_limit,
 )
 from memfit.planning import BudgetWarning, Planned, analyzed, plan_step, resolve_hardware
+from memfit.replanning import plan_again_when_stale
 from memfit.runtime.region_peak import measure_region_run
 from memfit.runtime.resident import resident_bytes
 from memfit.runtime.streams import CopyEngine, active_engine
@@ -129,6 +129,8 @@ class Backend:
         self.joint_rounds = 0  # times the regions were planned again jointly
         self.joint_failed = False  # planning jointly could not make a region fit (said once)
         self.eager_codes: list[str] = []  # code Dynamo stopped compiling (its recompile limit)
+        self._parameters: list[torch.Tensor] | None = None  # the model's and optimizers'
+        self._resident_counted: tuple[Any, int] | None = None  # (what it depends on, bytes)
         watch_recompile_limit(self)
         # set by memfit.compile's Step: its options, and the closed loop's tighter budget
         self.linearize = False
@@ -138,9 +140,22 @@ class Backend:
         self.scope_prefix = ""  # where the model sits in the compiled module (Step's "model.")
 
     def __call__(self, graph_module: fx.GraphModule, example_inputs: list) -> Any:
+        device = device_of(example_inputs)
+        code = compiling_code()
+        first = len(self.regions)
+        compiled = self.compile_region(graph_module, example_inputs, device, code)
+        if len(self.regions) == first:  # no joint graph (an inference region): nothing planned
+            return compiled
+        return plan_again_when_stale(self, graph_module, device, code, compiled,
+                                     self.regions[first:])
+
+    def compile_region(self, graph_module: fx.GraphModule, example_inputs: list, device: torch.device,
+                 code: Any) -> Any:
+        """The region compiled with memfit as its partitioner (``plan_region``): by Dynamo's
+        call, and again by ``memfit.replanning`` to plan it anew, from the same graph."""
+        self._parameters = self._resident_counted = None  # count what is resident afresh
         from torch._dynamo.backends.common import aot_autograd
 
-        device = device_of(example_inputs)
         engine = CopyEngine(device)
         if self.compiler == "inductor":
             from memfit.graph.inductor import compile_with_inductor
@@ -152,25 +167,28 @@ class Backend:
                     "copy (checked on the CPU only, where copies are synchronous); use "
                     "compiler='aot_eager' for plans with swaps", BudgetWarning, stacklevel=2)
 
-            return compile_with_inductor(graph_module, example_inputs, self._partition(device),
-                                         engine)
+            return compile_with_inductor(graph_module, example_inputs,
+                                         self._partition(device, code), engine)
         compile_module = _runner(engine, self)
         with eager_lstm_kernels():  # nn.LSTM traced as eager runs it (memfit.graph.rnn)
             return aot_autograd(fw_compiler=compile_module, bw_compiler=compile_module,
-                                partition_fn=self._partition(device), decompositions=DECOMPOSE,
+                                partition_fn=self._partition(device, code),
+                                decompositions=DECOMPOSE,
                                 keep_inference_input_mutations=True)(graph_module, example_inputs)
 
-    def _partition(self, device: torch.device):
+    def _partition(self, device: torch.device, code: Any):
         def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int,
                       static_lifetime_input_indices: list[int] | None = None, **_):
-            return self.plan_region(joint, device, num_fwd_outputs, static_lifetime_input_indices)
+            return self.plan_region(joint, device, num_fwd_outputs, static_lifetime_input_indices,
+                                    code)
 
         return partition
 
     def plan_region(self, joint: fx.GraphModule, device: torch.device, num_fwd_outputs: int,
-                    static_lifetime_input_indices: list[int] | None
+                    static_lifetime_input_indices: list[int] | None, code: Any = None
                     ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        """Plan one region's joint graph and split the rewritten program into its two modules.
+        """Plan one region's joint graph and split the rewritten program into its two modules;
+        ``code`` is the code object Dynamo compiled the region from (see ``Region.code``).
 
         Raises:
             BudgetError: if no plan of the strategy fits, before anything runs.
@@ -191,7 +209,6 @@ class Backend:
         # (a model with graph breaks: the later region plans around the earlier one's saves)
         pending = sum(region.saved_bytes * region.open_forwards for region in self.regions)
         outside = max(0, resident - inside) + pending
-        code = compiling_code()
 
         def lower(plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule, int]:
             forward, backward = split(rewrite(captured.graph_module, graph, plan),
@@ -274,7 +291,7 @@ class Backend:
             return
         self.joint_rounds += 1
         self.saves_caps.update(caps)
-        self.retrace_regions()
+        self.replan_regions()
 
     def _joint_failed(self, short: Region) -> None:
         """Say once that planning jointly cannot make ``short`` fit: it keeps running at its
@@ -291,17 +308,11 @@ class Backend:
             "budget. Raise the budget or remove the graph break (torch._dynamo.explain(model)"
             "(...) shows it).", BudgetWarning, stacklevel=2)
 
-    def retrace_regions(self) -> None:
-        """Make Dynamo trace, and so plan, every current region again on its next run: the plan
-        count that ``memfit.fit`` guards on is raised, but it is read only in the frame its
-        pre-hook is traced in, so the regions' own code objects are reset too (the regions
-        after a graph break guard on nothing memfit changes)."""
-        current = latest_regions(self.regions)
-        for region in current:
+    def replan_regions(self) -> None:
+        """Have every current region planned again before its next run (each region's callable,
+        ``memfit.replanning``, does it without Dynamo tracing anything again)."""
+        for region in latest_regions(self.regions):
             region.replaced = True
-        if self.model is not None and hasattr(self.model, "_memfit_plans"):
-            self.model._memfit_plans += 1
-        retrace({region.code for region in current if region.code is not None})
 
     def recompile_limit_hit(self, where: str) -> None:
         """Dynamo stopped compiling ``where`` for this backend (its recompile limit): that code
@@ -324,15 +335,47 @@ class Backend:
         mine = {id(parameter) for parameter in self.model.parameters()}
         if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
             self.optimizers.append(optimizer)
+            self._parameters = None
 
-    def stale(self, device: torch.device) -> bool:
-        """Whether more bytes are resident now than the newest plans left room for: optimizer
-        state that was not reserved, gradients kept across micro-batches. Only with a budget:
-        without one, nothing can be over it."""
-        if self.budget is None or not self.regions:
+    def stale(self, device: torch.device, planned_bytes: int) -> bool:
+        """Whether more bytes are resident now than a plan made for ``planned_bytes`` left room
+        for: optimizer state that was not reserved, gradients kept across micro-batches. Only
+        with a budget: without one, nothing can be over it."""
+        if self.budget is None:
             return False
-        planned = self.regions[-1].resident_bytes
-        return resident_bytes(self.model, self.optimizers, device) > planned
+        return self._resident_now(device) > planned_bytes
+
+    def _resident_now(self, device: torch.device) -> int:
+        """``resident_bytes`` of the model and optimizers, counted again only when what can
+        change between calls did: which parameters have a gradient, the optimizers' state
+        entries and groups (counting walks every module and storage: ~0.9 ms per call for a
+        2-layer BERT, which each region's run would pay). A new parameter or buffer shape is a
+        new Dynamo trace, which compiles a region and counts afresh."""
+        parameters = self._parameters
+        if parameters is None:
+            model = list(self.model.parameters()) if self.model is not None else []
+            parameters = self._parameters = model + [p for optimizer in self.optimizers
+                                                     for g in optimizer.param_groups
+                                                     for p in g["params"]]
+        key = (device, len(self.optimizers), tuple(p.grad is None for p in parameters),
+               tuple((len(o.param_groups), len(o.state)) for o in self.optimizers))
+        if self._resident_counted is None or self._resident_counted[0] != key:
+            self._resident_counted = (key, resident_bytes(self.model, self.optimizers, device))
+        return self._resident_counted[1]
+
+    def must_plan_again(self, regions: list[Region], device: torch.device) -> bool:
+        """Whether the compiled region whose plans are ``regions`` is planned again before it
+        runs: a newer plan was asked for (``replan_regions``), or more is resident than its plan
+        left room for, which asks for a newer plan of every current region (``replans``)."""
+        if any(region.replaced for region in regions):
+            return True
+        if not self.stale(device, min(region.resident_bytes for region in regions)):
+            return False
+        self.replans += 1
+        self.replan_regions()
+        for region in regions:  # a region of another shape of the same code is not "current"
+            region.replaced = True
+        return True
 
     def report(self) -> str:
         """Per compiled region: budget, unplanned, predicted and measured peak (and the gap),
@@ -479,6 +522,21 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
 
     Raises:
         ValueError: for a malformed budget, an unknown strategy, parameter or compiler.
+        BudgetError: when a region is compiled or planned again and no plan fits.
+
+    Note:
+        What is planned again, and when: before each run of a training region, if more device
+        bytes are resident than its plan left room for, every current region is planned again
+        from the graph Dynamo captured (``memfit.replanning``); Dynamo traces nothing again.
+        "Resident" is what this backend knows of: ``model``'s parameters, gradients and buffers
+        and ``optimizer``'s parameters, gradients and state. So used directly in
+        ``torch.compile`` without ``model=`` and ``optimizer=``, nothing resident is counted:
+        optimizer state and gradients kept across micro-batches are planned for by no one, and
+        the budget covers the regions' own tensors only. With ``optimizer=`` but no ``model=``,
+        its parameters' gradients and state count; an optimizer it was not given is not found
+        (``memfit.fit`` finds it by its first ``step``). Graph-broken regions are planned
+        jointly after the first iteration either way. Dynamo's own guards (a frozen layer, a
+        new shape) trace and plan anew as ``torch.compile`` does.
 
     Example:
         >>> compiled = torch.compile(model, backend=memfit.backend(budget=0.5), dynamic=False)

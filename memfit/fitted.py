@@ -1,10 +1,11 @@
 """``memfit.fit``: a model compiled with memfit's backend, in the user's own loop.
 
 ``fit`` is ``torch.compile(model, backend=memfit.backend(...), dynamic=False)`` plus what makes a
-budget hold over a whole training run: a traced guard that makes the model plan again when more
-stays resident than its plans left room for (optimizer state, gradients kept across
-micro-batches), the loop's optimizer found by its first step, and memfit's own errors raised
-whole instead of wrapped by Dynamo. ``report`` shows what was planned.
+budget hold over a whole training run: the model itself passed to the backend, so that its
+parameters, gradients and buffers count and its regions are planned again when more stays
+resident than their plans left room for (``memfit.replanning``: optimizer state, gradients kept
+across micro-batches), the loop's optimizer found by its first step, and memfit's own errors
+raised whole instead of wrapped by Dynamo. ``report`` shows what was planned.
 
 Example:
     >>> model = memfit.fit(model, budget=0.5, optimizer=optimizer)
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from memfit.backend import Backend, backend, device_of
+from memfit.backend import Backend, backend
 from memfit.core.hardware import Hardware
 from memfit.planning import BudgetWarning
 
@@ -41,21 +42,12 @@ def fit(model: torch.nn.Module, budget: str | int | float | None = None,
         >>> loss = model(**batch).loss; loss.backward(); optimizer.step()
     """
     planner = backend(budget, strategy, hardware, compiler, optimizer, model=model, **params)
-    model._memfit_plans = 0  # type: ignore[assignment]
-    model.register_forward_pre_hook(_guard_plans)
     _watch_optimizers(planner)
     compiled = torch.compile(model, backend=planner, dynamic=False)
     compiled.__class__ = _fitted_class()
     compiled._memfit_backend = planner  # type: ignore[assignment]
     compiled._memfit_traces_rnns = _traces_rnns(model, compiler)  # type: ignore[assignment]
     return compiled
-
-
-def _guard_plans(module: torch.nn.Module, args: Any) -> None:
-    """Traced by Dynamo with the module: its branch on ``_memfit_plans`` becomes a guard, so
-    raising that count makes the next call trace, and so plan, the model again."""
-    if module._memfit_plans < 0:
-        raise AssertionError("memfit's plan count is never negative")
 
 
 def _watch_optimizers(planner: Backend) -> None:
@@ -90,9 +82,6 @@ def _fitted_class() -> type:
     class FittedModule(OptimizedModule):
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
             planner = self._memfit_backend
-            if planner.stale(device_of(self._orig_mod.parameters())):
-                planner.replans += 1
-                planner.retrace_regions()
             try:
                 with _rnn_traced(self._memfit_traces_rnns):
                     result = super().__call__(*args, **kwargs)

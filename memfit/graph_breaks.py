@@ -6,20 +6,19 @@ it. The first region is planned before the later ones exist, so it may keep more
 than the later regions can afford to have alive while they run (a region's forward and backward
 both run while every earlier region's saves wait for their backward). Once an iteration has run
 every region and one of them could not fit, ``saves_caps`` gives each earlier region a share of
-what the short region leaves for them, ``retrace`` makes Dynamo trace the regions again, and
-their plans are made anew, each earlier one saving at most its share: from the next iteration
-on the whole iteration fits.
+what the short region leaves for them, and each region is planned anew before its next run
+(``Backend.replan_regions``, ``memfit.replanning``), each earlier one saving at most its share:
+from the next iteration on the whole iteration fits.
 
 Example:
     >>> caps = saves_caps(latest_regions(backend.regions))  # {code: most bytes it may save}
-    >>> retrace(caps)  # the next call plans every region again
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from types import CodeType
 from typing import TYPE_CHECKING, Any
 
@@ -38,26 +37,6 @@ def compiling_code() -> CodeType | None:
     except AttributeError:  # no translation running (a backend called by hand)
         return None
     return getattr(translator, "f_code", None)
-
-
-def retrace(codes: Iterable[CodeType]) -> None:
-    """Drop Dynamo's compiled entries for ``codes``, so their next run traces, and so plans,
-    them again (``torch._dynamo.reset`` does this for every code object).
-
-    torch's own code is left alone: a model without a graph break is compiled from a wrapper
-    that every compiled module shares (``torch/_dynamo/external_utils.py``'s ``inner``), and
-    resetting it would re-trace all of them; that frame traces ``memfit.fit``'s pre-hook, whose
-    guard on the plan count re-traces it instead.
-    """
-    import os
-
-    import torch
-    from torch._dynamo.eval_frame import reset_code
-
-    torch_folder = os.path.dirname(torch.__file__) + os.sep
-    for code in codes:
-        if not code.co_filename.startswith(torch_folder):
-            reset_code(code)
 
 
 def latest_regions(regions: Sequence[Region]) -> list[Region]:

@@ -1,0 +1,55 @@
+"""Plans made again, before a compiled region runs, when more stays resident than they left room
+for: optimizer state found by its first ``step`` (no ``optimizer=``), gradients kept across
+micro-batches, or a newer plan asked for by joint planning after a graph break.
+
+The re-plan lives in the callable the backend gives Dynamo for each region, not in a Dynamo
+guard: a guard is traced only where the frame Dynamo compiles reads the value it guards, and where
+that frame starts depends on the model (for a Hugging Face model it is the decorator wrapper
+around ``forward``, which ``memfit.fit``'s pre-hook never runs in). Resetting the compiled code
+instead would reach every model sharing that code object (the same decorator wrapper). So the
+region's callable compiles its own Dynamo graph again with memfit as the partitioner: exactly
+this region is planned again, and Dynamo traces nothing again.
+
+Example:
+    >>> compiled = plan_again_when_stale(planner, graph_module, device, code, compiled, regions)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    import torch.fx as fx
+
+    from memfit.backend import Backend, Region
+
+
+def plan_again_when_stale(planner: Backend, graph_module: fx.GraphModule, device: torch.device,
+                          code: Any, compiled: Callable[..., Any],
+                          regions: list[Region]) -> Callable[..., Any]:
+    """``compiled`` (the region planned as ``regions``), compiled again from ``graph_module``
+    with the arguments of the first run that ``planner.must_plan_again`` says needs a new plan.
+
+    Planning uses fake tensors only (AOTAutograd fakes the arguments); the random generators
+    are put back after it, so a re-planned step draws what eager draws.
+    """
+    current: list[Any] = [compiled, regions]
+
+    def run(*args: Any) -> Any:
+        if planner.must_plan_again(current[1], device):
+            first = len(planner.regions)
+            with _generators_kept(device):
+                current[0] = planner.compile_region(graph_module, list(args), device, code)
+            current[1] = planner.regions[first:] or current[1]
+        return current[0](*args)
+
+    return torch._dynamo.disable(run, reason="memfit: a planned region's callable")
+
+
+def _generators_kept(device: torch.device) -> Any:
+    """The CPU's random generator (and ``device``'s, on CUDA) as they were, after the block."""
+    devices = [device.index or 0] if device.type == "cuda" else []
+    return torch.random.fork_rng(devices=devices)
