@@ -120,7 +120,10 @@ def test_graph_broken_regions_are_planned_jointly_and_fit_from_the_second_iterat
     assert planner.joint_rounds == 1 and first_alone.replaced and second_alone.replaced
     first, second = joint
     assert first.code is first_alone.code and second.code is second_alone.code
-    assert first.saved_bytes <= first.saves_cap_bytes < first_alone.saved_bytes
+    # capped below what it saved alone; it saves less, though not always within its cap: where
+    # no plan saves that little, the smallest-peak plan is taken (``save_at_most``)
+    assert first.saves_cap_bytes is not None and first.saves_cap_bytes < first_alone.saved_bytes
+    assert first.saved_bytes < first_alone.saved_bytes
     assert second.minimum_bytes is None
     assert max(first.predicted_peak_bytes, second.predicted_peak_bytes) <= budget
     assert max(peaks[1:]) <= budget, (peaks, budget)
