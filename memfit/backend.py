@@ -41,6 +41,7 @@ from memfit.graph.analyze import analyze
 from memfit.graph.joint import as_captured, elide_clones, split
 from memfit.graph.lifetimes import (
     observe_loop,
+    output_tangents,
     output_tensor_names,
     remember_outputs,
     tangents_given,
@@ -104,6 +105,7 @@ class Region:
     trainable_bytes: int = 0  # bytes of its parameters that get gradients
     later_gradient_bytes: int = 0  # gradients of other regions' parameters during its backward
     output_names: tuple[str | None, ...] = ()  # its graph's tensor of each user-visible output
+    output_tangents: tuple[str | None, ...] = ()  # each output's tangent, if not a loss's seed
     output_storages: tuple = field(default=(), repr=False)  # weakly, of its latest forward
     backward_input_names: tuple[str, ...] = ()  # its backward module's placeholders, in order
     observed: tuple | None = None  # what the loop held and passed at its latest backward
@@ -229,7 +231,8 @@ class Backend:
                                    saves_cap_bytes=cap, hardware=hardware, bound=predicted,
                                    trainable_bytes=trainable, later_gradient_bytes=later,
                                    output_names=output_tensor_names(joint, num_fwd_outputs,
-                                                                    owners)))
+                                                                    owners),
+                                   output_tangents=output_tangents(joint, num_fwd_outputs)))
         return forward, backward
 
     def _later_gradient_bytes(self, device: torch.device, trainable: int) -> int:

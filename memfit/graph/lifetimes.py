@@ -76,6 +76,33 @@ def output_tensor_names(joint: fx.GraphModule, num_fwd_outputs: int,
     return tuple(names)
 
 
+def output_tangents(joint: fx.GraphModule, num_fwd_outputs: int) -> tuple[str | None, ...]:
+    """Each user-visible output's tangent where it is more than a loss's scalar seed (matched
+    in order by layout: AOTAutograd passes one per differentiable output), else ``None``.
+
+    Where such a tangent is passed, the output's gradient was made outside the region, by code
+    no plan covers, which may keep buffers of the output's size until the backward ends (CPU
+    ``mse_loss`` does): ``observe_loop`` then counts the output held to the end."""
+    tangents = [node for node in joint.graph.find_nodes(op="placeholder")
+                if node.name.startswith("tangents")]
+    found: list[str | None] = []
+    for node in joint.graph.find_nodes(op="output")[0].args[0][:num_fwd_outputs]:
+        value = node.meta.get("val") if isinstance(node, fx.Node) else None
+        tensor = next(tensors_in(value), None)
+        if tensor is None or not tangents or not _same_layout(tangents[0].meta.get("val"),
+                                                               tensor):
+            found.append(None)
+            continue
+        tangent = tangents.pop(0)
+        found.append(tangent.name if tensor.numel() > 1 else None)
+    return tuple(found)
+
+
+def _same_layout(tangent: object, tensor: torch.Tensor) -> bool:
+    return (isinstance(tangent, torch.Tensor) and tangent.shape == tensor.shape
+            and tangent.dtype == tensor.dtype)
+
+
 def remember_outputs(region: Region, outputs: Sequence) -> None:
     """Note the storages of a forward run's user-visible outputs, weakly (``observe_loop``)."""
     region.output_storages = tuple(
@@ -93,12 +120,15 @@ def tangents_given(region: Region, args: Sequence) -> tuple[tuple[str, bool], ..
 
 def observe_loop(region: Region, given: tuple[tuple[str, bool], ...]) -> None:
     """After ``region``'s backward ran with tangents ``given``: which of its forward's outputs
-    the loop still holds (a storage still alive once the backward freed the saves it read);
+    the loop still holds (a storage still alive once the backward freed the saves it read, or
+    one whose gradient came from outside the region: ``output_tangents``);
     where that differs from the last backward, simulate its plan again with those lifetimes."""
     if not region.output_storages or region.hardware is None:
         return
-    held = tuple(reference is not None and not reference.expired()
-                 for reference in region.output_storages)
+    passed = {name for name, given in given if given}
+    held = tuple((reference is not None and not reference.expired()) or tangent in passed
+                 for reference, tangent in zip(region.output_storages, region.output_tangents,
+                                               strict=False))
     if (held, given) == region.observed:
         return
     region.observed = (held, given)
