@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from memfit.core.costgraph import CostGraph
 from memfit.core.errors import BudgetError
@@ -37,6 +38,15 @@ from memfit.core.timeline import Timeline
 from memfit.core.units import Budget, format_bytes
 from memfit.graph.capture import DECOMPOSE
 from memfit.graph.joint import as_captured, elide_clones, record_scopes, split
+from memfit.graph.lifetimes import (
+    observe_loop,
+    output_tangents,
+    output_tensor_names,
+    remember_outputs,
+    tangents_given,
+    trainable_parameter_bytes,
+    with_later_gradients,
+)
 from memfit.graph.rewrite import rewrite
 from memfit.graph.rnn import eager_lstm_kernels, run_rnn_layers_for_training, size_lstm_buffers
 from memfit.graph_breaks import (
@@ -89,6 +99,16 @@ class Region:
     measured_by: str = ""  # "allocator" or "ops" (see memfit.runtime.region_peak.run_measured)
     forward_values: tuple = field(default=(), repr=False)  # its forward's inputs and outputs,
     # weakly: those still alive when its backward runs are measured with it (the loop holds them)
+    hardware: Hardware | None = None  # the profile it was planned with
+    bound: Timeline | None = None  # the timeline its plan was checked with: outputs held to the
+    # step's end, tangents resident from its start (``predicted`` once a backward has shown more)
+    trainable_bytes: int = 0  # bytes of its parameters that get gradients
+    later_gradient_bytes: int = 0  # gradients of other regions' parameters during its backward
+    output_names: tuple[str | None, ...] = ()  # its graph's tensor of each user-visible output
+    output_tangents: tuple[str | None, ...] = ()  # each output's tangent, if not a loss's seed
+    output_storages: tuple = field(default=(), repr=False)  # weakly, of its latest forward
+    backward_input_names: tuple[str, ...] = ()  # its backward module's placeholders, in order
+    observed: tuple | None = None  # what the loop held and passed at its latest backward
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -199,11 +219,15 @@ class Backend:
         size_lstm_buffers(joint.graph, num_fwd_outputs)
         captured = as_captured(joint, num_fwd_outputs, static_lifetime_input_indices)
         index = len(self.regions)
+        owners: dict = {}
         captured, graph = analyzed(captured, hardware, f"region {index}", self.linearize,
-                                   kernel_temporaries=True)
+                                   kernel_temporaries=True, owners=owners)
         inside = sum(binding_bytes(node) for node, binding in
                      zip(joint.graph.find_nodes(op="placeholder"), captured.inputs, strict=True)
                      if binding.kind == "parameter")
+        trainable = trainable_parameter_bytes(joint, num_fwd_outputs, captured.inputs)
+        later = self._later_gradient_bytes(device, trainable)
+        graph = with_later_gradients(graph, later)
         resident = resident_bytes(self.model, self.optimizers, device)
         # regions whose forward ran and whose backward has not hold their saved values meanwhile
         # (a model with graph breaks: the later region plans around the earlier one's saves)
@@ -224,11 +248,31 @@ class Backend:
                                                                   budget_bytes, lower)
             predicted = simulate(graph, made, hardware)
         forward.meta[REGION_KEY] = backward.meta[REGION_KEY] = index
-        self.regions.append(Region(index, graph, made, planned.baseline, predicted, budget_bytes,
-                                   outside, forward, backward, resident, saved, code=code,
-                                   pending_bytes=pending, minimum_bytes=minimum,
-                                   saves_cap_bytes=cap))
+        self.regions.append(Region(index, graph, made, planned.baseline, predicted,
+                                   budget_bytes, outside, forward, backward, resident, saved,
+                                   code=code, pending_bytes=pending, minimum_bytes=minimum,
+                                   saves_cap_bytes=cap, hardware=hardware, bound=predicted,
+                                   trainable_bytes=trainable, later_gradient_bytes=later,
+                                   output_names=output_tensor_names(joint, num_fwd_outputs,
+                                                                    owners),
+                                   output_tangents=output_tangents(joint, num_fwd_outputs)))
         return forward, backward
+
+    def _later_gradient_bytes(self, device: torch.device, trainable: int) -> int:
+        """Gradients that exist while this region's backward runs though its graph does not
+        make them: those of the model's other trainable parameters, except the parameters of
+        regions whose forward ran before this one in this iteration (still open: their backward
+        comes after this one's). Parameters of regions later in the forward and of eager code
+        after a graph break get their ``.grad`` first. Gradients that exist already (kept across
+        micro-batches) are resident, counted in ``outside``."""
+        if self.model is None:
+            return 0
+        without_grad = {StorageWeakRef(p.untyped_storage()): p.untyped_storage().nbytes()
+                        for p in self.model.parameters()
+                        if p.requires_grad and p.grad is None and p.device == device}
+        earlier = sum(region.trainable_bytes for region in self.regions
+                      if region.open_forwards and not region.replaced)
+        return max(0, sum(without_grad.values()) - trainable - earlier)
 
     def _choose(self, graph: CostGraph, hardware: Hardware, outside: int, pending: int
                 ) -> tuple[Planned, int | None, int | None]:
@@ -426,17 +470,25 @@ def _runner(engine: CopyEngine, planner: Backend):
             _zeros_at_first_use(module.graph)
         if region is not None:  # a training region's module: eager runs under autograd
             run_rnn_layers_for_training(module.graph)
+            if is_backward:
+                region.backward_input_names = tuple(
+                    node.name for node in module.graph.find_nodes(op="placeholder"))
         module.graph.set_codegen(_BoxedCodeGen())
         module.recompile()
         forward = module.forward
 
         def run(args: list) -> Any:
+            given = tangents_given(region, args) if region is not None and is_backward else ()
             with active_engine(engine):
                 if region is not None and region.measured_runs < 2 * planner.measure_runs:
                     result = measure_region_run(planner, region, forward, args, is_backward)
                 else:
                     result = forward(args)
             if region is not None:
+                if is_backward:
+                    observe_loop(region, given)
+                else:
+                    remember_outputs(region, result)
                 region.open_forwards += -1 if is_backward else 1
                 region.open_forwards = max(region.open_forwards, 0)
                 if is_backward:

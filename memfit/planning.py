@@ -130,14 +130,17 @@ def resolve_hardware(hardware: Hardware | str | None, device: torch.device) -> H
 
 
 def analyzed(captured: Captured, hardware: Hardware, name: str, linearize: bool,
-             kernel_temporaries: bool = False) -> tuple[Captured, CostGraph]:
+             kernel_temporaries: bool = False, owners: dict | None = None
+             ) -> tuple[Captured, CostGraph]:
     """The step's CostGraph; with ``linearize``, the step reordered as late as possible first.
 
     The fx node order is the program order, so the captured graph itself is reordered and
     analyzed again: what is planned, rewritten and run is one order (``memfit.core.linearize``
-    keeps random ops in their order and never raises the unplanned peak).
+    keeps random ops in their order and never raises the unplanned peak). ``owners`` is filled
+    as ``analyze`` fills it (reordering keeps each node's fake values, so their storages).
     """
-    graph = analyze(captured, hardware, name=name, kernel_temporaries=kernel_temporaries)
+    graph = analyze(captured, hardware, name=name, kernel_temporaries=kernel_temporaries,
+                    owners=owners)
     if not linearize:
         return captured, graph
     linear = as_late_as_possible(graph)
@@ -145,4 +148,5 @@ def analyzed(captured: Captured, hardware: Hardware, name: str, linearize: bool,
         return captured, graph
     order = [op.name for op in linear.ops]
     captured = replace(captured, graph_module=reorder(captured.graph_module, order))
-    return captured, analyze(captured, hardware, name=name, kernel_temporaries=kernel_temporaries)
+    return captured, analyze(captured, hardware, name=name, kernel_temporaries=kernel_temporaries,
+                             owners=owners)

@@ -50,7 +50,8 @@ def op_kind(node: torch.fx.Node) -> str:
 
 
 def analyze(captured: Captured, hardware: Hardware, name: str = "step",
-            kernel_temporaries: bool = False) -> CostGraph:
+            kernel_temporaries: bool = False,
+            owners: dict[StorageWeakRef, str] | None = None) -> CostGraph:
     """The CostGraph of a captured step, with op times from ``hardware``'s roofline.
 
     Args:
@@ -59,9 +60,10 @@ def analyze(captured: Captured, hardware: Hardware, name: str = "step",
             do), and an output at its kernel's real storage where that is larger than the fake
             value's (a reduced loss on the CPU). ``False`` counts op outputs only, at their fake
             storages, as the CPU dispatch tracker that measures the executor does.
+        owners: filled, when given, with each storage's tensor name (to find a graph output's).
     """
     graph = captured.graph_module.graph
-    owner: dict[StorageWeakRef, str] = {}  # storage -> name of the tensor (first node holding it)
+    owner: dict[StorageWeakRef, str] = {} if owners is None else owners  # storage -> its tensor
     tensors: dict[str, Tensor] = {}
     ops: list[Op] = []
     placeholders = graph.find_nodes(op="placeholder")

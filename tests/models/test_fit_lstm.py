@@ -8,10 +8,13 @@ activations together) the planner sizes, swaps or recomputes. Half and 0.3 of ea
 not fit this model (parameters, gradients and AdamW state are 46% of eager's peak, and oneDNN's
 kernel buffers are counted), so both run at auto's true minimum, 0.85 of eager's peak.
 
-Prediction: the region's predicted peak is above the measured one by at most the region's
-output (the logits) and its tangent: memfit counts the output alive to the end of the step and
-the tangent from its start, where here the loss drops the logits after the forward and autograd
-makes the tangent when the backward starts.
+Prediction: the region's predicted peak is above the measured one by less than two logits
+tensors (measured: 64,504 B over 2.6 MB, 2.5%, under auto and keep alike). One is the logits,
+counted held to the step's end because their gradient comes from the eager loss outside the
+region (code no plan covers, which may keep buffers of their size until the backward ends, as
+CPU ``mse_loss`` does; ``memfit.graph.lifetimes.output_tangents``); the other 31,736 B are not
+located yet (the oneDNN layers' buffers, sized by rule, are the first suspect). Their tangent is
+counted from the backward's start, as autograd makes it.
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ def test_lstm_trains_as_eager_within_the_budget(strategy, fraction):
     else:  # auto swaps out the first layer's workspace, which the backward reads last
         assert "mkldnn_rnn_layer.3" in region.plan.swapped
     logits_bytes = example.inputs()[0].numel() * example.model.head.out_features * 4
-    assert 0 <= region.predicted_peak_bytes - peaks[-1] <= 2 * logits_bytes
+    assert 0 <= region.predicted_peak_bytes - peaks[-1] < 2 * logits_bytes
 
 
 def test_dynamo_traces_the_lstm_only_while_the_fitted_model_runs():

@@ -51,15 +51,17 @@ def _unet3d() -> examples.Example:
     return examples.unet3d(channels=(4, 8, 16), size=16)
 
 
-BUDGET_HOLDS = {"llama": True, "t5": True, "cnn": True, "unet3d": True,
-                "unet3d_loss_outside": False}
-BUILDERS = {"llama": examples.llama, "t5": examples.t5, "cnn": examples.cnn,
+BUDGET_HOLDS = {"llama": True, "t5": True, "bert": True, "gpt2": True, "cnn": True,
+                "unet3d": True, "unet3d_loss_outside": False}
+BUILDERS = {"llama": examples.llama, "t5": examples.t5, "bert": examples.bert,
+            "gpt2": examples.gpt2, "cnn": examples.cnn,
             "unet3d": lambda: _loss_inside(_unet3d()), "unet3d_loss_outside": _unet3d}
 FRACTIONS = {"unet3d": (0.5, 0.3)}  # of eager's peak; 0.5 for the others
-# where the region's predicted peak is the measured one within 1%; llama's and t5's predictions
-# are ~23% above it (llama: 2,458,268 B predicted, 1,999,516 measured; t5: 3,589,580 and
-# 2,934,212), not examined yet
-PREDICTION_MATCHES = {"cnn", "unet3d"}
+# where the region's predicted peak is the measured one within 1%: every model whose loss is
+# inside its one region (with the loss outside, the eager loss's buffers are in no plan).
+# The transformers models' predictions follow what the loop held (memfit.graph.lifetimes): the
+# logits and key/value caches the loop drops, the tangents autograd passes or leaves None
+PREDICTION_MATCHES = {"llama", "t5", "bert", "gpt2", "cnn", "unet3d"}
 
 
 def train(example, model, runner=None, iterations: int = 2, gradients: list | None = None):
@@ -121,4 +123,5 @@ def test_fit_trains_real_models_as_eager(name, fraction):
         assert max(peaks) <= budget, (peaks, budget)
     if name in PREDICTION_MATCHES:  # one region, AdamW's state reserved: its predicted peak
         predicted = max(r.predicted_peak_bytes for r in compiled[-1]._memfit_backend.regions)
+        print(f"{name}: predicted {predicted:,} B, measured {max(peaks):,} B")
         assert abs(max(peaks) - predicted) <= 0.01 * max(peaks), (peaks, predicted)

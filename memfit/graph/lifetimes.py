@@ -1,0 +1,164 @@
+"""A compiled region's lifetimes outside its joint graph, read from the graph and the user's loop.
+
+``memfit.core.lifetimes`` says what these lifetimes are; this module finds them for a region of
+``memfit.fit``: the gradients other regions make during its backward (planned for), and, once a
+backward has run, which outputs the loop held through it and which tangents autograd passed (the
+region's prediction is simulated again with them; its plan, checked with every output held and
+every tangent resident, stays).
+
+Example:
+    >>> given = tangents_given(region, backward_args)  # before the region's backward runs
+    >>> observe_loop(region, given)  # after it
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from memfit.core.costgraph import CostGraph
+from memfit.core.lifetimes import with_loop_lifetimes, with_storage_from
+from memfit.core.simulate import simulate
+from memfit.graph.analyze import storage_key, tensors_in
+from memfit.graph.capture import Binding
+
+if TYPE_CHECKING:
+    from memfit.backend import Region
+
+LATER_GRADIENTS = "memfit.later_gradients"  # the storage standing for other regions' gradients
+
+
+def trainable_parameter_bytes(joint: fx.GraphModule, num_fwd_outputs: int,
+                              bindings: Sequence[Binding]) -> int:
+    """Bytes of the region's parameters its backward returns a gradient for: the joint graph
+    returns one gradient (or ``None``) per primal, in the primals' order, after the forward's
+    outputs."""
+    placeholders = [node for node in joint.graph.find_nodes(op="placeholder")
+                    if not node.name.startswith("tangents")]
+    gradients = joint.graph.find_nodes(op="output")[0].args[0][num_fwd_outputs:]
+    if len(gradients) != len(placeholders):
+        return sum(_bytes(node) for node, binding in
+                   zip(joint.graph.find_nodes(op="placeholder"), bindings, strict=True)
+                   if binding.kind == "parameter")  # unknown layout: every parameter, as trainable
+    kinds = [binding.kind for binding in bindings if binding.kind != "tangent"]
+    return sum(_bytes(node) for node, gradient, kind in zip(placeholders, gradients, kinds,
+                                                            strict=True)
+               if kind == "parameter" and gradient is not None)
+
+
+def _bytes(node: fx.Node) -> int:
+    value = node.meta.get("val")
+    return value.untyped_storage().nbytes() if isinstance(value, torch.Tensor) else 0
+
+
+def with_later_gradients(graph: CostGraph, size_bytes: int) -> CostGraph:
+    """``graph`` with ``size_bytes`` of other regions' gradients alive from its first backward op
+    on (unchanged without a backward or without such gradients)."""
+    first = next((op for op in graph.ops if op.phase == "backward"), None)
+    if not size_bytes or first is None:
+        return graph
+    return with_storage_from(graph, LATER_GRADIENTS, size_bytes, first.name)
+
+
+def output_tensor_names(joint: fx.GraphModule, num_fwd_outputs: int,
+                        owners: dict[StorageWeakRef, str]) -> tuple[str | None, ...]:
+    """The graph tensor holding each user-visible output's storage (``None``: not a tensor)."""
+    names: list[str | None] = []
+    for node in joint.graph.find_nodes(op="output")[0].args[0][:num_fwd_outputs]:
+        value = node.meta.get("val") if isinstance(node, fx.Node) else None
+        tensor = next(tensors_in(value), None)
+        names.append(None if tensor is None else owners.get(storage_key(tensor)))
+    return tuple(names)
+
+
+def output_tangents(joint: fx.GraphModule, num_fwd_outputs: int) -> tuple[str | None, ...]:
+    """Each user-visible output's tangent where it is more than a loss's scalar seed (matched
+    in order by layout: AOTAutograd passes one per differentiable output), else ``None``.
+
+    Where such a tangent is passed, the output's gradient was made outside the region, by code
+    no plan covers, which may keep buffers of the output's size until the backward ends (CPU
+    ``mse_loss`` does): ``observe_loop`` then counts the output held to the end."""
+    tangents = [node for node in joint.graph.find_nodes(op="placeholder")
+                if node.name.startswith("tangents")]
+    found: list[str | None] = []
+    for node in joint.graph.find_nodes(op="output")[0].args[0][:num_fwd_outputs]:
+        value = node.meta.get("val") if isinstance(node, fx.Node) else None
+        tensor = next(tensors_in(value), None)
+        if tensor is None or not tangents or not _same_layout(tangents[0].meta.get("val"),
+                                                               tensor):
+            found.append(None)
+            continue
+        tangent = tangents.pop(0)
+        found.append(tangent.name if tensor.numel() > 1 else None)
+    return tuple(found)
+
+
+def _same_layout(tangent: object, tensor: torch.Tensor) -> bool:
+    return (isinstance(tangent, torch.Tensor) and tangent.shape == tensor.shape
+            and tangent.dtype == tensor.dtype)
+
+
+def remember_outputs(region: Region, outputs: Sequence) -> None:
+    """Note the storages of a forward run's user-visible outputs, weakly (``observe_loop``)."""
+    region.output_storages = tuple(
+        StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
+        for value in outputs[:len(region.output_names)])
+
+
+def tangents_given(region: Region, args: Sequence) -> tuple[tuple[str, bool], ...]:
+    """Before ``region``'s backward runs with ``args``: which of its tangents are tensors (the
+    others are ``None``: outputs the loss does not depend on)."""
+    return tuple((name, value is not None)
+                 for name, value in zip(region.backward_input_names, args, strict=False)
+                 if name.startswith("tangents") and name in region.graph.tensors)
+
+
+def observe_loop(region: Region, given: tuple[tuple[str, bool], ...]) -> None:
+    """After ``region``'s backward ran with tangents ``given``: which of its forward's outputs
+    the loop still holds (a storage still alive once the backward freed the saves it read, or
+    one whose gradient came from outside the region: ``output_tangents``);
+    where that differs from the last backward, simulate its plan again with those lifetimes."""
+    if not region.output_storages or region.hardware is None:
+        return
+    passed = {name for name, given in given if given}
+    held = tuple((reference is not None and not reference.expired()) or tangent in passed
+                 for reference, tangent in zip(region.output_storages, region.output_tangents,
+                                               strict=False))
+    if (held, given) == region.observed:
+        return
+    region.observed = (held, given)
+    graph = loop_graph(region.graph, dict(zip(region.output_names, held, strict=False)),
+                       dict(given))
+    plan = replace(region.plan, graph_hash=graph.structure_hash)
+    region.predicted = simulate(graph, plan, region.hardware)
+
+
+def loop_graph(graph: CostGraph, output_alive: dict[str | None, bool],
+               tangent_given: dict[str, bool]) -> CostGraph:
+    """``graph`` with the loop's lifetimes: outputs it dropped freed when the forward ends (or
+    after their last reader, for those its backward reads),
+    tangents it passed made when the backward starts and held until it returns, the others made
+    as zeros before their first reader (``memfit.backend._zeros_at_first_use``) or never."""
+    forward = [op.name for op in graph.ops if op.phase == "forward"]
+    first_backward = next((i for i, op in enumerate(graph.ops) if op.phase == "backward"), None)
+    if not forward or first_backward is None or first_backward == 0:
+        return graph
+    released = {name: forward[-1] for name, alive in output_alive.items()
+                if name is not None and not alive and graph.tensors[name].is_output
+                and graph.tensors[name].role in ("activation", "gradient")}
+    arriving, absent = {}, set()
+    for name, given in tangent_given.items():
+        readers = graph.tensors[name].consumers
+        if given:
+            arriving[name] = graph.ops[first_backward - 1].name
+        elif readers:
+            arriving[name] = graph.ops[graph.index[readers[0]] - 1].name
+        else:
+            absent.add(name)
+    held = frozenset(name for name, given in tangent_given.items() if given)
+    return with_loop_lifetimes(graph, arriving, released, frozenset(absent), held)
