@@ -144,11 +144,24 @@ def test_real_storages_match_the_captured_fake_ones(reference):
     assert mismatches == []
 
 
-def test_swap_at_half_the_peak(reference):
+def run_at_fraction_or_minimum(reference, fraction, **compile_args):
+    """The step at ``fraction`` of the unplanned peak; where the strategy refuses that (its
+    minimum above it: the 3D U-Net's first convolution backward holds 3.5 MiB of oneDNN scratch,
+    which the allocator sees and the graph counts), at the minimum it names, which must fit."""
     example = reference["example"]
-    model = copy.deepcopy(reference["initial"])
-    step, loss = run_step(model, example.loss_fn, reference["inputs"], budget="0.5",
-                          strategy="swap")
+    try:
+        model = copy.deepcopy(reference["initial"])
+        return (model, *run_step(model, example.loss_fn, reference["inputs"],
+                                 budget=str(fraction), **compile_args))
+    except memfit.BudgetError as error:
+        assert error.minimum_bytes > error.budget_bytes
+        model = copy.deepcopy(reference["initial"])
+        return (model, *run_step(model, example.loss_fn, reference["inputs"],
+                                 budget=error.minimum_bytes, **compile_args))
+
+
+def test_swap_at_half_the_peak(reference):
+    model, step, loss = run_at_fraction_or_minimum(reference, 0.5, strategy="swap")
     assert step.plan.swapped
     assert_same_as_keep(reference, model, loss)
     assert_peak_within(step)
@@ -185,23 +198,30 @@ def floor_bytes(graph) -> int:
 
 
 def auto_step_is_bitwise_and_within(reference, budget):
-    """A budget alone plans with auto (for a GH200's link, so swaps and recomputes mix)."""
+    """A budget alone plans with auto (for a GH200's link, so swaps and recomputes mix); a
+    fraction auto refuses runs at auto's minimum instead (``run_at_fraction_or_minimum``)."""
     example = reference["example"]
-    model = copy.deepcopy(reference["initial"])
-    step, loss = run_step(model, example.loss_fn, reference["inputs"], budget=budget,
-                          hardware="gh200")
+    if isinstance(budget, float):
+        model, step, loss = run_at_fraction_or_minimum(reference, budget, hardware="gh200")
+    else:
+        model = copy.deepcopy(reference["initial"])
+        step, loss = run_step(model, example.loss_fn, reference["inputs"], budget=budget,
+                              hardware="gh200")
     assert step.plan.strategy == "auto" and step.plan.params["solver"] != "keep"
     assert_same_as_keep(reference, model, loss)
     assert_peak_within(step)
 
 
 def test_auto_at_half_the_peak(reference):
-    auto_step_is_bitwise_and_within(reference, "0.5")
+    auto_step_is_bitwise_and_within(reference, 0.5)
 
 
 def test_auto_at_thirty_percent_or_at_the_floor(reference):
     """At 30% of the peak; where no plan can reach that (the floor above it, e.g. ResNet's stem
-    operands), auto must say so with a minimum at or above the floor, and run at that minimum."""
+    operands), auto must say so with a minimum at or above the floor and below the unplanned
+    peak, and run at that minimum. (The minimum is not always below half the peak: the 3D
+    U-Net's first convolution backward holds 3.5 MiB of oneDNN scratch, counted since the step
+    is measured by the allocator.)"""
     keep = reference["keep"]
     budget = int(0.3 * keep.predicted.peak_bytes)
     floor = floor_bytes(keep.graph)
@@ -211,7 +231,7 @@ def test_auto_at_thirty_percent_or_at_the_floor(reference):
     with pytest.raises(memfit.BudgetError) as refused:
         get_strategy("auto")(keep.graph, get_hardware("gh200"), budget)
     minimum = refused.value.minimum_bytes
-    assert floor <= minimum < 0.5 * keep.predicted.peak_bytes
+    assert floor <= minimum < keep.predicted.peak_bytes
     auto_step_is_bitwise_and_within(reference, minimum)
 
 
@@ -238,11 +258,15 @@ def test_checkpoint_modes_are_bitwise_and_predicted(reference, mode):
 
 @pytest.mark.parametrize("mode", ["memory", "speed"])
 def test_optimal_recompute_never_recomputes_more_than_a_checkpoint_mode(reference, mode):
-    """At the measured peak of a checkpoint mode, optimal-recompute fits with no more recompute."""
+    """At the peak of a checkpoint mode, optimal-recompute fits with no more recompute.
+
+    The budget is the larger of the mode's measured and predicted peaks: the mode's own plan
+    fits its prediction, and measured can sit a few bytes below it (the loss's 0-d backward
+    seed, held by the graph from the start, is made when the backward starts)."""
     example = reference["example"]
     fixed, _ = run_step(copy.deepcopy(reference["initial"]), example.loss_fn, reference["inputs"],
                         strategy="checkpoint", checkpoints=mode)
-    budget = fixed.measured.peak_bytes
+    budget = max(fixed.measured.peak_bytes, fixed.compiled.predicted_peak_bytes)
     model = copy.deepcopy(reference["initial"])
     step, loss = run_step(model, example.loss_fn, reference["inputs"], budget=budget,
                           strategy="optimal-recompute")
@@ -257,10 +281,17 @@ NESTED = {"mlp", "gpt2"}  # where revolve over the blocks reaches below the segm
 
 def test_below_the_segment_dp_nested_blocks_run_bit_for_bit(reference):
     """Between memory-poor's peak and the segment DP's smallest: a plan that fits and never
-    recomputes more than memory-poor; on the chain-like MLP and GPT-2 it is revolve over the
-    blocks, a small fraction of memory-poor's recompute, and it runs bit for bit with its peak
-    predicted. On ResNet and the U-Net the block chain's own minimum sits above the segment
-    DP's, so the band is memory-poor's: planned here, not run (18,000 re-runs take minutes)."""
+    recomputes more than memory-poor. Just below the segment DP's smallest, on the chain-like MLP
+    and GPT-2, it is revolve over the blocks, a small fraction of memory-poor's recompute, and it
+    runs bit for bit with its peak predicted. On ResNet and the U-Net the block chain's own
+    minimum sits above the segment DP's, so the band is memory-poor's: planned here, not run
+    (18,000 re-runs take minutes).
+
+    Note:
+        Revolve's floor is one block's rebuilt values beside that block's backward, whose
+        kernel temporaries the graph now counts (GPT-2's CPU dropout backward: a 1 MiB product
+        per layer, which the allocator sees): on GPT-2 it sits between the middle of the band
+        and the DP's smallest, so revolve is claimed just below the DP, not at the middle."""
     example, keep = reference["example"], reference["keep"]
     graph, hardware = keep.graph, get_hardware("cpu")
     poor = simulate(graph, get_strategy("memory-poor")(graph, hardware), hardware)
@@ -273,7 +304,11 @@ def test_below_the_segment_dp_nested_blocks_run_bit_for_bit(reference):
     assert predicted.recompute_s <= poor.recompute_s * (1 + 1e-9)
     if example.name not in NESTED:
         return
+    budget = smallest - 1
+    made = get_strategy("optimal-recompute")(graph, hardware, budget)
+    predicted = simulate(graph, made, hardware)
     assert made.params["solver"] == "nested blocks"
+    assert predicted.peak_bytes <= budget
     assert predicted.recompute_s < poor.recompute_s / 10
     model = copy.deepcopy(reference["initial"])
     step, loss = run_step(model, example.loss_fn, reference["inputs"], budget=budget,
