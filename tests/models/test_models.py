@@ -282,7 +282,8 @@ NESTED = {"mlp", "gpt2"}  # where revolve over the blocks reaches below the segm
 def test_below_the_segment_dp_nested_blocks_run_bit_for_bit(reference):
     """Between memory-poor's peak and the segment DP's smallest: a plan that fits and never
     recomputes more than memory-poor. Just below the segment DP's smallest, on the chain-like MLP
-    and GPT-2, it is revolve over the blocks, a small fraction of memory-poor's recompute, and it
+    and GPT-2, it is revolve over the blocks (or the DP's plan with forward re-runs, tried
+    first), a small fraction of memory-poor's recompute, and it
     runs bit for bit with its peak predicted. On ResNet and the U-Net the block chain's own
     minimum sits above the segment DP's, so the band is memory-poor's: planned here, not run
     (18,000 re-runs take minutes).
@@ -304,10 +305,11 @@ def test_below_the_segment_dp_nested_blocks_run_bit_for_bit(reference):
     assert predicted.recompute_s <= poor.recompute_s * (1 + 1e-9)
     if example.name not in NESTED:
         return
-    budget = smallest - 1
+    budget = smallest - max(1, smallest // 1000) - 1  # below the bisection's last refusal
     made = get_strategy("optimal-recompute")(graph, hardware, budget)
     predicted = simulate(graph, made, hardware)
-    assert made.params["solver"] == "nested blocks"
+    # the DP's smallest plan with re-runs in the forward pass is tried first (the MLP takes it)
+    assert made.params["solver"] in ("nested blocks", "segments + forward")
     assert predicted.peak_bytes <= budget
     assert predicted.recompute_s < poor.recompute_s / 10
     model = copy.deepcopy(reference["initial"])
