@@ -100,8 +100,8 @@ def test_graph_broken_regions_are_planned_jointly_and_fit_from_the_second_iterat
     (planned alone, the first keeps everything; it just fits, with the second region's gradients
     counted in its backward: from 0.757 to 0.761 of eager's peak, measured, this happens; below
     it the first region saves less on its own, above it the second fits beside it): the first
-    iteration runs it at its minimum with
-    a warning; then both are planned again, the first saving at most its share, and from the
+    iteration runs it at its minimum with a warning; then both are planned again, the first
+    saving less than alone (at most its share where a plan can), and from the
     second iteration on every region's prediction and every measured peak are within the budget,
     with eager's losses and weights bit for bit."""
     data = batches(count=3, size=4096)
