@@ -158,6 +158,10 @@ class Backend:
         self.budget_override: Budget | None = None
         self.what_ifs = False  # memfit.plan explains its plan: the plans at the budget x0.9, x1.1
         self.scope_prefix = ""  # where the model sits in the compiled module (Step's "model.")
+        # the buffers this machine's kernels allocate inside one op (memfit/graph/temporaries.py):
+        # counted for a step that runs here; memfit.plan for another device's profile leaves
+        # this CPU's oneDNN scratch out
+        self.kernel_temporaries = True
 
     def __call__(self, graph_module: fx.GraphModule, example_inputs: list) -> Any:
         device = device_of(example_inputs)
@@ -221,7 +225,8 @@ class Backend:
         index = len(self.regions)
         owners: dict = {}
         captured, graph = analyzed(captured, hardware, f"region {index}", self.linearize,
-                                   kernel_temporaries=True, owners=owners)
+                                   kernel_temporaries=self.kernel_temporaries,
+                                   owners=owners)
         inside = sum(binding_bytes(node) for node, binding in
                      zip(joint.graph.find_nodes(op="placeholder"), captured.inputs, strict=True)
                      if binding.kind == "parameter")

@@ -148,5 +148,7 @@ def analyzed(captured: Captured, hardware: Hardware, name: str, linearize: bool,
         return captured, graph
     order = [op.name for op in linear.ops]
     captured = replace(captured, graph_module=reorder(captured.graph_module, order))
+    if owners is not None:  # filled again for the reordered graph, whose first writers differ
+        owners.clear()
     return captured, analyze(captured, hardware, name=name, kernel_temporaries=kernel_temporaries,
                              owners=owners)

@@ -106,6 +106,8 @@ def trace_plan(model: torch.nn.Module, loss_fn: Callable, inputs: Sequence[torch
     planner = _PlanOnly(budget, strategy, hardware, "aot_eager", None, model, params)
     planner.linearize, planner.what_ifs = linearize, what_ifs
     planner.scope_prefix = "model."  # LossModule holds the model as .model
+    # a plan for an accelerator's profile describes that device's step, not this CPU's kernels
+    planner.kernel_temporaries = not hardware.async_copies
     device = device_of(model.parameters())
     with FakeTensorMode() as mode:
         fake = tuple(_fake(t, device) for t in inputs)

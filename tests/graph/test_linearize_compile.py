@@ -90,7 +90,9 @@ def test_linearize_does_not_raise_the_gpt2_peak():
     linear_model = copy.deepcopy(example.model)
     linear, linear_loss = run(linear_model, example.loss_fn, inputs, linearize=True)
     # as late as possible would raise the unplanned peak here (26.4 -> 27.2 MB at 4 layers),
-    # so linearize keeps the traced order
-    assert linear.measured.peak_bytes <= plain.measured.peak_bytes
+    # so linearize keeps the traced order: the same program, predicted alike (measuring one
+    # program four times gave 13,761,652 to 13,771,768 B: run-to-run noise, not the order)
+    assert [op.name for op in linear.graph.ops] == [op.name for op in plain.graph.ops]
+    assert linear.predicted.peak_bytes == plain.predicted.peak_bytes
     assert_measured_as_predicted(linear)
     assert torch.equal(linear_loss, plain_loss)  # dropout on: the random draws did not move

@@ -51,17 +51,19 @@ def _unet3d() -> examples.Example:
     return examples.unet3d(channels=(4, 8, 16), size=16)
 
 
-BUDGET_HOLDS = {"llama": True, "t5": True, "bert": True, "gpt2": True, "cnn": True,
-                "unet3d": True, "unet3d_loss_outside": False}
+BUDGET_HOLDS = {"llama": True, "t5": True, "bert": True, "gpt2": True, "cnn": True, "vit": True,
+                "resnet50": True, "unet3d": True, "unet3d_loss_outside": False}
 BUILDERS = {"llama": examples.llama, "t5": examples.t5, "bert": examples.bert,
-            "gpt2": examples.gpt2, "cnn": examples.cnn,
+            "gpt2": examples.gpt2, "cnn": examples.cnn, "vit": examples.vit,
+            "resnet50": lambda: examples.resnet50_shaped(widths=(8, 16, 32, 64), image=32,
+                                                         batch_size=2),
             "unet3d": lambda: _loss_inside(_unet3d()), "unet3d_loss_outside": _unet3d}
 FRACTIONS = {"unet3d": (0.5, 0.3)}  # of eager's peak; 0.5 for the others
 # where the region's predicted peak is the measured one within 1%: every model whose loss is
 # inside its one region (with the loss outside, the eager loss's buffers are in no plan).
 # The transformers models' predictions follow what the loop held (memfit.graph.lifetimes): the
 # logits and key/value caches the loop drops, the tangents autograd passes or leaves None
-PREDICTION_MATCHES = {"llama", "t5", "bert", "gpt2", "cnn", "unet3d"}
+PREDICTION_MATCHES = {"llama", "t5", "bert", "gpt2", "cnn", "vit", "resnet50", "unet3d"}
 
 
 def train(example, model, runner=None, iterations: int = 2, gradients: list | None = None):
