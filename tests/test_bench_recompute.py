@@ -6,6 +6,7 @@ import pytest
 
 from bench.recompute import RecomputeModel, measure_model, render_rows, verdict
 from memfit import examples
+from tests.measured_peaks import tolerance_bytes
 
 TINY = RecomputeModel("tiny MLP", lambda: examples.mlp(depth=4, width=32, batch_size=64), 64,
                       ("Linear",), "a Linear layer")
@@ -58,7 +59,10 @@ def test_optimal_runs_at_every_alternatives_peak_and_at_its_minimum(result):
     for row in (r for r in result.rows if r.copies):
         other = by_name[row.copies]
         assert row.budget_bytes == (other.predicted_bytes or other.peak_bytes)  # memfit's frame
-        assert row.peak_bytes is not None and row.peak_bytes <= row.budget_bytes
+        # measured by allocator events: within the budget up to the tolerance for kernel
+        # buffers the memory model does not see (tests/measured_peaks.py)
+        assert row.peak_bytes is not None
+        assert row.peak_bytes <= row.budget_bytes + tolerance_bytes(row.budget_bytes)
         assert row.gradients == "bitwise" and row.solver and row.step_time_s
 
 
