@@ -132,10 +132,11 @@ def _op(node: torch.fx.Node, owner, tensors, hardware: Hardware,
     moved = _bytes_accessed(node) if allocated else 0
     first = next(tensors_in(value), None)
     dtype = str(first.dtype).removeprefix("torch.") if first is not None else "float32"
-    time_s = hardware.op_time_s(flops, moved, dtype) if allocated else 0.0
+    kind = op_kind(node)
+    time_s = hardware.op_time_s(flops, moved, dtype, kind) if allocated else 0.0
     return Op(
         name=node.name,
-        kind=op_kind(node),
+        kind=kind,
         phase=phase,
         scope=custom.get(SCOPE_KEY, ""),
         module_type=custom.get(TYPE_KEY, ""),
