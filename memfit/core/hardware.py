@@ -35,8 +35,9 @@ Sources of the built-in GPU profiles (facts; the numbers below restate them):
   H100 SXM's fraction (not measured there).
 - Attention efficiency: PyTorch's flash SDPA backend is FlashAttention-2, which its paper
   (Dao, 2023) reports at 50-73% of the A100's peak in the forward pass, and which the
-  FlashAttention-3 paper (Shah et al., 2024) reports at 35% utilisation on H100. FLOPs are
-  counted as torch counts them, the full S x S scores even when causal.
+  FlashAttention-3 paper (Shah et al., 2024) reports at 35% utilisation on H100. Both count a
+  causal kernel's FLOPs as the unmasked half of the scores, as memfit does
+  (``memfit.graph.flops.causal_share``).
 - Host link (pinned): a PCIe Gen5 x16 host moves about 52 GB/s each way with pinned
   ``copy_(non_blocking=True)`` (63 GB/s raw), a Gen4 host about 25 GB/s (31.5 raw).
   Pageable copies go through a staging buffer on the host: DeepSpeed's PR #5301 measured its

@@ -8,8 +8,9 @@ variants. Importing this module registers formulas for those in torch's own regi
 and a later torch that adds its own keeps it. ``memfit.core.op_classes`` lists every compute op;
 a test fails on any of them counted at zero.
 
-Conventions follow torch's: a multiply-add is 2 FLOPs, attention counts the full S x S score
-matrix whether causal or not, and a backward counts the gradients of both operands.
+Conventions follow torch's (a multiply-add is 2 FLOPs, a backward counts the gradients of both
+operands) except for causal attention: ``node_flops`` counts the scores a causal kernel
+computes, about half of torch's full S x S count (``causal_share``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from torch.utils.flop_counter import (
     sdpa_backward_flop_count,
     sdpa_flop_count,
 )
+
+from memfit.core.op_classes import op_class
 
 aten = torch.ops.aten
 Shape = Sequence[int]
@@ -136,7 +139,8 @@ def _transposed_convolution_flops(input_: Shape, weight: Shape, *args, out_shape
 
 
 def node_flops(node: torch.fx.Node) -> float:
-    """FLOPs of a captured ``call_function`` node (0 for an op no formula counts).
+    """FLOPs of a captured ``call_function`` node (0 for an op no formula counts): torch's
+    count, times ``causal_share`` for a causal attention kernel.
 
     A formula that cannot read the node's arguments counts 0 with a warning naming the op: the
     plan is still right, only that op's time is too short.
@@ -147,9 +151,46 @@ def node_flops(node: torch.fx.Node) -> float:
         return 0.0
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
     try:
-        return float(counter(*args, **kwargs, out_val=node.meta.get("val")))
+        flops = float(counter(*args, **kwargs, out_val=node.meta.get("val")))
     except Exception as error:  # noqa: BLE001 - a counter's bug must not stop planning
         warnings.warn(f"memfit counts 0 FLOPs for {node.name} ({node.target}): its FLOP "
                       f"formula failed ({type(error).__name__}: {error}), so its time is only "
                       "its memory traffic", stacklevel=2)
         return 0.0
+    return flops * causal_share(node)
+
+
+def causal_share(node: torch.fx.Node) -> float:
+    """The share of the S x S scores a causal attention kernel computes; 1 for any other op.
+
+    torch's counter counts every score; the flash and memory-efficient kernels (CUDA's and the
+    CPU's) skip the blocks a causal mask hides, about half of them, and the published kernel
+    efficiencies (FlashAttention-2 and 3) are quoted against that halved count. The share
+    counts the unmasked scores, the mask aligned to the top left as PyTorch's ``is_causal``.
+    """
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or op_class(schema.name.replace("::", ".")) != "attention":
+        return 1.0
+    values = {argument.name: _argument(node, index, argument)
+              for index, argument in enumerate(schema.arguments)}
+    if not values.get("is_causal") and not values.get("custom_mask_type"):
+        return 1.0
+    query, key = values.get("query"), values.get("key")
+    if not isinstance(query, torch.fx.Node) or not isinstance(key, torch.fx.Node):
+        return 1.0
+    # (batch, heads, sequence, dim) for the _scaled_dot_product_* ops, (batch, sequence,
+    # heads, dim) for the raw _flash_/_efficient_attention_* kernels
+    axis = -2 if schema.name.startswith("aten::_scaled_dot_product") else 1
+    queries, keys = query.meta["val"].shape[axis], key.meta["val"].shape[axis]
+    diagonal = min(queries, keys)
+    unmasked = diagonal * (diagonal + 1) // 2 + (queries - diagonal) * keys
+    return unmasked / (queries * keys)
+
+
+def _argument(node: torch.fx.Node, index: int, argument) -> object:
+    """A schema argument's value at ``node``: keyword, positional, else its default."""
+    if argument.name in node.kwargs:
+        return node.kwargs[argument.name]
+    if index < len(node.args) and not argument.kwarg_only:
+        return node.args[index]
+    return argument.default_value if argument.has_default_value() else None

@@ -19,7 +19,7 @@ from memfit.core.op_classes import COMPUTE_CLASSES, MEMORY, op_class
 from memfit.graph import rnn
 from memfit.graph.analyze import analyze, op_kind
 from memfit.graph.capture import capture
-from memfit.graph.flops import node_flops
+from memfit.graph.flops import causal_share, node_flops
 
 
 def _graph(example: examples.Example, eager_lstm: bool = False):
@@ -86,17 +86,47 @@ def test_every_compute_class_kind_names_a_real_op():
 @pytest.mark.slow
 def test_cpu_flash_attention_counts_the_math_paths_matmuls():
     """Same GPT-2 twice: with dropout attention traces as ``bmm``s (forward Q K^T and P V, four
-    in backward), without as the CPU flash kernel. The kernel's backward recomputes Q K^T,
-    one more ``2 B H S S D`` per layer than the math path; every other FLOP is the same."""
+    in backward), without as the CPU flash kernel. The kernel's backward recomputes Q K^T, one
+    more ``2 B H S S D`` per layer, and, causal, computes only the unmasked (S + 1) / 2S of the
+    scores, which the math path computes whole before masking; every other FLOP is the same."""
     layers, heads, width, sequence, batch = 2, 4, 64, 32, 2
     shape = dict(layers=layers, heads=heads, width=width, sequence=sequence, batch_size=batch)
     flash = _graph(examples.gpt2(**shape, dropout=0.0))
     math = _graph(examples.gpt2(**shape, dropout=0.1))
-    assert any(op.kind == "aten._scaled_dot_product_flash_attention_for_cpu" for op in flash.ops)
-    assert any(op.kind == "aten.bmm" for op in math.ops)
-    recomputed_scores = layers * 2 * batch * heads * sequence * sequence * (width // heads)
-    total = sum(op.flops for op in flash.ops)
-    assert total == sum(op.flops for op in math.ops) + recomputed_scores
+    kernels = [op for op in flash.ops if op_class(op.kind) == "attention"]
+    assert {op.kind for op in kernels} == {
+        "aten._scaled_dot_product_flash_attention_for_cpu",
+        "aten._scaled_dot_product_flash_attention_for_cpu_backward"}
+    scores = 2 * batch * heads * sequence * sequence * (width // heads)  # one S x S matmul
+    attention_matmuls = sum(op.flops for op in math.ops if op.kind == "aten.bmm")
+    assert attention_matmuls == layers * 6 * scores
+    causal = (sequence + 1) / (2 * sequence)
+    assert sum(op.flops for op in kernels) == layers * 7 * scores * causal
+    others = sum(op.flops for op in flash.ops) - sum(op.flops for op in kernels)
+    assert others == sum(op.flops for op in math.ops) - attention_matmuls
+
+
+def _attention_node(is_causal: bool, queries: int, keys: int) -> torch.fx.Node:
+    graph = torch.fx.Graph()
+    query, key = graph.placeholder("query"), graph.placeholder("key")
+    query.meta["val"] = torch.empty(1, 2, queries, 8)
+    key.meta["val"] = torch.empty(1, 2, keys, 8)
+    node = graph.call_function(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                               (query, key, key, 0.0, is_causal))
+    node.meta["val"] = (torch.empty(1, 2, queries, 8), torch.empty(1, 2, queries))
+    return node
+
+
+@pytest.mark.parametrize("is_causal, queries, keys, share", [
+    (False, 16, 16, 1.0), (True, 16, 16, 17 / 32), (True, 4, 16, 10 / 64),
+    (True, 16, 4, (10 + 12 * 4) / 64),
+])
+def test_causal_attention_counts_the_unmasked_scores(is_causal, queries, keys, share):
+    """Top-left aligned, as PyTorch's is_causal: query row i sees keys 0..i."""
+    node = _attention_node(is_causal, queries, keys)
+    assert causal_share(node) == share
+    full = 2 * (2 * 1 * 2 * queries * keys * 8)  # torch's count: Q K^T and P V, every score
+    assert node_flops(node) == full * share
 
 
 @pytest.mark.slow
