@@ -35,16 +35,18 @@ Sources of the built-in GPU profiles (facts; the numbers below restate them):
   H100 SXM's fraction (not measured there).
 - Attention efficiency: PyTorch's flash SDPA backend is FlashAttention-2, which its paper
   (Dao, 2023) reports at 50-73% of the A100's peak in the forward pass, and which the
-  FlashAttention-3 paper (Shah et al., 2024) reports at 35% utilisation on H100. Both count a
-  causal kernel's FLOPs as the unmasked half of the scores, as memfit does
+  FlashAttention-3 paper (Shah et al., 2024) reports at 35% utilisation on H100. The papers
+  count a causal kernel's FLOPs as half the scores, as memfit counts the unmasked ones
   (``memfit.graph.flops.causal_share``).
 - Host link (pinned): a PCIe Gen5 x16 host moves about 52 GB/s each way with pinned
-  ``copy_(non_blocking=True)`` (63 GB/s raw), a Gen4 host about 25 GB/s (31.5 raw).
+  ``copy_(non_blocking=True)`` (the figure this project's issues record; 63 GB/s raw), a Gen4
+  host about 25 GB/s (31.5 raw).
   Pageable copies go through a staging buffer on the host: DeepSpeed's PR #5301 measured its
   host-to-device copies 6x faster on one GPU (4-5x on an 8-GPU node) once pinned, so the
   profiles take a quarter of the pinned rate for pageable memory.
 
-Estimates, not measurements (``measure_hardware()`` replaces them on a real GPU):
+Estimates, not measurements (on a real GPU ``measure_hardware()`` measures the ramp, the
+overhead and the memory bandwidth; the other classes' fractions it keeps relative to matmul's):
 convolution (cuDNN) at 0.5-0.6 of peak and cuDNN/oneDNN RNNs at 0.3; memory-bound ops at 0.8 of
 the HBM bandwidth (a large device copy reaches about 0.9; PyTorch's elementwise and reduction
 kernels less); ``compute_ramp_s`` of 4 us (a small kernel fills the GPU's waves only partly);
