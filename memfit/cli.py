@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from memfit.core.hardware import Hardware
     from memfit.core.units import Budget
 
 EXAMPLES_HELP = """examples:
@@ -58,13 +59,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _hardware(name: str) -> str:
-    """A built-in hardware profile's name (``memfit.core.hardware`` is torch-free: fast)."""
-    from memfit.core.hardware import get_hardware
+def _hardware(name: str) -> str | Hardware:
+    """A built-in hardware profile's name, or a profile saved as JSON (a path ending in
+    ``.json``, e.g. one ``measure_hardware()`` made on the target GPU); ``memfit.core.hardware``
+    is torch-free: fast."""
+    from memfit.core.hardware import Hardware, get_hardware
 
     try:
-        return get_hardware(name).name
-    except ValueError as error:
+        return Hardware.load(name) if name.endswith(".json") else get_hardware(name).name
+    except (ValueError, OSError) as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
@@ -288,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a fraction of the unplanned peak (0.5; 1 is all of it), or bytes: an "
                            "integer above 1 or a size with units ('3GiB')")
     plan.add_argument("--hardware", type=_hardware, default="h100-pcie",
-                      help="profile name (default h100-pcie)")
+                      help="profile name (default h100-pcie), or a profile saved with "
+                           "hardware.save('profile.json')")
     plan.add_argument("--strategy", default=None,
                       help="auto | keep | swap | checkpoint | memory-poor | optimal-recompute | "
                            "vdnn_all | vdnn_conv | vdnn_dyn (default: auto with a budget, "

@@ -150,6 +150,21 @@ def test_python_and_the_command_line_read_a_budget_alike(python, typed):
     assert parse_budget(1).to_bytes(10**9) == 10**9  # 100% of the peak, not one byte
 
 
+def test_plan_reads_a_saved_hardware_profile(capsys, tmp_path):
+    """A profile saved as JSON (one measured on the target) plans as a built-in one does; a
+    bad file is refused with the field it breaks."""
+    from memfit.core.hardware import PROFILES
+
+    profile = tmp_path / "measured.json"
+    PROFILES["a100"].with_(name="measured-a100").save(profile)
+    assert main(["plan", *MLP, "--budget", "0.6", "--hardware", str(profile)]) == 0
+    assert "hardware measured-a100" in capsys.readouterr().out
+    profile.write_text(json.dumps({**PROFILES["a100"].to_json(), "duplex": "yes"}))
+    with pytest.raises(SystemExit):
+        main(["plan", *MLP, "--hardware", str(profile)])
+    assert "field 'duplex' must be a boolean" in capsys.readouterr().err
+
+
 # ---- bad arguments fail before torch is imported -------------------------------------------------
 
 FAST_ERRORS = [  # (arguments, what the error says), each answered with torch blocked

@@ -1,26 +1,78 @@
 """Hardware: the numbers the cost model needs, as plain data, with built-in profiles.
 
 ``measure_hardware()`` (in ``memfit.runtime.probe``) fills one in on the machine at hand; the
-profiles below let a CPU laptop plan for a GPU it does not have.
+profiles below let a CPU laptop plan for a GPU it does not have. ``Hardware.save`` and
+``Hardware.load`` keep one as JSON.
 
-Note:
-    The host-link numbers are what pinned ``copy_(non_blocking=True)`` achieves, not the PCIe
-    spec: about 52 GB/s each way on an H100 PCIe Gen5 host (the issue's figure), about 25 GB/s on
-    Gen4 (A100), and a few hundred GB/s over NVLink-C2C (GH200). The FLOP rates are dense
-    tensor-core peaks per dtype; float32 matmuls use TF32 tensor cores, as PyTorch does with
-    ``torch.backends.cuda.matmul.allow_tf32`` (off by default, so plan conservatively with the
-    ``"float32"`` entry, the non-tensor-core rate, unless told otherwise).
+An op's time is a roofline with efficiencies: the slower of its FLOPs at its class's sustained
+rate and its bytes at the sustained memory bandwidth, plus a fixed launch overhead::
+
+    compute_s = flops / (peak[dtype] * efficiency[class]) + compute_ramp_s   (compute classes)
+    memory_s  = bytes_accessed / (memory_bytes_per_s * memory_efficiency)
+    time_s    = max(compute_s, memory_s) + op_overhead_s
+
+``class`` is the op's class (``memfit.core.op_classes``: matmul, convolution, attention, rnn,
+else memory). ``compute_ramp_s`` makes small kernels reach a lower fraction of the peak: an op
+of ``x`` FLOPs runs at ``efficiency * x / (x + x_half)`` of the peak, with
+``x_half = peak * efficiency * compute_ramp_s``, a saturating curve in the op's size. The
+peaks are dense (no sparsity) tensor-core rates per dtype; a float32 matmul runs at the
+``"tfloat32"`` rate when ``tf32_matmuls`` (PyTorch's ``torch.backends.cuda.matmul.allow_tf32``,
+off by default), a float32 convolution or RNN when ``tf32_cudnn`` (``torch.backends.cudnn
+.allow_tf32``, on by default), else at the ``"float32"`` rate, without tensor cores.
+
+Sources of the built-in GPU profiles (facts; the numbers below restate them):
+
+- Peaks, memory bandwidth and capacity: NVIDIA's datasheets. H100 SXM5 80GB: 67 TFLOPS
+  FP64 tensor core and FP32, 494.7 TF32, 989.4 BF16/FP16, 1979 FP8, 3.35 TB/s HBM3. H100 PCIe
+  80GB: 51 FP64 tensor core and FP32, 378 TF32, 756 BF16/FP16, 1513 FP8, 2.0 TB/s HBM2e. H200:
+  H100 SXM5's rates, 141 GB HBM3e at 4.8 TB/s. GH200: H100 SXM5's rates, 96 GB HBM3 at 4.0 TB/s,
+  NVLink-C2C at 900 GB/s total, 450 GB/s each way. A100 SXM 80GB: 19.5 FP64 tensor core and
+  FP32, 156 TF32, 312 BF16/FP16, 2,039 GB/s HBM2e. (Datasheets list sparse rates too, twice
+  the dense ones; dense is what training runs.)
+- Matmul efficiency: the largest BF16 matmul rates found by Stas Bekman's "Maximum Achievable
+  Matmul FLOPS" search (ml-engineering, compute/accelerator): A100 SXM 267.9 of 312 TFLOPS
+  (85.9%), H100 SXM 792.1 of 989 (80.1%), GH200 821.0 of 989 (83.0%); H100 PCIe and H200 take
+  H100 SXM's fraction (not measured there).
+- Attention efficiency: PyTorch's flash SDPA backend is FlashAttention-2, which its paper
+  (Dao, 2023) reports at 50-73% of the A100's peak in the forward pass, and which the
+  FlashAttention-3 paper (Shah et al., 2024) reports at 35% utilisation on H100. The papers
+  count a causal kernel's FLOPs as half the scores, as memfit counts the unmasked ones
+  (``memfit.graph.flops.causal_share``).
+- Host link (pinned): a PCIe Gen5 x16 host moves about 52 GB/s each way with pinned
+  ``copy_(non_blocking=True)`` (the figure this project's issues record; 63 GB/s raw), a Gen4
+  host about 25 GB/s (31.5 raw).
+  Pageable copies go through a staging buffer on the host: DeepSpeed's PR #5301 measured its
+  host-to-device copies 6x faster on one GPU (4-5x on an 8-GPU node) once pinned, so the
+  profiles take a quarter of the pinned rate for pageable memory.
+
+Estimates, not measurements (on a real GPU ``measure_hardware()`` measures the ramp, the
+overhead and the memory bandwidth; the other classes' fractions it keeps relative to matmul's):
+convolution (cuDNN) at 0.5-0.6 of peak and cuDNN/oneDNN RNNs at 0.3; memory-bound ops at 0.8 of
+the HBM bandwidth (a large device copy reaches about 0.9; PyTorch's elementwise and reduction
+kernels less); ``compute_ramp_s`` of 4 us (a small kernel fills the GPU's waves only partly);
+``op_overhead_s`` of 5 us per op (kernel launch and dispatch); GH200's host link at 300 GB/s,
+under the 450 GB/s C2C spec.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from types import MappingProxyType
+from typing import Any
+
+from memfit.core.files import write_text
+from memfit.core.op_classes import COMPUTE_CLASSES, MEMORY, op_class
 
 GB = 10**9
 GIB = 2**30
 TFLOPS = 10**12
+TENSOR_FLOAT32 = "tfloat32"  # the flops_per_s key of float32 math on tensor cores
+_CUDNN_CLASSES = ("convolution", "rnn")  # the classes torch.backends.cudnn.allow_tf32 covers
+FORMAT = "memfit.hardware"
+FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -29,16 +81,32 @@ class Hardware:
 
     Args:
         name: profile name, e.g. ``"h100-pcie"``.
-        flops_per_s: peak FLOP/s by dtype name (``"bfloat16"``, ``"float32"``, ...).
-        memory_bytes_per_s: device memory bandwidth, for memory-bound ops.
-        d2h_bytes_per_s: device-to-host copy bandwidth (pinned).
-        h2d_bytes_per_s: host-to-device copy bandwidth (pinned).
+        flops_per_s: dense peak FLOP/s by dtype name (``"bfloat16"``, ``"float32"``,
+            ``"tfloat32"``, ...).
+        memory_bytes_per_s: device memory bandwidth (peak), for memory-bound ops.
+        d2h_bytes_per_s: device-to-host copy bandwidth into pinned memory.
+        h2d_bytes_per_s: host-to-device copy bandwidth from pinned memory.
         duplex: whether both copy directions run at full speed at the same time.
         async_copies: whether copies run on their own engines beside compute; ``False`` on a CPU,
             where a "copy" is a memcpy on the compute thread.
         device_bytes: usable device memory.
         op_overhead_s: fixed time per op (kernel launch, dispatcher).
         copy_latency_s: fixed time per copy.
+        compute_efficiency: the fraction of the peak a large op of each compute class
+            sustains (``"matmul"``, ``"convolution"``, ``"attention"``, ``"rnn"``); a class not
+            given runs at 1.0, the peak.
+        memory_efficiency: the fraction of ``memory_bytes_per_s`` memory-bound ops sustain.
+        compute_ramp_s: time a compute op takes beyond its FLOPs at the sustained rate; 0 runs
+            every size at the class's fraction (see the module docstring for the curve).
+        tf32_matmuls: float32 matmuls and attention run on tensor cores at the ``"tfloat32"``
+            rate (``torch.backends.cuda.matmul.allow_tf32``; PyTorch's default is off).
+        tf32_cudnn: float32 convolutions and RNNs run at the ``"tfloat32"`` rate
+            (``torch.backends.cudnn.allow_tf32``; PyTorch's default is on).
+        d2h_pageable_bytes_per_s: device-to-host bandwidth into pageable memory; ``None``
+            takes the pinned rate.
+        h2d_pageable_bytes_per_s: host-to-device bandwidth from pageable memory; ``None``
+            takes the pinned rate.
+        notes: where the numbers come from.
     """
 
     name: str
@@ -51,63 +119,171 @@ class Hardware:
     device_bytes: int = 80 * GIB
     op_overhead_s: float = 5e-6
     copy_latency_s: float = 10e-6
+    compute_efficiency: Mapping[str, float] = field(default_factory=dict)
+    memory_efficiency: float = 1.0
+    compute_ramp_s: float = 0.0
+    tf32_matmuls: bool = False
+    tf32_cudnn: bool = True
+    d2h_pageable_bytes_per_s: float | None = None
+    h2d_pageable_bytes_per_s: float | None = None
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "flops_per_s", MappingProxyType(dict(self.flops_per_s)))
-        for key in ("memory_bytes_per_s", "d2h_bytes_per_s", "h2d_bytes_per_s"):
+        for key in ("flops_per_s", "compute_efficiency"):
+            object.__setattr__(self, key, MappingProxyType(dict(getattr(self, key))))
+        positive = ["memory_bytes_per_s", "d2h_bytes_per_s", "h2d_bytes_per_s"]
+        positive += [key for key in ("d2h_pageable_bytes_per_s", "h2d_pageable_bytes_per_s")
+                     if getattr(self, key) is not None]
+        for key in positive:
             if getattr(self, key) <= 0:
                 raise ValueError(f"Hardware.{key} must be positive, got {getattr(self, key)}")
         if not self.flops_per_s or min(self.flops_per_s.values()) <= 0:
             raise ValueError("Hardware.flops_per_s needs a positive rate for at least one dtype")
+        self._check_efficiencies()
+        for key in ("op_overhead_s", "copy_latency_s", "compute_ramp_s"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"Hardware.{key} must be 0 or more, got {getattr(self, key)}")
+
+    def _check_efficiencies(self) -> None:
+        unknown = sorted(set(self.compute_efficiency) - set(COMPUTE_CLASSES))
+        if unknown:
+            raise ValueError(f"Hardware.compute_efficiency has unknown op classes {unknown}: "
+                             f"use {sorted(COMPUTE_CLASSES)}")
+        efficiencies = {f"compute_efficiency[{name!r}]": value
+                        for name, value in self.compute_efficiency.items()}
+        efficiencies["memory_efficiency"] = self.memory_efficiency
+        for key, value in efficiencies.items():
+            if not 0 < value <= 1:
+                raise ValueError(f"Hardware.{key} must be a fraction in (0, 1], got {value}")
 
     def flops_rate(self, dtype: str) -> float:
-        """FLOP/s for ``dtype``, falling back to the float32 rate, then to the slowest known."""
+        """Peak FLOP/s for ``dtype``, falling back to the float32 rate, then to the slowest known."""
         if dtype in self.flops_per_s:
             return self.flops_per_s[dtype]
         return self.flops_per_s.get("float32", min(self.flops_per_s.values()))
 
-    def op_time_s(self, flops: float, bytes_accessed: float, dtype: str = "float32") -> float:
-        """Roofline estimate: the slower of compute and memory traffic, plus the fixed overhead."""
-        compute_s = flops / self.flops_rate(dtype)
-        memory_s = bytes_accessed / self.memory_bytes_per_s
+    def compute_dtype(self, dtype: str, kind_class: str) -> str:
+        """The rate an op of ``kind_class`` in ``dtype`` runs at: float32 on tensor cores
+        (``"tfloat32"``) where the profile has that rate and the TF32 switch for it is on."""
+        if dtype != "float32" or TENSOR_FLOAT32 not in self.flops_per_s:
+            return dtype
+        tf32 = self.tf32_cudnn if kind_class in _CUDNN_CLASSES else self.tf32_matmuls
+        return TENSOR_FLOAT32 if tf32 and kind_class != MEMORY else dtype
+
+    def op_time_s(self, flops: float, bytes_accessed: float, dtype: str = "float32",
+                  kind: str = "") -> float:
+        """Roofline estimate with efficiencies (see the module docstring), plus the overhead.
+
+        Args:
+            kind: the op kind (``"aten.mm"``), which picks its class; ``""`` is memory-bound.
+        """
+        kind_class = op_class(kind)
+        memory_s = bytes_accessed / (self.memory_bytes_per_s * self.memory_efficiency)
+        compute_s = 0.0
+        if flops > 0:
+            rate = self.flops_rate(self.compute_dtype(dtype, kind_class))
+            efficiency = self.compute_efficiency.get(kind_class, 1.0)
+            ramp_s = self.compute_ramp_s if kind_class != MEMORY else 0.0
+            compute_s = flops / (rate * efficiency) + ramp_s
         return max(compute_s, memory_s) + self.op_overhead_s
 
-    def d2h_time_s(self, size_bytes: int) -> float:
-        return self.copy_latency_s + size_bytes / self.d2h_bytes_per_s
+    def d2h_time_s(self, size_bytes: int, pinned: bool = True) -> float:
+        """Time to copy ``size_bytes`` to the host, into pinned (default) or pageable memory."""
+        rate = self.d2h_bytes_per_s if pinned else self.d2h_pageable_bytes_per_s
+        return self.copy_latency_s + size_bytes / (rate or self.d2h_bytes_per_s)
 
-    def h2d_time_s(self, size_bytes: int) -> float:
-        return self.copy_latency_s + size_bytes / self.h2d_bytes_per_s
+    def h2d_time_s(self, size_bytes: int, pinned: bool = True) -> float:
+        """Time to copy ``size_bytes`` from the host, from pinned (default) or pageable memory."""
+        rate = self.h2d_bytes_per_s if pinned else self.h2d_pageable_bytes_per_s
+        return self.copy_latency_s + size_bytes / (rate or self.h2d_bytes_per_s)
 
     def with_(self, **changes) -> Hardware:
         """A copy with some fields changed, e.g. ``hardware.with_(device_bytes=16 * GIB)``."""
         return replace(self, **changes)
 
+    def to_json(self) -> dict[str, Any]:
+        """Every field, as JSON types, under a ``format`` and ``version`` header."""
+        data: dict[str, Any] = {"format": FORMAT, "version": FORMAT_VERSION}
+        for item in fields(self):
+            value = getattr(self, item.name)
+            data[item.name] = dict(value) if isinstance(value, Mapping) else value
+        return data
 
-def _gpu(name: str, bf16_tflops: float, fp32_tflops: float, memory_gb_s: float, link_gb_s: float,
-         device_gib: int, notes: str) -> Hardware:
+    @staticmethod
+    def from_json(data: object, source: str = "the hardware profile") -> Hardware:
+        """A ``Hardware`` from ``to_json``'s form (a hand-written one needs only the fields
+        without defaults).
+
+        Raises:
+            ValueError: naming the field that is missing, unknown or of the wrong type, or for
+                a file of another format; and every check ``Hardware`` makes of its numbers.
+        """
+        from memfit.core.hardware_json import hardware_fields
+
+        return Hardware(**hardware_fields(data, source))
+
+    def save(self, path: str | Path) -> None:
+        """Write the profile as JSON, atomically (``memfit.core.files``)."""
+        write_text(path, json.dumps(self.to_json(), indent=1))
+
+    @staticmethod
+    def load(path: str | Path) -> Hardware:
+        """Read a profile ``save`` wrote, e.g. one ``measure_hardware()`` made on the target.
+
+        Raises:
+            ValueError: as ``from_json``; OSError if the file cannot be read.
+        """
+        text = Path(path).read_text(encoding="utf-8")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not JSON ({error}): save a profile with "
+                             "hardware.save(path)") from None
+        return Hardware.from_json(data, source=str(path))
+
+
+def _gpu(name: str, peaks_tflops: Mapping[str, float], memory_gb_s: float, link_gb_s: float,
+         device_gib: int, efficiency: Mapping[str, float], notes: str) -> Hardware:
+    """A GPU profile: dense peaks in TFLOPS, memory and (pinned) link rates in GB/s."""
     return Hardware(
         name=name,
-        flops_per_s={
-            "bfloat16": bf16_tflops * TFLOPS,
-            "float16": bf16_tflops * TFLOPS,
-            "float32": fp32_tflops * TFLOPS,
-        },
+        flops_per_s={dtype: tflops * TFLOPS for dtype, tflops in peaks_tflops.items()},
         memory_bytes_per_s=memory_gb_s * GB,
         d2h_bytes_per_s=link_gb_s * GB,
         h2d_bytes_per_s=link_gb_s * GB,
+        d2h_pageable_bytes_per_s=link_gb_s * GB * PAGEABLE_FRACTION,
+        h2d_pageable_bytes_per_s=link_gb_s * GB * PAGEABLE_FRACTION,
         device_bytes=device_gib * GIB,
+        compute_efficiency=efficiency,
+        memory_efficiency=MEMORY_EFFICIENCY,
+        compute_ramp_s=COMPUTE_RAMP_S,
         notes=notes,
     )
 
 
+PAGEABLE_FRACTION = 0.25  # of the pinned rate (DeepSpeed PR #5301: pinned was 4-6x faster)
+MEMORY_EFFICIENCY = 0.8  # estimate: a large copy reaches ~0.9 of HBM peak, PyTorch's kernels less
+COMPUTE_RAMP_S = 4e-6  # estimate: wave fill and drain of a small kernel
+HOPPER = {"float64": 67, "float32": 67, "tfloat32": 494.7, "bfloat16": 989.4, "float16": 989.4,
+          "float8_e4m3fn": 1979, "float8_e5m2": 1979}
+HOPPER_PCIE = {"float64": 51, "float32": 51, "tfloat32": 378, "bfloat16": 756, "float16": 756,
+               "float8_e4m3fn": 1513, "float8_e5m2": 1513}
+AMPERE = {"float64": 19.5, "float32": 19.5, "tfloat32": 156, "bfloat16": 312, "float16": 312}
+HOPPER_EFFICIENCY = {"matmul": 0.80, "attention": 0.35, "convolution": 0.5, "rnn": 0.3}
+
 PROFILES: Mapping[str, Hardware] = MappingProxyType(
     {
-        "h100-pcie": _gpu("h100-pcie", 756, 51, 2000, 52, 80, "H100 PCIe 80GB, PCIe Gen5 host"),
-        "h100-sxm": _gpu("h100-sxm", 989, 67, 3350, 52, 80, "H100 SXM5 80GB, PCIe Gen5 host"),
-        "h200": _gpu("h200", 989, 67, 4800, 52, 141, "H200 141GB, PCIe Gen5 host"),
-        "a100": _gpu("a100", 312, 19.5, 2039, 25, 80, "A100 SXM 80GB, PCIe Gen4 host"),
-        "gh200": _gpu("gh200", 989, 67, 4000, 300, 96, "GH200, NVLink-C2C to Grace memory"),
+        "h100-pcie": _gpu("h100-pcie", HOPPER_PCIE, 2000, 52, 80, HOPPER_EFFICIENCY,
+                          "H100 PCIe 80GB, PCIe Gen5 host"),
+        "h100-sxm": _gpu("h100-sxm", HOPPER, 3350, 52, 80, HOPPER_EFFICIENCY,
+                         "H100 SXM5 80GB, PCIe Gen5 host"),
+        "h200": _gpu("h200", HOPPER, 4800, 52, 141, HOPPER_EFFICIENCY,
+                     "H200 141GB, PCIe Gen5 host"),
+        "a100": _gpu("a100", AMPERE, 2039, 25, 80,
+                     {"matmul": 0.86, "attention": 0.6, "convolution": 0.6, "rnn": 0.3},
+                     "A100 SXM 80GB, PCIe Gen4 host"),
+        "gh200": _gpu("gh200", HOPPER, 4000, 300, 96, {**HOPPER_EFFICIENCY, "matmul": 0.83},
+                      "GH200 96GB, NVLink-C2C to Grace memory"),
         "cpu": Hardware(
             name="cpu",
             flops_per_s={"float32": 50e9, "bfloat16": 20e9, "float16": 10e9},
@@ -119,7 +295,8 @@ PROFILES: Mapping[str, Hardware] = MappingProxyType(
             device_bytes=16 * GIB,
             op_overhead_s=20e-6,
             copy_latency_s=2e-6,
-            notes="a 2-core CPU: copies are memcpys on the compute thread",
+            notes="a 2-core CPU, its rates already sustained ones (efficiency 1): copies are "
+                  "memcpys on the compute thread",
         ),
     }
 )
@@ -138,5 +315,6 @@ def get_hardware(hardware: str | Hardware) -> Hardware:
     except KeyError:
         raise ValueError(
             f"unknown hardware profile {hardware!r}: use one of {sorted(PROFILES)}, "
-            "a memfit.Hardware(...) you build, or memfit.measure_hardware()"
+            "a memfit.Hardware(...) you build, Hardware.load(path), or "
+            "memfit.measure_hardware()"
         ) from None

@@ -5,7 +5,7 @@ bytes, and a multi-output op's tuple holds all its outputs until its last ``geti
 every storage held by the values it takes, which is exactly when the executor can free them.
 With ``kernel_temporaries``, an op whose kernel allocates buffers for itself (``temporaries.py``)
 also allocates a storage of those bytes that nothing reads: alive while the op runs, freed after.
-FLOPs come from PyTorch's own FLOP counter registry; time from the roofline of a ``Hardware``.
+FLOPs come from PyTorch's own FLOP counter registry (completed by ``flops.py``); time from the roofline of a ``Hardware``.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from collections.abc import Iterator
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils.flop_counter import flop_registry
 
 from memfit.core.costgraph import CostGraph, Op, Tensor
 from memfit.core.hardware import Hardware
 from memfit.graph.capture import SCOPE_KEY, TYPE_KEY, Binding, Captured
+from memfit.graph.flops import node_flops
 from memfit.graph.temporaries import kernel_output_storage_bytes, kernel_temporary_bytes_of
 
 _PHASES = {"is_forward": "forward", "is_backward": "backward"}
@@ -128,14 +128,15 @@ def _op(node: torch.fx.Node, owner, tensors, hardware: Hardware,
         allocated.append(f"{node.name}.temporary")
         tensors[allocated[-1]] = Tensor(allocated[-1], temporary_bytes, role)
     custom = node.meta.get("custom") or {}
-    flops = _flops(node) if allocated else 0.0
+    flops = node_flops(node) if allocated else 0.0
     moved = _bytes_accessed(node) if allocated else 0
     first = next(tensors_in(value), None)
     dtype = str(first.dtype).removeprefix("torch.") if first is not None else "float32"
-    time_s = hardware.op_time_s(flops, moved, dtype) if allocated else 0.0
+    kind = op_kind(node)
+    time_s = hardware.op_time_s(flops, moved, dtype, kind) if allocated else 0.0
     return Op(
         name=node.name,
-        kind=op_kind(node),
+        kind=kind,
         phase=phase,
         scope=custom.get(SCOPE_KEY, ""),
         module_type=custom.get(TYPE_KEY, ""),
@@ -147,19 +148,6 @@ def _op(node: torch.fx.Node, owner, tensors, hardware: Hardware,
         bytes_accessed=moved,
         dtype=dtype,
     )
-
-
-def _flops(node: torch.fx.Node) -> float:
-    """FLOPs from ``torch.utils.flop_counter``'s registry (0 for ops it does not count)."""
-    packet = getattr(node.target, "overloadpacket", None)
-    counter = flop_registry.get(packet)
-    if counter is None:
-        return 0.0
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-    try:
-        return float(counter(*args, **kwargs, out_val=node.meta.get("val")))
-    except Exception:  # a counter that cannot read these arguments: count nothing, not crash
-        return 0.0
 
 
 def _bytes_accessed(node: torch.fx.Node) -> int:

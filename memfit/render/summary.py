@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memfit.core.costgraph import CostGraph
+from memfit.core.hardware import Hardware
 from memfit.core.plan import Plan
 from memfit.core.timeline import Timeline
 from memfit.core.units import Budget, format_bytes
@@ -32,7 +33,7 @@ class Planned:
 
 
 def plan_example(model: str, batch_size: int | None, model_args: Mapping[str, Any],
-                 budget: str | Budget | None, hardware: str, strategy: str | None,
+                 budget: str | Budget | None, hardware: str | Hardware, strategy: str | None,
                  params: Mapping[str, Any]) -> Planned:
     """Build ``examples.<model>``, capture its step and plan it for ``hardware``.
 

@@ -1,10 +1,13 @@
-"""Hardware profiles, lookup errors and the roofline op-time estimate."""
+"""Hardware profiles, lookup errors, the roofline with efficiencies, and profiles as JSON."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from memfit.core.hardware import GB, PROFILES, TFLOPS, Hardware, get_hardware
+from memfit.core.op_classes import COMPUTE_CLASSES
 
 NAMES = ["a100", "cpu", "gh200", "h100-pcie", "h100-sxm", "h200"]
 
@@ -30,6 +33,7 @@ def test_built_in_profiles():
     h100 = get_hardware("h100-pcie")
     assert (h100.d2h_bytes_per_s, h100.h2d_bytes_per_s) == (52 * GB, 52 * GB)
     assert h100.flops_per_s["bfloat16"] == 756 * TFLOPS
+    assert h100.d2h_pageable_bytes_per_s < h100.d2h_bytes_per_s
     assert (h100.duplex, h100.async_copies) == (True, True)
     cpu = get_hardware("cpu")
     assert (cpu.duplex, cpu.async_copies) == (False, False)
@@ -94,3 +98,125 @@ def test_hardware_is_frozen():
     hardware = toy()
     with pytest.raises(TypeError):
         hardware.flops_per_s["float32"] = 1.0  # type: ignore[index]
+
+
+GPUS = ["a100", "gh200", "h100-pcie", "h100-sxm", "h200"]
+
+
+@pytest.mark.parametrize("name", GPUS)
+def test_gpu_profiles_have_tensor_core_peaks_and_efficiencies(name):
+    """Dense tensor-core rates beat the float32 (CUDA core) rate: TF32 by 7-8x, bf16/fp16 by
+    2x TF32; every compute class has a fraction below 1, memory-bound ops too."""
+    peaks = PROFILES[name].flops_per_s
+    assert peaks["bfloat16"] == peaks["float16"]
+    assert 1.9 < peaks["bfloat16"] / peaks["tfloat32"] < 2.1
+    assert 7 < peaks["tfloat32"] / peaks["float32"] < 8.1
+    hardware = PROFILES[name]
+    assert set(hardware.compute_efficiency) == set(COMPUTE_CLASSES)
+    assert all(0 < value < 1 for value in hardware.compute_efficiency.values())
+    assert 0 < hardware.memory_efficiency < 1 and hardware.compute_ramp_s > 0
+
+
+def test_efficiency_slows_each_class_by_its_fraction():
+    hardware = toy(compute_efficiency={"matmul": 0.5, "attention": 0.25}, memory_efficiency=0.5)
+    assert hardware.op_time_s(flops=1000, bytes_accessed=10, kind="aten.mm") == 21.0  # 20 + 1
+    assert hardware.op_time_s(1000, 10, kind="aten._scaled_dot_product_flash_attention") == 41.0
+    assert hardware.op_time_s(1000, 10, kind="aten.convolution") == 11.0  # not given: 1.0
+    assert hardware.op_time_s(flops=0, bytes_accessed=100, kind="aten.add") == 21.0  # 100/5 + 1
+
+
+def test_small_compute_ops_reach_a_lower_fraction_of_the_peak():
+    """The ramp is a saturating curve: an op of x FLOPs runs at efficiency * x / (x + x_half)
+    of the peak, x_half = peak * efficiency * ramp (here 100 * 0.5 * 2 = 100 FLOPs)."""
+    hardware = toy(compute_efficiency={"matmul": 0.5}, compute_ramp_s=2.0, op_overhead_s=0.0)
+    for flops in (10.0, 100.0, 1e6):
+        achieved = flops / hardware.op_time_s(flops, 0, kind="aten.mm") / 100.0
+        assert achieved == pytest.approx(0.5 * flops / (flops + 100.0))
+    assert hardware.op_time_s(0, 10, kind="aten.mm") == 1.0  # no FLOPs: memory only, no ramp
+
+
+def test_float32_runs_on_tensor_cores_as_pytorchs_tf32_switches_say():
+    """cuDNN's TF32 switch is on by default, cuBLAS's is off, as in PyTorch."""
+    hardware = toy(flops_per_s={"float32": 100.0, "tfloat32": 1000.0, "bfloat16": 2000.0})
+    assert hardware.op_time_s(1000, 0, kind="aten.mm") == 11.0
+    assert hardware.op_time_s(1000, 0, kind="aten.convolution") == 2.0
+    assert hardware.op_time_s(1000, 0, kind="aten.mkldnn_rnn_layer") == 2.0
+    tf32 = hardware.with_(tf32_matmuls=True, tf32_cudnn=False)
+    assert tf32.op_time_s(1000, 0, kind="aten.mm") == 2.0
+    assert tf32.op_time_s(1000, 0, kind="aten._scaled_dot_product_efficient_attention") == 2.0
+    assert tf32.op_time_s(1000, 0, kind="aten.convolution") == 11.0
+    assert hardware.op_time_s(1000, 0, dtype="bfloat16", kind="aten.mm") == 1.5
+    assert toy().compute_dtype("float32", "convolution") == "float32"  # no TF32 rate known
+
+
+def test_pageable_copies_take_their_own_rate_or_the_pinned_one():
+    hardware = toy(d2h_pageable_bytes_per_s=1.0, h2d_pageable_bytes_per_s=0.5)
+    assert hardware.d2h_time_s(8, pinned=False) == 8.5
+    assert hardware.h2d_time_s(8, pinned=False) == 16.5
+    assert hardware.d2h_time_s(8) == 2.5
+    assert toy().h2d_time_s(8, pinned=False) == toy().h2d_time_s(8)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"compute_efficiency": {"matmul": 1.5}}, r"compute_efficiency\['matmul'\] must be a "
+                                                  r"fraction in \(0, 1\], got 1.5"),
+        ({"compute_efficiency": {"gemm": 0.5}}, r"unknown op classes \['gemm'\]: use"),
+        ({"memory_efficiency": 0.0}, "memory_efficiency must be a fraction"),
+        ({"compute_ramp_s": -1e-6}, "compute_ramp_s must be 0 or more"),
+        ({"h2d_pageable_bytes_per_s": 0.0}, "h2d_pageable_bytes_per_s must be positive"),
+    ],
+)
+def test_invalid_efficiencies_are_rejected(changes, message):
+    with pytest.raises(ValueError, match=message):
+        toy(**changes)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_profiles_round_trip_through_json(name, tmp_path):
+    profile = PROFILES[name]
+    path = tmp_path / f"{name}.json"
+    profile.save(path)
+    loaded = Hardware.load(path)
+    assert loaded == profile and loaded.notes == profile.notes
+    assert json.loads(path.read_text())["format"] == "memfit.hardware"
+
+
+def test_a_hand_written_profile_needs_only_the_fields_without_defaults():
+    data = {"format": "memfit.hardware", "version": 1, "name": "mine",
+            "flops_per_s": {"bfloat16": 1e15}, "memory_bytes_per_s": 3e12,
+            "d2h_bytes_per_s": 5e10, "h2d_bytes_per_s": 5e10}
+    hardware = Hardware.from_json(data)
+    assert hardware.name == "mine" and hardware.memory_efficiency == 1.0
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"format": "memfit.plan"}, "is not a memfit hardware profile"),
+        ({"version": 99}, "format version 99, this memfit reads version 1"),
+        ({"speed": 1}, r"unknown field\(s\) \['speed'\]"),
+        ({"duplex": "yes"}, "field 'duplex' must be a boolean, got 'yes'"),
+        ({"memory_bytes_per_s": True}, "field 'memory_bytes_per_s' must be a number"),
+        ({"flops_per_s": {"bfloat16": "fast"}}, "field 'flops_per_s' must be an object of numbers"),
+        ({"device_bytes": 1.5}, "field 'device_bytes' must be an integer"),
+        ({"memory_efficiency": 2.0}, "memory_efficiency must be a fraction"),
+    ],
+)
+def test_a_bad_profile_file_names_the_field(change, message):
+    data = {**PROFILES["h100-sxm"].to_json(), **change}
+    with pytest.raises(ValueError, match=message):
+        Hardware.from_json(data)
+
+
+def test_a_profile_without_a_required_field_says_which(tmp_path):
+    data = PROFILES["a100"].to_json()
+    del data["h2d_bytes_per_s"]
+    path = tmp_path / "a100.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"lacks the field\(s\) \['h2d_bytes_per_s'\]"):
+        Hardware.load(path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="is not JSON"):
+        Hardware.load(path)

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from memfit.core.hardware import Hardware
 from memfit.graph.ops import SWAP_IN, SWAP_OUT, WAIT
 from memfit.runtime.executor import Executor
 from memfit.runtime.host import is_host_storage
@@ -61,7 +62,16 @@ def test_cuda_executor_swap_keeps_results_and_drops_the_peak():
     assert kept.peak_bytes - swapped.peak_bytes == 4 * N
 
 
-def test_cuda_probe():
+def test_cuda_probe(tmp_path):
+    """Tensor cores beat CUDA cores (TF32 and bf16 over plain float32 on any GPU with them),
+    pageable copies are measured beside pinned ones, and the profile saves and loads."""
     hardware = measure_hardware()
     assert hardware.name.startswith("measured-")
     assert hardware.h2d_bytes_per_s > 1e9 and hardware.flops_per_s["bfloat16"] > 1e12
+    if torch.cuda.get_device_capability()[0] >= 8:
+        rates = hardware.flops_per_s
+        assert rates["bfloat16"] > rates["tfloat32"] > rates["float32"]
+    assert hardware.h2d_pageable_bytes_per_s > 1e8 and hardware.d2h_pageable_bytes_per_s > 1e8
+    assert hardware.memory_bytes_per_s > 1e11 and 0 < hardware.op_overhead_s < 1e-3
+    hardware.save(tmp_path / "measured.json")
+    assert Hardware.load(tmp_path / "measured.json") == hardware
