@@ -82,6 +82,7 @@ def _fitted_class() -> type:
     class FittedModule(OptimizedModule):
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
             planner = self._memfit_backend
+            planner.end_eager_watch()
             try:
                 with _rnn_traced(self._memfit_traces_rnns):
                     result = super().__call__(*args, **kwargs)
@@ -92,6 +93,7 @@ def _fitted_class() -> type:
                 raise
             if planner.compiler == "aot_eager":  # its backward modules take None (inductor's do not)
                 _lazy_output_gradients(result)
+            planner.watch_eager()  # what the loop holds beside the regions (memfit.runtime.outside)
             return result
 
     return FittedModule
