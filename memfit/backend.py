@@ -342,14 +342,13 @@ class Backend:
         current = latest_regions(self.regions)
         if any(region.open_forwards for region in current):
             return
-        self.make_room_for_eager(current)
+        grown = self.make_room_for_eager(current)
         if self.joint_failed:
             return
-        current = latest_regions(self.regions)
         short = [region for region in current if region.minimum_bytes is not None]
         if not short:
             return
-        caps = saves_caps(current)
+        caps = saves_caps(current, grown)
         if self.joint_rounds >= MAX_JOINT_ROUNDS or all(
                 self.saves_caps.get(code) == cap for code, cap in caps.items()):
             self._joint_failed(short[0])  # nothing new to plan for: no caps, or the same again
@@ -381,17 +380,22 @@ class Backend:
 
     # ---- memory eager code holds while a region runs ---------------------------------------------
 
-    def make_room_for_eager(self, current: list[Region]) -> None:
+    def make_room_for_eager(self, current: list[Region]) -> dict[int, int]:
         """Have the regions whose plans left no room for the bytes eager code was seen to hold
         at their start planned again with them (``memfit.replanning.eager_room_needed``); after
-        ``MAX_EAGER_REPLANS`` rounds, say once that eager code keeps holding more."""
+        ``MAX_EAGER_REPLANS`` rounds, say once that eager code keeps holding more.
+
+        Returns:
+            region index -> the bytes its next plan counts beyond this one's (joint planning
+            leaves the regions before a graph break that much less room).
+        """
         if not self.watching_eager():
             watch = self.eager_watch()
             if watch is not None:
                 watch.recording = False  # taken off the mode stack at the next forward
         needed = eager_room_needed(current)
         if not needed or self.eager_gave_up:
-            return
+            return {}
         if self.eager_replans >= MAX_EAGER_REPLANS:
             self.eager_gave_up = True
             warnings.warn(
@@ -400,11 +404,12 @@ class Backend:
                 "is no longer planned for, so the budget may not hold. Keep `loss.item()` rather "
                 "than the loss, or compute the loss inside the model.", BudgetWarning,
                 stacklevel=2)
-            return
+            return {}
         self.eager_replans += 1
         for region, held in needed:
             self.eager_held[region.code] = held
             region.replaced = True
+        return {region.index: held - region.planned_eager_bytes for region, held in needed}
 
     def watching_eager(self) -> bool:
         """Whether what eager code holds is still watched: with a budget, over the iterations
