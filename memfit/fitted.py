@@ -52,7 +52,9 @@ def fit(model: torch.nn.Module, budget: str | int | float | None = None,
 
 def _watch_optimizers(planner: Backend) -> None:
     """Find the loop's optimizer by its first step, when ``optimizer=`` was not given, so that
-    its state counts from the next iteration on (a global post-step hook, held weakly)."""
+    its state counts from the next iteration on (a global post-step hook, held weakly); after a
+    step, the watch of eager code leaves the mode stack once measuring has ended
+    (``Backend.end_eager_watch``)."""
     import weakref
 
     from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -63,6 +65,7 @@ def _watch_optimizers(planner: Backend) -> None:
         found = reference()  # a dead backend leaves a hook that does nothing: torch iterates
         if found is not None:  # the hooks while calling them, so it cannot remove itself here
             found.adopt(optimizer)
+            found.end_eager_watch()  # off the stack once measuring ended (not inside a backward)
 
     register_optimizer_step_post_hook(adopt)
 

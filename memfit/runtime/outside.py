@@ -97,11 +97,17 @@ class EagerWatch(TorchDispatchMode):
     def start(self) -> None:
         """Put the watch on this thread's mode stack, where no mode of the user's is on (a mode
         that ends later would otherwise pop this one), and never inside a backward (autograd
-        puts each node's thread state back after it runs)."""
+        puts each node's thread state back after it runs). Another model's watch left on top
+        (its backend stopped measuring with no call since to take it off) is taken off: one
+        watch at a time, the latest fitted model's."""
         if (threading.get_ident() != self.thread or self.on_stack()
-                or torch._C._len_torch_dispatch_stack() > 0
                 or torch._C._current_graph_task_id() != -1):
             return
+        while torch._C._len_torch_dispatch_stack() > 0:
+            top = _get_current_dispatch_mode()
+            if not isinstance(top, EagerWatch):
+                return
+            top.__exit__(None, None, None)
         self.__enter__()
 
     def stop(self) -> None:
