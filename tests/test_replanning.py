@@ -14,10 +14,12 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 from torch._dynamo.utils import counters
 
 import memfit
 from memfit import examples
+from memfit.core.units import format_bytes
 from memfit.runtime.measure import measure_allocator_peak
 from tests.models.test_fit_models import train
 
@@ -181,21 +183,23 @@ def _eager_loss_loop(model, runner, inputs, iterations: int = 3):
 
 
 def test_a_loss_outside_the_model_holding_a_large_buffer_is_planned_for_from_the_second_iteration():
-    """The first plan knows nothing of the loss's 2 MiB buffer and its 2 MiB target, which the
+    """The first plan knows nothing of the loss's 1 MiB buffer and its 1 MiB target, which the
     loop holds while the region's backward runs; memfit reads them at the backward's start
     (``memfit.runtime.outside``), plans the region once more with room for them, and from the
-    second iteration on the measured peak is within the budget, training bit for bit eager's."""
-    from tests.test_backend import mlp
-
+    second iteration on the measured peak is within the budget, training bit for bit eager's.
+    (The first iteration fits here too, by the slack of a plan checked with its outputs held to
+    the end; nothing bounds it in general.)"""
     def build():
-        return mlp(depth=3, width=128)[:-1]  # output 4096 x 128: 2 MiB
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                             nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 64))
 
     generator = torch.Generator().manual_seed(1)
-    inputs = (torch.randn(4096, 128, generator=generator),
-              torch.randn(4096, 128, generator=generator))
+    inputs = (torch.randn(4096, 64, generator=generator),
+              torch.randn(4096, 64, generator=generator))  # the output and target: 1 MiB
     reference = build()
     reference_losses, eager_peaks = _eager_loss_loop(reference, None, inputs)
-    budget = int(0.75 * max(eager_peaks))
+    budget = int(0.85 * max(eager_peaks))
     model = build()
     fitted = []
     losses, peaks = _eager_loss_loop(model, lambda m, o: fitted.append(
@@ -213,5 +217,6 @@ def test_a_loss_outside_the_model_holding_a_large_buffer_is_planned_for_from_the
           f"{first.eager_backward_bytes:,} B at the backward's start")
     assert max(peaks[1:]) <= budget, (peaks, budget)
     report = memfit.report(fitted[0])
-    assert ("ran outside any plan: 4.00 MiB held by eager code while region 0 ran" in report
+    held = format_bytes(first.eager_backward_bytes)
+    assert (f"ran outside any plan: {held} held by eager code while region 0 ran" in report
             and "planned again 1 time(s) with room for what eager code held" in report), report
