@@ -383,7 +383,9 @@ class Backend:
     def make_room_for_eager(self, current: list[Region]) -> dict[int, int]:
         """Have the regions whose plans left no room for the bytes eager code was seen to hold
         at their start planned again with them (``memfit.replanning.eager_room_needed``); after
-        ``MAX_EAGER_REPLANS`` rounds, say once that eager code keeps holding more.
+        ``MAX_EAGER_REPLANS`` rounds, say once that eager code keeps holding more. A region
+        already at its smallest peak beside earlier regions' saves is not planned again for
+        them (the same plan would come back): its next plan, joint or not, counts them.
 
         Returns:
             region index -> the bytes its next plan counts beyond this one's (joint planning
@@ -405,10 +407,13 @@ class Backend:
                 "than the loss, or compute the loss inside the model.", BudgetWarning,
                 stacklevel=2)
             return {}
-        self.eager_replans += 1
         for region, held in needed:
-            self.eager_held[region.code] = held
-            region.replaced = True
+            self.eager_held[region.code] = held  # its code's next plan counts them
+        fitting = [region for region, _ in needed if region.minimum_bytes is None]
+        if fitting:  # a short region runs at its smallest peak: only joint planning helps it
+            self.eager_replans += 1
+            for region in fitting:
+                region.replaced = True
         return {region.index: held - region.planned_eager_bytes for region, held in needed}
 
     def watching_eager(self) -> bool:
