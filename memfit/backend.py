@@ -688,7 +688,8 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
             for ``report``'s measured column (the first ones after each plan; 2 covers the first
             iteration, whose optimizer state is only reserved, and one with it real). A measured
             run starts a profiler (on a CPU) or a dispatch mode, which costs time, so not every
-            run is measured; 0 turns measuring off, a large number measures every run.
+            run is measured; 0 turns measuring off, a large number measures every run. The
+            bytes eager code holds beside a region are read on these runs only.
         **params: the strategy's parameters.
 
     Raises:
@@ -707,7 +708,11 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
         its parameters' gradients and state count; an optimizer it was not given is not found
         (``memfit.fit`` finds it by its first ``step``). Graph-broken regions are planned
         jointly after the first iteration either way. Dynamo's own guards (a frozen layer, a
-        new shape) trace and plan anew as ``torch.compile`` does.
+        new shape) trace and plan anew as ``torch.compile`` does. Bytes eager code holds while
+        a region runs (a loss computed in the loop, code at a graph break) are read at its
+        measured runs' start (``memfit.runtime.outside``: on CUDA from the allocator; on a CPU
+        only under ``memfit.fit``, whose module watches the eager code) and a region whose plan
+        had no room for them is planned again with them, before its next run.
 
     Example:
         >>> compiled = torch.compile(model, backend=memfit.backend(budget=0.5), dynamic=False)

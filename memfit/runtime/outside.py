@@ -122,12 +122,17 @@ class EagerWatch(TorchDispatchMode):
                 and _get_current_dispatch_mode() is self)
 
 
+CUDA_BLOCK_BYTES = 512  # CUDA's caching allocator rounds every block up to a multiple of this
+
+
 def cuda_outside_bytes(device: torch.device, counted: Iterable[Any], saves_bytes: int) -> int:
-    """Bytes CUDA's allocator holds on ``device`` now beyond the storages in ``counted`` and
-    ``saves_bytes`` of other regions' saves: what no plan knows of (eager code's tensors)."""
+    """Bytes CUDA's allocator holds on ``device`` now beyond the storages in ``counted`` (each as
+    the allocator sizes its block) and ``saves_bytes`` of other regions' saves: what no plan
+    knows of (eager code's tensors)."""
     sizes: dict[StorageWeakRef, int] = {}
     for leaf in tree_leaves(list(counted)):
         if isinstance(leaf, torch.Tensor) and leaf.device == device:
             storage = leaf.untyped_storage()
-            sizes.setdefault(StorageWeakRef(storage), storage.nbytes())
+            blocks = -(-storage.nbytes() // CUDA_BLOCK_BYTES)
+            sizes.setdefault(StorageWeakRef(storage), blocks * CUDA_BLOCK_BYTES)
     return max(0, torch.cuda.memory_allocated(device) - sum(sizes.values()) - saves_bytes)
