@@ -394,7 +394,7 @@ class Backend:
         if not self.watching_eager():
             watch = self.eager_watch()
             if watch is not None:
-                watch.recording = False  # taken off the mode stack at the next forward
+                watch.recording = False  # off the stack after the next step or model call
         needed = eager_room_needed(current)
         if not needed or self.eager_gave_up:
             return {}
