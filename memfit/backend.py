@@ -116,6 +116,7 @@ class Region:
     eager_forward_bytes: int = 0  # most bytes eager code held at its measured forwards' start
     eager_backward_bytes: int = 0  # ... and at its measured backwards' start (the loop's loss)
     planned_eager_bytes: int = 0  # eager code's bytes its plan counts, alive over all of it
+    freed_output_bytes: int | None = None  # its outputs freed by its backward's start (fewest)
 
     @property
     def predicted_peak_bytes(self) -> int:

@@ -59,18 +59,28 @@ def _generators_kept(device: torch.device) -> Any:
 def eager_room_needed(regions: list[Region]) -> list[tuple[Region, int]]:
     """The regions whose plans leave no room for what eager code was seen to hold at the start
     of their measured forwards or backwards (measured by ``memfit.runtime.region_peak``), each
-    with the bytes its next plan counts. A plan counts them alive over the whole region: what
-    the loop holds at one backward's start (the loss and its buffers, the labels) it mostly
-    still holds at the next forward's (``loss`` lives until reassigned), so one re-plan covers
-    both. A region whose checked peak has room for them is left as it is.
+    with the bytes its next plan counts (``eager_bytes_to_plan``). A region whose checked peak
+    has room for them is left as it is.
     """
     needed = []
     for region in regions:
         if region.budget_bytes is None:
             continue
-        held = max(region.eager_forward_bytes, region.eager_backward_bytes)
+        held = eager_bytes_to_plan(region)
         checked = (region.bound or region.predicted).peak_bytes + region.outside_bytes
         if (held > region.planned_eager_bytes
                 and checked + held - region.planned_eager_bytes > region.budget_bytes):
             needed.append((region, held))
     return needed
+
+
+def eager_bytes_to_plan(region: Region) -> int:
+    """The eager bytes a plan of ``region`` counts, alive over the whole region: those seen at
+    its forwards' start, and those at its backwards' start less its outputs freed by then (a
+    plan is checked with every output held to the end: room those bytes take in fact; an eager
+    loss's buffer is the size of the output it read). What the loop holds at one backward's
+    start (the loss and its buffers, the labels) it mostly still holds at the next forward's
+    (``loss`` lives until reassigned), so one re-plan covers both.
+    """
+    backward = region.eager_backward_bytes - (region.freed_output_bytes or 0)
+    return max(region.eager_forward_bytes, backward, 0)

@@ -128,6 +128,9 @@ def measure_region_run(planner: Backend, region: Region, call: Callable[[list], 
     eager = outside_plans_bytes(planner, device, [*alive, *args], others + max(own, 0))
     if is_backward:
         region.eager_backward_bytes = max(region.eager_backward_bytes, eager)
+        freed = freed_output_bytes(region)
+        region.freed_output_bytes = (freed if region.freed_output_bytes is None
+                                     else min(region.freed_output_bytes, freed))
     else:
         region.eager_forward_bytes = max(region.eager_forward_bytes, eager)
     on_cpu = eager if device.type != "cuda" else 0  # CUDA's allocator counts them already
@@ -155,3 +158,14 @@ def outside_plans_bytes(planner: Backend, device: torch.device, counted: list,
         return cuda_outside_bytes(device, counted, saves_bytes)
     watch = planner.eager_watch()
     return watch.held_bytes(counted) if watch is not None else 0
+
+
+def freed_output_bytes(region: Region) -> int:
+    """Bytes of ``region``'s forward outputs already freed when its backward starts (the loop
+    dropped them; an eager loss's backward released them): its checked plan holds every output
+    to the step's end, so these are room the plan counts that eager code's bytes may take."""
+    names = {name for name, reference in zip(region.output_names, region.output_storages,
+                                             strict=False)
+             if name is not None and reference is not None and reference.expired()}
+    return sum(region.graph.tensors[name].size_bytes for name in names
+               if name in region.graph.tensors and region.graph.tensors[name].is_output)
