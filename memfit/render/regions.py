@@ -58,9 +58,14 @@ def _notes(planner: Backend) -> list[str]:
 def _eager_note(region: Region) -> str:
     """Bytes eager code held while ``region`` ran (``memfit.runtime.outside``), and whether its
     plan had room for them."""
+    from memfit.replanning import eager_bytes_to_plan
+
     held = max(region.eager_forward_bytes, region.eager_backward_bytes)
-    if region.planned_eager_bytes >= held:
-        status = f"its plan counts {format_bytes(region.planned_eager_bytes)} for it"
+    if region.budget_bytes is None:
+        status = "no budget to plan it in"
+    elif region.planned_eager_bytes >= eager_bytes_to_plan(region):
+        status = (f"its plan counts {format_bytes(region.planned_eager_bytes)} for it (the "
+                  "backward's less the outputs freed by then)")
     elif region.replaced:
         status = "a later plan of its code counts it"
     else:
