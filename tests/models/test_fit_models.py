@@ -16,9 +16,9 @@ Claims, per model:
   from the second iteration on the budget holds. Where no plan has that room, the re-plan
   raises ``BudgetError`` with the smallest peak (eager code's bytes included), and the test
   runs again at that budget, as a user would (measured: auto's minimum with them, 1,045,484 B,
-  is what iterations 2 and 3 measure). ``unet3d`` computes the same loss inside the compiled module (as a Hugging Face
-  model returns its loss), where it is planned from the first iteration: predicted peak =
-  measured peak.
+  is what iterations 2 and 3 measure). ``unet3d`` computes the same loss inside the compiled
+  module (as a Hugging Face model returns its loss), where it is planned from the first
+  iteration: predicted peak = measured peak.
 """
 
 from __future__ import annotations
