@@ -20,6 +20,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -57,13 +59,15 @@ from memfit.graph_breaks import (
     watch_recompile_limit,
 )
 from memfit.planning import BudgetWarning, Planned, analyzed, plan_step, resolve_hardware
-from memfit.replanning import plan_again_when_stale
+from memfit.replanning import eager_room_needed, plan_again_when_stale
+from memfit.runtime.outside import EagerWatch
 from memfit.runtime.region_peak import measure_region_run
 from memfit.runtime.resident import resident_bytes
 from memfit.runtime.streams import CopyEngine, active_engine
 
 COMPILERS = ("aot_eager", "inductor")
 MAX_JOINT_ROUNDS = 2  # joint re-plans of a graph-broken model; each costs a trace of every region
+MAX_EAGER_REPLANS = 3  # re-plans for what eager code holds beside the regions (it may keep growing)
 
 
 @dataclass
@@ -109,6 +113,10 @@ class Region:
     output_storages: tuple = field(default=(), repr=False)  # weakly, of its latest forward
     backward_input_names: tuple[str, ...] = ()  # its backward module's placeholders, in order
     observed: tuple | None = None  # what the loop held and passed at its latest backward
+    eager_forward_bytes: int = 0  # most bytes eager code held at its measured forwards' start
+    eager_backward_bytes: int = 0  # ... and at its measured backwards' start (the loop's loss)
+    planned_eager_bytes: int = 0  # eager code's bytes its plan counts, alive over all of it
+    freed_output_bytes: int | None = None  # its outputs freed by its backward's start (fewest)
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -149,6 +157,11 @@ class Backend:
         self.joint_rounds = 0  # times the regions were planned again jointly
         self.joint_failed = False  # planning jointly could not make a region fit (said once)
         self.eager_codes: list[str] = []  # code Dynamo stopped compiling (its recompile limit)
+        self.eager_held: dict[Any, int] = {}  # code -> eager code's bytes its plan counts
+        self.eager_replans = 0  # times regions were planned again for what eager code held
+        self.eager_gave_up = False  # eager code held more each time: no longer planned for
+        self._eager_watch: EagerWatch | None = None  # on a CPU, over the measured iterations
+        self.device: torch.device | None = None  # of the latest region compiled
         self._parameters: list[torch.Tensor] | None = None  # the model's and optimizers'
         self._resident_counted: tuple[Any, int] | None = None  # (what it depends on, bytes)
         watch_recompile_limit(self)
@@ -178,6 +191,7 @@ class Backend:
         """The region compiled with memfit as its partitioner (``plan_region``): by Dynamo's
         call, and again by ``memfit.replanning`` to plan it anew, from the same graph."""
         self._parameters = self._resident_counted = None  # count what is resident afresh
+        self.device = device
         from torch._dynamo.backends.common import aot_autograd
 
         engine = CopyEngine(device)
@@ -233,18 +247,19 @@ class Backend:
         trainable = trainable_parameter_bytes(joint, num_fwd_outputs, captured.inputs)
         later = self._later_gradient_bytes(device, trainable)
         graph = with_later_gradients(graph, later)
+        eager = self.eager_held.get(code, 0)  # seen held by eager code beside it
         resident = resident_bytes(self.model, self.optimizers, device)
         # regions whose forward ran and whose backward has not hold their saved values meanwhile
         # (a model with graph breaks: the later region plans around the earlier one's saves)
         pending = sum(region.saved_bytes * region.open_forwards for region in self.regions)
-        outside = max(0, resident - inside) + pending
+        outside = max(0, resident - inside) + pending + eager
 
         def lower(plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule, int]:
             forward, backward = split(rewrite(captured.graph_module, graph, plan),
                                       num_fwd_outputs, static_lifetime_input_indices)
             return forward, backward, saved_device_bytes(forward, num_fwd_outputs)
 
-        planned, budget_bytes, minimum = self._choose(graph, hardware, outside, pending)
+        planned, budget_bytes, minimum = self._choose(graph, hardware, outside, pending, eager)
         made, predicted = planned.plan, planned.predicted
         forward, backward, saved = lower(made)
         cap = self.saves_caps.get(code)
@@ -260,7 +275,8 @@ class Backend:
                                    trainable_bytes=trainable, later_gradient_bytes=later,
                                    output_names=output_tensor_names(joint, num_fwd_outputs,
                                                                     owners),
-                                   output_tangents=output_tangents(joint, num_fwd_outputs)))
+                                   output_tangents=output_tangents(joint, num_fwd_outputs),
+                                   planned_eager_bytes=eager))
         return forward, backward
 
     def _later_gradient_bytes(self, device: torch.device, trainable: int) -> int:
@@ -279,18 +295,19 @@ class Backend:
                       if region.open_forwards and not region.replaced)
         return max(0, sum(without_grad.values()) - trainable - earlier)
 
-    def _choose(self, graph: CostGraph, hardware: Hardware, outside: int, pending: int
-                ) -> tuple[Planned, int | None, int | None]:
+    def _choose(self, graph: CostGraph, hardware: Hardware, outside: int, pending: int,
+                eager: int = 0) -> tuple[Planned, int | None, int | None]:
         """The strategy's plan under the budget, the whole-device budget, and the region's
         smallest peak where it only misses the budget because of ``pending`` saves of earlier
-        regions (``None`` where it fits)."""
+        regions (``None`` where it fits). ``eager``: bytes eager code holds beside it, named in
+        the error where no plan fits."""
         budget = self.budget_override or self.budget
         try:
             planned = plan_step(graph, hardware, budget, self.strategy, self.params, outside,
                                 self.fixed_plan, self.what_ifs)
         except BudgetError as error:
             if not pending:
-                raise
+                raise with_eager_note(error, eager) from None
             planned = self._over_budget(graph, hardware, error, pending, outside)
             return planned, error.budget_bytes, error.minimum_bytes
         return planned, planned.budget.device_bytes, None
@@ -324,16 +341,21 @@ class Backend:
     # ---- planning the regions of a graph-broken model jointly -----------------------------------
 
     def iteration_closed(self) -> None:
-        """After a backward: once no region is open (the iteration's backward is done), if a
-        region could not fit because of earlier regions' saves, cap those saves and have Dynamo
-        trace every region again, so the next iteration fits (see ``memfit.graph_breaks``)."""
+        """After a backward: once no region is open (the iteration's backward is done), plan
+        again the regions whose plans left no room for what eager code held beside them
+        (``make_room_for_eager``); if a region could not fit because of earlier regions' saves,
+        cap those saves and plan every region again, so the next iteration fits (see
+        ``memfit.graph_breaks``)."""
         current = latest_regions(self.regions)
-        if any(region.open_forwards for region in current) or self.joint_failed:
+        if any(region.open_forwards for region in current):
+            return
+        grown = self.make_room_for_eager(current)
+        if self.joint_failed:
             return
         short = [region for region in current if region.minimum_bytes is not None]
         if not short:
             return
-        caps = saves_caps(current)
+        caps = saves_caps(current, grown)
         if self.joint_rounds >= MAX_JOINT_ROUNDS or all(
                 self.saves_caps.get(code) == cap for code, cap in caps.items()):
             self._joint_failed(short[0])  # nothing new to plan for: no caps, or the same again
@@ -362,6 +384,92 @@ class Backend:
         ``memfit.replanning``, does it without Dynamo tracing anything again)."""
         for region in latest_regions(self.regions):
             region.replaced = True
+
+    # ---- memory eager code holds while a region runs ---------------------------------------------
+
+    def make_room_for_eager(self, current: list[Region]) -> dict[int, int]:
+        """Have the regions whose plans left no room for the bytes eager code was seen to hold
+        at their start planned again with them (``memfit.replanning.eager_room_needed``); after
+        ``MAX_EAGER_REPLANS`` rounds, say once that eager code keeps holding more. A region
+        already at its smallest peak beside earlier regions' saves is not planned again for
+        them (the same plan would come back): its next plan, joint or not, counts them.
+
+        Returns:
+            region index -> the bytes its next plan counts beyond this one's (joint planning
+            leaves the regions before a graph break that much less room).
+        """
+        if not self.watching_eager():
+            watch = self.eager_watch()
+            if watch is not None:
+                watch.recording = False  # off the stack after the next step or model call
+        needed = eager_room_needed(current)
+        if not needed or self.eager_gave_up:
+            return {}
+        if self.eager_replans >= MAX_EAGER_REPLANS:
+            self.eager_gave_up = True
+            warnings.warn(
+                f"memfit: eager code outside the compiled regions held more after each of "
+                f"{MAX_EAGER_REPLANS} re-plans (a list of losses that keeps their buffers?); it "
+                "is no longer planned for, so the budget may not hold. Keep `loss.item()` rather "
+                "than the loss, or compute the loss inside the model.", BudgetWarning,
+                stacklevel=2)
+            return {}
+        for region, held in needed:
+            self.eager_held[region.code] = held  # its code's next plan counts them
+        fitting = [region for region, _ in needed if region.minimum_bytes is None]
+        if fitting:  # a short region runs at its smallest peak: only joint planning helps it
+            self.eager_replans += 1
+            for region in fitting:
+                region.replaced = True
+        return {region.index: held - region.planned_eager_bytes for region, held in needed}
+
+    def watching_eager(self) -> bool:
+        """Whether what eager code holds is still watched: with a budget, over the iterations
+        whose region runs are measured, until planning for it gave up."""
+        return (self.budget is not None and not self.eager_gave_up and self.measure_runs > 0
+                and any(region.measured_runs < 2 * self.measure_runs
+                        for region in latest_regions(self.regions)))
+
+    def eager_watch(self) -> EagerWatch | None:
+        """This thread's ``EagerWatch`` (a CPU's), if one is on."""
+        watch = self._eager_watch
+        return watch if watch is not None and watch.thread == threading.get_ident() else None
+
+    def watch_eager(self) -> None:
+        """After the compiled model returns on a CPU, while runs are measured: watch the eager
+        code that follows (the loop's loss and its backward, the optimizer, code at the graph
+        breaks of the next call) until runs are no longer measured. ``memfit.fit``'s module
+        calls it around the model's call: a mode pushed or popped inside Dynamo's compiled call
+        is undone by its dispatch-key guard when the call returns."""
+        device = self.device
+        if device is None or device.type != "cpu" or not self.watching_eager():
+            return
+        if self._eager_watch is None:
+            self._eager_watch = EagerWatch(device)
+        watch = self.eager_watch()
+        if watch is not None:
+            watch.recording = True
+            watch.start()
+
+    def end_eager_watch(self) -> None:
+        """Before the compiled model's call: the watch off the mode stack and dropped once no
+        run is measured any more."""
+        watch = self.eager_watch()
+        if watch is None or self.watching_eager():
+            return
+        watch.stop()
+        if not watch.on_stack():
+            self._eager_watch = None
+
+    def eager_watch_off(self) -> contextlib.AbstractContextManager:
+        """No watch on the mode stack inside the block (memfit's own tracing of a region, which
+        Dynamo does not do for it), balanced, so Dynamo's guard sees the stack it saved."""
+        from torch.utils._python_dispatch import _pop_mode_temporarily
+
+        watch = self.eager_watch()
+        if watch is None or not watch.on_stack():
+            return contextlib.nullcontext()
+        return _pop_mode_temporarily()
 
     def recompile_limit_hit(self, where: str) -> None:
         """Dynamo stopped compiling ``where`` for this backend (its recompile limit): that code
@@ -455,6 +563,18 @@ def saved_device_bytes(forward: fx.GraphModule, num_fwd_outputs: int) -> int:
     return sum(sizes.values())
 
 
+def with_eager_note(error: BudgetError, eager_bytes: int) -> BudgetError:
+    """``error``, saying that ``eager_bytes`` of the peak are eager code's (where any are)."""
+    if not eager_bytes:
+        return error
+    note = (f"{format_bytes(eager_bytes)} of it is held by eager code outside the compiled "
+            "regions while this one runs (the loss computed in the loop and its buffers, code at "
+            "a graph break; memfit.report shows where): compute the loss inside the model, or "
+            "raise the budget.")
+    return BudgetError(error.budget_bytes, error.minimum_bytes, error.dominant, error.strategy,
+                       f"{error.note} {note}".strip())
+
+
 def binding_bytes(node: fx.Node) -> int:
     value = node.meta.get("val")
     return value.untyped_storage().nbytes() if isinstance(value, torch.Tensor) else 0
@@ -484,7 +604,8 @@ def _runner(engine: CopyEngine, planner: Backend):
 
         def run(args: list) -> Any:
             given = tangents_given(region, args) if region is not None and is_backward else ()
-            with active_engine(engine):
+            watch = planner.eager_watch()
+            with active_engine(engine), watch.paused() if watch else contextlib.nullcontext():
                 if region is not None and region.measured_runs < 2 * planner.measure_runs:
                     result = measure_region_run(planner, region, forward, args, is_backward)
                 else:
@@ -574,7 +695,8 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
             for ``report``'s measured column (the first ones after each plan; 2 covers the first
             iteration, whose optimizer state is only reserved, and one with it real). A measured
             run starts a profiler (on a CPU) or a dispatch mode, which costs time, so not every
-            run is measured; 0 turns measuring off, a large number measures every run.
+            run is measured; 0 turns measuring off, a large number measures every run. The
+            bytes eager code holds beside a region are read on these runs only.
         **params: the strategy's parameters.
 
     Raises:
@@ -593,7 +715,11 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
         its parameters' gradients and state count; an optimizer it was not given is not found
         (``memfit.fit`` finds it by its first ``step``). Graph-broken regions are planned
         jointly after the first iteration either way. Dynamo's own guards (a frozen layer, a
-        new shape) trace and plan anew as ``torch.compile`` does.
+        new shape) trace and plan anew as ``torch.compile`` does. Bytes eager code holds while
+        a region runs (a loss computed in the loop, code at a graph break) are read at its
+        measured runs' start (``memfit.runtime.outside``: on CUDA from the allocator; on a CPU
+        only under ``memfit.fit``, whose module watches the eager code) and a region whose plan
+        had no room for them is planned again with them, before its next run.
 
     Example:
         >>> compiled = torch.compile(model, backend=memfit.backend(budget=0.5), dynamic=False)

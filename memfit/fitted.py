@@ -52,7 +52,9 @@ def fit(model: torch.nn.Module, budget: str | int | float | None = None,
 
 def _watch_optimizers(planner: Backend) -> None:
     """Find the loop's optimizer by its first step, when ``optimizer=`` was not given, so that
-    its state counts from the next iteration on (a global post-step hook, held weakly)."""
+    its state counts from the next iteration on (a global post-step hook, held weakly); after a
+    step, the watch of eager code leaves the mode stack once measuring has ended
+    (``Backend.end_eager_watch``)."""
     import weakref
 
     from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -63,6 +65,7 @@ def _watch_optimizers(planner: Backend) -> None:
         found = reference()  # a dead backend leaves a hook that does nothing: torch iterates
         if found is not None:  # the hooks while calling them, so it cannot remove itself here
             found.adopt(optimizer)
+            found.end_eager_watch()  # off the stack once measuring ended (not inside a backward)
 
     register_optimizer_step_post_hook(adopt)
 
@@ -82,6 +85,7 @@ def _fitted_class() -> type:
     class FittedModule(OptimizedModule):
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
             planner = self._memfit_backend
+            planner.end_eager_watch()
             try:
                 with _rnn_traced(self._memfit_traces_rnns):
                     result = super().__call__(*args, **kwargs)
@@ -92,6 +96,7 @@ def _fitted_class() -> type:
                 raise
             if planner.compiler == "aot_eager":  # its backward modules take None (inductor's do not)
                 _lazy_output_gradients(result)
+            planner.watch_eager()  # what the loop holds beside the regions (memfit.runtime.outside)
             return result
 
     return FittedModule

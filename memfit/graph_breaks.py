@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import CodeType
 from typing import TYPE_CHECKING, Any
 
@@ -49,17 +49,21 @@ def latest_regions(regions: Sequence[Region]) -> list[Region]:
     return sorted(newest.values(), key=lambda region: region.index)
 
 
-def saves_caps(regions: Sequence[Region]) -> dict[CodeType, int]:
+def saves_caps(regions: Sequence[Region], grown_bytes: Mapping[int, int] | None = None
+               ) -> dict[CodeType, int]:
     """The most device bytes each earlier region may save so that every region that ran short
     fits its budget: what a short region has for the saves before it (its budget less its
     smallest peak without them) split among the earlier regions in proportion to what they
     saved. Regions whose smallest peak is over the budget even alone get nothing from this.
+    ``grown_bytes``: region index -> bytes its next plan counts beyond this one's (eager code's,
+    ``Backend.make_room_for_eager``), which raise its smallest peak by at most as much.
     """
     caps: dict[CodeType, int] = {}
     for position, short in enumerate(regions):
         if short.minimum_bytes is None or short.budget_bytes is None:
             continue
-        room = short.budget_bytes - (short.minimum_bytes - short.pending_bytes)
+        grown = (grown_bytes or {}).get(short.index, 0)
+        room = short.budget_bytes - (short.minimum_bytes + grown - short.pending_bytes)
         earlier = [region for region in regions[:position]
                    if region.code is not None and region.saved_bytes]
         total = sum(region.saved_bytes for region in earlier)

@@ -1,6 +1,7 @@
 """Plans made again, before a compiled region runs, when more stays resident than they left room
 for: optimizer state found by its first ``step`` (no ``optimizer=``), gradients kept across
-micro-batches, or a newer plan asked for by joint planning after a graph break.
+micro-batches, bytes eager code held beside the region (``eager_room_needed``: the loop's loss,
+code at a graph break), or a newer plan asked for by joint planning after a graph break.
 
 The re-plan lives in the callable the backend gives Dynamo for each region, not in a Dynamo
 guard: a guard is traced only where the frame Dynamo compiles reads the value it guards, and where
@@ -41,7 +42,7 @@ def plan_again_when_stale(planner: Backend, graph_module: fx.GraphModule, device
     def run(*args: Any) -> Any:
         if planner.must_plan_again(current[1], device):
             first = len(planner.regions)
-            with _generators_kept(device):
+            with _generators_kept(device), planner.eager_watch_off():
                 current[0] = planner.compile_region(graph_module, list(args), device, code)
             current[1] = planner.regions[first:] or current[1]
         return current[0](*args)
@@ -53,3 +54,33 @@ def _generators_kept(device: torch.device) -> Any:
     """The CPU's random generator (and ``device``'s, on CUDA) as they were, after the block."""
     devices = [device.index or 0] if device.type == "cuda" else []
     return torch.random.fork_rng(devices=devices)
+
+
+def eager_room_needed(regions: list[Region]) -> list[tuple[Region, int]]:
+    """The regions whose plans leave no room for what eager code was seen to hold at the start
+    of their measured forwards or backwards (measured by ``memfit.runtime.region_peak``), each
+    with the bytes its next plan counts (``eager_bytes_to_plan``). A region whose checked peak
+    has room for them is left as it is.
+    """
+    needed = []
+    for region in regions:
+        if region.budget_bytes is None:
+            continue
+        held = eager_bytes_to_plan(region)
+        checked = (region.bound or region.predicted).peak_bytes + region.outside_bytes
+        if (held > region.planned_eager_bytes
+                and checked + held - region.planned_eager_bytes > region.budget_bytes):
+            needed.append((region, held))
+    return needed
+
+
+def eager_bytes_to_plan(region: Region) -> int:
+    """The eager bytes a plan of ``region`` counts, alive over the whole region: those seen at
+    its forwards' start, and those at its backwards' start less its outputs freed by then (a
+    plan is checked with every output held to the end: room those bytes take in fact; an eager
+    loss's buffer is the size of the output it read). What the loop holds at one backward's
+    start (the loss and its buffers, the labels) it mostly still holds at the next forward's
+    (``loss`` lives until reassigned), so one re-plan covers both.
+    """
+    backward = region.eager_backward_bytes - (region.freed_output_bytes or 0)
+    return max(region.eager_forward_bytes, backward, 0)

@@ -32,9 +32,10 @@ def _notes(planner: Backend) -> list[str]:
     if any(region.measured_peak_bytes is not None for region in planner.regions):
         notes.append("measured: the device's peak while the region's forward or backward ran "
                      "(latest measured run); on a CPU, of the tensors memfit sees (the model, "
-                     "optimizer state, the regions' inputs, outputs and saves), not others the "
-                     "loop may hold. gap: measured - predicted; 'ops': counted from what ops "
-                     "returned (a profiler of the user's was on), kernel scratch not seen.")
+                     "optimizer state, the regions' inputs, outputs and saves, and what eager "
+                     "code was seen to hold), not others the loop may hold. gap: measured - "
+                     "predicted; 'ops': counted from what ops returned (a profiler of the "
+                     "user's was on), kernel scratch not seen.")
     if planner.joint_rounds:
         notes.append(f"planned jointly {planner.joint_rounds} time(s): a region could not fit "
                      "beside the saves of the regions before its graph break, so those save "
@@ -44,9 +45,35 @@ def _notes(planner: Backend) -> list[str]:
     if planner.replans:
         notes.append(f"planned again {planner.replans} time(s): more stayed resident than the "
                      "earlier plans left room for (optimizer state, kept gradients)")
+    notes += [_eager_note(region) for region in planner.regions
+              if region.eager_forward_bytes or region.eager_backward_bytes]
+    if planner.eager_replans:
+        notes.append(f"planned again {planner.eager_replans} time(s) with room for what eager "
+                     "code held beside the regions (its plan's budget counts it)")
     for where in planner.eager_codes:
         notes.append(f"ran outside any plan: {where} (Dynamo's recompile limit)")
     return notes
+
+
+def _eager_note(region: Region) -> str:
+    """Bytes eager code held while ``region`` ran (``memfit.runtime.outside``), and whether its
+    plan had room for them."""
+    from memfit.replanning import eager_bytes_to_plan
+
+    held = max(region.eager_forward_bytes, region.eager_backward_bytes)
+    if region.budget_bytes is None:
+        status = "no budget to plan it in"
+    elif region.planned_eager_bytes >= eager_bytes_to_plan(region):
+        status = (f"its plan counts {format_bytes(region.planned_eager_bytes)} for it (the "
+                  "backward's less the outputs freed by then)")
+    elif region.replaced:
+        status = "a later plan of its code counts it"
+    else:
+        status = "its plan had room for it"
+    return (f"ran outside any plan: {format_bytes(held)} held by eager code while region "
+            f"{region.index} ran ({format_bytes(region.eager_backward_bytes)} at its backward's "
+            f"start, {format_bytes(region.eager_forward_bytes)} at its forward's: the loop's "
+            f"loss and its buffers, the loss's target, code at a graph break); {status}")
 
 
 def _row(region: Region) -> tuple:

@@ -11,8 +11,8 @@ Dynamo fall back to eager). What is alive at the start is read from the allocato
 (``torch.cuda.memory_allocated``: every byte, whoever holds it); on a CPU, which has no such
 counter, it is what memfit knows to be alive (parameters, gradients, buffers, optimizer state,
 the module's arguments, the saves of regions still open and, in a backward, its forward's
-inputs and outputs still alive), so other tensors the user's loop holds (the labels of a loss
-computed outside the region) are not in the CPU figure.
+inputs and outputs still alive) plus what eager code was seen to hold
+(``memfit.runtime.outside``: the loss computed in the loop, its buffers and labels).
 
 Example:
     >>> result, peak_bytes = run_measured(module, args, device, resident, outside_bytes=0)
@@ -124,7 +124,9 @@ def measure_region_run(planner: Backend, region: Region, call: Callable[[list], 
     Alive beside it: the model, its optimizers' state, the saves of the other open regions (and,
     for a forward, of this region's own earlier forwards whose backward has not run) and, for a
     backward, the inputs and outputs of its forward still alive (the loop holds the batch and
-    the loss; a CPU ``mse_loss`` returns a 0-dim view of an input-sized buffer).
+    the loss), and what eager code holds beyond those (``outside_plans_bytes``: a CPU
+    ``mse_loss`` returns a 0-dim view of an input-sized buffer), noted on the region as
+    ``eager_forward_bytes`` / ``eager_backward_bytes`` for its next plan.
     """
     import weakref
 
@@ -139,8 +141,17 @@ def measure_region_run(planner: Backend, region: Region, call: Callable[[list], 
     inputs = [weakref.ref(value) for value in args if isinstance(value, torch.Tensor)]
     if is_backward:
         alive += [value for value in (ref() for ref in region.forward_values) if value is not None]
+    eager = outside_plans_bytes(planner, device, [*alive, *args], others + max(own, 0))
+    if is_backward:
+        region.eager_backward_bytes = max(region.eager_backward_bytes, eager)
+        freed = freed_output_bytes(region)
+        region.freed_output_bytes = (freed if region.freed_output_bytes is None
+                                     else min(region.freed_output_bytes, freed))
+    else:
+        region.eager_forward_bytes = max(region.eager_forward_bytes, eager)
+    on_cpu = eager if device.type != "cuda" else 0  # CUDA's allocator counts them already
     result, peak_bytes, region.measured_by = run_measured(call, args, device, alive,
-                                                          others + max(own, 0))
+                                                          others + max(own, 0) + on_cpu)
     if is_backward:
         region.measured_backward_bytes = peak_bytes
     else:
@@ -149,3 +160,28 @@ def measure_region_run(planner: Backend, region: Region, call: Callable[[list], 
         region.measured_forward_bytes = peak_bytes
     region.measured_runs += 1
     return result
+
+
+def outside_plans_bytes(planner: Backend, device: torch.device, counted: list,
+                        saves_bytes: int) -> int:
+    """Bytes alive on ``device`` that no plan counts (eager code's: the loop's loss and its
+    buffers, tensors made at a graph break), beside ``counted`` tensors and ``saves_bytes`` of
+    open regions' saves: from CUDA's allocator, or on a CPU from the backend's ``EagerWatch``
+    (0 where this thread has none)."""
+    from memfit.runtime.outside import cuda_outside_bytes
+
+    if device.type == "cuda":
+        return cuda_outside_bytes(device, counted, saves_bytes)
+    watch = planner.eager_watch()
+    return watch.held_bytes(counted) if watch is not None else 0
+
+
+def freed_output_bytes(region: Region) -> int:
+    """Bytes of ``region``'s forward outputs already freed when its backward starts (the loop
+    dropped them; an eager loss's backward released them): its checked plan holds every output
+    to the step's end, so these are room the plan counts that eager code's bytes may take."""
+    names = {name for name, reference in zip(region.output_names, region.output_storages,
+                                             strict=False)
+             if name is not None and reference is not None and reference.expired()}
+    return sum(region.graph.tensors[name].size_bytes for name in names
+               if name in region.graph.tensors and region.graph.tensors[name].is_output)

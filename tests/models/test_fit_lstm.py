@@ -6,7 +6,9 @@ The LSTM runs as eager runs it (``memfit.graph.rnn``): one oneDNN ``mkldnn_rnn_l
 with its training kernel, whose workspace (520 KB a layer here, more than the rest of the
 activations together) the planner sizes, swaps or recomputes. Half and 0.3 of eager's peak do
 not fit this model (parameters, gradients and AdamW state are 46% of eager's peak, and oneDNN's
-kernel buffers are counted), so both run at auto's true minimum, 0.85 of eager's peak.
+kernel buffers are counted), so both run at auto's true minimum (0.85 of eager's peak, plus
+what the loop holds beside the region, which memfit reads and plans for: the eager loss's
+labels and the gradient copies ``train`` keeps, ``memfit.runtime.outside``).
 
 Prediction: the region's predicted peak is above the measured one by less than two logits
 tensors (measured: 64,504 B over 2.6 MB, 2.5%, under auto and keep alike). One is the logits,
@@ -34,14 +36,22 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compiled_fresh")]
 
 def fitted_within(fraction: float, strategy: str, eager_peak: int):
     """A runner for ``train`` at ``fraction`` of eager's peak, or at the strategy's minimum where
-    that does not fit (found by a first attempt, whose error must name a larger minimum)."""
+    that does not fit (found by first attempts, whose errors must name a larger minimum: at the
+    first compile, then at a re-plan that counts what the loop holds beside the region: the
+    eager loss's labels from the second iteration on, and the gradient copies ``train`` makes
+    at a step and keeps into the next iteration, from the third, so these attempts keep them
+    too)."""
     example, budget = examples.lstm(), int(fraction * eager_peak)
-    try:
-        train(example, copy.deepcopy(example.model), runner(budget, strategy), iterations=1)
-    except memfit.BudgetError as error:
-        assert error.minimum_bytes > budget
-        budget = error.minimum_bytes
-    torch._dynamo.reset()
+    for _attempt in range(3):
+        try:
+            train(example, copy.deepcopy(example.model), runner(budget, strategy), iterations=3,
+                  gradients=[])
+            break
+        except memfit.BudgetError as error:
+            assert error.minimum_bytes > budget
+            budget = error.minimum_bytes
+        finally:
+            torch._dynamo.reset()
     return budget
 
 

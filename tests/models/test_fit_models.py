@@ -1,18 +1,24 @@
 """memfit.fit on real models in the user's loop (forward, ``loss.backward()``, AdamW step, two
-iterations), auto at half of *eager's* measured iteration peak, or at auto's true minimum where
-half does not fit.
+iterations, three where the budget holds from the second), auto at half of *eager's* measured
+iteration peak, or at auto's true minimum where half does not fit.
 
 Claims, per model:
 - always: losses and weights after the loop bit for bit eager's (deterministic algorithms on);
-- where ``BUDGET_HOLDS``: every iteration's measured peak (the first included, AdamW state
-  included) within the budget. The CPU kernels' own buffers are counted
+- every iteration's measured peak from ``BUDGET_HOLDS_FROM`` on (1: the first included, AdamW
+  state included) within the budget. The CPU kernels' own buffers are counted
   (``memfit/graph/temporaries.py``: dropout, batch norm, oneDNN convolutions by rule or, for 3D and
   transposed ones, measured once per shape; reduced losses' elementwise buffers).
-  ``unet3d_loss_outside`` does not hold, by its loss: computed eagerly outside the compiled model,
-  CPU ``mse_loss`` keeps its elementwise buffer (65,536 B) under the 0-dim loss until the backward
-  ends, in memory no region plans and that a CPU allocator cannot be asked about (measured: peak
-  = budget + 65,540 B). ``unet3d`` computes the same loss inside the compiled module (as a
-  Hugging Face model returns its loss), where it is planned: predicted peak = measured peak.
+  ``unet3d_loss_outside`` computes its loss eagerly, outside the compiled model: CPU ``mse_loss``
+  keeps its elementwise buffer (65,536 B) under the 0-dim loss until the backward ends, beside
+  the target (65,536 B), in memory no first plan knows of (before memfit read it, every
+  iteration measured budget + 65,540 B). memfit reads what eager code holds at the region's
+  start on its measured runs (``memfit.runtime.outside``) and plans again with room for it:
+  from the second iteration on the budget holds. Where no plan has that room, the re-plan
+  raises ``BudgetError`` with the smallest peak (eager code's bytes included), and the test
+  runs again at that budget, as a user would (measured: auto's minimum with them, 1,045,484 B,
+  is what iterations 2 and 3 measure). ``unet3d`` computes the same loss inside the compiled
+  module (as a Hugging Face model returns its loss), where it is planned from the first
+  iteration: predicted peak = measured peak.
 """
 
 from __future__ import annotations
@@ -51,8 +57,8 @@ def _unet3d() -> examples.Example:
     return examples.unet3d(channels=(4, 8, 16), size=16)
 
 
-BUDGET_HOLDS = {"llama": True, "t5": True, "bert": True, "gpt2": True, "cnn": True, "vit": True,
-                "resnet50": True, "unet3d": True, "unet3d_loss_outside": False}
+BUDGET_HOLDS_FROM = {"llama": 1, "t5": 1, "bert": 1, "gpt2": 1, "cnn": 1, "vit": 1, "resnet50": 1,
+                     "unet3d": 1, "unet3d_loss_outside": 2}  # the iteration the budget holds from
 BUILDERS = {"llama": examples.llama, "t5": examples.t5, "bert": examples.bert,
             "gpt2": examples.gpt2, "cnn": examples.cnn, "vit": examples.vit,
             "resnet50": lambda: examples.resnet50_shaped(widths=(8, 16, 32, 64), image=32,
@@ -83,7 +89,7 @@ def train(example, model, runner=None, iterations: int = 2, gradients: list | No
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            return loss.detach()
+            return loss.detach().clone()  # not a view that keeps a CPU mse_loss buffer alive
 
         measured = measure_allocator_peak(
             iteration, track=(list(model.parameters()), list(model.buffers()), optimizer.state,
@@ -97,32 +103,36 @@ def train(example, model, runner=None, iterations: int = 2, gradients: list | No
                                                 for fraction in FRACTIONS.get(name, (0.5,))])
 def test_fit_trains_real_models_as_eager(name, fraction):
     example = BUILDERS[name]()
+    holds_from = BUDGET_HOLDS_FROM[name]
+    iterations = 2 if holds_from == 1 else holds_from + 1
     reference = copy.deepcopy(example.model)
-    reference_losses, eager_peaks = train(example, reference)
-    model = copy.deepcopy(example.model)
+    reference_losses, eager_peaks = train(example, reference, iterations=iterations)
     budget = int(fraction * max(eager_peaks))
 
     compiled = []
 
-    def fitted(model, optimizer, budget_bytes=budget):
-        compiled.append(memfit.fit(model, budget=budget_bytes, optimizer=optimizer))
+    def fitted(model, optimizer):
+        compiled.append(memfit.fit(model, budget=budget, optimizer=optimizer))
         return compiled[-1]
 
-    try:
-        losses, peaks = train(example, model, fitted)
-    except memfit.BudgetError as error:  # the fraction does not fit: auto's minimum must
-        assert error.minimum_bytes > budget
-        budget = error.minimum_bytes
+    for _attempt in range(3):  # the fraction may not fit: then auto's minimum must
         model = copy.deepcopy(example.model)
-        losses, peaks = train(example, model, lambda m, o: fitted(m, o, budget))
+        try:
+            losses, peaks = train(example, model, fitted, iterations)
+            break
+        except memfit.BudgetError as error:  # at compile, or at a re-plan with eager code's bytes
+            assert error.minimum_bytes > budget
+            budget = error.minimum_bytes
+    else:
+        pytest.fail(f"no run fit the budget {budget:,} B in 3 attempts")
     for loss, expected in zip(losses, reference_losses, strict=True):
         assert torch.equal(loss, expected)
     for parameter, expected in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(parameter, expected)
     for buffer, expected in zip(model.buffers(), reference.buffers(), strict=True):
         assert torch.equal(buffer, expected)
-    if BUDGET_HOLDS[name]:
-        assert max(peaks) <= budget, (peaks, budget)
+    print(f"{name}: budget {budget:,} B, measured {peaks}")
+    assert max(peaks[holds_from - 1:]) <= budget, (peaks, budget)
     if name in PREDICTION_MATCHES:  # one region, AdamW's state reserved: its predicted peak
         predicted = max(r.predicted_peak_bytes for r in compiled[-1]._memfit_backend.regions)
         print(f"{name}: predicted {predicted:,} B, measured {max(peaks):,} B")

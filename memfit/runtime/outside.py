@@ -1,0 +1,138 @@
+"""Device bytes that eager code holds while a planned region runs: the user's loss, code at a
+graph break, tensors the loop keeps.
+
+No plan covers what runs between and after the compiled regions, yet the device holds it while a
+region runs: CPU ``mse_loss`` (reduced) returns a 0-dim view of an input-sized elementwise buffer
+that lives under the user's ``loss`` until the backward ends; the loss's target lives in the
+loop. memfit reads these bytes at the start of each region's measured runs and plans the region
+again with room for them (``Backend.iteration_closed``).
+
+On CUDA the allocator says it: ``torch.cuda.memory_allocated`` at the region's start, less what
+memfit knows to be alive there. A CPU allocator has no such counter, so on a CPU an
+``EagerWatch`` notes the storages that ops run outside the regions make or read: a dispatch mode
+that Dynamo leaves compiled code running under (``ignore_compile_internals``; an ordinary mode
+makes Dynamo fall back to eager), kept on the thread's mode stack only over the iterations memfit
+measures. It sees what ops see: a tensor made before the watch started and never passed to an
+op since is not in it.
+
+Example:
+    >>> watch = EagerWatch(torch.device("cpu"))
+    >>> watch.start(); loss = loss_fn(model(x), y); watch.stop()
+    >>> watch.held_bytes(counted=[x, *model.parameters()])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._pytree import tree_leaves
+
+from memfit.runtime.host import is_host_storage
+
+
+class EagerWatch(TorchDispatchMode):
+    """Notes, weakly, every device storage that an op run inside it makes or reads while
+    ``recording``; ``held_bytes`` sums those still alive. Compiled regions run with ``recording``
+    off (``paused``), so what it holds is eager code's."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.recording = True
+        self.thread = threading.get_ident()  # a mode stack is per thread: only this one's ops
+        self._storages: dict[StorageWeakRef, int] = {}
+        self._pruned_at = 0  # entries after the last pruning of dead storages
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Dynamo keeps compiling and running compiled code while this mode is on."""
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if self.recording:
+            self._note((args, kwargs, result))
+        return result
+
+    def _note(self, values: Any) -> None:
+        for leaf in tree_leaves(values):
+            if (not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided
+                    or leaf.device != self.device or leaf.is_meta
+                    or torch._subclasses.fake_tensor.is_fake(leaf)):
+                continue
+            storage = leaf.untyped_storage()
+            if not is_host_storage(storage):
+                self._storages.setdefault(StorageWeakRef(storage), storage.nbytes())
+        if len(self._storages) > 2 * self._pruned_at + 1024:  # drop the dead now and then
+            self._prune()
+
+    def _prune(self) -> None:
+        self._storages = {ref: size for ref, size in self._storages.items() if not ref.expired()}
+        self._pruned_at = len(self._storages)
+
+    def held_bytes(self, counted: Iterable[Any]) -> int:
+        """Bytes of the noted storages alive now, less those of the tensors in ``counted``
+        (what memfit counts already: the model, optimizer state, the region's arguments)."""
+        self._prune()
+        known = {StorageWeakRef(leaf.untyped_storage()) for leaf in tree_leaves(list(counted))
+                 if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided
+                 and not leaf.is_meta}
+        return sum(size for ref, size in self._storages.items() if ref not in known)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Nothing is noted inside the block (a compiled region's run)."""
+        recording, self.recording = self.recording, False
+        try:
+            yield
+        finally:
+            self.recording = recording
+
+    def start(self) -> None:
+        """Put the watch on this thread's mode stack, where no mode of the user's is on (a mode
+        that ends later would otherwise pop this one), and never inside a backward (autograd
+        puts each node's thread state back after it runs). Another model's watch left on top
+        (its backend stopped measuring with no call since to take it off) is taken off: one
+        watch at a time, the latest fitted model's."""
+        if (threading.get_ident() != self.thread or self.on_stack()
+                or torch._C._current_graph_task_id() != -1):
+            return
+        while torch._C._len_torch_dispatch_stack() > 0:
+            top = _get_current_dispatch_mode()
+            if not isinstance(top, EagerWatch):
+                return
+            top.__exit__(None, None, None)
+        self.__enter__()
+
+    def stop(self) -> None:
+        """Take the watch off the mode stack where it is on top (outside a backward); what it
+        noted stays readable."""
+        if (threading.get_ident() == self.thread and self.on_stack()
+                and torch._C._current_graph_task_id() == -1):
+            self.__exit__(None, None, None)
+
+    def on_stack(self) -> bool:
+        return (torch._C._len_torch_dispatch_stack() > 0
+                and _get_current_dispatch_mode() is self)
+
+
+CUDA_BLOCK_BYTES = 512  # CUDA's caching allocator rounds every block up to a multiple of this
+
+
+def cuda_outside_bytes(device: torch.device, counted: Iterable[Any], saves_bytes: int) -> int:
+    """Bytes CUDA's allocator holds on ``device`` now beyond the storages in ``counted`` (each as
+    the allocator sizes its block) and ``saves_bytes`` of other regions' saves: what no plan
+    knows of (eager code's tensors)."""
+    sizes: dict[StorageWeakRef, int] = {}
+    for leaf in tree_leaves(list(counted)):
+        if isinstance(leaf, torch.Tensor) and leaf.device == device:
+            storage = leaf.untyped_storage()
+            blocks = -(-storage.nbytes() // CUDA_BLOCK_BYTES)
+            sizes.setdefault(StorageWeakRef(storage), blocks * CUDA_BLOCK_BYTES)
+    return max(0, torch.cuda.memory_allocated(device) - sum(sizes.values()) - saves_bytes)
