@@ -37,8 +37,13 @@ from memfit.core.simulate import simulate
 from memfit.core.timeline import Timeline
 from memfit.core.units import Budget, format_bytes
 from memfit.graph.capture import DECOMPOSE
-from memfit.graph.joint import (as_captured, drop_unread_running_statistics, elide_clones,
-                                record_scopes, split)
+from memfit.graph.joint import (
+    as_captured,
+    drop_unread_running_statistics,
+    elide_clones,
+    record_scopes,
+    split,
+)
 from memfit.graph.lifetimes import (
     observe_loop,
     output_tangents,
