@@ -39,7 +39,13 @@ from memfit.core.simulate import simulate
 from memfit.core.timeline import Timeline
 from memfit.core.units import Budget, format_bytes
 from memfit.graph.capture import DECOMPOSE
-from memfit.graph.joint import as_captured, elide_clones, record_scopes, split
+from memfit.graph.joint import (
+    as_captured,
+    drop_unread_running_statistics,
+    elide_clones,
+    record_scopes,
+    split,
+)
 from memfit.graph.lifetimes import (
     observe_loop,
     output_tangents,
@@ -233,6 +239,7 @@ class Backend:
         """
         hardware = resolve_hardware(self.hardware_spec, device)
         elide_clones(joint)
+        drop_unread_running_statistics(joint)
         record_scopes(joint, self.scope_prefix)
         size_lstm_buffers(joint.graph, num_fwd_outputs)
         captured = as_captured(joint, num_fwd_outputs, static_lifetime_input_indices)

@@ -123,12 +123,17 @@ def _unique_bytes(tree: Any, device: torch.device) -> int:
 
 def _allocator_peak_above_start(run: Callable[[], Any]) -> tuple[Any, int]:
     """``run()``'s result and the most bytes the CPU allocator held above its start level."""
+    import gc
     import json
     import tempfile
     from pathlib import Path
 
     from torch.profiler import ProfilerActivity, profile
 
+    # the allocator reports a free of a block allocated while an earlier profile ran as a
+    # negative delta: cyclic garbage from an earlier measured call, collected during this one
+    # (a compile allocates enough to start the collector), would lower this call's peak
+    gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         result = run()
     with tempfile.TemporaryDirectory() as folder:

@@ -106,6 +106,39 @@ def test_an_unused_outputs_gradient_is_zeros_only_where_read(uses_hidden):
         assert torch.equal(parameter.grad, reference_parameter.grad)
 
 
+def _conv_batch_norm() -> nn.Module:
+    return nn.Sequential(*(module for width in (3, 8) for module in (
+        nn.Conv2d(width, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True))))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_backward_saves_no_running_statistics_in_training(training):
+    """In training the backward normalizes by the saved mean and inverse deviation, so the
+    forward saves no copy of the updated running statistics (eager holds none; the buffers
+    themselves are resident); in eval it reads the buffers. Training is eager's bit for bit,
+    buffers included."""
+    torch.manual_seed(0)
+    model, reference = _conv_batch_norm().train(training), _conv_batch_norm().train(training)
+    reference.load_state_dict(model.state_dict())
+    inputs = torch.randn(2, 3, 8, 8)
+    compiled = memfit.fit(model, strategy="keep")
+    losses = []
+    for module in (compiled, reference):
+        loss = module(inputs).square().sum()
+        loss.backward()
+        losses.append(loss)
+    backward = compiled._memfit_backend.regions[0].backward.graph
+    readers = backward.find_nodes(op="call_function",
+                                  target=torch.ops.aten.native_batch_norm_backward.default)
+    assert len(readers) == 2
+    assert all((node.args[3:5] == (None, None)) == training for node in readers)
+    assert torch.equal(losses[0], losses[1])
+    for parameter, reference_parameter in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(parameter.grad, reference_parameter.grad)
+    for buffer, reference_buffer in zip(model.buffers(), reference.buffers(), strict=True):
+        assert torch.equal(buffer, reference_buffer)
+
+
 @pytest.mark.parametrize("dynamo_path, prefix, expected", [
     ("L['self'].model.transformer.h[0].attn", "model.", "transformer.h.0.attn"),
     ("L['self'].model.0", "model.", "0"),

@@ -3,7 +3,9 @@
 A compiled step can hold copies eager never makes: decompositions turn ``dropout(p=0)`` into
 ``input.clone()`` (BERT: 440 KB above eager, elided by ``elide_clones``), and autograd fills
 the gradients of outputs nothing used (a Llama's or T5's key/value cache and logits: 256 KB
-above eager, now made only where the backward reads them). Measured over whole iterations in
+above eager, now made only where the backward reads them), and a training-mode batch norm's
+backward was handed the updated running statistics it never reads (saved: CNN 256 B, ResNet
+3,952 B above eager; ``drop_unread_running_statistics``). Measured over whole iterations in
 the user's loop (AdamW state included), as ``test_fit_models`` measures them.
 """
 
