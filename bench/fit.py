@@ -201,7 +201,7 @@ def weights_verdict(model: torch.nn.Module, reference: torch.nn.Module, name: st
         return f"bitwise {name}'s"
     if all(torch.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in pairs):
         return f"allclose {name}'s"
-    largest = max(float((a - b).abs().max()) for a, b in pairs)
+    largest = max(float((a - b).detach().abs().max()) for a, b in pairs)
     return f"differ from {name}'s (up to {largest:.1e})"
 
 
