@@ -5,13 +5,21 @@ whole iteration each (forward, ``loss.backward()``, AdamW ``step``, ``zero_grad`
 the iteration's, optimizer state included, measured by the allocator's own statistics
 (``measure_allocator_peak``: the profiler's CPU-allocator events above the resident parameters,
 optimizer state and batch), since a dispatch mode would disable compiled code. Budgets are
-fractions of eager's measured peak. Times are medians of interleaved runs after warm-ups that
-compile and plan.
+fractions of eager's measured peak, or checkpointing's measured peak. Checkpointing every block
+is what a user writes: GPT-2's ``gradient_checkpointing_enable`` (a transformer block),
+``torch.utils.checkpoint`` around each ResNet bottleneck layer (16) and around each MONAI
+``ResidualUnit`` (4 down, 3 up) and up-sampling ``Convolution`` (3) of the U-Net, non-reentrant. Weights are
+compared with eager's, and for memfit with ``compiler="inductor"`` with
+``torch.compile(backend="inductor")``'s, the step it reproduces: bitwise (``torch.equal``),
+"allclose" (within ``torch.testing.assert_close``'s float32 defaults, rtol 1.3e-6, atol 1e-5,
+as torch's inductor tests use), or the largest difference. Times are medians of interleaved
+runs after warm-ups that compile, plan and finish memfit's measured runs.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,21 +27,67 @@ import torch
 
 import memfit
 from bench.common import interleaved_medians_s, mib, ms
+from bench.recompute import SINGLE_THREAD_NOTE, block_paths, wrap_blocks
 from memfit import examples
 from memfit.runtime.measure import measure_allocator_peak
 
 FIT_HEADERS = ("model", "method", "iteration peak", "vs eager", "step time", "vs eager",
                "weights after 2 steps")
-COMPILERS = ("aot_eager",)
+COMPILERS = ("aot_eager", "inductor")
+FRACTIONS = (0.5, 0.3)  # memfit auto's budgets, of eager's measured peak
+EAGER = "eager"
+CHECKPOINT = "torch.utils.checkpoint, every block"
+TIMED_REPEATS = 5  # interleaved timed iterations per method; the median is reported
+# Every compiled method of a model adds a Dynamo cache entry to the same code objects (one per
+# torch.compile call: its backend differs). A torch._dynamo.reset() between builds would drop the
+# earlier methods' entries, so each would compile (and memfit plan, and measure) again inside
+# the timed iterations; past Dynamo's default limit of 8 entries, the rest would run eagerly.
+RECOMPILE_LIMIT = 64
+# torch.testing.assert_close's float32 defaults, the tolerance torch's inductor tests use
+RTOL, ATOL = 1.3e-6, 1e-5
+
+
+def compiled_name(compiler: str) -> str:
+    return f'torch.compile(backend="{compiler}")'
+
+
+def own_backend(compiler: str) -> Callable:
+    """torch's backend ``compiler`` as a callable of its own. Dynamo reuses a compiled graph for
+    another copy of the model when the backend is the same callable and no guard fails (it does
+    not guard on ``activation_memory_budget``): a second ``torch.compile(backend="aot_eager")``
+    would run the first one's graph."""
+    return functools.partial(torch._dynamo.lookup_backend(compiler))
 
 
 @dataclass
 class Method:
+    """One way to train: ``build()`` gives (model, one iteration, optimizer); its weights after
+    the measured iterations are compared with those of the method named ``reference``."""
+
     name: str
     build: Callable[[], tuple[torch.nn.Module, Callable[[], torch.Tensor], torch.optim.Optimizer]]
+    reference: str = EAGER
 
 
-def _loop(model: torch.nn.Module, trained: torch.nn.Module, loss_fn: Callable, inputs: tuple,
+@dataclass(frozen=True)
+class FitModel:
+    """A model at its bench size and what a user checkpoints as "a block" of it: transformers'
+    own switch where the model has one, else ``torch.utils.checkpoint`` around each module whose
+    class is in ``block_types`` (outermost matches, as bench/recompute.py wraps them)."""
+
+    build: Callable[[], examples.Example]
+    block_types: tuple[str, ...] = ()
+
+
+FIT_MODELS = (
+    FitModel(lambda: examples.gpt2(layers=4, width=128, heads=4, vocab=256, sequence=256,
+                                   batch_size=8)),
+    FitModel(lambda: examples.resnet50_shaped(batch_size=16), ("ResNetBottleNeckLayer",)),
+    FitModel(examples.unet3d, ("ResidualUnit", "Convolution")),
+)
+
+
+def _loop(model: torch.nn.Module, loss_fn: Callable, inputs: tuple,
           optimizer: torch.optim.Optimizer, budget_patch: float | None = None):
     def iteration() -> torch.Tensor:
         torch.manual_seed(0)
@@ -51,106 +105,172 @@ def _loop(model: torch.nn.Module, trained: torch.nn.Module, loss_fn: Callable, i
     return iteration
 
 
-def _methods(example: examples.Example, inputs: tuple, eager_peak: int | None,
-             checkpoint_peak: int | None) -> list[Method]:
-    def fresh(wrap=None, patch=None, checkpoint=False):
-        def build():
-            torch._dynamo.reset()
-            model = copy.deepcopy(example.model)
-            if checkpoint:
-                model.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs={"use_reentrant": False})
-            optimizer = torch.optim.AdamW(model.parameters())
-            runner = wrap(model, optimizer) if wrap else model
-            return model, _loop(runner, model, example.loss_fn, inputs, optimizer, patch), optimizer
-        return build
+def _builder(example: examples.Example, inputs: tuple, wrap=None, patch=None,
+             block_types: tuple[str, ...] | None = None):
+    """A fresh copy of the example's model and an AdamW on it, run through ``wrap``; with
+    ``block_types``, checkpointed every block (``_checkpoint_every_block``)."""
 
-    methods = [Method("eager", fresh())]
-    if _checkpointable(example.model):
-        methods.append(Method("torch.utils.checkpoint, every block", fresh(checkpoint=True)))
-    methods += [
-        Method('torch.compile(backend="aot_eager")',
-               fresh(lambda m, o: torch.compile(m, backend="aot_eager"))),
-        Method('torch.compile(backend="inductor")',
-               fresh(lambda m, o: torch.compile(m, backend="inductor"))),
-        Method("torch.compile aot_eager, activation_memory_budget 0.5",
-               fresh(lambda m, o: torch.compile(m, backend="aot_eager"), patch=0.5)),
-    ]
+    def build():
+        model = copy.deepcopy(example.model)
+        if block_types is not None:
+            _checkpoint_every_block(model, block_types)
+        optimizer = torch.optim.AdamW(model.parameters())
+        runner = wrap(model, optimizer) if wrap else model
+        return model, _loop(runner, example.loss_fn, inputs, optimizer, patch), optimizer
+
+    return build
+
+
+def _checkpoint_every_block(model: torch.nn.Module, block_types: tuple[str, ...]) -> None:
+    """What a user writes: transformers' ``gradient_checkpointing_enable`` where the model has
+    it, else ``torch.utils.checkpoint`` (non-reentrant) around each block, in place."""
+    if getattr(model, "supports_gradient_checkpointing", False):
+        model.gradient_checkpointing_enable(  # type: ignore[operator]
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
+    if not block_types:
+        raise ValueError(f"{type(model).__name__} has no gradient checkpointing switch: name its "
+                         "block classes in FitModel.block_types")
+    wrap_blocks(model, block_paths(model, block_types))
+
+
+def _baselines(example: examples.Example, inputs: tuple, bench: FitModel) -> list[Method]:
+    """Eager and checkpointing every block: the peaks memfit's budgets are taken from."""
+    return [Method(EAGER, _builder(example, inputs)),
+            Method(CHECKPOINT, _builder(example, inputs, block_types=bench.block_types))]
+
+
+def _compiled_methods(example: examples.Example, inputs: tuple, eager_peak: int,
+                      checkpoint_peak: int) -> list[Method]:
+    """torch.compile with each compiler, torch's own budget, and memfit with each compiler; an
+    inductor memfit row is compared with torch.compile(inductor), the step it reproduces."""
+    methods = [Method(compiled_name(compiler), _builder(
+        example, inputs, lambda m, o, c=compiler: torch.compile(m, backend=own_backend(c))))
+        for compiler in COMPILERS]
+    methods.append(Method("torch.compile aot_eager, activation_memory_budget 0.5", _builder(
+        example, inputs, lambda m, o: torch.compile(m, backend=own_backend("aot_eager")),
+        patch=0.5)))
     for compiler in COMPILERS:
-        methods.append(Method(f'memfit.fit keep ({compiler})', fresh(
-            lambda m, o, c=compiler: memfit.fit(m, strategy="keep", compiler=c, optimizer=o))))
-        if eager_peak is None:
-            continue
-        for fraction in (0.5, 0.3):
-            budget = int(fraction * eager_peak)
-            methods.append(Method(f"memfit.fit auto, {fraction:g} of eager ({compiler})", fresh(
-                lambda m, o, c=compiler, b=budget: memfit.fit(m, budget=b, compiler=c,
-                                                              optimizer=o))))
-        if checkpoint_peak is not None:
-            methods.append(Method(f"memfit.fit auto at checkpointing's peak ({compiler})", fresh(
-                lambda m, o, c=compiler, b=checkpoint_peak: memfit.fit(m, budget=b, compiler=c,
-                                                                       optimizer=o))))
+        reference = EAGER if compiler == "aot_eager" else compiled_name(compiler)
+
+        def planned(name: str, compiler=compiler, reference=reference, **options) -> Method:
+            return Method(f"memfit.fit {name} ({compiler})", _builder(
+                example, inputs, lambda m, o: memfit.fit(m, compiler=compiler, optimizer=o,
+                                                         **options)), reference)
+
+        methods.append(planned("keep", strategy="keep"))
+        methods += [planned(f"auto, {fraction:g} of eager", budget=int(fraction * eager_peak))
+                    for fraction in FRACTIONS]
+        methods.append(planned("auto at checkpointing's peak", budget=checkpoint_peak))
     return methods
 
 
-def _checkpointable(model: torch.nn.Module) -> bool:
-    """Whether the model has transformers' per-block checkpointing switch."""
-    return bool(getattr(model, "supports_gradient_checkpointing", False))
+@dataclass
+class Measured:
+    """A method after its measured iterations: its model and timed iteration, or why it could
+    not run."""
+
+    method: Method
+    model: torch.nn.Module | None = None
+    peak_bytes: int | None = None
+    run: Callable[[], torch.Tensor] | None = None
+    refused: str = ""
 
 
-def _measure(method: Method, inputs: tuple):
-    """(model, peak bytes, run) after two measured iterations, or the error that stopped it."""
-    model, run, optimizer = method.build()
-    peaks = []
-    for _ in range(2):  # the first iteration compiles and plans; both must fit
-        measured = measure_allocator_peak(
-            run, track=(list(model.parameters()), optimizer.state, inputs))
-        peaks.append(measured.peak_bytes)
-    return model, max(peaks), run
+def _measure(method: Method, inputs: tuple) -> Measured:
+    """Two measured iterations (the first compiles and plans; both must fit), then one more
+    unmeasured, so that no timed iteration is one memfit still measures (``measure_runs``)."""
+    try:
+        model, run, optimizer = method.build()
+        peaks = []
+        for _ in range(2):
+            measured = measure_allocator_peak(
+                run, track=(list(model.parameters()), optimizer.state, inputs))
+            peaks.append(measured.peak_bytes)
+    except memfit.BudgetError as error:
+        return Measured(method, refused=f"does not fit: smallest {mib(error.minimum_bytes)}")
+    run()
+    return Measured(method, model, max(peaks), run)
 
 
-def fit_rows(example: examples.Example, log) -> list[tuple]:
-    """One row per method for ``example``, in one process."""
-    inputs = example.inputs()
-    eager_model, eager_peak, eager_run = _measure(_methods(example, inputs, None, None)[0], inputs)
-    checkpoint_peak = None
-    if _checkpointable(example.model):
-        checkpoint_method = _methods(example, inputs, None, None)[1]
-        _, checkpoint_peak, _ = _measure(checkpoint_method, inputs)
-    results = []
-    for method in _methods(example, inputs, eager_peak, checkpoint_peak):
-        log(f"fit bench: {example.name}: {method.name}")
-        try:
-            model, peak, run = _measure(method, inputs)
-        except memfit.BudgetError as error:
-            results.append((method.name, None, None, f"does not fit: smallest "
-                            f"{mib(error.minimum_bytes)}"))
-            continue
-        same = all(torch.equal(a, b) for a, b in zip(model.parameters(),
-                                                     eager_model.parameters(), strict=True))
-        results.append((method.name, peak, run, "bitwise eager's" if same else "differ"))
-    runnable = [r for r in results if r[2] is not None]
-    times = dict(zip((r[0] for r in runnable),
-                     interleaved_medians_s([r[2] for r in runnable], repeats=3), strict=True))
-    eager_time = times["eager"]
+def weights_verdict(model: torch.nn.Module, reference: torch.nn.Module, name: str) -> str:
+    """How ``model``'s parameters compare with ``reference``'s: bitwise, within torch's
+    inductor-test tolerance, or the largest difference."""
+    pairs = list(zip(model.parameters(), reference.parameters(), strict=True))
+    if all(torch.equal(a, b) for a, b in pairs):
+        return f"bitwise {name}'s"
+    if all(torch.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in pairs):
+        return f"allclose {name}'s"
+    largest = max(float((a - b).detach().abs().max()) for a, b in pairs)
+    return f"differ from {name}'s (up to {largest:.1e})"
+
+
+def fit_rows(bench: FitModel, log) -> list[tuple]:
+    """One row per method for ``bench``'s model, in one process."""
+    example = bench.build()
+    torch._dynamo.reset()  # once per model: see RECOMPILE_LIMIT
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        results = _measure_all(example, bench, log)
+        times = _timed(results, log)
+    eager_peak = results[EAGER].peak_bytes
+    assert eager_peak is not None
     rows = []
-    for name, peak, _, weights in results:
-        if peak is None:
-            rows.append((example.name, name, "-", "-", "-", "-", weights))
+    for name, result in results.items():
+        if result.model is None or result.peak_bytes is None:
+            rows.append((example.name, name, "-", "-", "-", "-", result.refused))
             continue
-        rows.append((example.name, name, mib(peak), f"{peak / eager_peak:.2f}x", ms(times[name]),
-                     f"{times[name] / eager_time:.2f}x", weights))
+        reference = results[result.method.reference].model
+        assert reference is not None
+        weights = weights_verdict(result.model, reference, result.method.reference)
+        rows.append((example.name, name, mib(result.peak_bytes),
+                     f"{result.peak_bytes / eager_peak:.2f}x", ms(times[name]),
+                     f"{times[name] / times[EAGER]:.2f}x", weights))
     return rows
 
 
+def _measure_all(example: examples.Example, bench: FitModel, log) -> dict[str, Measured]:
+    """Every method measured in turn: eager and checkpointing first, whose peaks set the
+    budgets of the rest."""
+    inputs = example.inputs()
+    results: dict[str, Measured] = {}
+    for method in _baselines(example, inputs, bench):
+        log(f"fit bench: {example.name}: {method.name}")
+        results[method.name] = _measure(method, inputs)
+    eager_peak, checkpoint_peak = (results[name].peak_bytes for name in (EAGER, CHECKPOINT))
+    assert eager_peak is not None and checkpoint_peak is not None  # eager code has no budget
+    for method in _compiled_methods(example, inputs, eager_peak, checkpoint_peak):
+        log(f"fit bench: {example.name}: {method.name}")
+        results[method.name] = _measure(method, inputs)
+    return results
+
+
+def _timed(results: dict[str, Measured], log) -> dict[str, float]:
+    """Median seconds per iteration of each method that ran, interleaved; says so if Dynamo
+    compiled anything while they were timed (then a time includes a compile)."""
+    from torch._dynamo.utils import counters
+
+    runs: dict[str, Callable[[], object]] = {
+        name: r.run for name, r in results.items() if r.run is not None}
+    graphs = counters["stats"]["unique_graphs"]
+    medians = interleaved_medians_s(list(runs.values()), repeats=TIMED_REPEATS)
+    if counters["stats"]["unique_graphs"] != graphs:
+        log(f"fit bench: {counters['stats']['unique_graphs'] - graphs} graphs compiled while "
+            "timed: their methods' times include compiling")
+    return dict(zip(runs, medians, strict=True))
+
+
 def fit_section(log) -> str:
-    """The Markdown section: GPT-2, ResNet-50-shaped and the 3D U-Net."""
-    cases = [examples.gpt2(layers=4, width=128, heads=4, vocab=256, sequence=256, batch_size=8),
-             examples.resnet50_shaped(batch_size=16), examples.unet3d()]
-    rows = [row for example in cases for row in fit_rows(example, log)]
+    """The Markdown section: GPT-2, ResNet-50-shaped and the 3D U-Net, on one intra-op thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see SINGLE_THREAD_NOTE
+    try:
+        rows = [row for bench in FIT_MODELS for row in fit_rows(bench, log)]
+    finally:
+        torch.set_num_threads(threads)
     return "\n".join([
         "## memfit.fit in a training loop beside the alternatives (CPU)\n",
         __doc__.split("\n\n", 1)[1].strip() + "\n",
+        SINGLE_THREAD_NOTE + "\n",
         "Command: `python -m bench.run --only fit`. Goals (issue 12): `keep` within 1.05x of "
         "`torch.compile` with the same compiler; at checkpointing's peak, memfit faster than "
         "checkpointing.\n",

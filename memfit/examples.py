@@ -98,7 +98,9 @@ def resnet50_shaped(widths: tuple[int, ...] = (32, 64, 128, 256), image: int = 6
 
     ``widths`` are the stage outputs (ResNet-50: 256, 512, 1024, 2048 after a 64-channel stem);
     the stem keeps ResNet-50's proportion, a quarter of the first stage. BatchNorm runs in
-    training mode, so the step also updates running statistics (buffers).
+    training mode, so the step also updates running statistics (buffers). The config names its
+    ``problem_type``, as ``bert``'s does: otherwise the first forward sets it, and
+    ``torch.compile`` traces (and memfit plans) the model a second time on the second call.
     """
     _require("transformers")
     from transformers import ResNetConfig, ResNetForImageClassification
@@ -106,7 +108,8 @@ def resnet50_shaped(widths: tuple[int, ...] = (32, 64, 128, 256), image: int = 6
     torch.manual_seed(seed)
     config = ResNetConfig(num_channels=3, embedding_size=max(widths[0] // 4, 1),
                           hidden_sizes=list(widths),
-                          depths=[3, 4, 6, 3], layer_type="bottleneck", num_labels=classes)
+                          depths=[3, 4, 6, 3], layer_type="bottleneck", num_labels=classes,
+                          problem_type="single_label_classification")
     return _image_classifier("resnet50", ResNetForImageClassification(config), image, classes,
                              batch_size, seed)
 
@@ -215,7 +218,8 @@ def vit(layers: int = 2, width: int = 64, heads: int = 4, image: int = 32, patch
     config = ViTConfig(hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
                        intermediate_size=2 * width, image_size=image, patch_size=patch,
                        num_labels=classes, hidden_dropout_prob=dropout,
-                       attention_probs_dropout_prob=dropout)
+                       attention_probs_dropout_prob=dropout,
+                       problem_type="single_label_classification")  # as resnet50_shaped's
     return _image_classifier("vit", ViTForImageClassification(config), image, classes,
                              batch_size, seed)
 
