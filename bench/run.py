@@ -1,4 +1,4 @@
-"""One command for the benchmark: ``python -m bench.run`` (or ``memfit bench``) writes RESULTS.md.
+"""One command for the benchmark: ``python -m bench.run`` writes RESULTS.md.
 
 Every figure in the file is measured by the run that wrote it (the H100 step times are the
 simulator's, and say so). CPU part: per-model capacity under a fixed budget, executor overhead,

@@ -3,7 +3,6 @@
     memfit demo   run the main job: GPT-2 unplanned vs swap at half its peak (memfit.demo)
     memfit plan   plan a step for a hardware profile without running it; print plan.explain()
     memfit show   re-render a saved Timeline JSON as text or PNG, or explain a saved Plan JSON
-    memfit bench  write bench/RESULTS.md (bench.run)
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ EXAMPLES_HELP = """examples:
   memfit plan --model gpt2 --model-arg layers=24 --model-arg width=1024 --save plan.json
   memfit show memfit-demo/swap.json --png swap.png
   memfit show plan.json                # a plan saved by memfit plan --save: its explanation
-  memfit bench --out bench/RESULTS.md
 """
 
 
@@ -252,20 +250,6 @@ def _show_plan(args: argparse.Namespace, data: dict) -> int:
     return 0
 
 
-# ---- bench ---------------------------------------------------------------------------------------
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    """Run the benchmark (the ``bench`` package of a source checkout)."""
-    try:
-        from bench.run import main as bench_main
-    except ImportError:
-        print("memfit bench: the bench package is not importable; run it from a source checkout "
-              "of memfit (the repository root), e.g. `cd memfit && memfit bench`", file=sys.stderr)
-        return 2
-    return bench_main((["--out", args.out] if args.out else []) + (["--gpu"] if args.gpu else []))
-
-
 # ---- the parser ----------------------------------------------------------------------------------
 
 
@@ -322,12 +306,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="for a plan: most per-tensor rows to print (0: all; default 40)")
     show.set_defaults(run=cmd_show)
 
-    bench = commands.add_parser("bench", help="run the benchmark, write RESULTS.md",
-                                epilog=EXAMPLES_HELP, formatter_class=raw)
-    bench.add_argument("--gpu", action="store_true", help="the CUDA part (host link, GPT-2 medium)")
-    bench.add_argument("--out", help="where to write the results (default bench/RESULTS.md, "
-                       "bench/RESULTS-gpu.md with --gpu)")
-    bench.set_defaults(run=cmd_bench)
     return parser
 
 
