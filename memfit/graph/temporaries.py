@@ -25,6 +25,15 @@ weight-gradient copies) of 8 to 16 channels at 4^3 voxels holds 69,376 B at one 
 voxels 442,624 B, half of one whole im2col buffer; a transposed 3D forward (24 to 4 channels,
 4^3 to 8^3) holds 94,640 B beside its 16,384 B output.
 
+Attention on the CPU (``_scaled_dot_product_flash_attention_for_cpu`` and its backward, what
+SDPA runs without dropout) works in query blocks of 32, 64 or 256 rows (by the query length) and
+key blocks of up to 512, with one scratch block per thread: the forward holds the block's scores,
+row maxima, row sums and output rows, the backward its probabilities and their gradient, a row
+sum per thread and a contiguous copy of a transposed output gradient (float32 and float64; half
+types are measured). On ViT's attention (8x4x65x16 at two threads) the forward's 21,248 B, run
+again inside the backward by a recomputing plan, were the whole of a measured peak over its
+prediction.
+
 ``analyze(..., kernel_temporaries=True)`` adds these bytes to each op as a storage nobody reads,
 so every memory profile counts them while the op runs and frees them right after. It also counts
 an output at the storage its kernel really returns where that is larger than the fake value's
@@ -197,6 +206,60 @@ def _embedding_backward(node: fx.Node) -> int:
     return 0 if gradient.is_contiguous() else gradient.numel() * gradient.element_size()
 
 
+def _attention_blocks(query_length: int, key_length: int) -> tuple[int, int]:
+    """The query and key block lengths of ATen's CPU flash attention: query blocks of 256 rows
+    from 768 queries on, of 64 from 192, else of 32; key blocks of 512; neither longer than the
+    sequence."""
+    query_block = 256 if query_length >= 768 else 64 if query_length >= 192 else 32
+    return min(query_block, query_length), min(512, key_length)
+
+
+def _accumulate_size(dtype: torch.dtype) -> int:
+    """Bytes of an element of the kernel's accumulation type (float32 for half types)."""
+    return 4 if dtype in (torch.float16, torch.bfloat16) else torch.empty((), dtype=dtype).element_size()
+
+
+def _flash_attention_forward(node: fx.Node) -> int:
+    """Per thread: a query block's scores against a key block, its row maxima and sums and its
+    output rows, in the accumulation type (half types: an estimate, see
+    ``_flash_attention_rule_is_exact``)."""
+    query, key = _argument(node, "query"), _argument(node, "key")
+    query_block, key_block = _attention_blocks(query.shape[2], key.shape[2])
+    per_thread = (query_block * key_block + 2 * query_block
+                  + query_block * query.shape[3]) * _accumulate_size(query.dtype)
+    if query.dtype in (torch.float16, torch.bfloat16):
+        per_thread += query_block * key_block * query.element_size()
+    return torch.get_num_threads() * per_thread
+
+
+def _flash_attention_backward(node: fx.Node) -> int:
+    """Per thread: a block's probabilities and their gradient and a row sum of the query block;
+    before them, a contiguous copy of the output gradient where the kernel's (batch, query,
+    head) view of it is not contiguous (half types: an estimate).
+
+    Note:
+        Each OpenMP thread allocates its own row sum; the profiler's allocator events show the
+        calling thread's only, so at two threads the allocator is seen to hold one row sum
+        (128 B at 32 query rows) less than this rule counts, and than the process holds."""
+    query, key = _argument(node, "query"), _argument(node, "key")
+    gradient = _argument(node, "grad_out")
+    query_block, key_block = _attention_blocks(query.shape[2], key.shape[2])
+    accumulate = _accumulate_size(query.dtype)
+    per_thread = (2 * query_block * key_block + query_block) * accumulate
+    if query.dtype in (torch.float16, torch.bfloat16):
+        per_thread += 2 * query_block * key_block * query.element_size()
+    copied = 0 if gradient.transpose(1, 2).is_contiguous() else (
+        gradient.numel() * gradient.element_size())
+    return copied + torch.get_num_threads() * per_thread
+
+
+def _flash_attention_rule_is_exact(node: fx.Node) -> bool:
+    """float32 and float64, measured exact (``test_temporaries``). Half types are measured: their
+    kernels block and pack differently (bfloat16's forward on AVX2 held 168,000 B at 8x4x65x16
+    and two threads, where the blocks above hold 29,568 B)."""
+    return _argument(node, "query").dtype in (torch.float32, torch.float64)
+
+
 aten = torch.ops.aten
 _CPU_TEMPORARIES: dict[object, Callable[[fx.Node], int]] = {
     aten.native_dropout.default: _dropout_rule(_dropout_forward),
@@ -209,12 +272,17 @@ _CPU_TEMPORARIES: dict[object, Callable[[fx.Node], int]] = {
     aten._native_batch_norm_legit_functional.default: _batch_norm_forward,
     aten.native_batch_norm_backward.default: _batch_norm_backward,
     aten.embedding_dense_backward.default: _embedding_backward,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _flash_attention_forward,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _flash_attention_backward,
     **RNN_TEMPORARIES,  # oneDNN's LSTM layer and its backward (memfit.graph.rnn)
 }
 # where the rule above is exact; elsewhere the kernel is measured (kernel_probe.py)
 _EXACT_WHERE: dict[object, Callable[[fx.Node], bool]] = {
     aten.convolution.default: _forward_rule_is_exact,
     aten.convolution_backward.default: _backward_rule_is_exact,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _flash_attention_rule_is_exact,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+        _flash_attention_rule_is_exact,
 }
 
 

@@ -19,6 +19,12 @@ Claims, per model:
   is what iterations 2 and 3 measure). ``unet3d`` computes the same loss inside the compiled
   module (as a Hugging Face model returns its loss), where it is planned from the first
   iteration: predicted peak = measured peak.
+``vit`` runs at auto's minimum (half of eager's peak is below it). It once measured 20,608 B
+(0.84%) over that budget in its second iteration, 21,248 B over its prediction (the first
+iteration, AdamW's state not yet real, 21,248 B over its own prediction as well): the
+recomputing plan runs the CPU flash attention's forward again inside the backward, and its
+per-thread blocks (21,248 B at two threads, 8x4x65x16) were in no memory model until
+``memfit/graph/temporaries.py`` counted them; now predicted peak = measured peak.
 """
 
 from __future__ import annotations
@@ -70,10 +76,6 @@ FRACTIONS = {"unet3d": (0.5, 0.3)}  # of eager's peak; 0.5 for the others
 # The transformers models' predictions follow what the loop held (memfit.graph.lifetimes): the
 # logits and key/value caches the loop drops, the tangents autograd passes or leaves None
 PREDICTION_MATCHES = {"llama", "t5", "bert", "gpt2", "cnn", "vit", "resnet50", "unet3d"}
-# Not yet within the budget: ViT at auto's minimum (2,442,888 B, half of eager is below it)
-# measured 2,463,496 B in its second iteration, 20,608 B (0.84%) over, though its prediction is
-# within the 1% rule; the bytes the memory model misses there are not found yet
-OVER_BY_LESS_THAN_THE_TOLERANCE = {"vit"}
 
 
 def train(example, model, runner=None, iterations: int = 2, gradients: list | None = None):
@@ -137,10 +139,7 @@ def test_fit_trains_real_models_as_eager(name, fraction):
     for buffer, expected in zip(model.buffers(), reference.buffers(), strict=True):
         assert torch.equal(buffer, expected)
     print(f"{name}: budget {budget:,} B, measured {peaks}")
-    if name in OVER_BY_LESS_THAN_THE_TOLERANCE:  # a known gap, stated below
-        assert max(peaks[holds_from - 1:]) <= budget + 0.01 * budget, (peaks, budget)
-    else:
-        assert max(peaks[holds_from - 1:]) <= budget, (peaks, budget)
+    assert max(peaks[holds_from - 1:]) <= budget, (peaks, budget)
     if name in PREDICTION_MATCHES:  # one region, AdamW's state reserved: its predicted peak
         predicted = max(r.predicted_peak_bytes for r in compiled[-1]._memfit_backend.regions)
         print(f"{name}: predicted {predicted:,} B, measured {max(peaks):,} B")
