@@ -44,10 +44,10 @@ def assert_same_training(model, reference, losses, reference_losses) -> None:
 def test_keep_needs_no_more_than_eager(name):
     example = BUILDERS[name]()
     reference = copy.deepcopy(example.model)
-    reference_losses, eager_peaks = train(example, reference)
+    reference_losses, eager_peaks = train(example, reference, iterations=2)
     model = copy.deepcopy(example.model)
     losses, peaks = train(example, model, lambda m, optimizer: memfit.fit(
-        m, strategy="keep", optimizer=optimizer))
+        m, strategy="keep", optimizer=optimizer), iterations=2)
     assert max(peaks) <= max(eager_peaks), (peaks, eager_peaks)
     assert_same_training(model, reference, losses, reference_losses)
 
@@ -57,7 +57,7 @@ def test_auto_plans_bert_with_its_clones_elided():
     (rewrite replays the views on the copy) and training stays bitwise eager's."""
     example = examples.bert()
     reference = copy.deepcopy(example.model)
-    reference_losses, eager_peaks = train(example, reference)
+    reference_losses, eager_peaks = train(example, reference, iterations=2)
     model = copy.deepcopy(example.model)
     budget_bytes = int(0.5 * max(eager_peaks))
     fitted = {}
@@ -67,12 +67,12 @@ def test_auto_plans_bert_with_its_clones_elided():
         return fitted["model"]
 
     try:
-        losses, peaks = train(example, model, fit)
+        losses, peaks = train(example, model, fit, iterations=2)
     except memfit.BudgetError as error:  # half is below auto's floor: plan at that floor
         assert error.minimum_bytes > budget_bytes
         budget_bytes = error.minimum_bytes
         model = copy.deepcopy(example.model)
-        losses, peaks = train(example, model, fit)
+        losses, peaks = train(example, model, fit, iterations=2)
     assert_same_training(model, reference, losses, reference_losses)
     regions = fitted["model"]._memfit_backend.regions
     assert any(region.plan.swapped or region.plan.recomputed or region.plan.reruns

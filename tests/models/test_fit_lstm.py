@@ -8,7 +8,7 @@ activations together) the planner sizes, swaps or recomputes. Half and 0.3 of ea
 not fit this model (parameters, gradients and AdamW state are 46% of eager's peak, and oneDNN's
 kernel buffers are counted), so both run at auto's true minimum (0.85 of eager's peak, plus
 what the loop holds beside the region, which memfit reads and plans for: the eager loss's
-labels and the gradient copies ``train`` keeps, ``memfit.runtime.outside``).
+labels, ``memfit.runtime.outside``).
 
 Prediction: the region's predicted peak is above the measured one by less than two logits
 tensors (measured: 64,504 B over 2.6 MB, 2.5%, under auto and keep alike). One is the logits,
@@ -29,7 +29,7 @@ import torch
 import memfit
 from memfit import examples
 from memfit.graph.rnn import rnn_layer_for_training
-from tests.models.test_fit_models import train
+from tests.models.test_fit_models import same_bits, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compiled_fresh")]
 
@@ -38,14 +38,11 @@ def fitted_within(fraction: float, strategy: str, eager_peak: int):
     """A runner for ``train`` at ``fraction`` of eager's peak, or at the strategy's minimum where
     that does not fit (found by first attempts, whose errors must name a larger minimum: at the
     first compile, then at a re-plan that counts what the loop holds beside the region: the
-    eager loss's labels from the second iteration on, and the gradient copies ``train`` makes
-    at a step and keeps into the next iteration, from the third, so these attempts keep them
-    too)."""
+    eager loss's labels from the second iteration on)."""
     example, budget = examples.lstm(), int(fraction * eager_peak)
     for _attempt in range(3):
         try:
-            train(example, copy.deepcopy(example.model), runner(budget, strategy), iterations=3,
-                  gradients=[])
+            train(example, copy.deepcopy(example.model), runner(budget, strategy), iterations=3)
             break
         except memfit.BudgetError as error:
             assert error.minimum_bytes > budget
@@ -86,7 +83,7 @@ def test_lstm_trains_as_eager_within_the_budget(strategy, fraction):
         assert torch.equal(loss, expected)
     for step, expected_step in zip(gradients, expected_gradients, strict=True):
         for gradient, expected in zip(step, expected_step, strict=True):
-            assert torch.equal(gradient, expected)
+            assert same_bits(gradient, expected)
     for parameter, expected in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(parameter, expected)
     assert max(peaks) <= budget, (peaks, budget)
