@@ -13,8 +13,9 @@ The candidates, each simulated exactly by ``simulate`` (memory is program-order 
 2. recompute only: ``optimal-recompute``'s separator-block DP;
 3. swap only: the TFLMS tuner (``swap``);
 4. the vDNN policies, where registered, and vDNN with zero lookahead (``_just_in_time_swap``:
-   every feature map swapped, each copy back right before its first reader): the least memory a
-   swap of the feature maps reaches, whatever a layer spans (one pass, one simulation);
+   every feature map swapped, each copy back right before its run of backward readers): the
+   least memory a swap of the feature maps reaches, whatever a layer spans (one pass, one
+   simulation);
 5. the hybrid: the separator-block DP's recomputation at a budget relaxed by up to what the
    free swaps save, plus every swap the link carries with no stall (``_link_swap.free_swaps``:
    both copy queues replayed on the compute timeline, copies back just in time) of a tensor
