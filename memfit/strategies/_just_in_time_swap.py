@@ -34,7 +34,7 @@ NAME = "jit-swap"
 
 
 def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None) -> Plan:
-    """Swap every feature map out after its producer and back right before each of its readers.
+    """Swap every feature map out after its producer, back right before each run of its readers.
 
     Args:
         graph: the captured step.
