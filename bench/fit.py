@@ -100,7 +100,10 @@ def _loop(model: torch.nn.Module, loss_fn: Callable, inputs: tuple,
                 loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        # a copy: a CPU mse_loss's 0-dim loss is a view of its input-sized elementwise buffer,
+        # which the returned detach() would keep alive through the next iteration, on the device
+        # but unseen by measure_allocator_peak (allocated before its profile started)
+        return loss.detach().clone()
 
     return iteration
 

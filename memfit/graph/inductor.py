@@ -45,6 +45,9 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from memfit.runtime.streams import CopyEngine, active_engine
 
+# the backend's run of one compiled module: (module, inductor's compiled callable, is_backward)
+Wrap = Callable[[fx.GraphModule, Callable[[list], Any], bool], Any]
+
 
 class _Planner(CustomPartitionerFn):
     """Inductor's partitioner hook calling memfit's (``partition``: a ``Backend``'s)."""
@@ -67,9 +70,11 @@ class _Planner(CustomPartitionerFn):
 
 def compile_with_inductor(graph_module: fx.GraphModule, example_inputs: list,
                           partition: Callable[..., tuple[fx.GraphModule, fx.GraphModule]],
-                          engine: CopyEngine) -> Any:
+                          engine: CopyEngine, wrap: Wrap | None = None) -> Any:
     """The region compiled by inductor with ``partition`` as its partitioner and ``engine``
-    current while its modules run."""
+    current while its modules run; ``wrap(module, compiled, is_backward)``, where given, makes
+    each compiled module's run instead (the backend's: measured runs, its region's bookkeeping),
+    and must make ``engine`` current itself."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
@@ -79,17 +84,21 @@ def compile_with_inductor(graph_module: fx.GraphModule, example_inputs: list,
     # reach; eager's random kernels draw from the generator memfit saves and restores
     with inductor_config.patch(custom_partitioner_fn=_Planner(partition), fallback_random=True), \
             functorch_config.patch(enable_autograd_cache=False):
-        return compile_fx(graph_module, example_inputs, inner_compile=_with_engine(engine))
+        return compile_fx(graph_module, example_inputs,
+                          inner_compile=_with_engine(engine, wrap))
 
 
-def _with_engine(engine: CopyEngine) -> Callable[..., Any]:
-    """Inductor's ``compile_fx_inner``, its compiled module run with ``engine`` current."""
+def _with_engine(engine: CopyEngine, wrap: Wrap | None = None) -> Callable[..., Any]:
+    """Inductor's ``compile_fx_inner``, its compiled module run with ``engine`` current (or as
+    ``wrap`` runs it)."""
     from torch._inductor.compile_fx import compile_fx_inner
 
     def inner_compile(module: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
                       ) -> Any:
         pin_planned_order(module)
         compiled = compile_fx_inner(module, example_inputs, **kwargs)
+        if wrap is not None:
+            return wrap(module, compiled, bool(kwargs.get("is_backward", False)))
 
         def run(args: list) -> Any:
             with active_engine(engine):

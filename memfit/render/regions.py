@@ -62,7 +62,9 @@ def _eager_note(region: Region) -> str:
 
     held = max(region.eager_forward_bytes, region.eager_backward_bytes)
     if region.budget_bytes is None:
-        status = "no budget to plan it in"
+        status = (f"no budget to plan it in; its predicted peak counts "
+                  f"{format_bytes(region.planned_eager_bytes)} for it (the backward's less the "
+                  "outputs freed by then)")
     elif region.planned_eager_bytes >= eager_bytes_to_plan(region):
         status = (f"its plan counts {format_bytes(region.planned_eager_bytes)} for it (the "
                   "backward's less the outputs freed by then)")

@@ -12,7 +12,10 @@ The candidates, each simulated exactly by ``simulate`` (memory is program-order 
 1. ``keep``, if it fits;
 2. recompute only: ``optimal-recompute``'s separator-block DP;
 3. swap only: the TFLMS tuner (``swap``);
-4. the vDNN policies, where registered;
+4. the vDNN policies, where registered, and vDNN with zero lookahead (``_just_in_time_swap``:
+   every feature map swapped, each copy back right before its run of backward readers): the
+   least memory a swap of the feature maps reaches, whatever a layer spans (one pass, one
+   simulation);
 5. the hybrid: the separator-block DP's recomputation at a budget relaxed by up to what the
    free swaps save, plus every swap the link carries with no stall (``_link_swap.free_swaps``:
    both copy queues replayed on the compute timeline, copies back just in time) of a tensor
@@ -49,7 +52,7 @@ from memfit.core.plan import Decision, Plan, Recompute, Swap
 from memfit.core.recompute import planned_reruns
 from memfit.core.simulate import simulate
 from memfit.solvers import segments
-from memfit.strategies import get_strategy, register, strategy_names
+from memfit.strategies import _just_in_time_swap, get_strategy, register, strategy_names
 from memfit.strategies._fit import live_at_peak
 from memfit.strategies._link_swap import free_swaps
 from memfit.strategies.optimal_recompute import MILP_MAX_OPS, priced_segments
@@ -108,6 +111,8 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
     for policy in VDNN_POLICIES:
         if policy in strategy_names():
             consider(policy, run(policy))
+    consider(_just_in_time_swap.NAME,
+             lambda: _just_in_time_swap.plan(graph, hardware, budget_bytes))
     consider("hybrid", lambda: _hybrid(graph, hardware, budget_bytes, keep_timeline.peak_bytes))
     consider("swapped-checkpoints", lambda: _swapped_checkpoints(graph, hardware, budget_bytes))
     for strategy in _others(graph):  # only where nothing fits: auto never gives up before them

@@ -13,7 +13,7 @@ from memfit import examples
 from memfit.core.hardware import get_hardware
 from memfit.core.plan import Plan
 from memfit.core.simulate import simulate
-from memfit.strategies import get_strategy, strategy_names
+from memfit.strategies import _just_in_time_swap, get_strategy, strategy_names
 from memfit.traced import trace_plan
 from tests.measured_peaks import assert_within_budget
 from tests.strategies.test_strategy_guarantees import slow_clock, spy_on_highs
@@ -63,7 +63,12 @@ def test_auto_plans_the_same_under_a_slow_clock(small, monkeypatch):
 
 def test_where_only_the_milp_fits_auto_runs_it_the_same_under_a_slow_clock(monkeypatch):
     """The issue's case, small: on a 3-layer MLP the MILP fits below what every other strategy
-    reaches, so auto must not give up there, and its plan must not depend on the clock."""
+    reaches, so auto must not give up there, and its plan must not depend on the clock.
+
+    auto's just-in-time swap candidate reaches the MILP's minimum on this MLP (22,224 B, where
+    the MILP refuses below it), so it is taken out here: the case is the MILP alone below the
+    others."""
+    monkeypatch.setattr(_just_in_time_swap, "plan", lambda *_args, **_named: None)
     example = examples.mlp(depth=3, width=16, batch_size=64)
     graph = compiled_graph(example)
     others = [name for name in strategy_names() if name not in ("auto", "optimal-recompute")]
