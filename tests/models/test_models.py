@@ -98,8 +98,13 @@ def test_unplanned_step_matches_eager(reference):
     for (name, got), expected in zip(model.named_buffers(), reference["eager_model"].buffers(), strict=True):
         assert torch.equal(got, expected), name
     assert_measured_as_predicted(keep)
+    # the models are sized so that saved activations are most of what the step adds to the
+    # resident bytes, beside the largest kernel scratch buffer (oneDNN's 3D convolution
+    # backward holds megabytes on AVX-512, a quarter of that on AVX2)
     saved = sum(t.size_bytes for t in keep.graph.saved_tensors())
-    assert saved > 0.5 * (keep.predicted.peak_bytes - keep.graph.resident_bytes)
+    scratch = max((t.size_bytes for t in keep.graph.tensors.values()
+                   if t.producer is not None and not t.consumers and not t.is_output), default=0)
+    assert saved > 0.5 * (keep.predicted.peak_bytes - keep.graph.resident_bytes - scratch)
 
 
 def bound_inputs(model, captured, inputs):
