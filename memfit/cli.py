@@ -2,6 +2,7 @@
 
     memfit demo   run the main job: GPT-2 unplanned vs swap at half its peak (memfit.demo)
     memfit plan   plan a step for a hardware profile without running it; print plan.explain()
+    memfit max-batch-size   the fastest (or largest) batch that fits a budget, and the frontier
     memfit show   re-render a saved Timeline JSON as text or PNG, or explain a saved Plan JSON
 """
 
@@ -29,6 +30,8 @@ EXAMPLES_HELP = """examples:
   memfit plan --model gpt2 --batch 16 --budget 0.5 --hardware h100-pcie
   memfit plan --model resnet50 --budget 200MiB --param lb=3 --param ctrld_strategy=direct_order
   memfit plan --model gpt2 --model-arg layers=24 --model-arg width=1024 --save plan.json
+  memfit max-batch-size --model gpt2 --budget 80GiB --hardware h100-pcie
+  memfit max-batch-size --model mlp --budget 20MB --hardware cpu --objective largest
   memfit show memfit-demo/swap.json --png swap.png
   memfit show plan.json                # a plan saved by memfit plan --save: its explanation
 """
@@ -195,6 +198,40 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- max-batch-size ------------------------------------------------------------------------------
+
+
+def cmd_max_batch_size(args: argparse.Namespace) -> int:
+    """Search the named example's batch for a hardware profile (``memfit.max_batch_size``, on
+    meta inputs, nothing runs); print the chosen batch, the frontier and every batch tried."""
+    from memfit.strategies import resolve_budget_and_strategy
+
+    try:  # everything checkable without torch first
+        check_model_args(args.model, args.model_arg)
+        resolve_budget_and_strategy(args.budget, args.strategy, dict(args.param))
+        if args.budget.bytes is None:
+            raise ValueError(f"--budget must be bytes ('80GiB'), not the fraction "
+                             f"{args.budget.fraction}: a fraction of the peak changes with the "
+                             "batch")
+    except ValueError as error:
+        print(f"memfit max-batch-size: {error}", file=sys.stderr)
+        return 2
+    from memfit import examples
+    from memfit.core.errors import BudgetError
+    from memfit.search import max_batch_size
+
+    example = examples.EXAMPLES[args.model](**dict(args.model_arg))
+    try:
+        found = max_batch_size(example.model, example.loss_fn, example.make_inputs, args.budget,
+                               args.hardware, args.strategy, objective=args.objective,
+                               max_batch=args.max_batch, verify=False, **dict(args.param))
+    except (BudgetError, ValueError) as error:  # nothing fits; a fractional budget
+        print(f"memfit max-batch-size: {error}", file=sys.stderr)
+        return 2
+    print(found)
+    return 0
+
+
 # ---- show ----------------------------------------------------------------------------------------
 
 
@@ -293,6 +330,26 @@ def build_parser() -> argparse.ArgumentParser:
                       help="write the plan as JSON; run it later with "
                            "memfit.compile(model, loss_fn, plan=memfit.Plan.load(PATH))")
     plan.set_defaults(run=cmd_plan)
+
+    search = commands.add_parser("max-batch-size", help="the fastest batch that fits, no run",
+                                 epilog=EXAMPLES_HELP, formatter_class=raw)
+    search.add_argument("--model", required=True, choices=tuple(example_arguments()))
+    search.add_argument("--budget", type=_budget, required=True,
+                        help="the whole device's bytes: an integer or a size with units "
+                             "('80GiB'); not a fraction, which changes with the batch")
+    search.add_argument("--hardware", type=_hardware, default="h100-pcie",
+                        help="profile name (default h100-pcie), or a profile saved as JSON")
+    search.add_argument("--objective", choices=("throughput", "largest"), default="throughput",
+                        help="throughput (default): the fitting batch with the most predicted "
+                             "samples/s; largest: the largest fitting batch, however slow")
+    search.add_argument("--max-batch", type=_positive_int, default=1 << 16,
+                        help="the largest batch tried (default 65536)")
+    search.add_argument("--strategy", default=None, help="as for memfit plan (default auto)")
+    search.add_argument("--param", type=_key_value, action="append", default=[], metavar="K=V",
+                        help="a strategy parameter, repeatable: --param lb=3")
+    search.add_argument("--model-arg", type=_key_value, action="append", default=[],
+                        metavar="K=V", help="a model size, repeatable: --model-arg layers=24")
+    search.set_defaults(run=cmd_max_batch_size)
 
     show = commands.add_parser("show", help="re-render a saved Timeline or Plan JSON",
                                epilog=EXAMPLES_HELP, formatter_class=raw)

@@ -1,18 +1,24 @@
-"""max_batch_size: the largest batch whose step fits a budget, found by planning on meta tensors.
+"""max_batch_size: the batch whose step fits a budget at the highest predicted throughput (or the
+largest that fits), found by planning on meta tensors.
 
 Each tried batch is captured from meta inputs (shapes and dtypes, no data) and planned; it fits
-when the strategy finds a plan under the budget. The search doubles the batch until one does not
-fit, then bisects. With a real device the answer is checked by one measured step.
+when the strategy finds a plan under the budget. The search grows the batch until one does not
+fit, then closes the bracket: the largest batch that fits. Past the largest batch that fits
+unplanned, a bigger batch buys its memory with recomputation and copies, so its samples/s can
+fall; the search then plans a geometric set of smaller batches (and a refinement around the best)
+and returns the fastest, with the whole frontier. With a real device the answer is checked by one
+measured step.
 
 Example:
     >>> found = memfit.max_batch_size(model, loss_fn, make_inputs, budget="80GiB",
     ...                               hardware="h100-pcie")
     >>> found.batch_size, found.predicted_throughput, found.verified
+    >>> print(found)  # the frontier: batch, peak, step time, samples/s, host bytes swapped
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +34,9 @@ from memfit.planning import resolve_hardware
 from memfit.strategies import resolve_budget_and_strategy
 from memfit.traced import trace_plan
 
-__all__ = ["Trial", "BatchSearch", "max_batch_size"]
+__all__ = ["Trial", "FrontierPoint", "BatchSearch", "max_batch_size"]
+
+OBJECTIVES = ("throughput", "largest")
 
 
 @dataclass(frozen=True)
@@ -50,11 +58,34 @@ class Trial:
 
 
 @dataclass(frozen=True)
+class FrontierPoint:
+    """One batch that fits, as planned: what a bigger batch costs in time and host memory.
+
+    Args:
+        batch_size: the batch.
+        peak_bytes: its plan's predicted peak, whole device.
+        step_time_s: its plan's predicted step time on the profile.
+        host_bytes: bytes its plan swaps to host memory (each swapped tensor once).
+    """
+
+    batch_size: int
+    peak_bytes: int
+    step_time_s: float
+    host_bytes: int
+
+    @property
+    def samples_per_s(self) -> float:
+        """Predicted throughput: the batch over the step time."""
+        return self.batch_size / self.step_time_s if self.step_time_s else 0.0
+
+
+@dataclass(frozen=True)
 class BatchSearch:
     """What ``max_batch_size`` found.
 
     Args:
-        batch_size: the largest batch that fits.
+        batch_size: the chosen batch: the fastest that fits (``objective="throughput"``) or the
+            largest (``objective="largest"``).
         plan: its plan.
         budget_bytes: the budget, whole device.
         predicted_peak_bytes: the planned step's predicted peak, whole device.
@@ -64,6 +95,10 @@ class BatchSearch:
         verified: the measured timeline of one real step at ``batch_size`` (``None``: not run).
         note: what the caller should know (the search hit ``max_batch``, verification stepped
             down), or ``""``.
+        frontier: every batch that fit as planned, by batch: the trade-off between batch,
+            peak, step time and host memory.
+        objective: what chose ``batch_size``: ``"throughput"`` or ``"largest"``.
+        largest_batch_size: the largest batch that fit as planned (0: not recorded).
     """
 
     batch_size: int
@@ -75,6 +110,9 @@ class BatchSearch:
     tried: tuple[Trial, ...]
     verified: Timeline | None = None
     note: str = ""
+    frontier: tuple[FrontierPoint, ...] = ()
+    objective: str = "throughput"
+    largest_batch_size: int = 0
 
     @property
     def predicted_throughput(self) -> float:
@@ -86,19 +124,32 @@ class BatchSearch:
 
         rows = [(t.batch_size, t.how, "fits" if t.fits else "over", format_bytes(t.peak_bytes))
                 for t in self.tried]
+        chosen = "fastest batch" if self.objective == "throughput" else "largest batch"
         lines = [
-            f"largest batch: {self.batch_size} under {format_bytes(self.budget_bytes)} "
+            f"{chosen}: {self.batch_size} under {format_bytes(self.budget_bytes)} "
             f"(strategy {self.plan.strategy!r}, hardware {self.hardware}): predicted peak "
             f"{format_bytes(self.predicted_peak_bytes)}, step "
             f"{self.predicted_step_time_s * 1e3:.2f} ms, {self.predicted_throughput:.1f} samples/s",
-            table(("batch", "how", "outcome", "peak"), rows),
         ]
+        if self.frontier:
+            lines += ["frontier (every batch that fit as planned):", self._frontier_table()]
+        lines += ["tried:", table(("batch", "how", "outcome", "peak"), rows)]
         if self.verified is not None:
             lines.append(f"verified: one measured step peaked at "
                          f"{format_bytes(self.verified.peak_bytes)}")
         if self.note:
             lines.append(self.note)
         return "\n".join(lines)
+
+    def _frontier_table(self) -> str:
+        from memfit.render.text import table
+
+        best = max(point.samples_per_s for point in self.frontier)
+        rows = [(p.batch_size, format_bytes(p.peak_bytes), f"{p.step_time_s * 1e3:.3f} ms",
+                 f"{p.samples_per_s:.1f}", f"{p.samples_per_s / best:.1%}" if best else "-",
+                 format_bytes(p.host_bytes), "<-" if p.batch_size == self.batch_size else "")
+                for p in self.frontier]
+        return table(("batch", "peak", "step", "samples/s", "of best", "host", "chosen"), rows)
 
 
 @dataclass(frozen=True)
@@ -108,15 +159,26 @@ class _Planned:
     predicted: Timeline
     budget_bytes: int
     outside_bytes: int  # buffers and existing .grad: on the device, outside the graph
+    host_bytes: int = 0  # swapped to the host
+
+    @property
+    def at_full_speed(self) -> bool:
+        """Nothing swapped or recomputed: the step runs as fast as unplanned."""
+        return self.host_bytes == 0 and self.predicted.recompute_s == 0.0
+
+    def point(self) -> FrontierPoint:
+        return FrontierPoint(self.batch_size, _whole(self), self.predicted.step_time_s,
+                             self.host_bytes)
 
 
 def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
                    make_inputs: Callable[[int], tuple[torch.Tensor, ...]],
                    budget: str | int, hardware: Hardware | str | None = None,
-                   strategy: str | None = None, *, max_batch: int = 1 << 16,
-                   verify: bool | None = None, linearize: bool = False,
-                   **params: Any) -> BatchSearch:
-    """The largest batch whose training step fits ``budget``, planned without running it.
+                   strategy: str | None = None, *, objective: str = "throughput",
+                   max_batch: int = 1 << 16, verify: bool | None = None,
+                   linearize: bool = False, **params: Any) -> BatchSearch:
+    """The batch whose training step fits ``budget`` at the highest predicted throughput (or
+    the largest that fits), planned without running it.
 
     Args:
         model: the module (its parameters may be on the meta device when ``verify`` is off,
@@ -130,6 +192,10 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
         hardware: the profile to plan for (``"h100-pcie"``); default: that of the parameters'
             device. Throughput is predicted for it.
         strategy: default ``"auto"``.
+        objective: ``"throughput"`` (default): the fitting batch with the most predicted
+            samples/s, which costs a few more plans (a geometric set below the largest fitting
+            batch, then a refinement around the best); ``"largest"``: the largest fitting batch,
+            however much recomputation and swapping it takes.
         max_batch: the largest batch tried (default 65536).
         verify: run one measured step at the found batch and step down while it does not fit.
             Default: when the parameters are on a real device (the CPU counts). It runs the step
@@ -139,13 +205,16 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
 
     Raises:
         BudgetError: when even batch 1 cannot fit (its message names the smallest peak).
-        ValueError: for a fractional budget or bad strategy parameters.
+        ValueError: for a fractional budget, an unknown objective or bad strategy parameters.
 
     Note:
         Bisection assumes that a batch that fits means every smaller one fits, which holds for
         the peak of a step but can be broken by a heuristic strategy's plan choices; ``tried``
         lists what was planned.
     """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}: "
+                         "'throughput' for the fastest batch, 'largest' for the largest")
     parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
     if parsed is None or parsed.bytes is None:
         raise ValueError(f"max_batch_size needs a budget in bytes ('80GiB'), not {budget!r}: "
@@ -153,8 +222,11 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     resolved = resolve_hardware(hardware, device)
     tried: list[Trial] = []
+    fitting: dict[int, _Planned] = {}  # every batch planned to fit: the frontier
 
     def attempt(batch: int) -> _Planned | None:
+        if batch in fitting:
+            return fitting[batch]
         try:
             planned = _plan_batch(model, loss_fn, make_inputs, batch, parsed, chosen, resolved,
                                   params, linearize)
@@ -162,21 +234,25 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
             tried.append(Trial(batch, False, "planned", error.minimum_bytes))
             return None
         tried.append(Trial(batch, True, "planned", _whole(planned)))
+        fitting[batch] = planned
         return planned
 
-    best = _search(attempt, tried, parsed.bytes, max_batch)
-    if best is None:
+    largest = _search(attempt, tried, parsed.bytes, max_batch)
+    if largest is None:
         _plan_batch(model, loss_fn, make_inputs, 1, parsed, chosen, resolved, params, linearize)
         raise AssertionError("batch 1 fit on a second try")  # the first try raised BudgetError
     note = f"max_batch={max_batch} fits; raise max_batch to look further" \
-        if best.batch_size == max_batch else ""
+        if largest.batch_size == max_batch else ""
+    best = largest if objective == "largest" else _fastest(attempt, largest, fitting)
+    frontier = tuple(fitting[batch].point() for batch in sorted(fitting))
     verified = None
     if verify if verify is not None else device.type != "meta":
         best, verified, stepped = _verify(model, loss_fn, make_inputs, best, attempt, tried,
                                           chosen, resolved, params, linearize)
         note = " ".join(filter(None, (note, stepped)))
     return BatchSearch(best.batch_size, best.plan, best.budget_bytes, _whole(best),
-                       best.predicted.step_time_s, resolved.name, tuple(tried), verified, note)
+                       best.predicted.step_time_s, resolved.name, tuple(tried), verified, note,
+                       frontier, objective, largest.batch_size)
 
 
 def _whole(planned: _Planned) -> int:
@@ -230,6 +306,43 @@ def _search(attempt: Callable[[int], _Planned | None], tried: list[Trial], budge
     return best
 
 
+def _fastest(attempt: Callable[[int], _Planned | None], largest: _Planned,
+             fitting: Mapping[int, _Planned], refine_rounds: int = 3) -> _Planned:
+    """The fitting batch with the most predicted samples/s, planning few batches.
+
+    Halves down from ``largest`` until a plan runs at full speed (nothing swapped or
+    recomputed), then, ``refine_rounds`` times, plans the midpoints between the best batch
+    planned so far and its planned neighbours. Every batch in ``fitting`` (the bracketing
+    search's too) is a candidate.
+
+    Note:
+        Below a batch that runs at full speed no batch is faster: its step is the unplanned
+        one, whose time per sample only falls with the batch (a fixed cost per op spread over
+        more samples), so the halving can stop there. Between planned batches throughput is
+        assumed to have one peak; the refinement finds it within a few plans, not exactly.
+    """
+    batch = largest.batch_size
+    while batch > 1 and not (batch in fitting and fitting[batch].at_full_speed):
+        batch //= 2
+        attempt(batch)
+    for _ in range(refine_rounds):
+        best = _best_of(fitting)
+        planned = sorted(fitting)
+        index = planned.index(best.batch_size)
+        neighbours = planned[max(index - 1, 0):index + 2]
+        middles = {(best.batch_size + other) // 2 for other in neighbours} - set(fitting)
+        if not middles:
+            break
+        for middle in sorted(middles):
+            attempt(middle)
+    return _best_of(fitting)
+
+
+def _best_of(fitting: Mapping[int, _Planned]) -> _Planned:
+    """The most samples/s; of equals, the smaller batch (less memory for the same speed)."""
+    return max(fitting.values(), key=lambda p: (p.point().samples_per_s, -p.batch_size))
+
+
 def meta_inputs(make_inputs: Callable[[int], tuple[torch.Tensor, ...]],
                 batch: int) -> tuple[torch.Tensor, ...]:
     """``make_inputs(batch)`` as meta tensors: made under the meta device, so nothing is filled."""
@@ -244,8 +357,9 @@ def _plan_batch(model, loss_fn, make_inputs, batch, budget, strategy, hardware, 
     planned = trace_plan(model, loss_fn, meta_inputs(make_inputs, batch), budget, strategy,
                          hardware, params, linearize)
     assert planned.budget.device_bytes is not None
+    host_bytes = sum(planned.graph.tensors[name].size_bytes for name in planned.plan.swapped)
     return _Planned(batch, planned.plan, planned.predicted, planned.budget.device_bytes,
-                    planned.budget.outside_bytes)
+                    planned.budget.outside_bytes, host_bytes)
 
 
 def _verify(model, loss_fn, make_inputs, best: _Planned, attempt, tried: list[Trial], strategy,

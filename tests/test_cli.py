@@ -165,6 +165,17 @@ def test_plan_reads_a_saved_hardware_profile(capsys, tmp_path):
     assert "field 'duplex' must be a boolean" in capsys.readouterr().err
 
 
+def test_max_batch_size_prints_the_frontier(capsys):
+    argv = ["max-batch-size", "--model", "mlp", "--model-arg", "depth=2", "--model-arg",
+            "width=8", "--budget", "1GiB", "--hardware", "cpu", "--max-batch", "16"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "fastest batch: 16 under 1.00 GiB" in out and "max_batch=16 fits" in out
+    assert re.search(r"\| batch +\| peak +\| step +\| samples/s", out)
+    assert main([*argv, "--objective", "largest"]) == 0
+    assert "largest batch: 16" in capsys.readouterr().out
+
+
 # ---- bad arguments fail before torch is imported -------------------------------------------------
 
 FAST_ERRORS = [  # (arguments, what the error says), each answered with torch blocked
@@ -172,6 +183,9 @@ FAST_ERRORS = [  # (arguments, what the error says), each answered with torch bl
                                                        r"of \['a100', 'cpu'"),
     (["plan", "--model", "mlp", "--budget", "1.5"], "above 1 a budget is bytes, given as an int"),
     (["plan", "--model", "mlp", "--budget", "lots"], "cannot use 'lots' as a budget"),
+    (["max-batch-size", "--model", "mlp", "--budget", "0.5"], "--budget must be bytes"),
+    (["max-batch-size", "--model", "mlp", "--budget", "1GiB", "--objective", "most"],
+     "invalid choice: 'most'"),
     (["plan", "--model", "vgg"], "invalid choice: 'vgg'"),
     (["plan", "--model", "mlp", "--strategy", "nope"], "unknown strategy 'nope': use one of"),
     (["plan", "--model", "mlp", "--budget", "0.5", "--param", "nonsense=1"], "unknown parameter"),

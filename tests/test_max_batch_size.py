@@ -1,11 +1,12 @@
-"""max_batch_size: the largest batch that fits, found by planning on meta tensors, then measured."""
+"""max_batch_size: the fastest (or the largest) batch that fits, found by planning on meta tensors,
+then measured."""
 
 import pytest
 
 import memfit
 from memfit import examples
 from memfit.runtime.measure import measure_allocator_peak
-from memfit.search import Trial, _Planned, _search, meta_inputs
+from memfit.search import Trial, _fastest, _Planned, _search, meta_inputs
 
 BUDGET_BYTES = 1_080_000  # parameters and gradients are ~1.06 MB: room for a batch of about 20
 
@@ -13,9 +14,11 @@ BUDGET_BYTES = 1_080_000  # parameters and gradients are ~1.06 MB: room for a ba
 def test_the_largest_batch_fits_when_measured_and_the_next_one_does_not():
     example = examples.mlp(depth=8, width=128)
     model, loss_fn = example.model, example.loss_fn
-    found = memfit.max_batch_size(model, loss_fn, example.make_inputs, budget=BUDGET_BYTES)
+    found = memfit.max_batch_size(model, loss_fn, example.make_inputs, budget=BUDGET_BYTES,
+                                  objective="largest")
     batch = found.batch_size
     assert 10 <= batch <= 40, found
+    assert found.largest_batch_size == batch and found.frontier[-1].batch_size == batch
     assert found.predicted_peak_bytes <= BUDGET_BYTES and found.budget_bytes == BUDGET_BYTES
     assert found.predicted_throughput == pytest.approx(batch / found.predicted_step_time_s)
     assert found.verified is not None and found.verified.peak_bytes <= BUDGET_BYTES
@@ -84,3 +87,56 @@ def test_nothing_fits_and_everything_fits_up_to_max_batch():
 
     assert _search(always, tried, 100, max_batch=1000).batch_size == 1000
     assert len(tried) <= 5
+
+
+def test_the_default_picks_the_fastest_batch_which_is_not_the_largest():
+    """A budget where the largest batch swaps megabytes: the default stops before that, at the
+    frontier's best predicted samples/s; ``objective="largest"`` returns the largest, slower."""
+    example = examples.mlp(depth=3, width=256)  # ~1.5 MiB of weights and gradients
+    search = dict(budget=6_000_000, hardware="cpu", verify=False)
+    found = memfit.max_batch_size(example.model, example.loss_fn, example.make_inputs, **search)
+    assert found.objective == "throughput"
+    best = max(found.frontier, key=lambda point: point.samples_per_s)
+    assert found.batch_size == best.batch_size
+    assert found.predicted_throughput == pytest.approx(best.samples_per_s)
+    assert [p.batch_size for p in found.frontier] == sorted({t.batch_size for t in found.tried
+                                                             if t.fits})
+    assert all(p.peak_bytes <= found.budget_bytes for p in found.frontier)
+    largest = memfit.max_batch_size(example.model, example.loss_fn, example.make_inputs,
+                                    objective="largest", **search)
+    assert largest.batch_size == found.largest_batch_size > found.batch_size
+    assert Trial(largest.batch_size + 1, False, "planned", largest.tried[-1].peak_bytes) \
+        in largest.tried  # the bracket closed: one more sample does not fit
+    assert largest.predicted_throughput < found.predicted_throughput
+    assert largest.frontier[-1].host_bytes > 0  # what the largest batch pays in swapping
+    assert "fastest batch" in str(found) and "largest batch" in str(largest)
+
+
+def _fake_planned(batch, full_speed_up_to, fixed_s=1e-3, per_sample_s=1e-5, extra_s=3e-5):
+    """A fake clock: a step costs fixed_s plus per_sample_s a sample up to
+    ``full_speed_up_to``; each sample past it is recomputed at extra_s (more than it adds)."""
+    recompute_s = extra_s * max(batch - full_speed_up_to, 0)
+    timeline = memfit.Timeline("simulated", batch, fixed_s + per_sample_s * batch + recompute_s,
+                               recompute_s=recompute_s)
+    return _Planned(batch, None, timeline, 1 << 40, 0)
+
+
+@pytest.mark.parametrize("full_speed_up_to", [1, 37, 400, 1000, 2999, 3000])
+def test_the_fastest_batch_is_found_in_a_few_plans(full_speed_up_to):
+    largest = _fake_planned(3000, full_speed_up_to)
+    fitting = {3000: largest}
+    planned: list[int] = []
+
+    def attempt(batch):
+        planned.append(batch)
+        fitting[batch] = _fake_planned(batch, full_speed_up_to)
+        return fitting[batch]
+
+    best = _fastest(attempt, largest, fitting)
+    throughput = {b: b / _fake_planned(b, full_speed_up_to).predicted.step_time_s
+                  for b in range(1, 3001)}
+    true_best = max(throughput.values())
+    assert throughput[best.batch_size] >= 0.95 * true_best, (best.batch_size, planned)
+    assert len(planned) <= 12 + 2 * 3  # halving from 3000, then three rounds of two midpoints
+    if full_speed_up_to == 3000:  # the largest runs at full speed: nothing else is planned
+        assert best is largest and not planned
