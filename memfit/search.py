@@ -49,12 +49,14 @@ class Trial:
         how: ``"planned"`` (on meta tensors) or ``"measured"`` (one real step).
         peak_bytes: the predicted (planned) or measured peak; the smallest reachable peak when
             planning failed.
+        host_bytes: what its plan swaps to host memory (0 when planning failed or measured).
     """
 
     batch_size: int
     fits: bool
     how: str
     peak_bytes: int
+    host_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,8 @@ class BatchSearch:
     def __str__(self) -> str:
         from memfit.render.text import table
 
-        rows = [(t.batch_size, t.how, "fits" if t.fits else "over", format_bytes(t.peak_bytes))
-                for t in self.tried]
+        rows = [(t.batch_size, t.how, _outcome(t, self.budget_bytes), format_bytes(t.peak_bytes),
+                 format_bytes(t.host_bytes)) for t in self.tried]
         chosen = "fastest batch" if self.objective == "throughput" else "largest batch"
         lines = [
             f"{chosen}: {self.batch_size} under {format_bytes(self.budget_bytes)} "
@@ -133,7 +135,7 @@ class BatchSearch:
         ]
         if self.frontier:
             lines += ["frontier (every batch that fit as planned):", self._frontier_table()]
-        lines += ["tried:", table(("batch", "how", "outcome", "peak"), rows)]
+        lines += ["tried:", table(("batch", "how", "outcome", "peak", "host"), rows)]
         if self.verified is not None:
             lines.append(f"verified: one measured step peaked at "
                          f"{format_bytes(self.verified.peak_bytes)}")
@@ -150,6 +152,13 @@ class BatchSearch:
                  format_bytes(p.host_bytes), "<-" if p.batch_size == self.batch_size else "")
                 for p in self.frontier]
         return table(("batch", "peak", "step", "samples/s", "of best", "host", "chosen"), rows)
+
+
+def _outcome(trial: Trial, budget_bytes: int) -> str:
+    """``fits``, ``over`` (the device budget) or ``over host`` (swaps more than host_bytes)."""
+    if trial.fits:
+        return "fits"
+    return "over host" if trial.peak_bytes <= budget_bytes and trial.host_bytes else "over"
 
 
 @dataclass(frozen=True)
@@ -190,7 +199,8 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
         budget: the whole device's bytes: parameters, gradients and inputs included, as in
             ``compile``. Fractions are not accepted: they depend on the batch.
         hardware: the profile to plan for (``"h100-pcie"``); default: that of the parameters'
-            device. Throughput is predicted for it.
+            device. Throughput is predicted for it; a plan that swaps more than its
+            ``host_bytes`` does not fit.
         strategy: default ``"auto"``.
         objective: ``"throughput"`` (default): the fitting batch with the most predicted
             samples/s, which costs a few more plans (a geometric set below the largest fitting
@@ -233,11 +243,18 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
         except BudgetError as error:
             tried.append(Trial(batch, False, "planned", error.minimum_bytes))
             return None
-        tried.append(Trial(batch, True, "planned", _whole(planned)))
-        fitting[batch] = planned
-        return planned
+        fits = resolved.host_bytes is None or planned.host_bytes <= resolved.host_bytes
+        tried.append(Trial(batch, fits, "planned", _whole(planned), planned.host_bytes))
+        if fits:
+            fitting[batch] = planned
+        return planned if fits else None
 
     largest = _search(attempt, tried, parsed.bytes, max_batch)
+    if largest is None and tried[0].host_bytes:
+        raise BudgetError(parsed.bytes, tried[0].peak_bytes, strategy=chosen, note=(
+            f"Batch 1 fits the device but swaps {format_bytes(tried[0].host_bytes)}, more "
+            f"than the profile's host_bytes ({format_bytes(resolved.host_bytes or 0)}): raise "
+            "host_bytes (hardware.with_(host_bytes=...)) or the budget."))
     if largest is None:
         _plan_batch(model, loss_fn, make_inputs, 1, parsed, chosen, resolved, params, linearize)
         raise AssertionError("batch 1 fit on a second try")  # the first try raised BudgetError

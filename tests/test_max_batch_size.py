@@ -140,3 +140,33 @@ def test_the_fastest_batch_is_found_in_a_few_plans(full_speed_up_to):
     assert len(planned) <= 12 + 2 * 3  # halving from 3000, then three rounds of two midpoints
     if full_speed_up_to == 3000:  # the largest runs at full speed: nothing else is planned
         assert best is largest and not planned
+
+
+def test_no_plan_swaps_more_than_the_host_holds():
+    """``host_bytes`` on the profile: a plan that swaps more does not fit, whatever its peak."""
+    from memfit.core.hardware import get_hardware
+
+    example = examples.mlp(depth=3, width=256)
+    host_bytes = 1 << 20
+    found = memfit.max_batch_size(example.model, example.loss_fn, example.make_inputs,
+                                  budget=6_000_000, verify=False, objective="largest",
+                                  hardware=get_hardware("cpu").with_(host_bytes=host_bytes))
+    assert all(point.host_bytes <= host_bytes for point in found.frontier)
+    over_host = [t for t in found.tried if not t.fits and t.peak_bytes <= found.budget_bytes]
+    assert over_host and all(t.host_bytes > host_bytes for t in over_host), found.tried
+    assert "over host" in str(found)
+
+
+def test_batch_one_over_the_host_is_a_budget_error_that_names_the_host(monkeypatch):
+    """A fake planner whose every plan swaps 5 bytes, under a host of 1 byte: nothing fits."""
+    from memfit import search
+    from memfit.core.hardware import get_hardware
+
+    def swaps_five_bytes(model, loss_fn, make_inputs, batch, *rest):
+        return _Planned(batch, None, memfit.Timeline("simulated", 100, 1.0), 10**6, 0, 5)
+
+    monkeypatch.setattr(search, "_plan_batch", swaps_five_bytes)
+    example = examples.mlp(depth=2, width=8)
+    with pytest.raises(memfit.BudgetError, match="swaps 5 B, more than the profile's host_bytes"):
+        memfit.max_batch_size(example.model, example.loss_fn, example.make_inputs, budget=10**6,
+                              hardware=get_hardware("cpu").with_(host_bytes=1), verify=False)

@@ -106,6 +106,9 @@ class Hardware:
             takes the pinned rate.
         h2d_pageable_bytes_per_s: host-to-device bandwidth from pageable memory; ``None``
             takes the pinned rate.
+        host_bytes: host memory that swapped tensors may take; ``max_batch_size`` counts a
+            plan that swaps more as not fitting. ``None`` (default): no limit, since a
+            profile names a device, not the host beside it; state the figure for the target.
         notes: where the numbers come from.
     """
 
@@ -126,6 +129,7 @@ class Hardware:
     tf32_cudnn: bool = True
     d2h_pageable_bytes_per_s: float | None = None
     h2d_pageable_bytes_per_s: float | None = None
+    host_bytes: int | None = None
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -140,6 +144,9 @@ class Hardware:
         if not self.flops_per_s or min(self.flops_per_s.values()) <= 0:
             raise ValueError("Hardware.flops_per_s needs a positive rate for at least one dtype")
         self._check_efficiencies()
+        if self.host_bytes is not None and self.host_bytes < 0:
+            raise ValueError(f"Hardware.host_bytes must be 0 or more (None: no limit), got "
+                             f"{self.host_bytes}")
         for key in ("op_overhead_s", "copy_latency_s", "compute_ramp_s"):
             if getattr(self, key) < 0:
                 raise ValueError(f"Hardware.{key} must be 0 or more, got {getattr(self, key)}")

@@ -19,6 +19,7 @@ _KINDS = {  # field -> the JSON kind it holds (a field not listed is a number)
     "tf32_matmuls": "a boolean", "tf32_cudnn": "a boolean", "device_bytes": "an integer",
     "flops_per_s": "an object of numbers", "compute_efficiency": "an object of numbers",
     "d2h_pageable_bytes_per_s": "a number or null", "h2d_pageable_bytes_per_s": "a number or null",
+    "host_bytes": "an integer or null",
 }
 
 
@@ -68,6 +69,8 @@ def _holds(value: object, expected: str) -> bool:
     if expected == "an object of numbers":
         return isinstance(value, Mapping) and all(
             isinstance(key, str) and number(item) for key, item in value.items())
+    if expected == "an integer or null":
+        return value is None or _holds(value, "an integer")
     if expected == "a number or null":
         return value is None or number(value)
     return number(value)

@@ -78,6 +78,7 @@ def test_copy_times_include_the_latency():
         ({"h2d_bytes_per_s": 0}, "h2d_bytes_per_s must be positive, got 0"),
         ({"flops_per_s": {}}, "positive rate for at least one dtype"),
         ({"flops_per_s": {"float32": 0.0}}, "positive rate for at least one dtype"),
+        ({"host_bytes": -1}, "host_bytes must be 0 or more"),
     ],
 )
 def test_invalid_numbers_are_rejected(changes, message):
@@ -183,6 +184,13 @@ def test_profiles_round_trip_through_json(name, tmp_path):
     assert json.loads(path.read_text())["format"] == "memfit.hardware"
 
 
+def test_a_host_limit_round_trips_through_json(tmp_path):
+    profile = PROFILES["h100-pcie"].with_(host_bytes=512 * 2**30)
+    profile.save(tmp_path / "host.json")
+    assert Hardware.load(tmp_path / "host.json").host_bytes == 512 * 2**30
+    assert PROFILES["h100-pcie"].host_bytes is None  # built-in profiles: no host limit
+
+
 def test_a_hand_written_profile_needs_only_the_fields_without_defaults():
     data = {"format": "memfit.hardware", "version": 1, "name": "mine",
             "flops_per_s": {"bfloat16": 1e15}, "memory_bytes_per_s": 3e12,
@@ -201,6 +209,7 @@ def test_a_hand_written_profile_needs_only_the_fields_without_defaults():
         ({"memory_bytes_per_s": True}, "field 'memory_bytes_per_s' must be a number"),
         ({"flops_per_s": {"bfloat16": "fast"}}, "field 'flops_per_s' must be an object of numbers"),
         ({"device_bytes": 1.5}, "field 'device_bytes' must be an integer"),
+        ({"host_bytes": 1.5}, "field 'host_bytes' must be an integer or null"),
         ({"memory_efficiency": 2.0}, "memory_efficiency must be a fraction"),
     ],
 )
