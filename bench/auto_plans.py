@@ -226,7 +226,7 @@ def largest_batches(name: str, example: examples.Example, result: ModelResult,
         try:
             found = memfit.max_batch_size(example.model, example.loss_fn, example.make_inputs,
                                           budget=budget, hardware=profile, strategy=strategy,
-                                          verify=False, max_batch=max_batch)
+                                          objective="largest", verify=False, max_batch=max_batch)
         except BudgetError:
             return LargestBatch(0, 0.0)
         log(f"auto {name}: {strategy} fits batch {found.batch_size} in {budget} on {profile} "

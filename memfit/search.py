@@ -18,13 +18,21 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from memfit.api import Step
+from memfit.batches import (
+    FrontierPoint,
+    PlannedBatch,
+    Trial,
+    bracket_largest,
+    search_fastest,
+    whole_bytes,
+)
 from memfit.core.errors import BudgetError
 from memfit.core.hardware import Hardware
 from memfit.core.plan import Plan
@@ -37,48 +45,6 @@ from memfit.traced import trace_plan
 __all__ = ["Trial", "FrontierPoint", "BatchSearch", "max_batch_size"]
 
 OBJECTIVES = ("throughput", "largest")
-
-
-@dataclass(frozen=True)
-class Trial:
-    """One batch the search tried.
-
-    Args:
-        batch_size: the batch.
-        fits: whether it fit the budget.
-        how: ``"planned"`` (on meta tensors) or ``"measured"`` (one real step).
-        peak_bytes: the predicted (planned) or measured peak; the smallest reachable peak when
-            planning failed.
-        host_bytes: what its plan swaps to host memory (0 when planning failed or measured).
-    """
-
-    batch_size: int
-    fits: bool
-    how: str
-    peak_bytes: int
-    host_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class FrontierPoint:
-    """One batch that fits, as planned: what a bigger batch costs in time and host memory.
-
-    Args:
-        batch_size: the batch.
-        peak_bytes: its plan's predicted peak, whole device.
-        step_time_s: its plan's predicted step time on the profile.
-        host_bytes: bytes its plan swaps to host memory (each swapped tensor once).
-    """
-
-    batch_size: int
-    peak_bytes: int
-    step_time_s: float
-    host_bytes: int
-
-    @property
-    def samples_per_s(self) -> float:
-        """Predicted throughput: the batch over the step time."""
-        return self.batch_size / self.step_time_s if self.step_time_s else 0.0
 
 
 @dataclass(frozen=True)
@@ -161,25 +127,6 @@ def _outcome(trial: Trial, budget_bytes: int) -> str:
     return "over host" if trial.peak_bytes <= budget_bytes and trial.host_bytes else "over"
 
 
-@dataclass(frozen=True)
-class _Planned:
-    batch_size: int
-    plan: Plan
-    predicted: Timeline
-    budget_bytes: int
-    outside_bytes: int  # buffers and existing .grad: on the device, outside the graph
-    host_bytes: int = 0  # swapped to the host
-
-    @property
-    def at_full_speed(self) -> bool:
-        """Nothing swapped or recomputed: the step runs as fast as unplanned."""
-        return self.host_bytes == 0 and self.predicted.recompute_s == 0.0
-
-    def point(self) -> FrontierPoint:
-        return FrontierPoint(self.batch_size, _whole(self), self.predicted.step_time_s,
-                             self.host_bytes)
-
-
 def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
                    make_inputs: Callable[[int], tuple[torch.Tensor, ...]],
                    budget: str | int, hardware: Hardware | str | None = None,
@@ -232,9 +179,9 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     resolved = resolve_hardware(hardware, device)
     tried: list[Trial] = []
-    fitting: dict[int, _Planned] = {}  # every batch planned to fit: the frontier
+    fitting: dict[int, PlannedBatch] = {}  # every batch planned to fit: the frontier
 
-    def attempt(batch: int) -> _Planned | None:
+    def attempt(batch: int) -> PlannedBatch | None:
         if batch in fitting:
             return fitting[batch]
         try:
@@ -244,12 +191,12 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
             tried.append(Trial(batch, False, "planned", error.minimum_bytes))
             return None
         fits = resolved.host_bytes is None or planned.host_bytes <= resolved.host_bytes
-        tried.append(Trial(batch, fits, "planned", _whole(planned), planned.host_bytes))
+        tried.append(Trial(batch, fits, "planned", whole_bytes(planned), planned.host_bytes))
         if fits:
             fitting[batch] = planned
         return planned if fits else None
 
-    largest = _search(attempt, tried, parsed.bytes, max_batch)
+    largest = bracket_largest(attempt, tried, parsed.bytes, max_batch)
     if largest is None and tried[0].host_bytes:
         raise BudgetError(parsed.bytes, tried[0].peak_bytes, strategy=chosen, note=(
             f"Batch 1 fits the device but swaps {format_bytes(tried[0].host_bytes)}, more "
@@ -260,104 +207,16 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
         raise AssertionError("batch 1 fit on a second try")  # the first try raised BudgetError
     note = f"max_batch={max_batch} fits; raise max_batch to look further" \
         if largest.batch_size == max_batch else ""
-    best = largest if objective == "largest" else _fastest(attempt, largest, fitting)
+    best = largest if objective == "largest" else search_fastest(attempt, largest, fitting)
     frontier = tuple(fitting[batch].point() for batch in sorted(fitting))
     verified = None
     if verify if verify is not None else device.type != "meta":
         best, verified, stepped = _verify(model, loss_fn, make_inputs, best, attempt, tried,
                                           chosen, resolved, params, linearize)
         note = " ".join(filter(None, (note, stepped)))
-    return BatchSearch(best.batch_size, best.plan, best.budget_bytes, _whole(best),
+    return BatchSearch(best.batch_size, best.plan, best.budget_bytes, whole_bytes(best),
                        best.predicted.step_time_s, resolved.name, tuple(tried), verified, note,
                        frontier, objective, largest.batch_size)
-
-
-def _whole(planned: _Planned) -> int:
-    return planned.predicted.peak_bytes + planned.outside_bytes
-
-
-def _search(attempt: Callable[[int], _Planned | None], tried: list[Trial], budget_bytes: int,
-            max_batch: int) -> _Planned | None:
-    """Grow from batch 1 until a batch does not fit (or ``max_batch``), then close the bracket.
-
-    Note:
-        A step's peak is close to affine in the batch, so each guess aims at the budget on the
-        line through the last two peaks (a failed plan reports the smallest peak it could
-        reach). Growth is at least one and at most 16x per guess; in the bracket, a guess that
-        does not halve it is followed by a bisection, so the search costs at most twice plain
-        bisection, and on an affine peak about four plans.
-    """
-    best = attempt(1)
-    if best is None:
-        return None
-    previous = (0, 0)  # (batch, peak) of the fit before best; (0, 0) means "none yet"
-    high, high_peak = 0, 0  # the smallest batch known not to fit (0: none yet), and its peak
-    while not high:
-        low, low_peak = best.batch_size, _whole(best)
-        if low >= max_batch:
-            return best
-        guess = 2 * low
-        if previous[0]:  # a flat peak (the batch costs nothing yet) grows the most
-            guess = 16 * low if low_peak <= previous[1] else \
-                low + (budget_bytes - low_peak) * (low - previous[0]) // (low_peak - previous[1])
-        guess = min(max(guess, low + 1), 16 * low, max_batch)
-        planned = attempt(guess)
-        if planned is None:
-            high, high_peak = guess, tried[-1].peak_bytes
-        else:
-            previous, best = (low, low_peak), planned
-    low, low_peak = best.batch_size, _whole(best)
-    bisect = False
-    while high - low > 1:
-        middle = (low + high) // 2
-        if not bisect and high_peak > low_peak:
-            guess = low + (budget_bytes - low_peak) * (high - low) // (high_peak - low_peak)
-            middle = min(max(guess, low + 1), high - 1)
-        width = high - low
-        planned = attempt(middle)
-        if planned is None:
-            high, high_peak = middle, tried[-1].peak_bytes
-        else:
-            low, best, low_peak = middle, planned, _whole(planned)
-        bisect = not bisect and 2 * (high - low) > width
-    return best
-
-
-def _fastest(attempt: Callable[[int], _Planned | None], largest: _Planned,
-             fitting: Mapping[int, _Planned], refine_rounds: int = 3) -> _Planned:
-    """The fitting batch with the most predicted samples/s, planning few batches.
-
-    Halves down from ``largest`` until a plan runs at full speed (nothing swapped or
-    recomputed), then, ``refine_rounds`` times, plans the midpoints between the best batch
-    planned so far and its planned neighbours. Every batch in ``fitting`` (the bracketing
-    search's too) is a candidate.
-
-    Note:
-        Below a batch that runs at full speed no batch is faster: its step is the unplanned
-        one, whose time per sample only falls with the batch (a fixed cost per op spread over
-        more samples), so the halving can stop there. Between planned batches throughput is
-        assumed to have one peak; the refinement finds it within a few plans, not exactly.
-    """
-    batch = largest.batch_size
-    while batch > 1 and not (batch in fitting and fitting[batch].at_full_speed):
-        batch //= 2
-        attempt(batch)
-    for _ in range(refine_rounds):
-        best = _best_of(fitting)
-        planned = sorted(fitting)
-        index = planned.index(best.batch_size)
-        neighbours = planned[max(index - 1, 0):index + 2]
-        middles = {(best.batch_size + other) // 2 for other in neighbours} - set(fitting)
-        if not middles:
-            break
-        for middle in sorted(middles):
-            attempt(middle)
-    return _best_of(fitting)
-
-
-def _best_of(fitting: Mapping[int, _Planned]) -> _Planned:
-    """The most samples/s; of equals, the smaller batch (less memory for the same speed)."""
-    return max(fitting.values(), key=lambda p: (p.point().samples_per_s, -p.batch_size))
 
 
 def meta_inputs(make_inputs: Callable[[int], tuple[torch.Tensor, ...]],
@@ -369,18 +228,19 @@ def meta_inputs(make_inputs: Callable[[int], tuple[torch.Tensor, ...]],
 
 
 def _plan_batch(model, loss_fn, make_inputs, batch, budget, strategy, hardware, params,
-                linearize) -> _Planned:
+                linearize) -> PlannedBatch:
     """Plan ``batch`` from meta inputs, as ``compile`` would plan it (nothing runs)."""
     planned = trace_plan(model, loss_fn, meta_inputs(make_inputs, batch), budget, strategy,
                          hardware, params, linearize)
     assert planned.budget.device_bytes is not None
     host_bytes = sum(planned.graph.tensors[name].size_bytes for name in planned.plan.swapped)
-    return _Planned(batch, planned.plan, planned.predicted, planned.budget.device_bytes,
+    return PlannedBatch(batch, planned.plan, planned.predicted, planned.budget.device_bytes,
                     planned.budget.outside_bytes, host_bytes)
 
 
-def _verify(model, loss_fn, make_inputs, best: _Planned, attempt, tried: list[Trial], strategy,
-            hardware, params, linearize, tries: int = 4) -> tuple[_Planned, Timeline | None, str]:
+def _verify(model, loss_fn, make_inputs, best: PlannedBatch, attempt, tried: list[Trial],
+            strategy, hardware, params, linearize,
+            tries: int = 4) -> tuple[PlannedBatch, Timeline | None, str]:
     """Measure one real step at ``best``; while it runs over, step down (1, 2, 4, ... smaller)."""
     found = best.batch_size
     step_down = 1
@@ -405,7 +265,7 @@ def _verify(model, loss_fn, make_inputs, best: _Planned, attempt, tried: list[Tr
                         f"{best.batch_size}); the planned answer is unverified")
 
 
-def _measure_step(model, loss_fn, make_inputs, planned: _Planned, strategy, hardware, params,
+def _measure_step(model, loss_fn, make_inputs, planned: PlannedBatch, strategy, hardware, params,
                   linearize) -> Timeline:
     """One real step at ``planned.batch_size``; ``.grad`` and buffers are restored afterwards."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))

@@ -5,8 +5,9 @@ import pytest
 
 import memfit
 from memfit import examples
+from memfit.batches import PlannedBatch, Trial, bracket_largest, search_fastest
 from memfit.runtime.measure import measure_allocator_peak
-from memfit.search import Trial, _fastest, _Planned, _search, meta_inputs
+from memfit.search import meta_inputs
 
 BUDGET_BYTES = 1_080_000  # parameters and gradients are ~1.06 MB: room for a batch of about 20
 
@@ -68,24 +69,24 @@ def test_the_search_finds_the_boundary_of_any_monotone_peak(answer, per_sample):
     def attempt(batch):
         fits = peak(batch) <= budget
         tried.append(Trial(batch, fits, "planned", peak(batch)))
-        return _Planned(batch, None, memfit.Timeline("simulated", peak(batch), 1.0), budget, 0) \
-            if fits else None
+        timeline = memfit.Timeline("simulated", peak(batch), 1.0)
+        return PlannedBatch(batch, None, timeline, budget, 0) if fits else None
 
-    best = _search(attempt, tried, budget, max_batch=4096)
+    best = bracket_largest(attempt, tried, budget, max_batch=4096)
     expected = max(b for b in range(1, 4097) if peak(b) <= budget)
     assert best is not None and best.batch_size == expected
     assert len(tried) <= 2 * 13 + 2
 
 
 def test_nothing_fits_and_everything_fits_up_to_max_batch():
-    assert _search(lambda batch: None, [], 100, max_batch=64) is None
+    assert bracket_largest(lambda batch: None, [], 100, max_batch=64) is None
     tried: list[Trial] = []
 
     def always(batch):
         tried.append(Trial(batch, True, "planned", 1))
-        return _Planned(batch, None, memfit.Timeline("simulated", 1, 1.0), 100, 0)
+        return PlannedBatch(batch, None, memfit.Timeline("simulated", 1, 1.0), 100, 0)
 
-    assert _search(always, tried, 100, max_batch=1000).batch_size == 1000
+    assert bracket_largest(always, tried, 100, max_batch=1000).batch_size == 1000
     assert len(tried) <= 5
 
 
@@ -118,7 +119,7 @@ def _fake_planned(batch, full_speed_up_to, fixed_s=1e-3, per_sample_s=1e-5, extr
     recompute_s = extra_s * max(batch - full_speed_up_to, 0)
     timeline = memfit.Timeline("simulated", batch, fixed_s + per_sample_s * batch + recompute_s,
                                recompute_s=recompute_s)
-    return _Planned(batch, None, timeline, 1 << 40, 0)
+    return PlannedBatch(batch, None, timeline, 1 << 40, 0)
 
 
 @pytest.mark.parametrize("full_speed_up_to", [1, 37, 400, 1000, 2999, 3000])
@@ -132,7 +133,7 @@ def test_the_fastest_batch_is_found_in_a_few_plans(full_speed_up_to):
         fitting[batch] = _fake_planned(batch, full_speed_up_to)
         return fitting[batch]
 
-    best = _fastest(attempt, largest, fitting)
+    best = search_fastest(attempt, largest, fitting)
     throughput = {b: b / _fake_planned(b, full_speed_up_to).predicted.step_time_s
                   for b in range(1, 3001)}
     true_best = max(throughput.values())
@@ -163,7 +164,7 @@ def test_batch_one_over_the_host_is_a_budget_error_that_names_the_host(monkeypat
     from memfit.core.hardware import get_hardware
 
     def swaps_five_bytes(model, loss_fn, make_inputs, batch, *rest):
-        return _Planned(batch, None, memfit.Timeline("simulated", 100, 1.0), 10**6, 0, 5)
+        return PlannedBatch(batch, None, memfit.Timeline("simulated", 100, 1.0), 10**6, 0, 5)
 
     monkeypatch.setattr(search, "_plan_batch", swaps_five_bytes)
     example = examples.mlp(depth=2, width=8)
