@@ -28,6 +28,7 @@ _EXPORTS = {
     "BudgetWarning": "memfit.api",
     "max_batch_size": "memfit.search",
     "BatchSearch": "memfit.search",
+    "FrontierPoint": "memfit.batches",
     "capture": "memfit.graph.capture",
     "measure_hardware": "memfit.runtime.probe",
     "BudgetError": "memfit.core.errors",

@@ -161,7 +161,8 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
         **params: the strategy's parameters.
 
     Raises:
-        BudgetError: when even batch 1 cannot fit (its message names the smallest peak).
+        BudgetError: when even batch 1 cannot fit (its message names the smallest peak, or
+            the host bytes batch 1 swaps when the profile's ``host_bytes`` is what it exceeds).
         ValueError: for a fractional budget, an unknown objective or bad strategy parameters.
 
     Note:
