@@ -18,8 +18,10 @@ runs after warm-ups that compile, plan and finish memfit's measured runs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import functools
+import multiprocessing
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,15 +77,17 @@ class FitModel:
     own switch where the model has one, else ``torch.utils.checkpoint`` around each module whose
     class is in ``block_types`` (outermost matches, as bench/recompute.py wraps them)."""
 
-    build: Callable[[], examples.Example]
+    build: Callable[[], examples.Example]  # picklable (a function or a partial): see isolated_rows
     block_types: tuple[str, ...] = ()
+    name: str = ""  # the rows' model name where the model could not even be built
 
 
 FIT_MODELS = (
-    FitModel(lambda: examples.gpt2(layers=4, width=128, heads=4, vocab=256, sequence=256,
-                                   batch_size=8)),
-    FitModel(lambda: examples.resnet50_shaped(batch_size=16), ("ResNetBottleNeckLayer",)),
-    FitModel(examples.unet3d, ("ResidualUnit", "Convolution")),
+    FitModel(functools.partial(examples.gpt2, layers=4, width=128, heads=4, vocab=256,
+                               sequence=256, batch_size=8), name="gpt2"),
+    FitModel(functools.partial(examples.resnet50_shaped, batch_size=16),
+             ("ResNetBottleNeckLayer",), name="resnet50"),
+    FitModel(examples.unet3d, ("ResidualUnit", "Convolution"), name="unet3d"),
 )
 
 
@@ -262,14 +266,39 @@ def _timed(results: dict[str, Measured], log) -> dict[str, float]:
     return dict(zip(runs, medians, strict=True))
 
 
+def _rows_on_one_thread(bench: FitModel) -> list[tuple]:
+    """``fit_rows`` on one intra-op thread (see SINGLE_THREAD_NOTE), deterministic algorithms on
+    (as ``bench.run`` sets them for its own process), logging to stderr."""
+    from bench.run import log
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    return fit_rows(bench, log)
+
+
+def isolated_rows(bench: FitModel) -> list[tuple]:
+    """``bench``'s rows from a child process of their own, or one row saying how it died.
+
+    Why: a compiled kernel that corrupts memory aborts the whole process (on an AVX-512 CPU,
+    torch 2.13's ``torch.compile(backend="inductor")`` of the bench's MONAI U-Net did, in its first
+    forward, without memfit), and the other models' rows, written at the end, were lost with it.
+    """
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        try:
+            return pool.submit(_rows_on_one_thread, bench).result()
+        except concurrent.futures.process.BrokenProcessPool as error:
+            return [(bench.name, "(every method)", "-", "-", "-", "-",
+                     f"the bench's process died: {error}")]
+
+
 def fit_section(log) -> str:
-    """The Markdown section: GPT-2, ResNet-50-shaped and the 3D U-Net, on one intra-op thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see SINGLE_THREAD_NOTE
-    try:
-        rows = [row for bench in FIT_MODELS for row in fit_rows(bench, log)]
-    finally:
-        torch.set_num_threads(threads)
+    """The Markdown section: GPT-2, ResNet-50-shaped and the 3D U-Net, each in its own process
+    on one intra-op thread."""
+    rows = []
+    for bench in FIT_MODELS:
+        log(f"fit bench: {bench.name} in a child process")
+        rows.extend(isolated_rows(bench))
     return "\n".join([
         "## memfit.fit in a training loop beside the alternatives (CPU)\n",
         __doc__.split("\n\n", 1)[1].strip() + "\n",

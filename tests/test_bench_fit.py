@@ -79,3 +79,12 @@ def test_weights_verdict_says_bitwise_allclose_or_how_far():
     with torch.no_grad():
         same.weight[0, 0] += 1e-2
     assert fit.weights_verdict(same, model, "eager").startswith("differ from eager's (up to 1.0e-02")
+
+
+def test_a_model_whose_process_dies_gets_a_row_and_the_section_goes_on():
+    """``os.abort`` in the child stands for a compiled kernel that corrupts the heap."""
+    import os
+
+    (row,) = fit.isolated_rows(fit.FitModel(os.abort, name="aborts"))
+    assert row[:2] == ("aborts", "(every method)")
+    assert "died" in row[-1]
