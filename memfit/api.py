@@ -105,6 +105,7 @@ class Step:
         self.backend = Backend(budget, strategy, hardware, "aot_eager", None, model, params)
         self.backend.linearize = linearize
         self.backend.fixed_plan = plan
+        self.backend.warn_over_prediction = not self.closed_loop  # the loop re-plans instead
         self.backend.scope_prefix = "model."  # LossModule holds the model as .model
         self._module = loss_module(model, loss_fn)
         self._compiled = torch.compile(self._module, backend=self.backend, dynamic=False)

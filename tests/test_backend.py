@@ -4,6 +4,7 @@ first iteration on (optimizer state included), PyTorch's own autograd features i
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -380,3 +381,33 @@ def test_batchnorm_statistics_update_in_the_forward_as_in_eager(strategy):
         assert torch.equal(mine, theirs)
     (region,) = fitted._memfit_backend.regions
     assert not [n for n in region.backward.graph.nodes if n.target is torch.ops.aten.copy_.default]
+
+
+def _measured_region(measured: int, eager: int = 0, predicted: int = 100, budget: int = 110):
+    """The fields ``_warn_if_over_its_prediction`` reads, of a region with one measured run."""
+    from types import SimpleNamespace
+
+    from memfit.core.plan import Plan
+
+    return SimpleNamespace(index=0, warned_over=False, measured_peak_bytes=measured,
+                           budget_bytes=budget, predicted_peak_bytes=predicted,
+                           eager_forward_bytes=eager, eager_backward_bytes=0,
+                           plan=Plan("auto", params={"solver": "vdnn_dyn"}))
+
+
+def test_a_plan_measured_over_its_budget_and_prediction_is_said_once():
+    from memfit.backend import _warn_if_over_its_prediction
+
+    region = _measured_region(measured=300)
+    with pytest.warns(memfit.BudgetWarning, match="does not run as simulated"):
+        _warn_if_over_its_prediction(region)
+    assert region.warned_over
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memfit.BudgetWarning)
+        _warn_if_over_its_prediction(region)  # once
+        for quiet in (_measured_region(measured=105),  # within the budget
+                      _measured_region(measured=300, eager=200),  # eager code's: a re-plan's
+                      _measured_region(measured=101, budget=100),  # within 1% of the prediction
+                      _measured_region(measured=300, budget=None)):
+            _warn_if_over_its_prediction(quiet)
+            assert not quiet.warned_over
