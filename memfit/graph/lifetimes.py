@@ -110,40 +110,58 @@ def remember_outputs(region: Region, outputs: Sequence) -> None:
         for value in outputs[:len(region.output_names)])
 
 
-def tangents_given(region: Region, args: Sequence) -> tuple[tuple[str, bool], ...]:
-    """Before ``region``'s backward runs with ``args``: which of its tangents are tensors (the
-    others are ``None``: outputs the loss does not depend on)."""
-    return tuple((name, value is not None)
+def tangents_given(region: Region, args: Sequence) -> tuple[tuple[str, object], ...]:
+    """Before ``region``'s backward runs with ``args``: each of its tangents' storage, weakly
+    (``None`` for a tangent passed as ``None``: an output the loss does not depend on), so that
+    ``observe_loop`` sees which ones outlived the backward."""
+    return tuple((name, StorageWeakRef(value.untyped_storage())
+                  if isinstance(value, torch.Tensor) else None)
                  for name, value in zip(region.backward_input_names, args, strict=False)
                  if name.startswith("tangents") and name in region.graph.tensors)
 
 
-def observe_loop(region: Region, given: tuple[tuple[str, bool], ...]) -> None:
-    """After ``region``'s backward ran with tangents ``given``: which of its forward's outputs
-    the loop still holds (a storage still alive once the backward freed the saves it read, or
-    one whose gradient came from outside the region: ``output_tangents``);
-    where that differs from the last backward, simulate its plan again with those lifetimes."""
+def observe_loop(region: Region, given: tuple[tuple[str, object], ...]) -> None:
+    """After ``region``'s backward ran with tangents ``given`` (``tangents_given``): which of its
+    forward's outputs the loop still holds (a storage still alive once the backward freed the
+    saves it read, or one whose gradient came from outside the region: ``output_tangents``) and
+    which tangents outlived the backward; where that differs from the last backward, simulate
+    its plan again with those lifetimes.
+
+    Note:
+        A tangent whose storage is gone once the backward has returned was freed after its last
+        reader: torch's autograd passes the compiled backward its gradients in a list
+        (``boxed_grads_call``) that the backward's boxed code empties, freeing each input after
+        its last use (measured on ``examples.lstm()``: the logits' gradient, 32,768 B, freed
+        right after the head's gradient ``mm``, long before the LSTM layers' backward where the
+        step peaks). One still alive is held beyond the backward (a ``retain_grad``, a hook, or
+        a torch that passes the gradients in a tuple its caller holds): counted to the end.
+    """
     if not region.output_storages or region.hardware is None:
         return
-    passed = {name for name, given in given if given}
+    passed = {name for name, storage in given if storage is not None}
+    kept = tuple((name, storage is not None and not storage.expired())  # type: ignore[attr-defined]
+                 for name, storage in given)
     held = tuple((reference is not None and not reference.expired()) or tangent in passed
                  for reference, tangent in zip(region.output_storages, region.output_tangents,
                                                strict=False))
-    if (held, given) == region.observed:
+    passed_state = tuple((name, name in passed) for name, _ in given)
+    if (held, passed_state, kept) == region.observed:
         return
-    region.observed = (held, given)
+    region.observed = (held, passed_state, kept)
     graph = loop_graph(region.graph, dict(zip(region.output_names, held, strict=False)),
-                       dict(given))
+                       dict(passed_state), frozenset(name for name, alive in kept if alive))
     plan = replace(region.plan, graph_hash=graph.structure_hash)
     region.predicted = simulate(graph, plan, region.hardware)
 
 
 def loop_graph(graph: CostGraph, output_alive: dict[str | None, bool],
-               tangent_given: dict[str, bool]) -> CostGraph:
+               tangent_given: dict[str, bool],
+               tangent_kept: frozenset[str] = frozenset()) -> CostGraph:
     """``graph`` with the loop's lifetimes: outputs it dropped freed when the forward ends (or
     after their last reader, for those its backward reads),
-    tangents it passed made when the backward starts and held until it returns, the others made
-    as zeros before their first reader (``memfit.backend._zeros_at_first_use``) or never."""
+    tangents it passed made when the backward starts and freed after their last reader (held
+    until it returns: those in ``tangent_kept``), the others made as zeros before their first
+    reader (``memfit.backend._zeros_at_first_use``) or never."""
     forward = [op.name for op in graph.ops if op.phase == "forward"]
     first_backward = next((i for i, op in enumerate(graph.ops) if op.phase == "backward"), None)
     if not forward or first_backward is None or first_backward == 0:
@@ -160,5 +178,5 @@ def loop_graph(graph: CostGraph, output_alive: dict[str | None, bool],
             arriving[name] = graph.ops[graph.index[readers[0]] - 1].name
         else:
             absent.add(name)
-    held = frozenset(name for name, given in tangent_given.items() if given)
+    held = frozenset(name for name in tangent_kept if tangent_given.get(name))
     return with_loop_lifetimes(graph, arriving, released, frozenset(absent), held)

@@ -10,13 +10,18 @@ kernel buffers are counted), so both run at auto's true minimum (0.85 of eager's
 what the loop holds beside the region, which memfit reads and plans for: the eager loss's
 labels, ``memfit.runtime.outside``).
 
-Prediction: the region's predicted peak is above the measured one by less than two logits
-tensors (measured: 64,504 B over 2.6 MB, 2.5%, under auto and keep alike). One is the logits,
-counted held to the step's end because their gradient comes from the eager loss outside the
-region (code no plan covers, which may keep buffers of their size until the backward ends, as
-CPU ``mse_loss`` does; ``memfit.graph.lifetimes.output_tangents``); the other 31,736 B are not
-located yet (the oneDNN layers' buffers, sized by rule, are the first suspect). Their tangent is
-counted from the backward's start, as autograd makes it.
+Prediction: the region's predicted peak is above the measured one by the logits less what the
+loop holds at the backward's start (measured: 31,736 B = 32,768 B of logits less 1,032 B of
+labels, loss and its seed, over 2.1 MB, 1.5%, under auto and optimal-recompute alike; AVX-512).
+The logits are counted held to the step's end because their gradient comes from the eager loss
+outside the region (code no plan covers, which may keep buffers of their size until the
+backward ends, as CPU ``mse_loss`` does; ``memfit.graph.lifetimes.output_tangents``); the loop's
+labels, loss and seed are not in a budgeted region's prediction. The logits' gradient is counted
+from the backward's start to its last reader: torch passes it to the compiled backward in a list
+that the backward empties, so it is freed after the head's gradient ``mm``, long before the
+first LSTM layer's backward where the step peaks (counted to the backward's end, it put a further
+32,768 B into the prediction: the 31,736 B once not located; the oneDNN layers' buffers, sized by
+rule, match the allocator at that op to the byte).
 """
 
 from __future__ import annotations
@@ -95,7 +100,7 @@ def test_lstm_trains_as_eager_within_the_budget(strategy, fraction):
     else:  # auto swaps out the first layer's workspace, which the backward reads last
         assert "mkldnn_rnn_layer.3" in region.plan.swapped
     logits_bytes = example.inputs()[0].numel() * example.model.head.out_features * 4
-    assert 0 <= region.predicted_peak_bytes - peaks[-1] < 2 * logits_bytes
+    assert 0 <= region.predicted_peak_bytes - peaks[-1] <= logits_bytes
 
 
 def test_dynamo_traces_the_lstm_only_while_the_fitted_model_runs():
