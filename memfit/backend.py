@@ -127,6 +127,7 @@ class Region:
     eager_backward_bytes: int = 0  # ... and at its measured backwards' start (the loop's loss)
     planned_eager_bytes: int = 0  # eager code's bytes its plan counts, alive over all of it
     freed_output_bytes: int | None = None  # its outputs freed by its backward's start (fewest)
+    eager_read: bool = False  # eager code's bytes were read at a measured backward's start
     warned_over: bool = False  # said that a measured run of its plan exceeded budget and prediction
 
     @property

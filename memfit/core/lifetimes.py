@@ -56,8 +56,9 @@ def with_loop_lifetimes(graph: CostGraph, arriving: Mapping[str, str],
             for an output the loop dropped before calling ``backward()``); it is no longer an
             output, so it dies after that op or its last reader, whichever is later.
         absent: input tensors that never exist (a tangent passed as ``None`` that nothing reads).
-        held: arriving tensors alive to the step's end (a tangent autograd passes: its caller
-            holds it until the backward returns).
+        held: arriving tensors alive to the step's end (a tangent that outlived the backward:
+            something beside it holds it; the others die after their last reader, as torch's
+            boxed gradients do).
     """
     allocates: dict[str, list[str]] = {}
     for tensor, op_name in arriving.items():

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from memfit.backend import Region
 
 LATER_GRADIENTS = "memfit.later_gradients"  # the storage standing for other regions' gradients
+EAGER_AT_BACKWARD = "memfit.eager_at_backward"  # eager code's bytes seen at the backward's start
 
 
 def trainable_parameter_bytes(joint: fx.GraphModule, num_fwd_outputs: int,
@@ -59,10 +60,22 @@ def _bytes(node: fx.Node) -> int:
 def with_later_gradients(graph: CostGraph, size_bytes: int) -> CostGraph:
     """``graph`` with ``size_bytes`` of other regions' gradients alive from its first backward op
     on (unchanged without a backward or without such gradients)."""
+    return with_backward_storage(graph, LATER_GRADIENTS, size_bytes)
+
+
+def with_backward_storage(graph: CostGraph, name: str, size_bytes: int) -> CostGraph:
+    """``graph`` with a storage ``name`` of ``size_bytes`` alive from its first backward op to
+    the end (unchanged without a backward or without bytes)."""
     first = next((op for op in graph.ops if op.phase == "backward"), None)
     if not size_bytes or first is None:
         return graph
-    return with_storage_from(graph, LATER_GRADIENTS, size_bytes, first.name)
+    return with_storage_from(graph, name, size_bytes, first.name)
+
+
+def eager_beyond_plan_bytes(region: Region) -> int:
+    """Eager code's bytes seen at ``region``'s backwards' start (the loss, its buffers, the
+    labels) beyond those its ``outside_bytes`` count over the whole region."""
+    return max(0, region.eager_backward_bytes - region.planned_eager_bytes)
 
 
 def output_tensor_names(joint: fx.GraphModule, num_fwd_outputs: int,
@@ -82,7 +95,9 @@ def output_tangents(joint: fx.GraphModule, num_fwd_outputs: int) -> tuple[str | 
 
     Where such a tangent is passed, the output's gradient was made outside the region, by code
     no plan covers, which may keep buffers of the output's size until the backward ends (CPU
-    ``mse_loss`` does): ``observe_loop`` then counts the output held to the end."""
+    ``mse_loss`` does): ``observe_loop`` then counts the output held to the end, standing in for
+    them, until that code's bytes at the backward's start have been read, which are counted
+    instead."""
     tangents = [node for node in joint.graph.find_nodes(op="placeholder")
                 if node.name.startswith("tangents")]
     found: list[str | None] = []
@@ -123,9 +138,14 @@ def tangents_given(region: Region, args: Sequence) -> tuple[tuple[str, object], 
 def observe_loop(region: Region, given: tuple[tuple[str, object], ...]) -> None:
     """After ``region``'s backward ran with tangents ``given`` (``tangents_given``): which of its
     forward's outputs the loop still holds (a storage still alive once the backward freed the
-    saves it read, or one whose gradient came from outside the region: ``output_tangents``) and
-    which tangents outlived the backward; where that differs from the last backward, simulate
-    its plan again with those lifetimes.
+    saves it read) and which tangents outlived the backward; where that differs from the last
+    backward, simulate its plan again with those lifetimes.
+
+    An output whose gradient came from outside the region (``output_tangents``) and that the
+    loop let go is counted held to the end, standing in for the buffers of the code that made
+    its gradient, until what eager code holds at the backward's start has been read
+    (``Region.eager_read``: the loss, its buffers, the labels): from then on those bytes are in
+    the prediction instead, from the backward's start (``eager_beyond_plan_bytes``).
 
     Note:
         A tangent whose storage is gone once the backward has returned was freed after its last
@@ -135,21 +155,30 @@ def observe_loop(region: Region, given: tuple[tuple[str, object], ...]) -> None:
         right after the head's gradient ``mm``, long before the LSTM layers' backward where the
         step peaks). One still alive is held beyond the backward (a ``retain_grad``, a hook, or
         a torch that passes the gradients in a tuple its caller holds): counted to the end.
+        The plan itself was checked with every output held and every tangent resident
+        (``Region.bound``): what is seen here moves the prediction, never the plan's check.
     """
     if not region.output_storages or region.hardware is None:
         return
     passed = {name for name, storage in given if storage is not None}
     kept = tuple((name, storage is not None and not storage.expired())  # type: ignore[attr-defined]
                  for name, storage in given)
-    held = tuple((reference is not None and not reference.expired()) or tangent in passed
-                 for reference, tangent in zip(region.output_storages, region.output_tangents,
-                                               strict=False))
+    alive = [reference is not None and not reference.expired()
+             for reference in region.output_storages]
+    from_eager = [tangent in passed for tangent in region.output_tangents]
+    stand_in = not region.eager_read  # eager code's bytes unread: the outputs stand in for them
+    held = tuple(output_alive or (stand_in and made_outside)
+                 for output_alive, made_outside in zip(alive, from_eager, strict=False))
+    replaced = not stand_in and any(made_outside and not output_alive for output_alive, made_outside
+                                    in zip(alive, from_eager, strict=False))
+    eager_bytes = eager_beyond_plan_bytes(region) if replaced else 0
     passed_state = tuple((name, name in passed) for name, _ in given)
-    if (held, passed_state, kept) == region.observed:
+    if (held, passed_state, kept, eager_bytes) == region.observed:
         return
-    region.observed = (held, passed_state, kept)
+    region.observed = (held, passed_state, kept, eager_bytes)
     graph = loop_graph(region.graph, dict(zip(region.output_names, held, strict=False)),
                        dict(passed_state), frozenset(name for name, alive in kept if alive))
+    graph = with_backward_storage(graph, EAGER_AT_BACKWARD, eager_bytes)
     plan = replace(region.plan, graph_hash=graph.structure_hash)
     region.predicted = simulate(graph, plan, region.hardware)
 

@@ -144,6 +144,7 @@ def measure_region_run(planner: Backend, region: Region, call: Callable[[list], 
     eager = outside_plans_bytes(planner, device, [*alive, *args], others + max(own, 0))
     if is_backward:
         region.eager_backward_bytes = max(region.eager_backward_bytes, eager)
+        region.eager_read = region.eager_read or eager_is_read(planner, device)
         freed = freed_output_bytes(region)
         region.freed_output_bytes = (freed if region.freed_output_bytes is None
                                      else min(region.freed_output_bytes, freed))
@@ -174,6 +175,12 @@ def outside_plans_bytes(planner: Backend, device: torch.device, counted: list,
         return cuda_outside_bytes(device, counted, saves_bytes)
     watch = planner.eager_watch()
     return watch.held_bytes(counted) if watch is not None else 0
+
+
+def eager_is_read(planner: Backend, device: torch.device) -> bool:
+    """Whether ``outside_plans_bytes`` reads eager code's bytes on ``device`` (CUDA's allocator,
+    a CPU's ``EagerWatch``) rather than giving 0 for want of a watch."""
+    return device.type == "cuda" or planner.eager_watch() is not None
 
 
 def freed_output_bytes(region: Region) -> int:
