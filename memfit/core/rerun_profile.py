@@ -353,17 +353,14 @@ class RerunDelta:
 
     def __init__(self, profiler: RerunProfiler, shifts: _Shifts,
                  changes: list[tuple[int, int, int]], recompute_s: float) -> None:
-        self.profiler, self.shifts = profiler, shifts
+        self.profiler = profiler
         self.recompute_s, self.reruns = recompute_s, shifts.total
-        self.length = len(profiler._base_high) + shifts.total
         self._rerun_ops = np.asarray(shifts.ops, dtype=np.int64)
+        self._rerun_counts = np.asarray(shifts.counts, dtype=np.int64)
         self._through = np.asarray(shifts.through, dtype=np.int64)
-        counts = np.asarray(shifts.counts, dtype=np.int64)
         # where each re-run op's group starts in the new program
         self._rerun_starts = profiler._group_start[self._rerun_ops] + self._through[:-1]
-        self._rerun_counts = counts
-        position, size = _steps(changes, self.length)
-        self._step_at = position
+        self._step_at, size = _steps(changes, len(profiler._base_high) + shifts.total)
         self._step_total = np.concatenate(([0], np.cumsum(size)))
 
     def at(self, ops: np.ndarray) -> np.ndarray:
@@ -382,8 +379,10 @@ class RerunDelta:
         ops ``0..i-1`` are in the set, length ops + 1); ``None`` for an empty set."""
         if counted[-1] == 0:
             return None
-        piece_ops, piece_values = self._pieces()
-        touched = self._touched_ops(piece_ops)
+        holders = self._op_of_action(self._step_at)
+        inside = self._step_at > self._group_bounds(holders)[0]  # past its group's first action
+        piece_ops, piece_values = self._pieces(holders, inside)
+        touched = np.unique(np.concatenate((self._rerun_ops, holders[inside])))
         bounds = np.concatenate(([0], piece_ops, [len(counted) - 1]))
         members = counted[bounds[1:]] - counted[bounds[:-1]]
         touched_members = np.zeros(len(members), dtype=np.int64)
@@ -440,25 +439,15 @@ class RerunDelta:
         base = np.clip(actions - shift, 0, len(profiler._group_of) - 1)
         return np.where(in_slots, self._rerun_ops[valid], profiler._group_of[base])
 
-    def _pieces(self) -> tuple[np.ndarray, np.ndarray]:
-        """Ops where the change of untouched ops steps, and its value from each on."""
-        if not self._step_at.size:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        ops = self._op_of_action(self._step_at)
-        starts = self._group_bounds(ops)[0]
-        # a step at the group's first action counts for that op; inside it, from the next op
-        ops = ops + (self._step_at > starts)
+    def _pieces(self, holders: np.ndarray, inside: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Ops where the change of untouched ops steps, and its value from each on, given the
+        op holding each step and whether the step is inside its group: a step at the group's
+        first action counts for that op; inside it, from the next op (the holder is touched)."""
+        ops = holders + inside
+        if not ops.size:
+            return ops, ops
         last_of_op = np.append(ops[1:] != ops[:-1], True)
         return ops[last_of_op], self._step_total[1:][last_of_op]
-
-    def _touched_ops(self, piece_ops: np.ndarray) -> np.ndarray:
-        """Ops that get re-runs or have a step inside their group (in order, no repeats)."""
-        if self._step_at.size:
-            holders = self._op_of_action(self._step_at)
-            inside = holders[self._step_at > self._group_bounds(holders)[0]]
-        else:
-            inside = np.zeros(0, dtype=np.int64)
-        return np.unique(np.concatenate((self._rerun_ops, inside)))
 
 
 def _spans(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
