@@ -58,7 +58,7 @@ def decided_reruns(graph: CostGraph, recomputed: set[str],
         first_late_reader: tensor -> position of its first reader outside the forward pass
             (computed here when not given; planners pricing many plans pass it in).
     """
-    deadline = _deadlines(graph, recomputed, first_late_reader)
+    deadline = rerun_deadlines(graph, recomputed, first_late_reader)
     ops, index = graph.ops, graph.index
     return [
         PlannedRerun(producer, ops[position].name,
@@ -77,7 +77,7 @@ def first_late_readers(graph: CostGraph) -> dict[str, int]:
     return found
 
 
-def _deadlines(graph: CostGraph, recomputed: set[str],
+def rerun_deadlines(graph: CostGraph, recomputed: set[str],
                first_late_reader: dict[str, int] | None = None) -> dict[str, int]:
     """Producer -> position of the first backward op needing it (directly or through a re-run).
 

@@ -14,7 +14,10 @@ lower bounds per count make it a branch and bound, with the same answer as prici
   most the plan's peak.
 
 Counts are priced in order of their time bound, skipping those whose peak bound is over the
-budget, until the bound passes the best time that fits.
+budget, until the bound passes the best time that fits. Once one fits, a count is priced only if
+its exact recompute time (``RerunProfiler.recompute_s``: which producers re-run, without the
+lifetimes, a fifth of the cost) does not rule it out: where the bounds are loose (a 48-layer
+GPT-2, whose rebuilds re-run chains of cheap ops), every count was priced.
 """
 
 from __future__ import annotations
@@ -129,11 +132,20 @@ def least_recompute_fitting(bounds: CountBounds, counts: Sequence[int],
             break  # no later count can be faster
         if bounds.peak_bytes(count) > budget_bytes:
             continue
-        profile = bounds.profiler.profile(bounds.recomputed(count))
+        recomputed = bounds.recomputed(count)
+        if best is not None and _slower(bounds.profiler.recompute_s(recomputed), best[0]):
+            continue  # priced exactly, it could not win: its re-runs alone take longer
+        profile = bounds.profiler.profile(recomputed)
         if profile.peak_bytes <= budget_bytes and (best is None
                                                    or (profile.recompute_s, count) < best):
             best = (profile.recompute_s, count)
     return best[1] if best else None
+
+
+def _slower(recompute_s: float, best_s: float) -> bool:
+    """Whether a plan whose re-runs take ``recompute_s`` (summed in another order than the
+    profile's, so to rounding) is surely slower than ``best_s``: the same slack as the bound's."""
+    return recompute_s * (1 - 1e-12) > best_s * (1 + 1e-9)
 
 
 def lowest_peak(bounds: CountBounds, counts: Sequence[int]) -> int:

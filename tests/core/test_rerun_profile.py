@@ -1,4 +1,5 @@
-"""The fast recompute profile equals ``memory_profile(lower(...))``, folded onto the graph's ops."""
+"""The fast recompute profile equals ``memory_profile(lower(...))``, folded onto the graph's ops,
+and the incremental delta the segment DP prices with equals the fast profile."""
 
 import random
 
@@ -55,7 +56,7 @@ def test_equals_lowering_on_random_plans(name):
     graph = GRAPHS[name]()
     profiler = RerunProfiler(graph)
     candidates = recomputable(graph)
-    rng = random.Random(0)
+    rng, picks = random.Random(0), random.Random(2)
     for _ in range(25):
         chosen = rng.sample(candidates, rng.randint(1, len(candidates)))
         got = profiler.profile(chosen)
@@ -63,6 +64,7 @@ def test_equals_lowering_on_random_plans(name):
         assert got.high_bytes.tolist() == high.tolist()
         assert got.live_bytes.tolist() == live.tolist()
         assert got.peak_bytes == peak
+        check_delta(profiler, chosen, picks)
 
 
 def test_nothing_recomputed_is_the_keep_profile():
@@ -71,6 +73,7 @@ def test_nothing_recomputed_is_the_keep_profile():
     high, live, peak = folded_profile(graph, [])
     assert profile.high_bytes.tolist() == high.tolist() and profile.peak_bytes == peak
     assert profile.reruns == 0 and profile.recompute_s == 0
+    check_delta(RerunProfiler(graph), [], random.Random(0))
 
 
 def test_recompute_time_is_the_reruns_time():
@@ -82,18 +85,25 @@ def test_recompute_time_is_the_reruns_time():
     assert profile.recompute_s == pytest.approx(2 * 2e-3)
 
 
-@pytest.mark.parametrize("name", sorted(GRAPHS))
-def test_equals_lowering_on_top_of_a_swap_plan(name):
+def on_a_swap_plan(name):
+    """The graph, a swap plan on it, its profiler, and the tensors a plan on top may recompute
+    (not swapped, not made from a swapped value)."""
     graph = GRAPHS[name]()
     base = get_strategy("swap")(graph, get_hardware("h100-pcie"), n_tensors=4)
     assert base.swapped
-    profiler = RerunProfiler(graph, base)
     swapped = set(base.swapped)
     candidates = [
         t for t in recomputable(graph)
         if t not in swapped and not swapped & set(graph.op(graph.tensors[t].producer).inputs)
     ]
-    rng = random.Random(1)
+    return graph, base, RerunProfiler(graph, base), candidates
+
+
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+def test_equals_lowering_on_top_of_a_swap_plan(name):
+    graph, base, profiler, candidates = on_a_swap_plan(name)
+    swapped = set(base.swapped)
+    rng, picks = random.Random(1), random.Random(3)
     priced = 0
     for _ in range(20):
         chosen = [t for t in rng.sample(candidates, rng.randint(1, len(candidates)))
@@ -101,11 +111,14 @@ def test_equals_lowering_on_top_of_a_swap_plan(name):
         try:
             got = profiler.profile(chosen)
         except ValueError:  # a chain of re-runs reaches a swapped value: refused, as lower does
+            with pytest.raises(ValueError):
+                profiler.delta(chosen)  # and by the incremental delta
             continue
         high, live, peak = folded_profile(graph, chosen, base)
         assert got.high_bytes.tolist() == high.tolist()
         assert got.live_bytes.tolist() == live.tolist()
         assert got.peak_bytes == peak
+        check_delta(profiler, chosen, picks)
         priced += 1
     assert priced >= 5
 
@@ -114,3 +127,29 @@ def test_a_base_that_recomputes_is_refused():
     graph = synthetic.chain(6)
     with pytest.raises(ValueError, match="may swap, not recompute"):
         RerunProfiler(graph, Plan("x", {"f2": Recompute()}))
+
+
+def dense_change(profiler, chosen):
+    """The whole-graph profile's change to the Keep plan's high bytes, per op."""
+    return profiler.profile(chosen).high_bytes - profiler.keep_high
+
+
+def check_delta(profiler, chosen, rng):
+    """The sparse delta reads what the whole-graph profile computes, at every op and as the
+    largest change over a random set of ops (an interval, as segments own, and scattered)."""
+    dense = dense_change(profiler, chosen)
+    delta = profiler.delta(chosen)
+    ops = len(dense)
+    assert delta.at(np.arange(ops)).tolist() == dense.tolist()
+    scattered = np.asarray(sorted(rng.sample(range(ops), rng.randint(0, ops))), dtype=np.int64)
+    assert delta.at(scattered).tolist() == dense[scattered].tolist()
+    low = rng.randrange(ops)
+    for members in (scattered, np.arange(low, rng.randrange(low, ops) + 1), np.arange(0)):
+        chosen_mask = np.zeros(ops, dtype=bool)
+        chosen_mask[members] = True
+        counted = np.concatenate(([0], np.cumsum(chosen_mask)))
+        expected = int(dense[chosen_mask].max()) if members.size else None
+        assert delta.most(counted) == expected
+    profile = profiler.profile(chosen)
+    assert (delta.recompute_s, delta.reruns) == (profile.recompute_s, profile.reruns)
+    assert profiler.recompute_s(chosen) == pytest.approx(profile.recompute_s, rel=1e-12)

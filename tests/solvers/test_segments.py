@@ -1,6 +1,7 @@
 """The separator-block DP: blocks cut the forward pass; its plans fit exactly; the MILP bounds it."""
 
 import networkx as nx
+import numpy as np
 import pytest
 
 from memfit.core import graphs, synthetic
@@ -98,3 +99,19 @@ def test_separators_are_graph_separators():
         rest = graphs.separation_graph(graph).subgraph(
             set(graphs.separation_graph(graph)) - set(separator))
         assert not nx.has_path(rest, graphs.INPUT, graphs.LOSS)
+
+
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+def test_segments_priced_incrementally_as_the_whole_graph_profile_prices_them(name):
+    graph = GRAPHS[name]()
+    blocks, table = table_for(graph)
+    profiler = RerunProfiler(graph)
+    for segment in table:
+        high = profiler.profile(segment.recomputed).high_bytes
+        own = (blocks.owner >= segment.first) & (blocks.owner <= segment.last)
+        later = blocks.owner > segment.last
+        change = high - profiler.keep_high
+        assert segment.own_positions.tolist() == np.nonzero(own)[0].tolist()
+        assert segment.own_delta.tolist() == change[own].tolist()
+        assert segment.need_bytes == int(high[own].max(initial=0))
+        assert segment.carried_bytes == (int(change[later].max()) if later.any() else 0)

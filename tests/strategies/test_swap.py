@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -17,7 +19,7 @@ from memfit.core.schedule import check_plan, lower, memory_profile, peak_bytes
 from memfit.core.simulate import simulate
 from memfit.core.synthetic import Node, chain, from_forward, multi_tower, random_dag, resnet_like
 from memfit.strategies import get_strategy, strategy_names
-from memfit.strategies._swap_control import OpGraph
+from memfit.strategies._swap_control import OpGraph, _sorted_unique, chain_rule
 from memfit.strategies._swap_tune import PeakModel, step_time_s
 from memfit.strategies.swap import plan as swap
 
@@ -234,6 +236,40 @@ def test_chain_rule_walks_down_the_forward_ops():
         plan = swap(graph, HW, lb=lb)
         assert control_ops(plan, "f0") == [expected]
         assert f"at lb={lb} (chain_rule)" in plan.decision("f0").reason
+
+
+def walked_chain_rule(ops: OpGraph, producer: int, target: int, lb: int, ub: int) -> int | None:
+    """Algorithm 2 walked afresh at every call (no remembered levels)."""
+    for level in range(lb, ub + 1):
+        frontier = ops.forward_level(producer, level)
+        if not frontier:
+            return None
+        found = [user for op in frontier for user in ops.backward_users[op]
+                 if producer < user < target and ops.reaches(user, target)]
+        if found:
+            return max(found)
+    return None
+
+
+@pytest.mark.parametrize("graph", [chain(12), resnet_like(4), multi_tower(3, 5),
+                                   random_dag(30, seed=4)], ids=lambda g: g.name)
+def test_chain_rule_remembers_levels_without_changing_an_answer(graph):
+    ops, fresh = OpGraph(graph), OpGraph(graph)
+    forward = [i for i, phase in enumerate(ops.phase) if phase == "forward"]
+    backward = [i for i, phase in enumerate(ops.phase) if phase == "backward"]
+    queries = [(p, t, lb, ub) for p in forward for t in backward[::3]
+               for lb, ub in ((1, 3), (2, 40), (5, 8), (1, 1000))]
+    random.Random(0).shuffle(queries)  # ladders ask in any order; the cache must not care
+    for producer, target, lb, ub in queries:
+        assert chain_rule(ops, producer, target, lb, ub) == walked_chain_rule(
+            fresh, producer, target, lb, ub)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(-5, 40), max_size=60))
+def test_sorted_unique_is_numpy_unique(values):
+    array = np.asarray(values, dtype=np.int64)
+    assert _sorted_unique(array).tolist() == np.unique(array).tolist()
 
 
 def test_out_of_range_bounds_fall_back_to_the_latest_swap_in():
