@@ -243,14 +243,16 @@ class Explanation:
             return []
         this = WhatIf(1.0, self.budget_bytes, self.peak_bytes, self.step_time_s,
                       self.exposed_transfer_s, self.recompute_s)
-        table, best = [], None
+        table: list[BudgetRow] = []
+        fitted: list[WhatIf] = []  # the plans of the tighter budgets
         for case in sorted((*self.what_if, this), key=lambda c: c.factor):
-            if case.fits and (best is None or (case.step_time_s or 0.0) <= (best.step_time_s
-                                                                            or 0.0)):
-                best = case
+            tighter = [c for c in fitted if (c.peak_bytes or 0) <= case.budget_bytes]
+            own = [case] if case.fits else []
+            best = min(own + tighter, key=lambda c: c.step_time_s or 0.0, default=None)
             table.append(BudgetRow(case.factor, case.budget_bytes, best,
                                    best.factor if best else None,
                                    None if best else case.minimum_bytes))
+            fitted += own
         return table
 
     def by_module(self, depth: int = 3) -> list[ModuleTotal]:

@@ -303,6 +303,16 @@ def test_a_looser_budget_that_did_not_fit_shows_the_plan_that_does():
     assert "does not fit" not in text.split("what if the budget were")[1].split("\n")[4]
 
 
+def test_a_tighter_plan_over_the_looser_budget_is_not_borrowed():
+    """A strategy that ignores its budget can return a plan whose peak is over it; such a plan
+    does not fit the looser budget either, so no row borrows it."""
+    plan = planned(synthetic.chain(12), "swap", 0.6)
+    this = plan.explanation
+    over = WhatIf(0.9, int(this.budget_bytes * 0.9), this.budget_bytes + 1, this.step_time_s / 2)
+    table = with_what_ifs(plan, over).explanation.what_if_table()
+    assert [(row.factor, row.made_for) for row in table] == [(0.9, 0.9), (1.0, 1.0)]
+
+
 def test_the_tally_travels_through_json_and_an_older_plan_says_it_has_none(tmp_path):
     plan = planned(synthetic.chain(10), "checkpoint", None)
     plan.save(tmp_path / "plan.json")
