@@ -66,8 +66,17 @@ def gpt2_row(strategy: str, batch: int, device: torch.device, hardware: Hardware
     name = "unplanned (keep)" if strategy == "keep" else "swap-all (swap, lb=1)"
     row = (name, batch, mib(compiled.predicted.peak_bytes + compiled.outside_bytes),
            mib(measured.peak_bytes), ms(compiled.predicted.step_time_s), ms(step_s),
-           f"{len(compiled.plan.swapped)} / {len(compiled.graph.saved_tensors())}")
+           _swapped_of_saved(compiled))
     return row
+
+
+def _swapped_of_saved(compiled) -> str:
+    """Swapped saved tensors over all saved ones (``memfit.core.explain.tally``: one population,
+    so the first never exceeds the second)."""
+    from memfit.core.explain import tally
+
+    counted = tally(compiled.graph, compiled.plan, compiled.predicted)
+    return f"{counted.swapped} / {counted.saved}"
 
 
 def gpu_sections(log: Callable[[str], None]) -> list[str] | None:

@@ -281,8 +281,9 @@ def _show_plan(args: argparse.Namespace, data: dict) -> int:
         return 2
     print(f"plan of strategy {plan.strategy!r} for graph {plan.graph_hash}"
           + (f", hardware {plan.hardware}" if plan.hardware else "")
-          + f": {len(plan.swapped)} swapped, {len(plan.recomputed)} recomputed, "
-          f"{len(plan.reruns)} explicit re-runs")
+          + f": {len(plan.decisions)} decisions ({len(plan.swapped)} Swap, "
+          f"{len(plan.recomputed)} Recompute: values rebuilt on the way to saved tensors "
+          f"included), {len(plan.reruns)} explicit re-runs")
     print(plan.explain(width=terminal_width(), rows=args.rows or None))
     return 0
 
@@ -357,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "or a Plan JSON (memfit plan --save)")
     show.add_argument("--png", help="also draw it to this PNG")
     show.add_argument("--x", choices=("position", "time"), default="position",
-                      help="x axis of the PNG: program position 0..1 or simulated time")
+                      help="x axis of the PNG: program position 0..1, or time (ms) where the "
+                           "timeline has times (the simulator's do; a measured peak has none)")
     show.add_argument("--budget-bytes", type=int, help="draw a budget line at this many bytes")
     show.add_argument("--rows", type=int, default=40,
                       help="for a plan: most per-tensor rows to print (0: all; default 40)")

@@ -246,22 +246,23 @@ def _ms(seconds: float) -> str:
 
 def demo_report(result: DemoResult, width: int = 100) -> str:
     """The table the demo prints: peaks, budget, step times, what was swapped, the verdicts."""
+    from memfit.core.explain import tally
     from memfit.core.units import format_bytes
-    from memfit.render.text import fit_table
+    from memfit.render.text import fit_table, tally_lines
 
     planned_step = result.planned.step
     assert planned_step is not None
     compiled = planned_step.compiled
     predicted_peak = compiled.predicted.peak_bytes + compiled.outside_bytes
-    saved = len(compiled.graph.saved_tensors())
+    counted = tally(compiled.graph, compiled.plan, compiled.predicted)
     rows = [
         ("unplanned (keep)", format_bytes(result.unplanned.peak_bytes),
          format_bytes(compiled.baseline.peak_bytes + compiled.outside_bytes), "-",
          _ms(result.unplanned.median_step_time_s), _ms(compiled.baseline.step_time_s),
-         f"0 / {saved}"),
+         f"0 / {counted.saved}"),
         ("swap", format_bytes(result.planned.peak_bytes), format_bytes(predicted_peak),
          format_bytes(result.budget_bytes), _ms(result.planned.median_step_time_s),
-         _ms(compiled.predicted.step_time_s), f"{len(compiled.plan.swapped)} / {saved}"),
+         _ms(compiled.predicted.step_time_s), f"{counted.swapped} / {counted.saved}"),
     ]
     gap = (predicted_peak - result.planned.peak_bytes) / result.planned.peak_bytes
     config = result.config
@@ -280,8 +281,7 @@ def demo_report(result: DemoResult, width: int = 100) -> str:
         f"{yes[result.gradients_identical]}",
         f"losses identical at every step: {yes[result.losses_identical]}; weights identical after "
         f"step {config.steps}: {yes[result.weights_identical]}",
-        f"prediction gap (swap peak, predicted vs measured): {gap:+.2%}; swap-ins: "
-        f"{compiled.plan.swap_in_count}; predicted exposed transfer on "
-        f"{compiled.plan.hardware}: {_ms(compiled.predicted.exposed_transfer_s)}",
+        f"prediction gap (swap peak, predicted vs measured): {gap:+.2%}",
+        *tally_lines(counted, f"predicted on {compiled.plan.hardware}"),
     ]
     return "\n".join(lines)

@@ -100,7 +100,8 @@ class BatchSearch:
             f"{self.predicted_step_time_s * 1e3:.2f} ms, {self.predicted_throughput:.1f} samples/s",
         ]
         if self.frontier:
-            lines += ["frontier (every batch that fit as planned):", self._frontier_table()]
+            lines += ["frontier (every batch that fit as planned; peaks and step times predicted):",
+                      self._frontier_table()]
         lines += ["tried:", table(("batch", "how", "outcome", "peak", "host"), rows)]
         if self.verified is not None:
             lines.append(f"verified: one measured step peaked at "

@@ -27,7 +27,8 @@ def test_plan_prints_the_expected_rows(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "mlp, batch 512:" in out and "hardware h100-pcie" in out
     assert "| unplanned" in out and "| swap (predicted)" in out
-    assert "swapped," in out and "by module" in out and "what if the budget were" in out
+    assert "swapped (" in out and "re-runs:" in out and "by module" in out
+    assert "what if the budget were" in out
     plan = Plan.load(saved)
     assert plan.strategy == "swap" and plan.swapped
 
@@ -108,7 +109,8 @@ def test_show_explains_a_saved_plan(capsys, tmp_path):
     out = capsys.readouterr().out
     plan = Plan.load(saved)
     assert out.startswith(f"plan of strategy 'checkpoint' for graph {plan.graph_hash}, "
-                          f"hardware cpu: 0 swapped, {len(plan.recomputed)} recomputed")
+                          f"hardware cpu: {len(plan.decisions)} decisions (0 Swap, "
+                          f"{len(plan.recomputed)} Recompute")
     assert plan.explain(width=terminal_width(), rows=None) in out
     assert plan.explanation.rows and all(f"| {row.tensor} " in out for row in plan.explanation.rows)
     assert main(["show", str(saved), "--png", str(tmp_path / "p.png")]) == 2

@@ -4,7 +4,8 @@
 travels inside the ``Plan`` (``Plan.explanation``), so a plan loaded from JSON explains itself
 without its graph. It holds one row per decided tensor (its module, bytes, decision, the strategy's
 reason, where a swap is prefetched, what the decision costs in step time), the predicted figures,
-and what-if rows: the same strategy and parameters re-planned at the budget x0.9 and x1.1.
+what-if rows (the same strategy and parameters re-planned at the budget x0.9 and x1.1), and a
+``Tally``: how many of the saved tensors are swapped and recomputed, and what the re-runs do.
 
 Note:
     The time a decision costs is read off the simulated timeline, so the rows add up to it: a swap
@@ -60,10 +61,91 @@ class TensorRow:
     exposed_s: float = 0.0
     reruns: int = 0
     recompute_s: float = 0.0
+    saved: bool = True  # read by the backward: one of ``Tally.saved`` (rebuilt on the way: not)
 
     @property
     def time_paid_s(self) -> float:
         return self.exposed_s + self.recompute_s
+
+
+@dataclass(frozen=True)
+class Tally:
+    """What a plan does to the step's saved tensors, and what its re-runs cost.
+
+    The counts are of one population, the saved tensors (forward values a backward op reads,
+    ``CostGraph.saved_tensors``), so ``swapped + recomputed + kept == saved``. Values a re-run
+    rebuilds on its way to a saved one are not saved tensors: they show in the re-run figures.
+
+    Args:
+        saved: saved tensors.
+        swapped: saved tensors the plan swaps.
+        recomputed: saved tensors the plan rebuilds (``Recompute`` or an explicit re-run).
+        swapped_bytes: bytes of the ``swapped`` ones.
+        swap_ins: copies back to the device (a tensor may come back more than once).
+        rerun_count: forward ops run again (an op re-run twice counts twice).
+        rerun_ops: distinct forward ops among them.
+        rerun_bytes: device bytes those re-runs allocate (the values they rebuild).
+        exposed_transfer_s: compute time lost waiting for copies, on the timeline given.
+        recompute_s: compute time of the re-runs, on the timeline given.
+        swapped_unsaved: swapped values that are not saved tensors (a forward value read
+            again later in the forward pass only), counted apart from ``swapped``.
+        swapped_unsaved_bytes: their bytes.
+    """
+
+    saved: int
+    swapped: int
+    recomputed: int
+    swapped_bytes: int = 0
+    swap_ins: int = 0
+    rerun_count: int = 0
+    rerun_ops: int = 0
+    rerun_bytes: int = 0
+    exposed_transfer_s: float = 0.0
+    recompute_s: float = 0.0
+    swapped_unsaved: int = 0
+    swapped_unsaved_bytes: int = 0
+
+    @property
+    def kept(self) -> int:
+        return self.saved - self.swapped - self.recomputed
+
+
+def tally(graph: CostGraph, plan: Plan, timeline: Timeline) -> Tally:
+    """The ``Tally`` of ``plan`` on ``graph``; times read off ``timeline`` (its simulation)."""
+    saved = {t.name for t in graph.saved_tensors()}
+    kinds = saved_decisions(graph, plan, saved)
+    swapped = [name for name, kind in kinds.items() if kind == "swap"]
+    unsaved = [name for name in plan.swapped if name not in saved]
+    schedule = lower(graph, plan)
+    reruns = [action for action in schedule.actions if action.kind == "recompute"]
+    return Tally(
+        saved=len(saved), swapped=len(swapped),
+        recomputed=sum(kind == "recompute" for kind in kinds.values()),
+        swapped_bytes=sum(graph.tensors[name].size_bytes for name in swapped),
+        swap_ins=plan.swap_in_count, rerun_count=len(reruns),
+        rerun_ops=len({action.op for action in reruns}),
+        rerun_bytes=sum(schedule.buffer_bytes[b] for action in reruns for b in action.allocates),
+        exposed_transfer_s=timeline.exposed_transfer_s, recompute_s=timeline.recompute_s,
+        swapped_unsaved=len(unsaved),
+        swapped_unsaved_bytes=sum(graph.tensors[name].size_bytes for name in unsaved))
+
+
+def saved_decisions(graph: CostGraph, plan: Plan,
+                    saved: set[str] | None = None) -> dict[str, DecisionKind]:
+    """Each saved tensor's decision: a ``Recompute`` or an explicit re-run's output is
+    ``"recompute"``, a ``Swap`` is ``"swap"``, anything else ``"keep"``."""
+    saved = {t.name for t in graph.saved_tensors()} if saved is None else saved
+    rebuilt = {output for rerun in plan.reruns for output in graph.op(rerun.op).outputs}
+    kinds: dict[str, DecisionKind] = {}
+    for name in saved:
+        decision = plan.decisions.get(name)
+        if isinstance(decision, Swap):
+            kinds[name] = "swap"
+        elif isinstance(decision, Recompute) or (decision is None and name in rebuilt):
+            kinds[name] = "recompute"
+        else:
+            kinds[name] = "keep"
+    return kinds
 
 
 @dataclass(frozen=True)
@@ -87,8 +169,35 @@ class WhatIf:
 
 
 @dataclass(frozen=True)
+class BudgetRow:
+    """One row of the what-if table: the fastest plan found at or under one budget.
+
+    Args:
+        factor: the budget as a multiple of the plan's.
+        budget_bytes: that budget, whole device.
+        best: the fastest plan made for this budget or a tighter one (it fits this one too);
+            ``None`` when none of them fits.
+        made_for: the factor of the budget ``best`` was made for (``factor``: its own).
+        minimum_bytes: when nothing fits, the smallest peak the strategy reached here.
+    """
+
+    factor: float
+    budget_bytes: int
+    best: WhatIf | None
+    made_for: float | None = None
+    minimum_bytes: int | None = None
+
+    @property
+    def borrowed(self) -> bool:
+        """Whether the planner's own plan for this budget was slower than a tighter one's."""
+        return self.best is not None and self.made_for != self.factor
+
+
+@dataclass(frozen=True)
 class ModuleTotal:
-    """Decided tensors of one module path (cut to a depth), and what they cost."""
+    """Decided tensors of one module path (cut to a depth), and what they cost. The counts and
+    bytes are of saved tensors (``Tally``'s population); the times include the re-runs of values
+    rebuilt on the way to them."""
 
     scope: str
     swapped: int = 0
@@ -118,6 +227,33 @@ class Explanation:
     recompute_s: float
     rows: tuple[TensorRow, ...] = ()
     what_if: tuple[WhatIf, ...] = ()
+    tally: Tally | None = None  # None in a plan saved before tallies were recorded
+
+    def what_if_table(self) -> list[BudgetRow]:
+        """The what-if budgets and this plan's, tightest first, each with the fastest plan found
+        at or under it, so a looser budget never shows a slower step.
+
+        Note:
+            The strategies are heuristics: re-planned for a looser budget, one may find a
+            slower plan than for a tighter one (``auto`` on a 4-layer GPT-2 at 30% of its peak
+            on h100-pcie: its 90% plan was 0.21% faster than its 100% plan). That tighter plan
+            fits the looser budget too, so its row shows it and says whose it is.
+        """
+        if self.budget_bytes is None:
+            return []
+        this = WhatIf(1.0, self.budget_bytes, self.peak_bytes, self.step_time_s,
+                      self.exposed_transfer_s, self.recompute_s)
+        table: list[BudgetRow] = []
+        fitted: list[WhatIf] = []  # the plans of the tighter budgets
+        for case in sorted((*self.what_if, this), key=lambda c: c.factor):
+            tighter = [c for c in fitted if (c.peak_bytes or 0) <= case.budget_bytes]
+            own = [case] if case.fits else []
+            best = min(own + tighter, key=lambda c: c.step_time_s or 0.0, default=None)
+            table.append(BudgetRow(case.factor, case.budget_bytes, best,
+                                   best.factor if best else None,
+                                   None if best else case.minimum_bytes))
+            fitted += own
+        return table
 
     def by_module(self, depth: int = 3) -> list[ModuleTotal]:
         """Totals per module path cut to its first ``depth`` parts, in first-seen row order."""
@@ -125,11 +261,11 @@ class Explanation:
         for row in self.rows:
             scope = ".".join(row.scope.split(".")[:depth]) if row.scope else ""
             total = totals.setdefault(scope or "(top level)", {})
-            if row.decision == "swap":
+            if row.decision == "swap" and row.saved:
                 _add(total, swapped=1, swapped_bytes=row.size_bytes)
-            elif row.decision == "recompute":
+            elif row.decision == "recompute" and row.saved:
                 _add(total, recomputed=1, recomputed_bytes=row.size_bytes)
-            else:
+            elif row.decision == "keep":
                 _add(total, kept=1)
             _add(total, exposed_s=row.exposed_s, recompute_s=row.recompute_s)
         return [ModuleTotal(scope, **fields) for scope, fields in totals.items()]
@@ -145,8 +281,10 @@ class Explanation:
             for row in data.get("rows", ())
         )
         what_if = tuple(WhatIf(**row) for row in data.get("what_if", ()))
-        fields = {k: v for k, v in data.items() if k not in ("rows", "what_if")}
-        return Explanation(**fields, rows=rows, what_if=what_if)
+        counted = data.get("tally")
+        fields = {k: v for k, v in data.items() if k not in ("rows", "what_if", "tally")}
+        return Explanation(**fields, rows=rows, what_if=what_if,
+                           tally=Tally(**counted) if counted is not None else None)
 
 
 def _add(total: dict[str, Any], **amounts: float) -> None:
@@ -185,6 +323,7 @@ def explain(graph: CostGraph, plan: Plan, hardware: Hardware, baseline: Timeline
         peak_bytes=predicted.peak_bytes + outside_bytes, step_time_s=predicted.step_time_s,
         exposed_transfer_s=predicted.exposed_transfer_s, recompute_s=predicted.recompute_s,
         rows=_rows(graph, plan, exposed, rebuilt), what_if=what_if,
+        tally=tally(graph, plan, predicted),
     )
 
 
@@ -219,13 +358,14 @@ def _rows(graph: CostGraph, plan: Plan, exposed: Mapping[str, float],
         maker = graph.tensors[name].producer
         if isinstance(decision, Recompute) and maker is not None:
             sharers[maker] = sharers.get(maker, 0) + 1
+    saved = {t.name for t in graph.saved_tensors()}
     rows = []
     for name, decision in decided.items():
         tensor = graph.tensors[name]
         producer = graph.op(tensor.producer) if tensor.producer is not None else None
         row = TensorRow(name, producer.scope if producer else "",
                         producer.module_type if producer else "", tensor.size_bytes, "keep",
-                        decision.reason)
+                        decision.reason, saved=name in saved)
         if isinstance(decision, Swap):
             afters = tuple(s.after for s in decision.swap_ins)
             row = TensorRow(**{**asdict(row), "decision": "swap", "prefetch_after": afters,

@@ -185,17 +185,20 @@ class _Reader:
 
     def explanation(self, value: object) -> Explanation | None:
         """The explanation, its fields checked against their declared types."""
-        from memfit.core.explain import Explanation, TensorRow, WhatIf
+        from memfit.core.explain import Explanation, Tally, TensorRow, WhatIf
 
         if value is None:
             return None
         data = self.mapping(value, "explanation")
         nested = {"rows": TensorRow, "what_if": WhatIf}
-        self.dataclass_fields(Explanation, data, "explanation", skip=set(nested))
+        self.dataclass_fields(Explanation, data, "explanation", skip={*nested, "tally"})
         for name, kind in nested.items():
             for i, row in enumerate(self.array(data.get(name, []), f"explanation.{name}")):
                 self.dataclass_fields(kind, self.mapping(row, f"explanation.{name}[{i}]"),
                                       f"explanation.{name}[{i}]")
+        if data.get("tally") is not None:
+            self.dataclass_fields(Tally, self.mapping(data["tally"], "explanation.tally"),
+                                  "explanation.tally")
         return Explanation.from_json(data)
 
     def dataclass_fields(self, kind: type, data: Mapping, where: str,

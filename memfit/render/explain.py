@@ -6,10 +6,10 @@ from JSON renders the same as the one just made.
 
 from __future__ import annotations
 
-from memfit.core.explain import Explanation, TensorRow
+from memfit.core.explain import BudgetRow, Explanation, TensorRow
 from memfit.core.plan import Plan, Recompute, Swap
 from memfit.core.units import format_bytes
-from memfit.render.text import fit_table, format_param, table
+from memfit.render.text import fit_table, format_param, table, tally_lines
 
 
 def _ms(seconds: float | None) -> str:
@@ -38,12 +38,13 @@ def explain_text(plan: Plan, depth: int = 3, width: int = 100, rows: int | None 
          _ms(explanation.recompute_s)),
     ], width)]
     if plan.reruns:
-        lines.append(f"explicit re-runs: {len(plan.reruns)}")
+        lines.append(f"explicit re-runs: {len(plan.reruns)} (the solver's schedule)")
     decided = explanation.rows
-    counts = {kind: sum(r.decision == kind for r in decided) for kind in ("swap", "recompute")}
-    lines.append(f"{explanation.saved_tensors} saved tensors; {counts['swap']} swapped, "
-                 f"{counts['recompute']} recomputed (with the values that rebuild them), the "
-                 "rest kept")
+    if explanation.tally is not None:
+        lines += tally_lines(explanation.tally)
+    else:  # saved before tallies were recorded: the rows are all there is
+        lines.append(f"{explanation.saved_tensors} saved tensors; {len(decided)} decided "
+                     "tensors (a plan saved by an older memfit: plan again for the counts)")
     if decided:
         lines += [f"by module (first {depth} parts of the module path):",
                   _modules(explanation, depth, width), _decisions(decided, rows, width)]
@@ -61,12 +62,16 @@ def _modules(explanation: Explanation, depth: int, width: int) -> str:
 
 def _decisions(decided: tuple[TensorRow, ...], limit: int | None, width: int) -> str:
     shown = list(decided)
-    note = f"decisions ({len(decided)} tensors, program order):"
+    on_the_way = sum(not r.saved for r in decided)
+    tensors = f"{len(decided)} tensors" + (
+        f", {on_the_way} of them not saved tensors but rebuilt on the way to one"
+        if on_the_way else "")
+    note = f"decisions ({tensors}; program order):"
     if limit is not None and len(decided) > limit:
         costly = sorted(decided, key=lambda r: (-r.time_paid_s, -r.size_bytes))[:limit]
         keep = {r.tensor for r in costly}
         shown = [r for r in decided if r.tensor in keep]
-        note = (f"decisions ({len(decided)} tensors; the {limit} costliest shown, program order; "
+        note = (f"decisions ({tensors}; the {limit} costliest shown, program order; "
                 "plan.explain(rows=None) for all):")
     return note + "\n" + table(
         ("tensor", "module", "bytes", "decision", "prefetch after", "time paid", "why"),
@@ -97,24 +102,40 @@ def _what_ifs(explanation: Explanation, width: int) -> str:
     if not explanation.what_if:
         return ("what if: not computed (compile and max_batch_size plan once; memfit.plan and "
                 "`memfit plan` also plan at the budget x0.9 and x1.1)")
-    rows = []
-    for case in sorted((*explanation.what_if, None), key=lambda c: c.factor if c else 1.0):
-        if case is None:
-            rows.append(("100% (this plan)", format_bytes(explanation.budget_bytes),
-                         format_bytes(explanation.peak_bytes), _ms(explanation.step_time_s),
-                         "+0.0%"))
-        elif not case.fits:
-            rows.append((f"{case.factor:.0%}", format_bytes(case.budget_bytes),
-                         f"does not fit: minimum {format_bytes(case.minimum_bytes or 0)}", "-",
-                         "-"))
-        else:
-            change = ((case.step_time_s or 0.0) / explanation.step_time_s - 1
-                      if explanation.step_time_s else 0.0)
-            rows.append((f"{case.factor:.0%}", format_bytes(case.budget_bytes),
-                         format_bytes(case.peak_bytes or 0), _ms(case.step_time_s),
-                         f"{change:+.1%}"))
-    return "what if the budget were:\n" + fit_table(
-        ("budget", "bytes", "peak", "step time", "vs. this plan"), rows, width)
+    rows = [_what_if_row(row, explanation.step_time_s) for row in explanation.what_if_table()]
+    lines = ["what if the budget were (predicted; each row the fastest plan found at or under "
+             "its budget):",
+             fit_table(("budget", "bytes", "peak", "step time", "vs. this plan", "plan made for"),
+                       rows, width)]
+    lines += [_borrowed_note(row, explanation) for row in explanation.what_if_table()
+              if row.borrowed]
+    return "\n".join(lines)
+
+
+def _what_if_row(row: BudgetRow, this_step_time_s: float) -> tuple[str, ...]:
+    label = f"{row.factor:.0%}"
+    if row.factor == 1.0:
+        label += " (this budget)" if row.borrowed else " (this plan)"
+    if row.best is None:
+        return (label, format_bytes(row.budget_bytes),
+                f"does not fit: minimum {format_bytes(row.minimum_bytes or 0)}", "-", "-", "-")
+    step_time_s = row.best.step_time_s or 0.0
+    change = step_time_s / this_step_time_s - 1 if this_step_time_s else 0.0
+    made_for = "this budget" if not row.borrowed else f"the {row.made_for:.0%} budget"
+    return (label, format_bytes(row.budget_bytes), format_bytes(row.best.peak_bytes or 0),
+            _ms(step_time_s), f"{change:+.1%}", made_for)
+
+
+def _borrowed_note(row: BudgetRow, explanation: Explanation) -> str:
+    """Why a row shows a plan made for a tighter budget, and what the planner made for its own."""
+    own = next((c for c in explanation.what_if if c.factor == row.factor), None)
+    own_time_s = explanation.step_time_s if row.factor == 1.0 else own.step_time_s if own else None
+    made = ("did not fit" if own_time_s is None else f"takes {_ms(own_time_s)}")
+    assert row.best is not None
+    return (f"at {row.factor:.0%}: the plan made for that budget {made}; the one made for "
+            f"{row.made_for:.0%} ({format_bytes(row.best.budget_bytes)}) takes "
+            f"{_ms(row.best.step_time_s)} and fits too (the strategy is a heuristic: a looser "
+            "budget can lead it to a slower plan), so the row shows it")
 
 
 def _bare_decisions(plan: Plan) -> str:

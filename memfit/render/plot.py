@@ -144,7 +144,7 @@ def _gantt_panel(axes, name: str, timeline: Timeline) -> None:
             axes.broken_barh(spans, (row - 0.4, 0.8), color=KIND_COLOURS.get(kind, "#999999"))
     axes.set_yticks(range(len(STREAMS)), STREAMS)
     axes.set_ylim(-0.6, len(STREAMS) + 0.4)  # room above the top row for the legend
-    axes.set_xlabel(f"simulated time of {name!r} (ms)")
+    axes.set_xlabel(f"{timeline.source} time of {name!r} (ms)")
     handles = [axes.bar(0, 0, color=colour, label=kind) for kind, colour in KIND_COLOURS.items()]
     axes.legend(handles=handles, loc="upper right", fontsize=7, ncol=4)
     axes.grid(alpha=0.3, axis="x")
@@ -185,8 +185,7 @@ def memory_plot(timelines: Mapping[str, Timeline], path: str | Path,
     figure, axes = plt.subplots(rows, 1, figsize=(10, 4.2 * rows), squeeze=False,
                                 height_ratios=[3, 1.4][:rows])
     _memory_panel(axes[0][0], timelines, budget_bytes, x_axis)
-    position_label = "program position (fraction of the step's ops run)"
-    axes[0][0].set_xlabel(position_label if x_axis == "position" else "simulated time (ms)")
+    axes[0][0].set_xlabel(x_label(timelines, x_axis))
     axes[0][0].set_title(title)
     if gantt_name is not None:
         _gantt_panel(axes[1][0], gantt_name, timelines[gantt_name])
@@ -196,6 +195,16 @@ def memory_plot(timelines: Mapping[str, Timeline], path: str | Path,
         figure.savefig(temporary, dpi=110)
     plt.close(figure)
     return path
+
+
+def x_label(timelines: Mapping[str, Timeline], x_axis: str) -> str:
+    """The memory panel's x label: program position, or the time axis named by where its
+    times come from (a timeline without intervals, such as a measured peak, has no times and is
+    drawn by program position either way; a measured one with intervals is never "simulated")."""
+    timed = sorted({t.source for t in timelines.values() if t.intervals and t.memory_bytes})
+    if x_axis == "position" or not timed:
+        return "program position (fraction of the step's ops run)"
+    return f"{' and '.join(timed)} time (ms)"
 
 
 def _gantt_choice(timelines: Mapping[str, Timeline], gantt: str | None | bool) -> str | None:

@@ -16,13 +16,15 @@ if TYPE_CHECKING:
 
 
 def regions_report(planner: Backend) -> str:
-    """Per compiled region: budget, unplanned, predicted and measured peak and their gap, what
-    was swapped and recomputed (re-runs and their predicted time), the simulated step; then how
-    often plans were remade and which code ran outside any plan."""
+    """Per compiled region: budget, unplanned, predicted and measured peak and their gap, how
+    many of its saved tensors were swapped and recomputed, its re-runs (the bytes they rebuild
+    and their predicted time), the predicted step; then how often plans were remade and which
+    code ran outside any plan."""
     if not planner.regions:
         return "memfit: no region has been compiled yet (call the model once)"
     text = table(("region", "ops", "budget", "unplanned", "predicted", "measured", "gap",
-                  "strategy", "swapped", "re-runs (time)", "step (simulated)"),
+                  "strategy", "swapped / saved", "recomputed / saved",
+                  "re-runs (bytes, time predicted)", "step (predicted)"),
                  [_row(region) for region in planner.regions])
     return "\n".join([text, *_notes(planner)])
 
@@ -36,6 +38,8 @@ def _notes(planner: Backend) -> list[str]:
                      "code was seen to hold), not others the loop may hold. gap: measured - "
                      "predicted; 'ops': counted from what ops returned (a profiler of the "
                      "user's was on), kernel scratch not seen.")
+    notes.append("saved: the region's saved tensors (forward values its backward reads); "
+                 "re-runs: forward ops run again, the bytes they rebuild and their time")
     if planner.joint_rounds:
         notes.append(f"planned jointly {planner.joint_rounds} time(s): a region could not fit "
                      "beside the saves of the regions before its graph break, so those save "
@@ -79,11 +83,10 @@ def _eager_note(region: Region) -> str:
 
 
 def _row(region: Region) -> tuple:
-    from memfit.core.recompute import planned_reruns
+    from memfit.core.explain import tally
 
     plan, graph = region.plan, region.graph
-    reruns = [r for group in planned_reruns(graph, plan).values() for r in group]
-    rerun_s = sum(graph.op(rerun.op).time_s for rerun in reruns)
+    counted = tally(graph, plan, region.predicted)
     budget = format_bytes(region.budget_bytes) if region.budget_bytes else "none"
     if region.saves_cap_bytes is not None:
         budget += f", saves <= {format_bytes(region.saves_cap_bytes)}"
@@ -95,8 +98,10 @@ def _row(region: Region) -> tuple:
     return (f"{region.index}{'*' if region.replaced else ''}", len(graph.ops), budget,
             format_bytes(region.baseline_peak_bytes), format_bytes(region.predicted_peak_bytes),
             _measured(region), gap,
-            f"{plan.strategy} ({plan.params.get('solver', plan.strategy)})", len(plan.swapped),
-            f"{len(reruns)} ({rerun_s * 1e3:.2f} ms)",
+            f"{plan.strategy} ({plan.params.get('solver', plan.strategy)})",
+            f"{counted.swapped} / {counted.saved}", f"{counted.recomputed} / {counted.saved}",
+            f"{counted.rerun_count} ({format_bytes(counted.rerun_bytes)}, "
+            f"{counted.recompute_s * 1e3:.2f} ms)",
             f"{region.predicted.step_time_s * 1e3:.2f} ms")
 
 

@@ -91,6 +91,17 @@ def sparkline(values: tuple[int, ...], width: int) -> str:
     return "".join(line)
 
 
+def _times(timeline: Timeline) -> str:
+    """The step's times, said to be simulated or measured; a measured run without intervals
+    (a whole-step measurement) has no copy or re-run times, and does not claim zeros."""
+    if timeline.source == "measured" and not timeline.intervals:
+        return (f"step time {_ms(timeline.step_time_s)} (measured, the whole step: copy and "
+                "re-run times not measured)")
+    return (f"step time {_ms(timeline.step_time_s)}, exposed transfer "
+            f"{_ms(timeline.exposed_transfer_s)}, re-runs {_ms(timeline.recompute_s)} "
+            f"({timeline.source})")
+
+
 def timeline_summary(timeline: Timeline, width: int = 100) -> str:
     """A saved timeline in a few lines: peak, time, where the peak is, the memory curve."""
     meta = timeline.meta
@@ -99,8 +110,7 @@ def timeline_summary(timeline: Timeline, width: int = 100) -> str:
              + (f", hardware {meta['hardware']}" if "hardware" in meta else ""),
              f"peak {format_bytes(timeline.peak_bytes)}"
              + (f" at {timeline.peak_label}" if timeline.peak_label else "")
-             + f"; step time {_ms(timeline.step_time_s)}; exposed transfer "
-             f"{_ms(timeline.exposed_transfer_s)}; {len(timeline.memory_bytes)} actions"]
+             + f"; {_times(timeline)}; {len(timeline.memory_bytes)} actions"]
     if "measured_peak_bytes" in meta:
         lines.append(f"measured peak of the run: {format_bytes(meta['measured_peak_bytes'])}")
     if timeline.memory_bytes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from memfit.core.explain import Tally, tally
 from memfit.core.units import format_bytes
 
 
@@ -21,11 +22,35 @@ def _time(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms" if seconds >= 0 else "-"
 
 
+def tally_lines(counted: Tally, how: str = "predicted") -> list[str]:
+    """What a plan swaps and what it recomputes, as ``step.report()``, ``plan.explain()``,
+    ``memfit demo`` say it: the saved tensors split into swapped, recomputed and kept (one
+    population, so the parts add up to the total), then the copies and the re-runs (forward ops
+    run again, the bytes they rebuild, their time). ``how`` says where the times come from
+    (``"predicted"``: the simulator)."""
+    split = (f"saved tensors: {counted.saved} = {counted.swapped} swapped "
+             f"({format_bytes(counted.swapped_bytes)}) + {counted.recomputed} recomputed + "
+             f"{counted.kept} kept")
+    if counted.swapped_unsaved:
+        split += (f"; also swapped: {counted.swapped_unsaved} forward values read again only in "
+                  f"the forward pass ({format_bytes(counted.swapped_unsaved_bytes)})")
+    lines = [split]
+    if counted.swap_ins:
+        lines.append(f"swaps: {counted.swap_ins} swap-ins, exposed transfer "
+                     f"{_time(counted.exposed_transfer_s)} {how}")
+    if not counted.rerun_count:
+        return [*lines, "re-runs: none (no forward op runs twice)"]
+    return [*lines, f"re-runs: {counted.rerun_count} forward op runs ({counted.rerun_ops} "
+                    f"distinct ops) rebuild {format_bytes(counted.rerun_bytes)}, "
+                    f"{_time(counted.recompute_s)} of compute {how}"]
+
+
 def step_report(compiled, measured=None, rounds=()) -> str:
     """What a compiled step planned, predicted and measured, as a short table.
 
     ``compiled`` is the region that ran (``memfit.backend.Region``), ``measured`` its last
-    measured ``Timeline`` (whole device), ``rounds`` its closed loop."""
+    measured ``Timeline`` (whole device), ``rounds`` its closed loop. Each figure says whether
+    it was simulated (predicted) or measured."""
     plan, graph = compiled.plan, compiled.graph
     budget = format_bytes(compiled.budget_bytes) if compiled.budget_bytes else "none"
     outside = compiled.outside_bytes
@@ -42,14 +67,13 @@ def step_report(compiled, measured=None, rounds=()) -> str:
         f"memfit step: {graph.name}, {len(graph.ops)} ops, strategy {plan.strategy!r}, "
         f"budget {budget}, hardware {plan.hardware or '-'}",
         table(("run", "peak", "step time"), rows),
-        f"saved tensors: {len(graph.saved_tensors())}, swapped: {len(plan.swapped)} "
-        f"({plan.swap_in_count} swap-ins), exposed transfer "
-        f"{_time(compiled.predicted.exposed_transfer_s)} (predicted)",
+        *tally_lines(tally(graph, plan, compiled.predicted)),
     ]
     if rounds:
         lines.append("closed loop (a measured peak over the budget re-plans for a tighter one):")
         lines.append(table(("round", "planning budget", "predicted peak", "measured peak",
-                            "step time"), [_round_row(i, r) for i, r in enumerate(rounds, 1)]))
+                            "step time (measured)"),
+                           [_round_row(i, r) for i, r in enumerate(rounds, 1)]))
     judged = next((r for r in reversed(rounds) if r.measured_peak_bytes), None)
     if judged is not None and judged.measured_peak_bytes:  # the plan that ran, not a newer one
         gap = (judged.predicted_peak_bytes - judged.measured_peak_bytes) / judged.measured_peak_bytes
@@ -64,13 +88,14 @@ def step_report(compiled, measured=None, rounds=()) -> str:
 
 
 def format_param(value: object) -> str:
-    """A plan parameter as the user wrote it; a mapping of step times (auto's candidates) in ms."""
+    """A plan parameter as the user wrote it; a mapping of step times (auto's candidates) in ms,
+    said to be predicted (they are simulated, never measured)."""
     if isinstance(value, tuple):
         return str(list(value))
     if isinstance(value, dict) and all(v is None or isinstance(v, float) for v in value.values()):
         return "{" + ", ".join(
             f"{k}: {'does not fit' if v is None else f'{v * 1e3:.3f} ms'}" for k, v in value.items()
-        ) + "}"
+        ) + "} (predicted)"
     return str(value)
 
 

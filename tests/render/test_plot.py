@@ -9,7 +9,7 @@ from memfit.core.hardware import get_hardware
 from memfit.core.plan import Plan, Swap, SwapIn
 from memfit.core.simulate import simulate
 from memfit.core.timeline import Timeline
-from memfit.render.plot import memory_plot, with_phases
+from memfit.render.plot import memory_plot, with_phases, x_label
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -66,3 +66,29 @@ def test_bad_arguments_say_what_to_do(tmp_path):
         memory_plot({}, tmp_path / "x.png")
     with pytest.raises(ValueError, match="names no timeline"):
         memory_plot({"keep": keep}, tmp_path / "x.png", gantt="swap")
+
+
+def test_a_measured_timeline_is_never_labelled_simulated():
+    """Before, ``x_axis="time"`` labelled every plot "simulated time (ms)": also a measured
+    timeline's (and the Gantt panel under it), and one beside a measured peak, which has no
+    times at all."""
+    _, keep, swap = _timelines()
+    measured = Timeline("measured", keep.peak_bytes, 0.1, intervals=keep.intervals,
+                        memory_labels=keep.memory_labels, memory_bytes=keep.memory_bytes)
+    peak_only = Timeline("measured", keep.peak_bytes, 0.1)
+    assert x_label({"run": measured}, "time") == "measured time (ms)"
+    assert x_label({"plan": swap}, "time") == "simulated time (ms)"
+    assert x_label({"plan": swap, "run": measured}, "time") == "measured and simulated time (ms)"
+    assert x_label({"run": peak_only}, "time").startswith("program position")
+    assert x_label({"plan": swap}, "position").startswith("program position")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from memfit.render.plot import _gantt_panel
+
+    figure, axes = plt.subplots()
+    _gantt_panel(axes, "run", measured)
+    assert axes.get_xlabel() == "measured time of 'run' (ms)"
+    plt.close(figure)
