@@ -158,7 +158,7 @@ class _Rewriter:
             self._rerun(self.old[action.op], action)
         elif action.kind == "swap_out":
             root = self.emit(self.root_of(action.tensor))
-            args = (root, self.out_key[action.tensor])
+            args = (root, self.out_key[action.tensor], list(root.meta["val"].stride()))
             self.host[action.tensor] = self._call(ops.swap_out.default, args, "swap_out", action.tensor)
         elif action.kind == "swap_in":
             buffer = copy_buffer(action.tensor, action.copy)

@@ -101,3 +101,19 @@ def test_a_swap_moves_the_whole_storage_with_its_layout():
         assert moved.untyped_storage().nbytes() == base.untyped_storage().nbytes()
         assert torch.equal(moved.as_strided(base.shape, base.stride(), 0), base)
     assert back.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+
+
+def test_a_swap_out_with_strides_converts_the_layout_while_it_copies():
+    """Inductor may lay a value out unlike the graph (``memfit.graph.inductor``): the host copy
+    takes the strides it is given, the values are the tensor's, and the fake agrees."""
+    channels_last = torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last)
+    stride = [60, 20, 5, 1]
+    with active_engine(CopyEngine(CPU)):
+        host = SWAP_OUT(channels_last, 0, stride)
+        back = SWAP_IN(host, 0, 1, CPU)
+    assert host.stride() == tuple(stride) and back.stride() == tuple(stride)
+    assert torch.equal(back, channels_last) and is_host_storage(host.untyped_storage())
+    with FakeTensorMode():
+        fake = SWAP_OUT(torch.empty(2, 3, 4, 5).contiguous(memory_format=torch.channels_last),
+                        0, stride)
+    assert fake.stride() == tuple(stride) and fake.device == CPU
