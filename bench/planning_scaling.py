@@ -147,6 +147,21 @@ def scaling_section(rows: Sequence[ScalingRow]) -> str:
     return "\n".join(lines)
 
 
+SCALING_TITLE = "## Planning time on captured GPT-2 steps (auto), 6 to 48 layers"
+
+
+def scaling_markdown(log: Callable[[str], None] = print) -> str:
+    """The section ``bench.run`` writes: title, what was measured, the table and verdicts."""
+    return "\n".join([
+        SCALING_TITLE, "",
+        "transformers GPT-2, width 256, captured on meta inputs and analyzed for `h100-pcie`, then "
+        "planned by `auto` at half the unplanned simulated peak. Planning is process CPU time "
+        "(the machine's cores are shared); capture + analysis is wall time. The digest hashes "
+        "each plan's decisions, simulated peak and step time (a planner change that keeps it "
+        "changed no plan).", "",
+        scaling_section(scaling_rows(log=log))])
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=list(LAYERS))

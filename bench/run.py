@@ -101,6 +101,7 @@ def cpu_sections() -> list[str]:
         model_rows,
     )
     from bench.planning import planning_section
+    from bench.planning_scaling import scaling_markdown
     from bench.recompute import recompute_section
 
     capacity, overhead = [], []
@@ -139,6 +140,7 @@ def cpu_sections() -> list[str]:
         "\n" + fit_section(log),
         "\n" + auto_section(log),
         "\n" + planning_section(log),
+        "\n" + scaling_markdown(log),
     ]
 
 
@@ -151,6 +153,7 @@ def section_builders() -> dict[str, Callable[[], str]]:
     from bench.auto import auto_section
     from bench.fit import fit_section
     from bench.planning import planning_section
+    from bench.planning_scaling import scaling_markdown
     from bench.recompute import recompute_section
 
     return {
@@ -158,10 +161,11 @@ def section_builders() -> dict[str, Callable[[], str]]:
         "recompute": lambda: recompute_section(log, plot_path=ROOT / "bench" / "recompute.png"),
         "auto": lambda: auto_section(log),
         "planning": lambda: planning_section(log),
+        "scaling": lambda: scaling_markdown(log),
     }
 
 
-ONLY_CHOICES = ("fit", "recompute", "auto", "planning")  # section_builders()'s keys, without importing the sections
+ONLY_CHOICES = ("fit", "recompute", "auto", "planning", "scaling")  # section_builders()'s keys, without importing the sections
 
 
 def splice(old: str, section: str, stamp: str) -> str:
