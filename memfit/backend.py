@@ -590,7 +590,7 @@ def with_eager_note(error: BudgetError, eager_bytes: int) -> BudgetError:
             "a graph break; memfit.report shows where): compute the loss inside the model, or "
             "raise the budget.")
     return BudgetError(error.budget_bytes, error.minimum_bytes, error.dominant, error.strategy,
-                       f"{error.note} {note}".strip())
+                       f"{error.note} {note}".strip(), host_bytes=error.host_bytes)
 
 
 def binding_bytes(node: fx.Node) -> int:

@@ -27,7 +27,9 @@ class Trial:
         how: ``"planned"`` (on meta tensors) or ``"measured"`` (one real step).
         peak_bytes: the predicted (planned) or measured peak; the smallest reachable peak when
             planning failed.
-        host_bytes: what its plan swaps to host memory (0 when planning failed or measured).
+        host_bytes: what its plan holds on the host at once (its simulated host peak; 0 when
+            planning failed or measured).
+        host_limited: planning failed with swaps held back by the profile's ``host_bytes``.
     """
 
     batch_size: int
@@ -35,6 +37,7 @@ class Trial:
     how: str
     peak_bytes: int
     host_bytes: int = 0
+    host_limited: bool = False
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class FrontierPoint:
         batch_size: the batch.
         peak_bytes: its plan's predicted peak, whole device.
         step_time_s: its plan's predicted step time on the profile.
-        host_bytes: bytes its plan swaps to host memory (each swapped tensor once).
+        host_bytes: bytes its plan holds on the host at once (its simulated host peak).
     """
 
     batch_size: int
@@ -68,7 +71,7 @@ class PlannedBatch:
     predicted: Timeline
     budget_bytes: int
     outside_bytes: int  # buffers and existing .grad: on the device, outside the graph
-    host_bytes: int = 0  # swapped to the host
+    host_bytes: int = 0  # held on the host at once (the simulated host peak)
 
     @property
     def at_full_speed(self) -> bool:

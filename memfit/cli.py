@@ -72,6 +72,27 @@ def _hardware(name: str) -> str | Hardware:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _host_bytes(text: str) -> int | None:
+    """``--host-bytes``: a size (``'512GiB'``) or ``none`` (no limit)."""
+    from memfit.core.units import parse_bytes
+
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _target(args: argparse.Namespace) -> str | Hardware:
+    """``--hardware`` with ``--host-bytes`` applied where given (else the profile's own)."""
+    if not hasattr(args, "host_bytes"):
+        return args.hardware
+    from memfit.core.hardware import get_hardware
+
+    return get_hardware(args.hardware).with_(host_bytes=args.host_bytes)
+
+
 def _budget(text: str) -> Budget:
     """A budget, read as ``memfit.compile(budget=...)`` reads one (``parse_budget``)."""
     from memfit.core.units import parse_budget
@@ -184,7 +205,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     try:
         planned = plan_example(args.model, args.batch, dict(args.model_arg), args.budget,
-                               args.hardware, args.strategy, dict(args.param))
+                               _target(args), args.strategy, dict(args.param))
     except BudgetError as error:
         print(f"memfit plan: {error}", file=sys.stderr)
         return 2
@@ -223,7 +244,7 @@ def cmd_max_batch_size(args: argparse.Namespace) -> int:
     example = examples.EXAMPLES[args.model](**dict(args.model_arg))
     try:
         found = max_batch_size(example.model, example.loss_fn, example.make_inputs, args.budget,
-                               args.hardware, args.strategy, objective=args.objective,
+                               _target(args), args.strategy, objective=args.objective,
                                max_batch=args.max_batch, verify=False, **dict(args.param))
     except (BudgetError, ValueError) as error:  # nothing fits; a fractional budget
         print(f"memfit max-batch-size: {error}", file=sys.stderr)
@@ -291,6 +312,10 @@ def _show_plan(args: argparse.Namespace, data: dict) -> int:
 # ---- the parser ----------------------------------------------------------------------------------
 
 
+HOST_BYTES_HELP = ("host memory swaps may hold at once ('512GiB'; 'none': no limit); default: "
+                   "the profile's figure (a typical host of the GPU's class)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="memfit", description="Fit a PyTorch training step into a device-memory budget.",
@@ -315,6 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--hardware", type=_hardware, default="h100-pcie",
                       help="profile name (default h100-pcie), or a profile saved with "
                            "hardware.save('profile.json')")
+    plan.add_argument("--host-bytes", type=_host_bytes, default=argparse.SUPPRESS,
+                      help=HOST_BYTES_HELP)
     plan.add_argument("--strategy", default=None,
                       help="auto | keep | swap | checkpoint | memory-poor | optimal-recompute | "
                            "vdnn_all | vdnn_conv | vdnn_dyn (default: auto with a budget, "
@@ -340,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "('80GiB'); not a fraction, which changes with the batch")
     search.add_argument("--hardware", type=_hardware, default="h100-pcie",
                         help="profile name (default h100-pcie), or a profile saved as JSON")
+    search.add_argument("--host-bytes", type=_host_bytes, default=argparse.SUPPRESS,
+                        help=HOST_BYTES_HELP)
     search.add_argument("--objective", choices=("throughput", "largest"), default="throughput",
                         help="throughput (default): the fitting batch with the most predicted "
                              "samples/s; largest: the largest fitting batch, however slow")

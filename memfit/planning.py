@@ -27,6 +27,7 @@ from memfit.graph.analyze import analyze
 from memfit.graph.capture import Captured
 from memfit.graph.rewrite import reorder
 from memfit.strategies import get_strategy
+from memfit.strategies._fit import require_host
 
 
 class BudgetWarning(UserWarning):
@@ -101,8 +102,9 @@ def plan_step(graph: CostGraph, hardware: Hardware, budget: Budget | None, strat
     resolved = DeviceBudget(device_bytes, outside_bytes)
     chosen = get_strategy(strategy)
 
-    def replan(graph_budget_bytes: int | None) -> Plan:
-        return chosen(graph, hardware, graph_budget_bytes, **params)
+    def replan(graph_budget_bytes: int | None) -> Plan:  # no strategy swaps past host_bytes
+        return require_host(graph, chosen(graph, hardware, graph_budget_bytes, **params),
+                            hardware.host_bytes, graph_budget_bytes)
 
     try:
         made = replan(resolved.graph_bytes)
@@ -111,7 +113,7 @@ def plan_step(graph: CostGraph, hardware: Hardware, budget: Budget | None, strat
             raise
         # reported for the whole device, the bytes outside the graph included
         raise BudgetError(device_bytes, error.minimum_bytes + outside_bytes, error.dominant,
-                          error.strategy, error.note) from None
+                          error.strategy, error.note, host_bytes=error.host_bytes) from None
     explanation = explain(graph, made, hardware, baseline, device_bytes, outside_bytes,
                           replan if what_ifs else None)
     made = replace(made, topology_hash=topology_hash(graph), explanation=explanation)

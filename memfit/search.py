@@ -90,7 +90,7 @@ class BatchSearch:
     def __str__(self) -> str:
         from memfit.render.text import table
 
-        rows = [(t.batch_size, t.how, _outcome(t, self.budget_bytes), format_bytes(t.peak_bytes),
+        rows = [(t.batch_size, t.how, _outcome(t), format_bytes(t.peak_bytes),
                  format_bytes(t.host_bytes)) for t in self.tried]
         chosen = "fastest batch" if self.objective == "throughput" else "largest batch"
         lines = [
@@ -121,11 +121,12 @@ class BatchSearch:
         return table(("batch", "peak", "step", "samples/s", "of best", "host", "chosen"), rows)
 
 
-def _outcome(trial: Trial, budget_bytes: int) -> str:
-    """``fits``, ``over`` (the device budget) or ``over host`` (swaps more than host_bytes)."""
+def _outcome(trial: Trial) -> str:
+    """``fits``, ``over`` (the device budget) or ``over, host-limited`` (it would have fit by
+    swapping more than the profile's host_bytes)."""
     if trial.fits:
         return "fits"
-    return "over host" if trial.peak_bytes <= budget_bytes and trial.host_bytes else "over"
+    return "over, host-limited" if trial.host_limited else "over"
 
 
 def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
@@ -147,8 +148,8 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
         budget: the whole device's bytes: parameters, gradients and inputs included, as in
             ``compile``. Fractions are not accepted: they depend on the batch.
         hardware: the profile to plan for (``"h100-pcie"``); default: that of the parameters'
-            device. Throughput is predicted for it; a plan that swaps more than its
-            ``host_bytes`` does not fit.
+            device. Throughput is predicted for it; its ``host_bytes`` limits what a plan
+            swaps (the strategies plan within it: a batch fits only where they can).
         strategy: default ``"auto"``.
         objective: ``"throughput"`` (default): the fitting batch with the most predicted
             samples/s, which costs a few more plans (a geometric set below the largest fitting
@@ -162,8 +163,8 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
         **params: the strategy's parameters.
 
     Raises:
-        BudgetError: when even batch 1 cannot fit (its message names the smallest peak, or
-            the host bytes batch 1 swaps when the profile's ``host_bytes`` is what it exceeds).
+        BudgetError: when even batch 1 cannot fit (its message names the smallest peak, and
+            the profile's ``host_bytes`` where that limit stopped the swaps).
         ValueError: for a fractional budget, an unknown objective or bad strategy parameters.
 
     Note:
@@ -189,21 +190,15 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
         try:
             planned = _plan_batch(model, loss_fn, make_inputs, batch, parsed, chosen, resolved,
                                   params, linearize)
-        except BudgetError as error:
-            tried.append(Trial(batch, False, "planned", error.minimum_bytes))
+        except BudgetError as error:  # host_bytes named: swapping more would have fit
+            tried.append(Trial(batch, False, "planned", error.minimum_bytes,
+                               host_limited=error.host_bytes is not None))
             return None
-        fits = resolved.host_bytes is None or planned.host_bytes <= resolved.host_bytes
-        tried.append(Trial(batch, fits, "planned", whole_bytes(planned), planned.host_bytes))
-        if fits:
-            fitting[batch] = planned
-        return planned if fits else None
+        tried.append(Trial(batch, True, "planned", whole_bytes(planned), planned.host_bytes))
+        fitting[batch] = planned
+        return planned
 
     largest = bracket_largest(attempt, tried, parsed.bytes, max_batch)
-    if largest is None and tried[0].host_bytes:
-        raise BudgetError(parsed.bytes, tried[0].peak_bytes, strategy=chosen, note=(
-            f"Batch 1 fits the device but swaps {format_bytes(tried[0].host_bytes)}, more "
-            f"than the profile's host_bytes ({format_bytes(resolved.host_bytes or 0)}): raise "
-            "host_bytes (hardware.with_(host_bytes=...)) or the budget."))
     if largest is None:
         _plan_batch(model, loss_fn, make_inputs, 1, parsed, chosen, resolved, params, linearize)
         raise AssertionError("batch 1 fit on a second try")  # the first try raised BudgetError
@@ -235,9 +230,8 @@ def _plan_batch(model, loss_fn, make_inputs, batch, budget, strategy, hardware, 
     planned = trace_plan(model, loss_fn, meta_inputs(make_inputs, batch), budget, strategy,
                          hardware, params, linearize)
     assert planned.budget.device_bytes is not None
-    host_bytes = sum(planned.graph.tensors[name].size_bytes for name in planned.plan.swapped)
     return PlannedBatch(batch, planned.plan, planned.predicted, planned.budget.device_bytes,
-                    planned.budget.outside_bytes, host_bytes)
+                        planned.budget.outside_bytes, planned.predicted.host_peak_bytes)
 
 
 def _verify(model, loss_fn, make_inputs, best: PlannedBatch, attempt, tried: list[Trial],

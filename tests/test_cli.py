@@ -167,6 +167,24 @@ def test_plan_reads_a_saved_hardware_profile(capsys, tmp_path):
     assert "field 'duplex' must be a boolean" in capsys.readouterr().err
 
 
+def test_host_bytes_on_the_command_line_limits_the_swaps(tmp_path, capsys):
+    """``--host-bytes 0``: the plan that swapped with the profile's host recomputes instead;
+    ``none`` lifts the limit; a bad size fails as an argument."""
+    from memfit.core.plan import Plan
+
+    saved = tmp_path / "plan.json"
+    argv = ["plan", *MLP, "--budget", "0.6", "--hardware", "h100-pcie", "--save", str(saved)]
+    assert main([*argv, "--host-bytes", "none"]) == 0
+    assert Plan.load(saved).swapped
+    assert main([*argv, "--host-bytes", "0"]) == 0
+    limited = Plan.load(saved)
+    assert not limited.swapped and (limited.recomputed or limited.reruns)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main([*argv, "--host-bytes", "lots"])
+    assert "--host-bytes" in capsys.readouterr().err
+
+
 def test_max_batch_size_prints_the_frontier(capsys):
     argv = ["max-batch-size", "--model", "mlp", "--model-arg", "depth=2", "--model-arg",
             "width=8", "--budget", "1GiB", "--hardware", "cpu", "--max-batch", "16"]

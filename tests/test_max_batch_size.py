@@ -144,30 +144,48 @@ def test_the_fastest_batch_is_found_in_a_few_plans(full_speed_up_to):
 
 
 def test_no_plan_swaps_more_than_the_host_holds():
-    """``host_bytes`` on the profile: a plan that swaps more does not fit, whatever its peak."""
+    """``host_bytes`` on the profile: the strategies plan within it, so every batch on the
+    frontier holds at most that on the host, and the largest batch is no larger than with an
+    unlimited host."""
     from memfit.core.hardware import get_hardware
 
     example = examples.mlp(depth=3, width=256)
     host_bytes = 1 << 20
+    search = dict(budget=6_000_000, verify=False, objective="largest")
+    free = memfit.max_batch_size(example.model, example.loss_fn, example.make_inputs,
+                                 hardware=get_hardware("cpu"), **search)
+    assert max(point.host_bytes for point in free.frontier) > host_bytes
     found = memfit.max_batch_size(example.model, example.loss_fn, example.make_inputs,
-                                  budget=6_000_000, verify=False, objective="largest",
-                                  hardware=get_hardware("cpu").with_(host_bytes=host_bytes))
+                                  hardware=get_hardware("cpu").with_(host_bytes=host_bytes),
+                                  **search)
     assert all(point.host_bytes <= host_bytes for point in found.frontier)
-    over_host = [t for t in found.tried if not t.fits and t.peak_bytes <= found.budget_bytes]
-    assert over_host and all(t.host_bytes > host_bytes for t in over_host), found.tried
-    assert "over host" in str(found)
+    assert found.batch_size <= free.batch_size
 
 
-def test_batch_one_over_the_host_is_a_budget_error_that_names_the_host(monkeypatch):
-    """A fake planner whose every plan swaps 5 bytes, under a host of 1 byte: nothing fits."""
+def test_a_host_limited_refusal_is_shown_and_batch_one_names_the_host(monkeypatch):
+    """A fake planner that fits batches up to 2 and refuses larger ones for the host limit:
+    the search says so; where batch 1 is refused too, its BudgetError names host_bytes."""
     from memfit import search
     from memfit.core.hardware import get_hardware
 
-    def swaps_five_bytes(model, loss_fn, make_inputs, batch, *rest):
-        return PlannedBatch(batch, None, memfit.Timeline("simulated", 100, 1.0), 10**6, 0, 5)
+    fits_up_to = 2
 
-    monkeypatch.setattr(search, "_plan_batch", swaps_five_bytes)
+    def host_limited_planner(model, loss_fn, make_inputs, batch, *rest):
+        if batch > fits_up_to:
+            raise memfit.BudgetError(10**6, 2 * 10**6, strategy="auto", host_bytes=1)
+        return PlannedBatch(batch, memfit.Plan("auto"), memfit.Timeline("simulated", 100, 1.0),
+                            10**6, 0, 1)
+
+    monkeypatch.setattr(search, "_plan_batch", host_limited_planner)
     example = examples.mlp(depth=2, width=8)
-    with pytest.raises(memfit.BudgetError, match="swaps 5 B, more than the profile's host_bytes"):
+    hardware = get_hardware("cpu").with_(host_bytes=1)
+    found = memfit.max_batch_size(example.model, example.loss_fn, example.make_inputs,
+                                  budget=10**6, hardware=hardware, verify=False,
+                                  objective="largest")
+    assert found.batch_size == fits_up_to
+    assert any(t.host_limited and not t.fits for t in found.tried)
+    assert "over, host-limited" in str(found)
+    fits_up_to = 0
+    with pytest.raises(memfit.BudgetError, match="host_bytes"):
         memfit.max_batch_size(example.model, example.loss_fn, example.make_inputs, budget=10**6,
-                              hardware=get_hardware("cpu").with_(host_bytes=1), verify=False)
+                              hardware=hardware, verify=False)

@@ -14,18 +14,22 @@ class BudgetError(RuntimeError):
         dominant: ``(tensor name, bytes)`` of the tensors live at that smallest peak, largest first.
         note: what else the user should know, e.g. which solver stopped on its work limit
             without a schedule (so "does not fit" is not proven for it).
+        host_bytes: the host memory limit (``Hardware.host_bytes``) that stopped the strategy
+            from swapping more, ``None`` where it did not matter.
 
     Planning with the same strategy at exactly ``minimum_bytes`` returns a plan that fits: the
-    minimum is the peak of a plan the strategy built, never an estimate.
+    minimum is the peak of a plan the strategy built, never an estimate. With ``host_bytes`` set
+    it is the smallest peak the strategy reaches without swapping more than the host holds.
     """
 
     def __init__(self, budget_bytes: int, minimum_bytes: int, dominant=(), strategy: str = "",
-                 note: str = ""):
+                 note: str = "", host_bytes: int | None = None):
         self.budget_bytes = int(budget_bytes)
         self.minimum_bytes = int(minimum_bytes)
         self.dominant = tuple(dominant)
         self.strategy = strategy
         self.note = note
+        self.host_bytes = host_bytes
         top = ", ".join(f"{name} ({format_bytes(size)})" for name, size in self.dominant[:5])
         by = f" with strategy {strategy!r}" if strategy else ""
         super().__init__(
@@ -34,7 +38,16 @@ class BudgetError(RuntimeError):
             "another strategy, or shrink the batch."
             + (f" Largest tensors live at that peak: {top}." if top else "")
             + (f" {note}" if note else "")
+            + (_host_advice(host_bytes) if host_bytes is not None else "")
         )
+
+
+def _host_advice(host_bytes: int) -> str:
+    """What to do when the host limit, not the device, stopped the swaps."""
+    return (f" Swaps were limited by the hardware profile's host_bytes "
+            f"({format_bytes(host_bytes)} of host memory): where the host has more, raise it "
+            "with hardware.with_(host_bytes=...); else recompute instead (strategy "
+            "'optimal-recompute' or 'checkpoint').")
 
 
 class CaptureError(RuntimeError):

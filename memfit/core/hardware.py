@@ -45,6 +45,15 @@ Sources of the built-in GPU profiles (facts; the numbers below restate them):
   host-to-device copies 6x faster on one GPU (4-5x on an 8-GPU node) once pinned, so the
   profiles take a quarter of the pinned rate for pageable memory.
 
+- Host memory (``host_bytes``, what swapped tensors may take on the host): a stated
+  assumption, one GPU's share of a typical host of its class, not a property of the GPU. DGX
+  H100, DGX H200 and DGX A100 (80GB GPUs) datasheets: 2 TB of system memory for 8 GPUs, so
+  256 GiB each for ``h100-sxm``, ``h200`` and ``a100``; ``h100-pcie``: half that, 128 GiB, for
+  a PCIe server with 1 TB for 8 GPUs (no reference system; PCIe hosts vary most); ``gh200``:
+  the Grace CPU's 480 GB of LPDDR5X beside its one GPU. Set yours with
+  ``hardware.with_(host_bytes=...)``; ``measure_hardware()`` takes the machine's available RAM
+  (``available_host_bytes``).
+
 Estimates, not measurements (on a real GPU ``measure_hardware()`` measures the ramp, the
 overhead and the memory bandwidth; the other classes' fractions it keeps relative to matmul's):
 convolution (cuDNN) at 0.5-0.6 of peak and cuDNN/oneDNN RNNs at 0.3; memory-bound ops at 0.8 of
@@ -57,6 +66,7 @@ under the 450 GB/s C2C spec.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -106,9 +116,11 @@ class Hardware:
             takes the pinned rate.
         h2d_pageable_bytes_per_s: host-to-device bandwidth from pageable memory; ``None``
             takes the pinned rate.
-        host_bytes: host memory that swapped tensors may take; ``max_batch_size`` counts a
-            plan that swaps more as not fitting. ``None`` (default): no limit, since a
-            profile names a device, not the host beside it; state the figure for the target.
+        host_bytes: host memory that swapped tensors may take at once (what is swapped out and
+            not yet freed, ``memfit.core.host_memory``): no plan swaps more. ``None`` (default
+            of a hand-built profile): no limit. The built-in GPU profiles state a figure for a
+            typical host of their class (see the module docstring), ``measure_hardware()``
+            the machine's available RAM.
         notes: where the numbers come from.
     """
 
@@ -250,8 +262,10 @@ class Hardware:
 
 
 def _gpu(name: str, peaks_tflops: Mapping[str, float], memory_gb_s: float, link_gb_s: float,
-         device_gib: int, efficiency: Mapping[str, float], notes: str) -> Hardware:
-    """A GPU profile: dense peaks in TFLOPS, memory and (pinned) link rates in GB/s."""
+         device_gib: int, efficiency: Mapping[str, float], host_bytes: int,
+         notes: str) -> Hardware:
+    """A GPU profile: dense peaks in TFLOPS, memory and (pinned) link rates in GB/s, the host
+    memory swaps may take in bytes."""
     return Hardware(
         name=name,
         flops_per_s={dtype: tflops * TFLOPS for dtype, tflops in peaks_tflops.items()},
@@ -264,6 +278,7 @@ def _gpu(name: str, peaks_tflops: Mapping[str, float], memory_gb_s: float, link_
         compute_efficiency=efficiency,
         memory_efficiency=MEMORY_EFFICIENCY,
         compute_ramp_s=COMPUTE_RAMP_S,
+        host_bytes=host_bytes,
         notes=notes,
     )
 
@@ -277,20 +292,23 @@ HOPPER_PCIE = {"float64": 51, "float32": 51, "tfloat32": 378, "bfloat16": 756, "
                "float8_e4m3fn": 1513, "float8_e5m2": 1513}
 AMPERE = {"float64": 19.5, "float32": 19.5, "tfloat32": 156, "bfloat16": 312, "float16": 312}
 HOPPER_EFFICIENCY = {"matmul": 0.80, "attention": 0.35, "convolution": 0.5, "rnn": 0.3}
+DGX_HOST_BYTES = 256 * GIB  # stated: a DGX's 2 TB of system memory shared by its 8 GPUs
+PCIE_HOST_BYTES = 128 * GIB  # stated: a PCIe server's 1 TB shared by 8 GPUs
+GRACE_HOST_BYTES = 480 * GB  # GH200: the Grace CPU's LPDDR5X beside one GPU
 
 PROFILES: Mapping[str, Hardware] = MappingProxyType(
     {
         "h100-pcie": _gpu("h100-pcie", HOPPER_PCIE, 2000, 52, 80, HOPPER_EFFICIENCY,
-                          "H100 PCIe 80GB, PCIe Gen5 host"),
-        "h100-sxm": _gpu("h100-sxm", HOPPER, 3350, 52, 80, HOPPER_EFFICIENCY,
-                         "H100 SXM5 80GB, PCIe Gen5 host"),
-        "h200": _gpu("h200", HOPPER, 4800, 52, 141, HOPPER_EFFICIENCY,
-                     "H200 141GB, PCIe Gen5 host"),
+                          PCIE_HOST_BYTES, "H100 PCIe 80GB, PCIe Gen5 host, 128 GiB host share"),
+        "h100-sxm": _gpu("h100-sxm", HOPPER, 3350, 52, 80, HOPPER_EFFICIENCY, DGX_HOST_BYTES,
+                         "H100 SXM5 80GB, PCIe Gen5 host, 256 GiB host share"),
+        "h200": _gpu("h200", HOPPER, 4800, 52, 141, HOPPER_EFFICIENCY, DGX_HOST_BYTES,
+                     "H200 141GB, PCIe Gen5 host, 256 GiB host share"),
         "a100": _gpu("a100", AMPERE, 2039, 25, 80,
                      {"matmul": 0.86, "attention": 0.6, "convolution": 0.6, "rnn": 0.3},
-                     "A100 SXM 80GB, PCIe Gen4 host"),
+                     DGX_HOST_BYTES, "A100 SXM 80GB, PCIe Gen4 host, 256 GiB host share"),
         "gh200": _gpu("gh200", HOPPER, 4000, 300, 96, {**HOPPER_EFFICIENCY, "matmul": 0.83},
-                      "GH200 96GB, NVLink-C2C to Grace memory"),
+                      GRACE_HOST_BYTES, "GH200 96GB, NVLink-C2C to 480 GB of Grace host memory"),
         "cpu": Hardware(
             name="cpu",
             flops_per_s={"float32": 50e9, "bfloat16": 20e9, "float16": 10e9},
@@ -303,10 +321,21 @@ PROFILES: Mapping[str, Hardware] = MappingProxyType(
             op_overhead_s=20e-6,
             copy_latency_s=2e-6,
             notes="a 2-core CPU, its rates already sustained ones (efficiency 1): copies are "
-                  "memcpys on the compute thread",
+                  "memcpys on the compute thread; no host_bytes limit (host and device are one "
+                  "memory, which device_bytes already bounds)",
         ),
     }
 )
+
+
+def available_host_bytes() -> int | None:
+    """The RAM this machine has available now: the default ``host_bytes`` of a profile measured
+    here. Linux's ``SC_AVPHYS_PAGES`` pages (free, not counting reclaimable caches: a lower
+    bound); ``None`` where the system does not say (no limit)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def get_hardware(hardware: str | Hardware) -> Hardware:

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 
 from memfit.core.costgraph import CostGraph
 from memfit.core.hardware import Hardware
+from memfit.core.host_memory import host_peak_bytes
 from memfit.core.plan import Plan
 from memfit.core.schedule import Action, lower, memory_profile
 from memfit.core.timeline import Interval, Stream, Timeline
@@ -41,7 +42,8 @@ def simulate(
 
     Returns:
         A ``Timeline`` with ``source="simulated"``: the step time (the latest end on any stream),
-        the exposed transfer time, the live bytes while each action runs, and the intervals: one
+        the exposed transfer time, the live bytes while each action runs, the host peak (what
+        the swaps hold on the host at once; ``host_memory``), and the intervals: one
         per compute, swap-out and swap-in action (kind = the action's kind), plus a ``"wait"``
         interval on the compute stream for each wait that stalls it (one that does not takes no
         time and has none).
@@ -77,6 +79,7 @@ def simulate(
         memory_labels=labels or (),
         memory_bytes=profile.high_bytes,
         peak_label=actions[peak_index].label if peak_index >= 0 else "",
+        host_peak_bytes=host_peak_bytes(graph, plan),
         meta={"graph": graph.name, "strategy": plan.strategy, "hardware": hardware.name},
     )
 

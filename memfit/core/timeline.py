@@ -41,6 +41,8 @@ class Timeline:
         exposed_transfer_s: compute time spent waiting for copies (what swapping costs).
         recompute_s: compute time spent re-running forward ops (what recomputing costs).
         peak_label: the action at the peak.
+        host_peak_bytes: the most bytes swapped out to the host and not yet freed at once
+            (``memfit.core.host_memory``; what ``Hardware.host_bytes`` limits).
     """
 
     source: Literal["simulated", "measured"]
@@ -52,6 +54,7 @@ class Timeline:
     memory_labels: tuple[str, ...] = ()
     memory_bytes: tuple[int, ...] = ()
     peak_label: str = ""
+    host_peak_bytes: int = 0
     meta: dict = field(default_factory=dict, compare=False)
 
     def to_json(self) -> dict:
@@ -69,6 +72,7 @@ class Timeline:
             memory_labels=tuple(data.get("memory_labels", ())),
             memory_bytes=tuple(int(b) for b in data.get("memory_bytes", ())),
             peak_label=data.get("peak_label", ""),
+            host_peak_bytes=int(data.get("host_peak_bytes", 0)),
             meta=dict(data.get("meta", {})),
         )
 

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from memfit.core.hardware import PROFILES, TENSOR_FLOAT32, Hardware
+from memfit.core.hardware import PROFILES, TENSOR_FLOAT32, Hardware, available_host_bytes
 
 # A combined (both directions at once) rate at least this many times one direction's means the
 # link is full duplex; 2.0 is perfect, PCIe hosts usually reach 1.6-1.9.
@@ -42,7 +42,8 @@ def measure_hardware(device: torch.device | str | None = None) -> Hardware:
     Returns:
         A ``Hardware`` named ``"measured-cpu"`` or ``"measured-<device name>"``; on CUDA its
         TF32 switches are PyTorch's at the time (``torch.backends.cuda.matmul.allow_tf32``,
-        ``torch.backends.cudnn.allow_tf32``).
+        ``torch.backends.cudnn.allow_tf32``); its ``host_bytes`` the RAM available at the
+        time (``available_host_bytes``), the host memory swaps may take on this machine.
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -98,6 +99,7 @@ def _measure_cpu() -> Hardware:
         duplex=False,
         async_copies=False,
         device_bytes=_host_memory_bytes(base.device_bytes),
+        host_bytes=available_host_bytes(),
         op_overhead_s=overhead_s,
         notes=f"measured on the CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)",
     )
@@ -160,6 +162,7 @@ def _measure_cuda(device: torch.device, sizes: ProbeSizes = CUDA_SIZES) -> Hardw
         tf32_cudnn=torch.backends.cudnn.allow_tf32,
         d2h_pageable_bytes_per_s=pageable[0],
         h2d_pageable_bytes_per_s=pageable[1],
+        host_bytes=available_host_bytes(),
         notes=f"measured on {properties.name}; convolution, attention and RNN efficiencies "
               f"relative to matmul from the {base.name!r} profile",
     )

@@ -82,6 +82,7 @@ class SwapMilpModel(MilpModel):
         unit = max(1.0, budget_bytes / 1e4)
         model._add_memory_rows(budget_bytes / unit, unit)
         model._add_swap_rows()
+        model._add_host_row(hardware.host_bytes, unit)
         model._add_time_rows(hardware)
         model.cost = [cost / model.time_unit_s if key[0] == "R" else cost
                       for key, cost in zip(model.columns_by_key, model.cost, strict=True)]
@@ -119,6 +120,17 @@ class SwapMilpModel(MilpModel):
                 for source in (op, *self.facts.storage_sources[op]):
                     if ("O", source) in self.columns_by_key:
                         self.row([(("R", stage, op), 1.0), (("O", source), 1.0)], -math.inf, 1.0)
+
+    def _add_host_row(self, host_bytes: int | None, unit: float) -> None:
+        """What is swapped out fits ``host_bytes`` (``None``: no row). This model keeps a host
+        copy to the end of the step, so the row counts every swap-out: a bound at least as tight
+        as the decoded plan's host peak (``memfit.core.host_memory``), never looser."""
+        if host_bytes is None:
+            return
+        terms = [(("O", op), self.problem.dying_bytes[op] / unit)
+                 for op in range(self.problem.stages) if ("O", op) in self.columns_by_key]
+        if terms:
+            self.row(terms, -math.inf, host_bytes / unit)
 
     def _add_time_rows(self, hardware: Hardware) -> None:
         """Stage t lasts its re-runs (``rc``) + its stall + op t; the copies issued at its start

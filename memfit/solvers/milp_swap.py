@@ -101,7 +101,8 @@ def solve_swap_milp(graph: CostGraph, hardware: Hardware, budget_bytes: int, *,
     Args:
         graph: the step; tens of ops (the model has O(T²) binaries, like ``solve_milp``'s, plus
             O(T²) swap-ins over the forward ops).
-        hardware: link bandwidths and latency, ``duplex`` and ``async_copies`` set the copy rows.
+        hardware: link bandwidths and latency, ``duplex`` and ``async_copies`` set the copy rows;
+            ``host_bytes`` bounds the bytes swapped out (a copy is held to the step's end here).
         budget_bytes: total device bytes, resident storages included.
         node_limit: HiGHS's branch-and-bound nodes (default ``milp.NODE_LIMIT``); past it the
             best schedule so far comes back as ``"feasible"``, or none as ``"node_limit"``.

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 from memfit.core.costgraph import CostGraph
 from memfit.core.hardware import Hardware
-from memfit.core.plan import Plan, Swap, SwapIn
-from memfit.strategies._fit import require_fit
+from memfit.core.host_memory import within_host
+from memfit.core.plan import Decision, Plan, Swap, SwapIn
+from memfit.strategies._fit import host_params, require_fit
 from memfit.strategies._vdnn_layers import FeatureMap, LayerView
 
 NAME = "jit-swap"
@@ -38,12 +39,13 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None) 
 
     Args:
         graph: the captured step.
-        hardware: the device profile (recorded in the plan; the choice does not depend on it).
+        hardware: the device profile: its ``host_bytes`` limits the swaps (feature maps are
+            added in layer order while the host holds them; the rest are kept).
         budget_bytes: device bytes the step may use at its peak; ``None``: no check.
 
     Raises:
         BudgetError: if the plan's peak exceeds ``budget_bytes``; its minimum is that peak, at
-            which this plan fits.
+            which this plan fits (it names ``host_bytes`` where that limit left swaps out).
 
     Example:
         >>> from memfit.core.hardware import get_hardware
@@ -52,14 +54,15 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None) 
         >>> [swap_in.after for swap_in in made.decisions["f0"].swap_ins]
         ['f2_backward']
     """
-    decisions = {}
+    wanted: dict[str, Decision] = {}
     for feature in LayerView(graph).maps:
         swap = _just_in_time(graph, feature)
         if swap is not None:
-            decisions[feature.tensor] = swap
+            wanted[feature.tensor] = swap
+    decisions, dropped = within_host(graph, wanted, hardware.host_bytes)
     made = Plan(NAME, decisions, graph_hash=graph.structure_hash, budget_bytes=budget_bytes,
-                hardware=hardware.name, params={"swapped": len(decisions)})
-    return require_fit(graph, made, budget_bytes)
+                hardware=hardware.name, params={"swapped": len(decisions), **host_params(dropped)})
+    return require_fit(graph, made, budget_bytes, hardware.host_bytes)
 
 
 def _just_in_time(graph: CostGraph, feature: FeatureMap) -> Swap | None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from memfit.core.costgraph import CostGraph
 from memfit.core.hardware import Hardware
+from memfit.core.host_memory import within_host
 from memfit.core.plan import Swap, SwapIn
 from memfit.core.recompute import PlannedRerun
 
@@ -56,6 +57,9 @@ def free_swaps(graph: CostGraph, hardware: Hardware, exclude: Iterable[str] = ()
             recomputation's budget relaxes by 29 GiB, not 5). ``False`` (default): every
             candidate queued out, each copy back just in time in order of need, skipping one
             the link cannot fit behind the previous one.
+
+    Swaps that would hold more than ``hardware.host_bytes`` on the host at once are left out
+    (admitted in order of production).
     """
     if not hardware.async_copies:
         return {}  # every copy stalls the step: nothing is free
@@ -66,8 +70,19 @@ def free_swaps(graph: CostGraph, hardware: Hardware, exclude: Iterable[str] = ()
                       end_s[-1] if end_s else 0.0)
     copied_out = _copies_out(candidates, hardware, start_s, backward_s if packed else None)
     back = _copies_back_packed if packed else _copies_back
-    return back(graph, [c for c in candidates if c.tensor in copied_out], copied_out, hardware,
-                start_s, end_s)
+    swaps = back(graph, [c for c in candidates if c.tensor in copied_out], copied_out, hardware,
+                 start_s, end_s)
+    return _within_host(graph, candidates, swaps, hardware.host_bytes)
+
+
+def _within_host(graph: CostGraph, candidates: list[_Candidate], swaps: dict[str, Swap],
+                 host_bytes: int | None) -> dict[str, Swap]:
+    """``swaps`` less those that would take the host past ``host_bytes``, admitted in order of
+    production (as the link queues them out); the order of issue kept. Dropping a swap frees
+    the link for the others, so the rest stay free."""
+    in_production = {c.tensor: swaps[c.tensor] for c in candidates if c.tensor in swaps}
+    kept, _ = within_host(graph, in_production, host_bytes)
+    return {tensor: swap for tensor, swap in swaps.items() if tensor in kept}
 
 
 def _compute_times(graph: CostGraph, reruns: Mapping[str, Sequence[PlannedRerun]]

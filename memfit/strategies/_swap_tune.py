@@ -14,6 +14,10 @@ peak grows with lb), after two rungs in a row that are not faster, or at a plan 
 the bare compute time (no plan can beat it). With no fitting plan, ``BudgetError`` reports the
 lowest peak any rung reached with all its candidates swapped, and what is live at that peak.
 
+``hardware.host_bytes`` bounds ``n_tensors``: a rung swaps at most the longest prefix of its
+candidates that the host holds at once (the host peak only grows with ``n_tensors``); a rung
+whose given ``n_tensors`` swaps more does not fit, and the error then names ``host_bytes``.
+
 Note:
     The binary searches need hundreds of peak evaluations on a 10,000-op graph; ``PeakModel``
     computes the program-order peak of ``memory_profile(lower(graph, plan))`` from per-op arrays
@@ -34,9 +38,11 @@ import numpy as np
 from memfit.core.costgraph import CostGraph
 from memfit.core.errors import BudgetError
 from memfit.core.hardware import Hardware
+from memfit.core.host_memory import host_prefix
 from memfit.core.plan import Plan, Swap
 from memfit.core.schedule import live_buffers, lower, memory_profile
 from memfit.core.simulate import simulate
+from memfit.strategies._fit import fits
 
 if TYPE_CHECKING:
     from memfit.strategies.swap import SwapConfig
@@ -67,7 +73,8 @@ def tune(graph: CostGraph, hardware: Hardware, budget_bytes: int, config: SwapCo
         if search.fitting:
             break
     for _, _, plan in sorted(search.fitting, key=lambda item: item[:2]):
-        if simulate(graph, plan, hardware, record_intervals=False).peak_bytes <= budget_bytes:
+        if fits(simulate(graph, plan, hardware, record_intervals=False), budget_bytes,
+                hardware.host_bytes):
             return plan  # the simulator has the last word on memory
     raise search.budget_error()
 
@@ -97,6 +104,7 @@ class _Search:
     make_plan: MakePlan
     fitting: list[tuple[float, int, Plan]] = field(default_factory=list)
     smallest: tuple[int, Plan] | None = None
+    host_limited: bool = False  # some rung swapped fewer tensors for hardware.host_bytes
 
     def ladder(self, config: SwapConfig, lbs: list[int], tune_n: bool) -> None:
         """Try each lb; stop after two rungs in a row that do not fit or do not get faster, or
@@ -118,6 +126,11 @@ class _Search:
     def rung(self, config: SwapConfig, tune_n: bool) -> float | None:
         """The fitting plan with the fewest swapped tensors at this lb, and its time (or None)."""
         decisions = self.decide(replace(config, n_tensors=-1) if tune_n else config)
+        held = host_prefix(self.graph, decisions, self.hardware.host_bytes)
+        if held < len(decisions):  # the first ``held`` swaps are all the host holds
+            self.host_limited, decisions = True, decisions[:held]
+            if not tune_n:
+                return None
         events = self.model.events(decisions)
         full_peak = self.model.peak(events, len(decisions))
         if self.smallest is None or full_peak < self.smallest[0]:
@@ -146,7 +159,8 @@ class _Search:
         schedule = lower(self.graph, self.smallest[1])
         profile = memory_profile(schedule)
         return BudgetError(self.budget_bytes, profile.peak_bytes,
-                           live_buffers(schedule, profile.peak_index), strategy="swap")
+                           live_buffers(schedule, profile.peak_index), strategy="swap",
+                           host_bytes=self.hardware.host_bytes if self.host_limited else None)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,9 @@ from typing import Any
 
 from memfit.core.costgraph import CostGraph, Phase
 from memfit.core.hardware import Hardware
-from memfit.core.plan import Plan, Swap, SwapIn
+from memfit.core.host_memory import within_host
+from memfit.core.plan import Decision, Plan, Swap, SwapIn
+from memfit.strategies._fit import host_params
 
 ATTENTION_CHOICES = ("auto", "math", "fused")
 # Fused scaled-dot-product-attention kernels save only out and logsumexp for backward; the math
@@ -140,8 +142,13 @@ class LayerView:
 
     def make_plan(self, strategy: str, maps: Iterable[FeatureMap], hardware: Hardware,
                   budget_bytes: int | None, params: Mapping[str, Any]) -> Plan:
-        return Plan(strategy, self.offload(maps), graph_hash=self.graph.structure_hash,
-                    params=params, budget_bytes=budget_bytes, hardware=hardware.name)
+        """The plan offloading ``maps``, in layer order while the host holds them
+        (``hardware.host_bytes``; the rest are kept, and ``params["host_dropped"]`` counts them)."""
+        offloaded: dict[str, Decision] = dict(self.offload(maps))
+        decisions, dropped = within_host(self.graph, offloaded, hardware.host_bytes)
+        return Plan(strategy, decisions, graph_hash=self.graph.structure_hash,
+                    params={**params, **host_params(dropped)}, budget_bytes=budget_bytes,
+                    hardware=hardware.name)
 
 
 # ---- parameters shared by the three policies ----------------------------------------------------

@@ -27,6 +27,10 @@ The candidates, each simulated exactly by ``simulate`` (memory is program-order 
    a fixed point (``CHECKPOINT_ROUNDS`` at most: a DP call, a linear swap pass and one
    simulation each, once the DP's tables are built).
 
+A candidate fits when its simulated device peak fits the budget and what it holds on the host
+at once fits ``hardware.host_bytes`` (``memfit.core.host_memory``); the swapping candidates
+already stop before the host limit, so a tight one leaves the recompute-heavy candidates to win.
+
 The fastest that fits wins; ``plan.params["solver"]`` names it and ``plan.params["candidates"]``
 lists every candidate's simulated step time (``None``: did not fit), which is how ``explain``
 shows what the others would have cost.
@@ -53,7 +57,7 @@ from memfit.core.recompute import planned_reruns
 from memfit.core.simulate import simulate
 from memfit.solvers import segments
 from memfit.strategies import _just_in_time_swap, get_strategy, register, strategy_names
-from memfit.strategies._fit import live_at_peak
+from memfit.strategies._fit import fits, live_at_peak
 from memfit.strategies._link_swap import free_swaps
 from memfit.strategies.optimal_recompute import MILP_MAX_OPS, priced_segments
 
@@ -100,8 +104,8 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
             found[name] = None
             return
         timeline = simulate(graph, made, hardware, record_intervals=False)
-        fits = timeline.peak_bytes <= budget_bytes
-        found[name] = (timeline.step_time_s, made) if fits else None
+        fitting = fits(timeline, budget_bytes, hardware.host_bytes)
+        found[name] = (timeline.step_time_s, made) if fitting else None
 
     def run(strategy: str, **params: Any) -> Callable[[], Plan]:
         return partial(get_strategy(strategy), graph, hardware, budget_bytes, **params)
@@ -148,7 +152,8 @@ def _smallest_refusal(graph: CostGraph, keep: Plan, budget_bytes: int,
                    key=lambda error: error.minimum_bytes)
     notes = " ".join(dict.fromkeys(error.note for error in refusals if error.note))
     return BudgetError(budget_bytes, smallest.minimum_bytes, smallest.dominant, strategy="auto",
-                       note=f"Strategy {smallest.strategy} reaches that minimum. {notes}".strip())
+                       note=f"Strategy {smallest.strategy} reaches that minimum. {notes}".strip(),
+                       host_bytes=smallest.host_bytes)  # named where the host limit set it
 
 
 def _hybrid(graph: CostGraph, hardware: Hardware, budget_bytes: int,
@@ -176,7 +181,8 @@ def _hybrid(graph: CostGraph, hardware: Hardware, budget_bytes: int,
             continue
         tried.add(decided)
         timeline = simulate(graph, made, hardware, record_intervals=False)
-        if timeline.peak_bytes <= budget_bytes and (best is None or timeline.step_time_s < best[0]):
+        if fits(timeline, budget_bytes, hardware.host_bytes) and (
+                best is None or timeline.step_time_s < best[0]):
             best = (timeline.step_time_s, made)
     return best[1] if best else None
 
@@ -227,7 +233,8 @@ def _swapped_checkpoints(graph: CostGraph, hardware: Hardware, budget_bytes: int
         seen.add(found[0])
         made = _feed_checkpoints(graph, hardware, budget_bytes, found[0], relaxed_bytes)
         timeline = simulate(graph, made, hardware, record_intervals=False)
-        if timeline.peak_bytes <= budget_bytes and (best is None or timeline.step_time_s < best[0]):
+        if fits(timeline, budget_bytes, hardware.host_bytes) and (
+                best is None or timeline.step_time_s < best[0]):
             best = (timeline.step_time_s, made)
         relaxed_bytes += budget_bytes - timeline.peak_bytes
     return best[1] if best else None

@@ -38,8 +38,10 @@ from typing import Any
 
 from memfit.core.costgraph import CostGraph, Op
 from memfit.core.hardware import Hardware
+from memfit.core.host_memory import host_prefix
 from memfit.core.plan import Plan, Swap, SwapIn
 from memfit.strategies import register
+from memfit.strategies._fit import host_params
 from memfit.strategies._swap_control import CTRLD_STRATEGIES, CtrldStrategy, OpGraph, control_op
 from memfit.strategies._swap_tune import tune
 
@@ -126,7 +128,7 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, 
         graph: the captured step.
         hardware: the device profile; the tuner simulates candidate plans on it.
         budget_bytes: device bytes the step may use at its peak. ``None``: apply ``params`` as
-            given. Otherwise ``n_tensors``, ``lb`` and ``swap_branches`` are tuned unless given,
+            given (swapping the first tensors that ``hardware.host_bytes`` holds). Otherwise ``n_tensors``, ``lb`` and ``swap_branches`` are tuned unless given,
             and the fastest simulated plan that fits is returned.
         **params: the fields of ``SwapConfig`` (TFLMS's Table 2), each with its default there.
 
@@ -149,8 +151,12 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, 
         budget_bytes = int(budget_bytes)
     config = SwapConfig.from_params(params)
     planner = _Planner(graph, hardware, budget_bytes)
-    if budget_bytes is None:
-        return planner.make_plan(config, planner.decisions(config))
+    if budget_bytes is None:  # as given, up to what the host holds (hardware.host_bytes)
+        decisions = planner.decisions(config)
+        held = host_prefix(graph, decisions, hardware.host_bytes)
+        made = planner.make_plan(config, decisions[:held])
+        dropped = tuple(name for name, _ in decisions[held:])
+        return replace(made, params={**made.params, **host_params(dropped)})
     return tune(graph, hardware, budget_bytes, config, frozenset(params),
                 planner.decisions, planner.make_plan)
 

@@ -53,4 +53,4 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, 
     used = {"attention": resolve_attention(graph, attention, "vdnn_all"),
             "layers": len(view.forward)}
     result = view.make_plan("vdnn_all", view.maps, hardware, budget_bytes, used)
-    return require_fit(graph, result, budget_bytes)
+    return require_fit(graph, result, budget_bytes, hardware.host_bytes)

@@ -53,4 +53,4 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, 
             "layers": len(view.forward)}
     maps = [feature for feature in view.maps if feature.conv_input]
     result = view.make_plan("vdnn_conv", maps, hardware, budget_bytes, used)
-    return require_fit(graph, result, budget_bytes)
+    return require_fit(graph, result, budget_bytes, hardware.host_bytes)

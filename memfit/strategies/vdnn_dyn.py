@@ -31,6 +31,7 @@ from memfit.core.plan import Plan
 from memfit.core.schedule import live_buffers, lower, memory_profile
 from memfit.core.simulate import simulate
 from memfit.strategies import register
+from memfit.strategies._fit import HOST_DROPPED
 from memfit.strategies._vdnn_layers import (
     FeatureMap,
     LayerView,
@@ -62,7 +63,9 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, 
 
     Raises:
         ValueError: for an unknown parameter or value, or an attention backend the step lacks.
-        BudgetError: if even vDNN_all does not fit; its minimum is the smallest peak reached.
+        BudgetError: if even vDNN_all does not fit; its minimum is the smallest peak reached
+            (each configuration offloads only what ``hardware.host_bytes`` holds; the error
+            names that limit where it left feature maps on the device).
 
     Example:
         >>> from memfit.core.hardware import get_hardware
@@ -106,7 +109,9 @@ class _Search:
         smallest = min(self.tried, key=lambda c: c.peak_bytes)
         schedule = lower(self.view.graph, smallest.plan)
         dominant = live_buffers(schedule, memory_profile(schedule).peak_index)
-        raise BudgetError(self.target, smallest.peak_bytes, dominant, strategy="vdnn_dyn")
+        limited = any(c.plan.params.get(HOST_DROPPED) for c in self.tried)
+        raise BudgetError(self.target, smallest.peak_bytes, dominant, strategy="vdnn_dyn",
+                          host_bytes=self.hardware.host_bytes if limited else None)
 
     def search_boundary(self, policy: str, maps: Sequence[FeatureMap]) -> None:
         """The smallest boundary that fits (bisection), a few past it, and the full policy."""

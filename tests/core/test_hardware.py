@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from memfit.core.hardware import GB, PROFILES, TFLOPS, Hardware, get_hardware
+from memfit.core.hardware import (
+    GB,
+    PROFILES,
+    TFLOPS,
+    Hardware,
+    available_host_bytes,
+    get_hardware,
+)
 from memfit.core.op_classes import COMPUTE_CLASSES
 
 NAMES = ["a100", "cpu", "gh200", "h100-pcie", "h100-sxm", "h200"]
@@ -188,7 +196,28 @@ def test_a_host_limit_round_trips_through_json(tmp_path):
     profile = PROFILES["h100-pcie"].with_(host_bytes=512 * 2**30)
     profile.save(tmp_path / "host.json")
     assert Hardware.load(tmp_path / "host.json").host_bytes == 512 * 2**30
-    assert PROFILES["h100-pcie"].host_bytes is None  # built-in profiles: no host limit
+
+
+def test_the_gpu_profiles_state_a_host_figure_and_the_cpu_none():
+    """Each GPU profile states the host memory swaps may take (a typical host's share, more
+    than the GPU's own memory), says so in its notes; the CPU profile, whose host is its device
+    memory, has no separate limit."""
+    for name, profile in PROFILES.items():
+        if name == "cpu":
+            assert profile.host_bytes is None
+            continue
+        assert profile.host_bytes is not None and profile.host_bytes > profile.device_bytes, name
+        assert "host" in profile.notes
+        assert Hardware.from_json(profile.to_json()).host_bytes == profile.host_bytes
+
+
+def test_the_available_ram_is_what_a_local_profile_takes():
+    available = available_host_bytes()
+    if not hasattr(os, "sysconf") or "SC_AVPHYS_PAGES" not in os.sysconf_names:
+        assert available is None
+        return
+    assert available is not None and 0 < available <= os.sysconf("SC_PHYS_PAGES") * os.sysconf(
+        "SC_PAGE_SIZE")
 
 
 def test_a_hand_written_profile_needs_only_the_fields_without_defaults():

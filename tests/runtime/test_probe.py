@@ -21,6 +21,7 @@ def test_cpu_probe_returns_a_valid_hardware():
              hardware.d2h_bytes_per_s, hardware.h2d_bytes_per_s, hardware.op_overhead_s]
     assert all(rate > 0 and math.isfinite(rate) for rate in rates)
     assert hardware.device_bytes > 0
+    assert hardware.host_bytes is not None and 0 < hardware.host_bytes <= hardware.device_bytes
     assert hardware.async_copies is False and hardware.duplex is False
     assert hardware.op_time_s(1e9, 1e6) > 0
 
@@ -31,6 +32,7 @@ def test_cuda_probe_code_runs_on_a_fake_device(monkeypatch):
     measured rate at efficiency 1, the other classes relative to the H100 PCIe profile's matmul
     fraction, a non-negative ramp, and PyTorch's TF32 switches, put back after."""
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(probe, "available_host_bytes", lambda: 123 * 2**30)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(
         name="NVIDIA H100 PCIe", total_memory=80 * 2**30))
     monkeypatch.setattr(probe, "measure_link", lambda device, size: probe.LinkRates(
@@ -50,6 +52,7 @@ def test_cuda_probe_code_runs_on_a_fake_device(monkeypatch):
     assert hardware.compute_efficiency["matmul"] == 1.0 and hardware.memory_efficiency == 1.0
     assert hardware.compute_ramp_s >= 0 and hardware.op_overhead_s > 0
     assert hardware.tf32_matmuls == allowed
+    assert hardware.host_bytes == 123 * 2**30  # this machine's available RAM, not a stated one
     assert Hardware.from_json(hardware.to_json()) == hardware
 
 
