@@ -71,23 +71,26 @@ def swap_out(x: torch.Tensor, key: int, stride: list[int] | None = None) -> torc
         the graph drops ``x`` right after its last forward use.
     """
     engine = current_engine("memfit::swap_out")
-    relaid = stride is not None and tuple(stride) != x.stride()
-    source = x if relaid else whole_storage(x)
-    host = engine.host_pool.empty_like(_host_layout(x, stride) if relaid else source)  # type: ignore[arg-type]
+    relaid = _relaid(x, stride)
+    source = whole_storage(x) if relaid is None else x
+    host = engine.host_pool.empty_like(source if relaid is None else relaid)
     if not engine.is_accelerator:
         host.copy_(source)
-        return host if relaid else same_layout(host, x)
-    copy_stream = engine.d2h_stream
-    copy_stream.wait_stream(engine.compute_stream())
-    with engine.stream(copy_stream):
-        host.copy_(source, non_blocking=True)
-    x.record_stream(copy_stream)
-    engine.record(key, copy_stream)
-    return host if relaid else same_layout(host, x)
+    else:
+        copy_stream = engine.d2h_stream
+        copy_stream.wait_stream(engine.compute_stream())
+        with engine.stream(copy_stream):
+            host.copy_(source, non_blocking=True)
+        x.record_stream(copy_stream)
+        engine.record(key, copy_stream)
+    return same_layout(host, x) if relaid is None else host
 
 
-def _host_layout(x: torch.Tensor, stride: list[int]) -> torch.Tensor:
-    """A storage-less tensor with ``x``'s shape and dtype and ``stride``."""
+def _relaid(x: torch.Tensor, stride: list[int] | None) -> torch.Tensor | None:
+    """A storage-less tensor with ``x``'s shape and dtype and ``stride``, where ``stride`` is
+    given and differs from ``x``'s (the host copy is then laid out so); else ``None``."""
+    if stride is None or tuple(stride) == x.stride():
+        return None
     return torch.empty_strided(x.shape, stride, dtype=x.dtype, device="meta")
 
 

@@ -42,6 +42,8 @@ def require_host(graph: CostGraph, plan: Plan, host_bytes: int | None,
     Raises:
         BudgetError: naming ``host_bytes``, with the plan's device peak as the minimum.
     """
+    if host_bytes is None:
+        return plan
     host_peak = host_peak_bytes(graph, plan)
     if not over_host(host_peak, host_bytes):
         return plan
