@@ -300,18 +300,27 @@ def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float
 
 def plan(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor,
          budget: str | int | float | None = None, hardware: Hardware | str = "h100-pcie",
-         strategy: str | None = None, linearize: bool = False, **params: Any) -> Plan:
+         strategy: str | None = None, linearize: bool = False,
+         autocast: torch.dtype | None = None, **params: Any) -> Plan:
     """Plan a step without running it; ``inputs`` may be meta tensors.
 
     ``linearize`` reorders the forward pass first, as in ``compile``. The plan explains itself
     (``plan.explain()``), saves (``plan.save(path)``) and runs (``compile(..., plan=plan)``).
+
+    The graph planned is the one ``hardware``'s device runs (``memfit.graph.target``): planned
+    from CPU or meta tensors for a GPU profile, the step's attention is CUDA's kernel (flash or
+    memory-efficient: no S x S scores kept) and ``autocast`` (``torch.bfloat16`` or
+    ``torch.float16``) applies CUDA's autocast policy, as ``torch.autocast("cuda", dtype)``
+    around the step would; for the ``"cpu"`` profile it is ``torch.autocast("cpu", dtype)``.
+    Such a plan runs only on its device: ``compile(..., plan=plan)`` on CPU tensors refuses a
+    plan whose graph differs from the CPU's.
 
     Raises:
         BudgetError, ValueError, CaptureError: as ``compile``.
     """
     parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
     return trace_plan(model, loss_fn, inputs, parsed, chosen, get_hardware(hardware), params,
-                      linearize, what_ifs=True).plan
+                      linearize, what_ifs=True, autocast=autocast).plan
 
 
 def measure_peak(fn: Callable, *args: Any, **kwargs: Any) -> int:

@@ -57,6 +57,7 @@ from memfit.graph.lifetimes import (
 )
 from memfit.graph.rewrite import rewrite
 from memfit.graph.rnn import eager_lstm_kernels, run_rnn_layers_for_training, size_lstm_buffers
+from memfit.graph.target import host_code, retargeted
 from memfit.graph_breaks import (
     compiling_code,
     latest_regions,
@@ -188,6 +189,10 @@ class Backend:
         # counted for a step that runs here; memfit.plan for another device's profile leaves
         # this CPU's oneDNN scratch out
         self.kernel_temporaries = True
+        # set by memfit.plan (memfit.traced): trace the step as the profile's device runs it
+        # (memfit.graph.target), with the target's autocast dtype; never for a step that runs
+        self.retarget = False
+        self.autocast: torch.dtype | None = None
 
     def __call__(self, graph_module: fx.GraphModule, example_inputs: list) -> Any:
         device = device_of(example_inputs)
@@ -205,6 +210,17 @@ class Backend:
         call, and again by ``memfit.replanning`` to plan it anew, from the same graph."""
         self._parameters = self._resident_counted = None  # count what is resident afresh
         self.device = device
+        with self._target(device):
+            return self._compile_region(graph_module, example_inputs, device, code)
+
+    def _target(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """The capture personality of a planning-only trace (``memfit.graph.target``)."""
+        if not self.retarget:
+            return contextlib.nullcontext()
+        return retargeted(resolve_hardware(self.hardware_spec, device), device, self.autocast)
+
+    def _compile_region(self, graph_module: fx.GraphModule, example_inputs: list,
+                        device: torch.device, code: Any) -> Any:
         from torch._dynamo.backends.common import aot_autograd
 
         engine = CopyEngine(device)
@@ -231,8 +247,9 @@ class Backend:
     def _partition(self, device: torch.device, code: Any):
         def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int,
                       static_lifetime_input_indices: list[int] | None = None, **_):
-            return self.plan_region(joint, device, num_fwd_outputs, static_lifetime_input_indices,
-                                    code)
+            with host_code():  # planning is memfit's code, not the target's step
+                return self.plan_region(joint, device, num_fwd_outputs,
+                                        static_lifetime_input_indices, code)
 
         return partition
 

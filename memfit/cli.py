@@ -205,7 +205,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     try:
         planned = plan_example(args.model, args.batch, dict(args.model_arg), args.budget,
-                               _target(args), args.strategy, dict(args.param))
+                               _target(args), args.strategy, dict(args.param), args.autocast)
     except BudgetError as error:
         print(f"memfit plan: {error}", file=sys.stderr)
         return 2
@@ -239,13 +239,15 @@ def cmd_max_batch_size(args: argparse.Namespace) -> int:
         return 2
     from memfit import examples
     from memfit.core.errors import BudgetError
+    from memfit.render.summary import autocast_dtype
     from memfit.search import max_batch_size
 
     example = examples.EXAMPLES[args.model](**dict(args.model_arg))
     try:
         found = max_batch_size(example.model, example.loss_fn, example.make_inputs, args.budget,
                                _target(args), args.strategy, objective=args.objective,
-                               max_batch=args.max_batch, verify=False, **dict(args.param))
+                               max_batch=args.max_batch, verify=False,
+                               autocast=autocast_dtype(args.autocast), **dict(args.param))
     except (BudgetError, ValueError) as error:  # nothing fits; a fractional budget
         print(f"memfit max-batch-size: {error}", file=sys.stderr)
         return 2
@@ -316,6 +318,11 @@ HOST_BYTES_HELP = ("host memory swaps may hold at once ('512GiB'; 'none': no lim
                    "the profile's figure (a typical host of the GPU's class)")
 
 
+AUTOCAST_CHOICES = ("bf16", "fp16")
+AUTOCAST_HELP = ("plan the step under the target's autocast to bfloat16 or float16 (a GPU "
+                 "profile: CUDA's autocast policy and attention kernels; default: float32)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="memfit", description="Fit a PyTorch training step into a device-memory budget.",
@@ -342,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "hardware.save('profile.json')")
     plan.add_argument("--host-bytes", type=_host_bytes, default=argparse.SUPPRESS,
                       help=HOST_BYTES_HELP)
+    plan.add_argument("--autocast", choices=AUTOCAST_CHOICES, default=None, help=AUTOCAST_HELP)
     plan.add_argument("--strategy", default=None,
                       help="auto | keep | swap | checkpoint | memory-poor | optimal-recompute | "
                            "vdnn_all | vdnn_conv | vdnn_dyn (default: auto with a budget, "
@@ -374,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "samples/s; largest: the largest fitting batch, however slow")
     search.add_argument("--max-batch", type=_positive_int, default=1 << 16,
                         help="the largest batch tried (default 65536)")
+    search.add_argument("--autocast", choices=AUTOCAST_CHOICES, default=None,
+                        help=AUTOCAST_HELP)
     search.add_argument("--strategy", default=None, help="as for memfit plan (default auto)")
     search.add_argument("--param", type=_key_value, action="append", default=[], metavar="K=V",
                         help="a strategy parameter, repeatable: --param lb=3")

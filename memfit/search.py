@@ -134,7 +134,8 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
                    budget: str | int, hardware: Hardware | str | None = None,
                    strategy: str | None = None, *, objective: str = "throughput",
                    max_batch: int = 1 << 16, verify: bool | None = None,
-                   linearize: bool = False, **params: Any) -> BatchSearch:
+                   linearize: bool = False, autocast: torch.dtype | None = None,
+                   **params: Any) -> BatchSearch:
     """The batch whose training step fits ``budget`` at the highest predicted throughput (or
     the largest that fits), planned without running it.
 
@@ -157,9 +158,12 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
             however much recomputation and swapping it takes.
         max_batch: the largest batch tried (default 65536).
         verify: run one measured step at the found batch and step down while it does not fit.
-            Default: when the parameters are on a real device (the CPU counts). It runs the step
-            for real and then restores ``.grad`` and buffers as they were.
+            Default: when the parameters are on a real device (the CPU counts) of the profile's
+            device type (a CPU step says nothing of a GPU's). It runs the step for real and
+            then restores ``.grad`` and buffers as they were.
         linearize: as in ``compile``.
+        autocast: as in ``memfit.plan``: the target's autocast dtype (``torch.bfloat16``,
+            ``torch.float16``), its step captured as that device runs it.
         **params: the strategy's parameters.
 
     Raises:
@@ -189,7 +193,7 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
             return fitting[batch]
         try:
             planned = _plan_batch(model, loss_fn, make_inputs, batch, parsed, chosen, resolved,
-                                  params, linearize)
+                                  params, linearize, autocast)
         except BudgetError as error:  # host_bytes named: swapping more would have fit
             tried.append(Trial(batch, False, "planned", error.minimum_bytes,
                                host_limited=error.host_bytes is not None))
@@ -200,14 +204,15 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
 
     largest = bracket_largest(attempt, tried, parsed.bytes, max_batch)
     if largest is None:
-        _plan_batch(model, loss_fn, make_inputs, 1, parsed, chosen, resolved, params, linearize)
+        _plan_batch(model, loss_fn, make_inputs, 1, parsed, chosen, resolved, params, linearize,
+                    autocast)
         raise AssertionError("batch 1 fit on a second try")  # the first try raised BudgetError
     note = f"max_batch={max_batch} fits; raise max_batch to look further" \
         if largest.batch_size == max_batch else ""
     best = largest if objective == "largest" else search_fastest(attempt, largest, fitting)
     frontier = tuple(fitting[batch].point() for batch in sorted(fitting))
     verified = None
-    if verify if verify is not None else device.type != "meta":
+    if verify if verify is not None else device.type == resolved.device_type:
         best, verified, stepped = _verify(model, loss_fn, make_inputs, best, attempt, tried,
                                           chosen, resolved, params, linearize)
         note = " ".join(filter(None, (note, stepped)))
@@ -225,10 +230,10 @@ def meta_inputs(make_inputs: Callable[[int], tuple[torch.Tensor, ...]],
 
 
 def _plan_batch(model, loss_fn, make_inputs, batch, budget, strategy, hardware, params,
-                linearize) -> PlannedBatch:
+                linearize, autocast=None) -> PlannedBatch:
     """Plan ``batch`` from meta inputs, as ``compile`` would plan it (nothing runs)."""
     planned = trace_plan(model, loss_fn, meta_inputs(make_inputs, batch), budget, strategy,
-                         hardware, params, linearize)
+                         hardware, params, linearize, autocast=autocast)
     assert planned.budget.device_bytes is not None
     return PlannedBatch(batch, planned.plan, planned.predicted, planned.budget.device_bytes,
                         planned.budget.outside_bytes, planned.predicted.host_peak_bytes)

@@ -90,12 +90,17 @@ class _PlanOnly(Backend):
 def trace_plan(model: torch.nn.Module, loss_fn: Callable, inputs: Sequence[torch.Tensor],
                budget: Budget | None, strategy: str, hardware: Hardware,
                params: Mapping[str, Any], linearize: bool = False,
-               what_ifs: bool = False) -> Planned:
+               what_ifs: bool = False, autocast: torch.dtype | None = None) -> Planned:
     """Plan the step ``memfit.compile`` would run for inputs of these shapes; nothing runs.
 
     ``inputs`` may be real or ``meta`` tensors: each becomes a fake tensor on the parameters'
     device (a meta input) or its own, so no input memory is allocated. Bytes outside the graph
     (buffers, existing ``.grad``) count as they would when the step runs.
+
+    The step is traced as ``hardware``'s device runs it (``memfit.graph.target``): for a CUDA
+    profile planned from CPU tensors, CUDA's attention kernels and, with ``autocast``, CUDA's
+    autocast policy; for a profile of the parameters' own device, the step as it runs here
+    (under ``torch.autocast`` with ``autocast``).
 
     Raises:
         BudgetError: if the strategy cannot fit the budget.
@@ -106,6 +111,7 @@ def trace_plan(model: torch.nn.Module, loss_fn: Callable, inputs: Sequence[torch
     planner = _PlanOnly(budget, strategy, hardware, "aot_eager", None, model, params)
     planner.linearize, planner.what_ifs = linearize, what_ifs
     planner.scope_prefix = "model."  # LossModule holds the model as .model
+    planner.retarget, planner.autocast = True, autocast
     # a plan for an accelerator's profile describes that device's step, not this CPU's kernels
     planner.kernel_temporaries = not hardware.async_copies
     device = device_of(model.parameters())

@@ -8,6 +8,7 @@ from torch import nn
 
 import memfit
 from memfit import examples
+from memfit.core.schedule import PlanError
 
 
 def small():
@@ -197,3 +198,38 @@ def test_a_checkpointed_gpt2_plan_counts_its_saved_tensors_once():
     assert (f"saved tensors: {counted.saved} = 0 swapped (0 B) + {counted.recomputed} "
             f"recomputed + {counted.kept} kept") in text
     assert f"re-runs: {counted.rerun_count} forward op runs" in text
+
+
+def _tiny_gpt2():
+    return examples.gpt2(layers=1, width=32, heads=2, sequence=16, batch_size=2)
+
+
+def test_a_plan_for_a_gpus_step_is_refused_on_cpu_and_a_cpu_plan_runs():
+    """memfit.plan for a GPU profile captures that GPU's step (CUDA's attention kernel, its
+    autocast dtypes): compile(plan=...) on CPU tensors refuses it, naming the cause; a plan for
+    the CPU profile is the CPU's graph and runs."""
+    example = _tiny_gpt2()
+    meta = tuple(t.to("meta") for t in example.inputs())
+    for autocast in (None, torch.bfloat16):
+        gpu_plan = memfit.plan(example.model, example.loss_fn, *meta, budget=0.8,
+                               hardware="h100-sxm", autocast=autocast)
+        step = memfit.compile(example.model, example.loss_fn, plan=gpu_plan, measure=False)
+        with pytest.raises(PlanError, match="another device's step"):
+            step(*example.inputs())
+    cpu_plan = memfit.plan(example.model, example.loss_fn, *meta, budget=0.8, hardware="cpu")
+    step = memfit.compile(example.model, example.loss_fn, plan=cpu_plan, measure=False)
+    step(*example.inputs())
+    assert step.plan is cpu_plan
+
+
+def test_max_batch_size_under_a_gpus_bf16_autocast_fits_more():
+    """Half-width activations: at one budget the bf16 step of the GPU fits a larger batch."""
+    example = examples.gpt2(layers=2, width=64, heads=4, sequence=128, batch_size=2)
+    largest = {}
+    for autocast in (None, torch.bfloat16):
+        found = memfit.max_batch_size(example.model, example.loss_fn, example.make_inputs,
+                                      budget="64MiB", hardware="h100-sxm", strategy="keep",
+                                      objective="largest", max_batch=256, autocast=autocast)
+        assert found.verified is None  # a CPU step measures nothing of the GPU's
+        largest[autocast] = found.batch_size
+    assert largest[torch.bfloat16] > largest[None]

@@ -61,6 +61,7 @@ def test_plan_unknown_parameter_is_a_clear_error(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["plan", "--model", "vgg"], "invalid choice: 'vgg'"),
+    (["plan", "--model", "mlp", "--autocast", "fp8"], "invalid choice: 'fp8'"),
     (["plan"], "the following arguments are required: --model"),
     (["plan", "--model", "mlp", "--param", "lb"], "expected key=value"),
     (["demo", "--steps", "0"], "must be a positive integer"),
@@ -194,6 +195,23 @@ def test_max_batch_size_prints_the_frontier(capsys):
     assert re.search(r"\| batch +\| peak +\| step +\| samples/s", out)
     assert main([*argv, "--objective", "largest"]) == 0
     assert "largest batch: 16" in capsys.readouterr().out
+
+
+def test_autocast_plans_the_targets_graph(capsys, tmp_path):
+    """--autocast bf16 plans another graph than float32 (CUDA's autocast policy), for plan and
+    for max-batch-size."""
+    gpt2 = ["--model", "gpt2", "--model-arg", "layers=1", "--model-arg", "width=32",
+            "--model-arg", "sequence=32", "--hardware", "h100-sxm"]
+    hashes = []
+    for extra in ([], ["--autocast", "bf16"]):
+        saved = tmp_path / f"plan{len(hashes)}.json"
+        assert main(["plan", *gpt2, "--save", str(saved), *extra]) == 0
+        hashes.append(Plan.load(saved).graph_hash)
+    assert hashes[0] != hashes[1]
+    argv = ["max-batch-size", *gpt2, "--budget", "1GiB", "--max-batch", "4", "--autocast",
+            "fp16"]
+    assert main(argv) == 0
+    assert "fastest batch: 4 under 1.00 GiB" in capsys.readouterr().out
 
 
 # ---- bad arguments fail before torch is imported -------------------------------------------------

@@ -121,6 +121,10 @@ class Hardware:
             of a hand-built profile): no limit. The built-in GPU profiles state a figure for a
             typical host of their class (see the module docstring), ``measure_hardware()``
             the machine's available RAM.
+        device_type: the torch device type that runs the step (``"cuda"``, ``"cpu"``): a step
+            captured on another device type is captured as this one runs it
+            (``memfit.graph.target``), e.g. CUDA's attention kernels and autocast policy for a
+            GPU profile planned on a CPU.
         notes: where the numbers come from.
     """
 
@@ -142,6 +146,7 @@ class Hardware:
     d2h_pageable_bytes_per_s: float | None = None
     h2d_pageable_bytes_per_s: float | None = None
     host_bytes: int | None = None
+    device_type: str = "cuda"
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -320,6 +325,7 @@ PROFILES: Mapping[str, Hardware] = MappingProxyType(
             device_bytes=16 * GIB,
             op_overhead_s=20e-6,
             copy_latency_s=2e-6,
+            device_type="cpu",
             notes="a 2-core CPU, its rates already sustained ones (efficiency 1): copies are "
                   "memcpys on the compute thread; no host_bytes limit (host and device are one "
                   "memory, which device_bytes already bounds)",

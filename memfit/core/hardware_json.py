@@ -15,7 +15,8 @@ from typing import Any
 FIX = "fix the file, or save a profile with hardware.save(path)"
 _NUMBER = "a number"
 _KINDS = {  # field -> the JSON kind it holds (a field not listed is a number)
-    "name": "a string", "notes": "a string", "duplex": "a boolean", "async_copies": "a boolean",
+    "name": "a string", "notes": "a string", "device_type": "a string", "duplex": "a boolean",
+    "async_copies": "a boolean",
     "tf32_matmuls": "a boolean", "tf32_cudnn": "a boolean", "device_bytes": "an integer",
     "flops_per_s": "an object of numbers", "compute_efficiency": "an object of numbers",
     "d2h_pageable_bytes_per_s": "a number or null", "h2d_pageable_bytes_per_s": "a number or null",
@@ -48,6 +49,8 @@ def hardware_fields(data: object, source: str) -> dict[str, Any]:
                and item.default is MISSING and item.default_factory is MISSING]
     if missing:
         raise ValueError(f"{source} lacks the field(s) {missing}; {FIX}")
+    if "device_type" not in values:  # saved before the field: a CPU copies on its own thread
+        values["device_type"] = "cpu" if values.get("async_copies") is False else "cuda"
     for key, value in values.items():
         expected = _KINDS.get(key, _NUMBER)
         if not _holds(value, expected):

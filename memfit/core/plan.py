@@ -205,8 +205,10 @@ class Plan:
             )
         raise PlanError(
             f"this plan was made for another graph ({self.graph_hash}, this step's is "
-            f"{graph.structure_hash}): another model, loss function, input shape or "
-            f"linearize= setting; {again}"
+            f"{graph.structure_hash}): another model, loss function, input shape, "
+            f"linearize= setting, or another device's step (memfit.plan for a GPU profile "
+            f"captures that GPU's attention kernels, and autocast= its dtypes: such a plan runs "
+            f"only there, not on this CPU); {again}"
         )
 
     # ---- serialisation (the schema a saved plan is read against: ``memfit.core.plan_json``) ----

@@ -38,6 +38,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from memfit.core.errors import CaptureError
+from memfit.core.hardware import Hardware
 
 SCOPE_KEY = "memfit_scope"
 
@@ -133,13 +134,17 @@ def check_inputs(inputs: Sequence) -> None:
             )
 
 
-def capture(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor) -> Captured:
+def capture(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor,
+            hardware: Hardware | None = None, autocast: torch.dtype | None = None) -> Captured:
     """Trace ``loss_fn(model, *inputs)`` and its backward into one aten fx graph.
 
     Args:
         model: the module whose parameters receive gradients.
         loss_fn: ``loss_fn(model, *inputs) -> scalar tensor``.
         inputs: tensors (real, or ``meta`` to capture without data).
+        hardware: the profile the step is planned for: its device's kernels and autocast
+            policy are traced (``memfit.graph.target``); ``None``: the step as it runs here.
+        autocast: the target's autocast dtype (``torch.bfloat16``, ``torch.float16``).
 
     Raises:
         ValueError: if an input is not a tensor.
@@ -150,6 +155,7 @@ def capture(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor) ->
         inputs = _fake_inputs(model, inputs)
     step = _StepModule(model, loss_fn)
     with _CAPTURE_LOCK, _record_scopes(model), contextlib.ExitStack() as stack:
+        stack.enter_context(_personality(model, hardware, autocast))
         try:
             joint = aot_export_joint_with_descriptors(
                 stack, step, tuple(inputs), decompositions=DECOMPOSE
@@ -164,6 +170,20 @@ def capture(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor) ->
     bindings_out = tuple(_bind(d) for d in output_node.meta.get("desc", ()))
     _check_gradients(model, bindings_out, output_node.args[0])
     return Captured(graph_module, bindings_in, bindings_out, input_signature(model, inputs))
+
+
+def _personality(model: torch.nn.Module, hardware: Hardware | None,
+                 autocast: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """What the trace runs under: the target's personality for a profile, else this device's
+    own autocast (or nothing)."""
+    from memfit.graph.target import retargeted
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if hardware is not None:
+        return retargeted(hardware, device, autocast)
+    if autocast is not None:
+        return torch.autocast(device.type, dtype=autocast)
+    return contextlib.nullcontext()
 
 
 def _check_gradients(model: torch.nn.Module, outputs: tuple[Binding, ...],

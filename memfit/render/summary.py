@@ -34,8 +34,9 @@ class Planned:
 
 def plan_example(model: str, batch_size: int | None, model_args: Mapping[str, Any],
                  budget: str | Budget | None, hardware: str | Hardware, strategy: str | None,
-                 params: Mapping[str, Any]) -> Planned:
-    """Build ``examples.<model>``, capture its step and plan it for ``hardware``.
+                 params: Mapping[str, Any], autocast: str | None = None) -> Planned:
+    """Build ``examples.<model>``, capture its step and plan it for ``hardware``, under the
+    target's autocast (``"bf16"``, ``"fp16"``, ``None``; ``memfit.plan``'s ``autocast=``).
 
     Note:
         The model is built on the CPU with random weights; its inputs are meta tensors, traced
@@ -60,10 +61,17 @@ def plan_example(model: str, batch_size: int | None, model_args: Mapping[str, An
     batch = batch_size or example.batch_size
     inputs = tuple(t.to("meta") for t in example.inputs(batch))  # shapes only: nothing runs
     planned = trace_plan(example.model, example.loss_fn, inputs, parsed, chosen, profile, params,
-                         what_ifs=True)
+                         what_ifs=True, autocast=autocast_dtype(autocast))
     return Planned(model, batch, planned.graph, planned.plan, planned.baseline, planned.predicted,
                    planned.budget.device_bytes)
 
+
+
+def autocast_dtype(name: str | None) -> Any:
+    """The torch dtype of a command line's ``--autocast`` (``"bf16"``, ``"fp16"``), or ``None``."""
+    import torch
+
+    return {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms" if seconds < 0.1 else f"{seconds * 1e3:.1f} ms"

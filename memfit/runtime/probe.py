@@ -98,6 +98,7 @@ def _measure_cpu() -> Hardware:
         h2d_bytes_per_s=copy_bytes_per_s / 2,
         duplex=False,
         async_copies=False,
+        device_type="cpu",
         device_bytes=_host_memory_bytes(base.device_bytes),
         host_bytes=available_host_bytes(),
         op_overhead_s=overhead_s,
@@ -163,6 +164,7 @@ def _measure_cuda(device: torch.device, sizes: ProbeSizes = CUDA_SIZES) -> Hardw
         d2h_pageable_bytes_per_s=pageable[0],
         h2d_pageable_bytes_per_s=pageable[1],
         host_bytes=available_host_bytes(),
+        device_type=device.type,
         notes=f"measured on {properties.name}; convolution, attention and RNN efficiencies "
               f"relative to matmul from the {base.name!r} profile",
     )

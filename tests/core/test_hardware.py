@@ -198,6 +198,20 @@ def test_a_host_limit_round_trips_through_json(tmp_path):
     assert Hardware.load(tmp_path / "host.json").host_bytes == 512 * 2**30
 
 
+def test_the_device_type_round_trips_and_is_inferred_for_older_files():
+    """Which device runs the step decides how a plan captures it (``memfit.graph.target``): the
+    CPU profile says ``cpu``, the GPU profiles ``cuda``; a file saved before the field existed
+    is read as a CPU profile when its copies run on the compute thread, else as CUDA."""
+    assert {name: profile.device_type for name, profile in PROFILES.items()} == {
+        name: "cpu" if name == "cpu" else "cuda" for name in NAMES}
+    for profile in (PROFILES["cpu"], PROFILES["h100-sxm"]):
+        assert Hardware.from_json(profile.to_json()).device_type == profile.device_type
+        older = {key: value for key, value in profile.to_json().items() if key != "device_type"}
+        assert Hardware.from_json(older).device_type == profile.device_type
+    with pytest.raises(ValueError, match="'device_type' must be a string"):
+        Hardware.from_json({**PROFILES["cpu"].to_json(), "device_type": 1})
+
+
 def test_the_gpu_profiles_state_a_host_figure_and_the_cpu_none():
     """Each GPU profile states the host memory swaps may take (a typical host's share, more
     than the GPU's own memory), says so in its notes; the CPU profile, whose host is its device
