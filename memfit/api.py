@@ -26,6 +26,7 @@ from memfit.core.plan import Plan
 from memfit.core.timeline import Timeline
 from memfit.core.units import Budget
 from memfit.graph.capture import check_inputs, input_signature
+from memfit.graph.target import check_autocast
 from memfit.planning import BudgetWarning, Planned, analyzed, plan_step, resolve_hardware
 from memfit.runtime.measure import measure_allocator_peak
 from memfit.runtime.measure import measure_peak as _measure_peak
@@ -318,6 +319,7 @@ def plan(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor,
     Raises:
         BudgetError, ValueError, CaptureError: as ``compile``.
     """
+    check_autocast(autocast)
     parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
     return trace_plan(model, loss_fn, inputs, parsed, chosen, get_hardware(hardware), params,
                       linearize, what_ifs=True, autocast=autocast).plan

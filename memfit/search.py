@@ -38,6 +38,7 @@ from memfit.core.hardware import Hardware
 from memfit.core.plan import Plan
 from memfit.core.timeline import Timeline
 from memfit.core.units import Budget, format_bytes
+from memfit.graph.target import check_autocast
 from memfit.planning import resolve_hardware
 from memfit.strategies import resolve_budget_and_strategy
 from memfit.traced import trace_plan
@@ -179,6 +180,7 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}: "
                          "'throughput' for the fastest batch, 'largest' for the largest")
+    check_autocast(autocast)
     parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
     if parsed is None or parsed.bytes is None:
         raise ValueError(f"max_batch_size needs a budget in bytes ('80GiB'), not {budget!r}: "

@@ -98,8 +98,7 @@ def retargeted(hardware: Hardware, device: torch.device,
         ValueError: for an ``autocast`` that is not a lower-precision float dtype, or a profile
             of a device type memfit cannot imitate from this one.
     """
-    if autocast is not None and autocast not in LOWER_PRECISION_DTYPES:
-        raise ValueError(f"autocast= takes torch.bfloat16 or torch.float16, got {autocast}")
+    check_autocast(autocast)
     if hardware.device_type == device.type:  # a step this device runs: PyTorch's own autocast
         if autocast is None:
             return contextlib.nullcontext()
@@ -113,6 +112,13 @@ def retargeted(hardware: Hardware, device: torch.device,
     raise ValueError(f"memfit cannot capture a {hardware.device_type!r} step from {device.type} "
                      f"tensors (profile {hardware.name!r}); plan on that device, or use a CUDA or "
                      "CPU profile")
+
+
+def check_autocast(autocast: object) -> None:
+    """Raise ``ValueError`` unless ``autocast`` is ``None``, ``torch.bfloat16`` or
+    ``torch.float16``: checked before tracing, so the error is not one from inside Dynamo."""
+    if autocast is not None and autocast not in LOWER_PRECISION_DTYPES:
+        raise ValueError(f"autocast= takes torch.bfloat16 or torch.float16, got {autocast!r}")
 
 
 @contextlib.contextmanager

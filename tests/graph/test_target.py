@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import memfit
 from memfit import examples
 from memfit.core.hardware import get_hardware
 from memfit.graph.capture import capture
@@ -119,6 +120,11 @@ def test_float32_attention_for_cuda_takes_the_memory_efficient_kernel():
     efficient = {"_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_efficient_attention_backward"}
     assert _attention_kernels(64) == efficient
+    planned = trace_plan(_Attention(64, masked=False), lambda m, x: m(x).sum(),
+                         (torch.empty(2, 64, 8, device="meta"),), None, "keep", H100, {})
+    priced = {op.kind: op.flops for op in planned.graph.ops if "attention" in op.kind}
+    assert priced.keys() == {f"aten.{name}" for name in efficient}
+    assert min(priced.values()) > 0
     assert _attention_kernels(64, masked=True) == efficient  # a mask rules out flash only
     # sdp_utils.cpp sets no head-dim limit on the memory-efficient kernel, only alignment
     assert _attention_kernels(320) == efficient
@@ -182,6 +188,24 @@ def test_a_cpu_capture_is_unchanged():
     assert op_list(hardware=H100) != plain  # a CUDA profile's capture does differ
 
 
+def test_cpu_profile_autocast_is_torch_autocast_on_the_cpu():
+    """For the CPU profile ``autocast=`` is ``torch.autocast("cpu")`` itself: its matmuls run in
+    bf16, its attention is the CPU's kernel, not CUDA's."""
+    example = examples.gpt2(layers=1, width=32, heads=2, sequence=16, batch_size=2, dropout=0.0)
+    captured = capture(example.model, example.loss_fn, *_meta_inputs(example),
+                       hardware=get_hardware("cpu"), autocast=torch.bfloat16)
+    calls = _calls(captured.graph_module)
+    matmuls = [node for node in calls if _name(node) in ("mm", "addmm")]
+    assert matmuls and {_values(node)[0].dtype for node in matmuls} == {torch.bfloat16}
+    attention = {_name(node) for node in calls if "attention" in _name(node)}
+    assert attention == {"_scaled_dot_product_flash_attention_for_cpu",
+                         "_scaled_dot_product_flash_attention_for_cpu_backward"}
+
+
 def test_autocast_takes_only_lower_precision_floats():
     with pytest.raises(ValueError, match="bfloat16 or torch.float16"):
         retargeted(H100, torch.device("cpu"), torch.float64)
+    model = _Attention(8, masked=False)
+    with pytest.raises(ValueError, match="bfloat16 or torch.float16"):  # before any tracing
+        memfit.plan(model, lambda m, x: m(x).sum(), torch.empty(2, 4, 8, device="meta"),
+                    hardware="h100-sxm", autocast=torch.float32)
