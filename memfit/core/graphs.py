@@ -18,6 +18,9 @@ Note:
       can be recomputed from resident inputs (and the saved random state) at any time, and
       keeping them would link every layer that reads them (a causal mask links all layers).
       Only ops that read a parameter, or depend on one that does, remain.
+    - Ops computed from parameters and buffers alone (a weight's autocast copy) are dropped too:
+      joined to ``memfit_input`` they would be shortcuts into every layer, and they can be
+      recomputed from resident data at any time.
     - A virtual ``memfit_input`` node joins the ops that remain with no forward inputs (the
       first layer; not each op that reads a user input: the loss reads the targets, and joining
       it would make a shortcut past every layer).
@@ -128,13 +131,27 @@ def _owner_dag(graph: CostGraph) -> nx.DiGraph:
         owner_source, owner_target = owners[source], owners[target]
         if owner_source and owner_target and owner_source != owner_target:
             dag.add_edge(owner_source, owner_target)
-    dag = dag.subgraph(_learned(graph, dag, owners)).copy()
+    dag = dag.subgraph(_learned(graph, dag, owners) - _from_resident(graph)).copy()
     roots = [node for node in dag if dag.in_degree(node) == 0]
     dag.add_node(INPUT, size_bytes=0, time_s=0.0, index=-1)
     dag.add_edges_from((INPUT, root) for root in roots)
     dag.add_node(LOSS, size_bytes=0, time_s=0.0, index=len(graph.ops))
     dag.add_edges_from((loss, LOSS) for loss in loss_ops(graph) if loss in dag)
     return dag
+
+
+def _from_resident(graph: CostGraph) -> set[str]:
+    """The forward ops computed from parameters and buffers alone, such as a weight's autocast
+    copy (``_to_copy(weight)`` in a bf16 step): each would be a root joined to the input, a
+    shortcut into the middle of the step past every earlier layer (a bf16 GPT-2 had no
+    articulation point at all), and it can be recomputed from resident data at any time."""
+    derived: set[str] = set()
+    for op in graph.forward_ops:
+        sources = [graph.tensors[tensor] for tensor in op.inputs]
+        if op.outputs and sources and all(tensor.role in ("parameter", "buffer")
+                                          or tensor.producer in derived for tensor in sources):
+            derived.add(op.name)
+    return derived
 
 
 def _learned(graph: CostGraph, dag: nx.DiGraph, owners: Mapping[str, str | None]) -> set[str]:
