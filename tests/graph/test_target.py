@@ -209,3 +209,15 @@ def test_autocast_takes_only_lower_precision_floats():
     with pytest.raises(ValueError, match="bfloat16 or torch.float16"):  # before any tracing
         memfit.plan(model, lambda m, x: m(x).sum(), torch.empty(2, 4, 8, device="meta"),
                     hardware="h100-sxm", autocast=torch.float32)
+
+
+def test_a_plan_may_rerun_the_flash_kernel_with_its_dropout():
+    """The flash kernel draws its dropout (its RNG state is an output): a plan that re-runs it
+    is made (the replayed state is memfit's rng ops, as for native_dropout), and it is cheaper
+    than keeping everything."""
+    example = examples.gpt2(layers=4, width=64, heads=4, vocab=64, sequence=256, batch_size=16)
+    plan = memfit.plan(example.model, example.loss_fn, *_meta_inputs(example), budget=0.4,
+                       hardware=H100, autocast=torch.bfloat16, strategy="optimal-recompute")
+    rebuilt = [*plan.recomputed, *(rerun.op for rerun in plan.reruns)]
+    assert any(name.startswith("_scaled_dot_product_flash_attention") for name in rebuilt)
+    assert plan.explanation is not None and plan.explanation.peak_bytes <= plan.budget_bytes
