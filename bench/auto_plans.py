@@ -3,7 +3,9 @@ fraction of the unplanned peak, auto's minimum, the largest batch in 80 GiB, pla
 
 Everything is captured on meta inputs (the models' weights are real, on the CPU: a meta model
 cannot be traced, see ``memfit.graph.capture._fake_inputs``), so nothing of the size of an
-activation is ever allocated; every step time is the simulator's.
+activation is ever allocated; every step time is the simulator's. The graphs are the ones a
+CUDA GPU runs in float32 (CUDA's attention kernels, ``memfit.graph.target``); the bf16 graphs
+and the goals restated on them are in ``bench/validation.py``.
 """
 
 from __future__ import annotations
@@ -201,11 +203,13 @@ def auto_losses(row: BudgetRow) -> list[str]:
 def measure_model(bench: AutoModel, example: examples.Example, log: Callable[[str], None],
                   profiles: Sequence[str] = PROFILES,
                   fractions: Sequence[float] = FRACTIONS) -> ModelResult:
-    """Capture ``example`` (built by ``bench``) once on meta inputs, then analyze and plan it on
-    every profile."""
+    """Capture ``example`` (built by ``bench``) once on meta inputs as a CUDA GPU runs it in
+    float32 (its attention kernels, ``memfit.graph.target``; every profile here is a CUDA GPU),
+    then analyze and plan it on every profile."""
     started = time.perf_counter()
     captured = capture(example.model, example.loss_fn,
-                       *meta_inputs(example.make_inputs, bench.batch_size))
+                       *meta_inputs(example.make_inputs, bench.batch_size),
+                       hardware=get_hardware(profiles[0]))
     result = ModelResult(bench.name, bench.batch_size, time.perf_counter() - started)
     for name in profiles:
         hardware = get_hardware(name)
@@ -248,8 +252,8 @@ def planning_times(bench: AutoModel, profile: str = PROFILES[0],
     inputs = meta_inputs(example.make_inputs, bench.batch_size)
     hardware = get_hardware(profile)
     started = time.perf_counter()
-    _, graph = analyzed(capture(example.model, example.loss_fn, *inputs), hardware,
-                        type(example.model).__name__, False)
+    _, graph = analyzed(capture(example.model, example.loss_fn, *inputs, hardware=hardware),
+                        hardware, type(example.model).__name__, False)
     capture_s = time.perf_counter() - started
     peak_bytes = simulate(graph, Plan("keep"), hardware, record_intervals=False).peak_bytes
     started = time.perf_counter()

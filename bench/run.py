@@ -2,8 +2,10 @@
 
 Every figure in the file is measured by the run that wrote it (the H100 step times are the
 simulator's, and say so). CPU part: per-model capacity under a fixed budget, executor overhead,
-GPT-2 beside the alternatives, recomputation curves
-(bench/recompute.py), auto against the alternatives at real sizes (bench/auto.py), the line count. ``--gpu``: the host link and a GPT-2 medium step.
+GPT-2 beside the alternatives, recomputation curves (bench/recompute.py), auto against the
+alternatives at real sizes (bench/auto.py), the cost model against published throughput and
+auto's sensitivity to the profile (bench/validation.py), the line count. ``--gpu``: the host
+link and a GPT-2 medium step.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ def cpu_sections() -> list[str]:
     from bench.planning import planning_section
     from bench.planning_scaling import scaling_markdown
     from bench.recompute import recompute_section
+    from bench.validation import validation_section
 
     capacity, overhead = [], []
     for bench in BENCH_MODELS:
@@ -141,6 +144,7 @@ def cpu_sections() -> list[str]:
         "\n" + auto_section(log),
         "\n" + planning_section(log),
         "\n" + scaling_markdown(log),
+        "\n" + validation_section(log),
     ]
 
 
@@ -155,6 +159,7 @@ def section_builders() -> dict[str, Callable[[], str]]:
     from bench.planning import planning_section
     from bench.planning_scaling import scaling_markdown
     from bench.recompute import recompute_section
+    from bench.validation import validation_section
 
     return {
         "fit": lambda: fit_section(log),
@@ -162,10 +167,11 @@ def section_builders() -> dict[str, Callable[[], str]]:
         "auto": lambda: auto_section(log),
         "planning": lambda: planning_section(log),
         "scaling": lambda: scaling_markdown(log),
+        "validation": lambda: validation_section(log),
     }
 
 
-ONLY_CHOICES = ("fit", "recompute", "auto", "planning", "scaling")  # section_builders()'s keys, without importing the sections
+ONLY_CHOICES = ("fit", "recompute", "auto", "planning", "scaling", "validation")  # section_builders()'s keys, without importing the sections
 
 
 def splice(old: str, section: str, stamp: str) -> str:
