@@ -268,7 +268,7 @@ def spread_lines(rows: Sequence[SensitivityRow]) -> list[str]:
     """For each goal's fraction, the range of auto's overhead over the profile variants."""
     lines = []
     for index, (fraction, _) in enumerate(GOALS):
-        values = [row.overheads[index] for row in rows if row.overheads[index] is not None]
+        values = [value for row in rows if (value := row.overheads[index]) is not None]
         if values:
             lines.append(f"- at {fraction:.0%}: auto's overhead spans {_percent(min(values))} to "
                          f"{_percent(max(values))} over the {len(rows)} profiles "
