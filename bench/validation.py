@@ -159,7 +159,10 @@ def predict(case: Case, captures: dict[tuple, Captured]) -> Prediction:
 
 
 def _peak_dtype(case: Case) -> str:
-    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(case.autocast, "tfloat32")
+    """The dense peak a case's MFU is quoted against: its autocast dtype's, else TF32's."""
+    if case.autocast is None:
+        return "tfloat32"
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}[case.autocast]
 
 
 def published_cells(prediction: Prediction) -> tuple[str, str, str]:
