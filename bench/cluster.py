@@ -10,18 +10,21 @@ memfit ``auto`` (the fastest batch, and the largest). Throughput is tokens per s
 predicted by the simulator (compute, copy and communication streams). Wall times of each search
 are printed; they are the planning cost of a 32-layer capture each batch.
 
-Run: ``python -m bench.cluster [--layers 32] [--width 4096] [--sequence 4096]``.
+Run: ``python -m bench.cluster [--layers 32] [--width 4096] [--sequence 4096]`` (prints), or
+``python -m bench.run --only cluster`` (writes its section of ``bench/RESULTS.md``).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 
 import memfit
 from memfit.core.units import format_bytes
+from memfit.render.text import table
 
 BUDGET = "80GiB"
 
@@ -51,6 +54,58 @@ def loss_fn(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor) 
     return model(input_ids=tokens, labels=labels, use_cache=False).loss
 
 
+ROWS = (("without memfit (keep)", "keep", {}, "largest"),
+        ("per-block checkpointing (torchtitan's default)", "checkpoint",
+         {"checkpoints": ["model.layers.*"]}, "largest"),
+        ("memfit auto, largest batch", "auto", {}, "largest"),
+        ("memfit auto, fastest batch", "auto", {}, "throughput"))
+HEADERS = ("per rank", "batch", "predicted peak", "step time", "tokens/s per rank", "plans",
+           "search wall time")
+
+
+def cluster_rows(log: Callable[[str], None], layers: int = 32, width: int = 4096,
+                 sequence: int = 4096, world_size: int = 8,
+                 max_batch: int = 64) -> list[tuple[str, ...]]:
+    """One row per way of training: the batch ``max_batch_size`` finds for one rank and its
+    predicted figures."""
+    model = llama_unfilled(layers, width, sequence)
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def make_inputs(batch: int) -> tuple[torch.Tensor, ...]:
+        tokens = torch.zeros(batch, sequence, dtype=torch.long)
+        return tokens, tokens
+
+    rows = []
+    for label, strategy, params, objective in ROWS:
+        start = time.perf_counter()
+        found = memfit.max_batch_size(model, loss_fn, make_inputs, BUDGET, "h100-sxm", strategy,
+                                      objective=objective, max_batch=max_batch, verify=False,
+                                      world_size=world_size, sharding="fsdp",
+                                      optimizer=optimizer, **params)
+        wall_s = time.perf_counter() - start
+        step_s = found.predicted_step_time_s
+        rows.append((label, str(found.batch_size), format_bytes(found.predicted_peak_bytes),
+                     f"{step_s:.2f} s", f"{found.batch_size * sequence / step_s:,.0f}",
+                     str(len(found.tried)), f"{wall_s:.0f} s"))
+        log(f"cluster: {' | '.join(rows[-1])}")
+    return rows
+
+
+def cluster_section(log: Callable[[str], None]) -> str:
+    """The Markdown section of ``bench/RESULTS.md`` (``python -m bench.run --only cluster``)."""
+    rows = cluster_rows(log)
+    return "\n".join([
+        "## A 7B Llama on 8xH100 under FSDP2, planned from one CPU\n",
+        "One rank of FSDP2 (`fully_shard` per decoder layer and on the root, bf16 parameters and "
+        "AdamW state, 8 ranks on NVLink 4 at 360 GB/s ring bus bandwidth), planned on this CPU "
+        "for `h100-sxm` at 80 GiB per rank, sequence 4096: `memfit.max_batch_size(..., "
+        "world_size=8, sharding=\"fsdp\", optimizer=adamw, verify=False)`. Peaks and step "
+        "times are predicted (simulated), nothing ran on a GPU. Each plan traces the whole "
+        "32-layer step once (parameters unfilled on the CPU).\n",
+        table(HEADERS, rows),
+    ])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=32)
@@ -59,32 +114,11 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--max-batch", type=int, default=64)
     args = parser.parse_args()
-    model = llama_unfilled(args.layers, args.width, args.sequence)
-    optimizer = torch.optim.AdamW(model.parameters())
-    sequence = args.sequence
-
-    def make_inputs(batch: int) -> tuple[torch.Tensor, ...]:
-        tokens = torch.zeros(batch, sequence, dtype=torch.long)
-        return tokens, tokens
-
-    rows = [("without memfit (keep)", "keep", {}, "largest"),
-            ("per-block checkpointing", "checkpoint", {"checkpoints": ["model.layers.*"]},
-             "largest"),
-            ("memfit auto, largest batch", "auto", {}, "largest"),
-            ("memfit auto, fastest batch", "auto", {}, "throughput")]
-    print(f"Llama {args.layers} layers, width {args.width}, sequence {sequence}, bf16, "
+    print(f"Llama {args.layers} layers, width {args.width}, sequence {args.sequence}, bf16, "
           f"FSDP2 over {args.world_size} x h100-sxm, per-rank budget {BUDGET}")
-    for label, strategy, params, objective in rows:
-        start = time.perf_counter()
-        found = memfit.max_batch_size(model, loss_fn, make_inputs, BUDGET, "h100-sxm", strategy,
-                                      objective=objective, max_batch=args.max_batch,
-                                      verify=False, world_size=args.world_size,
-                                      sharding="fsdp", optimizer=optimizer, **params)
-        wall_s = time.perf_counter() - start
-        tokens_per_s = found.batch_size * sequence / found.predicted_step_time_s
-        print(f"| {label} | {found.batch_size} | {format_bytes(found.predicted_peak_bytes)} | "
-              f"{found.predicted_step_time_s:.2f} s | {tokens_per_s:,.0f} | {len(found.tried)} plans, "
-              f"{wall_s:.0f} s |", flush=True)
+    rows = cluster_rows(print, args.layers, args.width, args.sequence, args.world_size,
+                        args.max_batch)
+    print(table(HEADERS, rows))
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ def cpu_sections() -> list[str]:
     """The CPU part: capacity, overhead, alternatives, recomputation curves, auto at real sizes."""
     from bench.alternatives import ALTERNATIVE_HEADERS, alternative_rows
     from bench.auto import auto_section
+    from bench.cluster import cluster_section
     from bench.fit import fit_section
     from bench.models import (
         BENCH_MODELS,
@@ -141,6 +142,7 @@ def cpu_sections() -> list[str]:
         "\n" + auto_section(log),
         "\n" + planning_section(log),
         "\n" + scaling_markdown(log),
+        "\n" + cluster_section(log),
     ]
 
 
@@ -151,6 +153,7 @@ def section_builders() -> dict[str, Callable[[], str]]:
     """The CPU sections that can be rerun alone (``--only``), by name; each returns Markdown
     starting with its ``## `` title."""
     from bench.auto import auto_section
+    from bench.cluster import cluster_section
     from bench.fit import fit_section
     from bench.planning import planning_section
     from bench.planning_scaling import scaling_markdown
@@ -162,10 +165,11 @@ def section_builders() -> dict[str, Callable[[], str]]:
         "auto": lambda: auto_section(log),
         "planning": lambda: planning_section(log),
         "scaling": lambda: scaling_markdown(log),
+        "cluster": lambda: cluster_section(log),
     }
 
 
-ONLY_CHOICES = ("fit", "recompute", "auto", "planning", "scaling")  # section_builders()'s keys, without importing the sections
+ONLY_CHOICES = ("fit", "recompute", "auto", "planning", "scaling", "cluster")  # section_builders()'s keys, without importing the sections
 
 
 def splice(old: str, section: str, stamp: str) -> str:

@@ -160,7 +160,23 @@ def trace_plan(model: torch.nn.Module, loss_fn: Callable, inputs: Sequence[torch
             raise memfit_error(error) from None
     else:
         raise AssertionError("the planning-only backend ran the step")
+    _check_backward(planned.graph, model, device)
     return planned
+
+
+def _check_backward(graph: CostGraph, model: torch.nn.Module, device: torch.device) -> None:
+    """Refuse a step traced without its backward pass though the model trains.
+
+    Why: with parameters on the meta device, tracing a transformers Llama gave a forward-only
+    graph (172 forward ops and no backward for one layer, against 156 + 169 with the same
+    parameters on the CPU), whose plan would silently miss the whole backward pass.
+    """
+    trains = any(p.requires_grad for p in model.parameters())
+    if trains and device.type == "meta" and not any(op.phase == "backward" for op in graph.ops):
+        raise CaptureError(
+            "the step traced with parameters on the meta device has no backward pass: build the "
+            "model on the meta device, then model.to_empty(device='cpu') (unfilled pages take "
+            "no memory) and plan with meta inputs")
 
 
 def _fake(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

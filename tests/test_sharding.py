@@ -150,3 +150,24 @@ def test_cli_plans_one_rank(capsys):
         main([*common, "--world-size", "4", "--fsdp", "--ddp"])
     assert error.value.code == 2
     assert main([*common, "--world-size", "4", "--ddp"]) == 0
+
+
+def test_a_model_on_the_meta_device_is_refused_not_planned_without_its_backward():
+    transformers = pytest.importorskip("transformers")
+    from memfit.core.errors import CaptureError
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=2, max_position_embeddings=16)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+        tokens = torch.zeros(2, 16, dtype=torch.long)
+
+    def loss_fn(model, tokens):
+        return model(input_ids=tokens, labels=tokens, use_cache=False).loss
+
+    with pytest.raises(CaptureError, match="to_empty"):
+        memfit.plan(model, loss_fn, tokens, hardware=HARDWARE)
+    planned = memfit.plan(model.to_empty(device="cpu"), loss_fn, tokens, hardware=HARDWARE,
+                          world_size=2, sharding="fsdp")
+    assert planned.explanation is not None
