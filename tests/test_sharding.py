@@ -171,3 +171,11 @@ def test_a_model_on_the_meta_device_is_refused_not_planned_without_its_backward(
     planned = memfit.plan(model.to_empty(device="cpu"), loss_fn, tokens, hardware=HARDWARE,
                           world_size=2, sharding="fsdp")
     assert planned.explanation is not None
+
+
+def test_cli_searches_one_rank_s_batch(capsys):
+    pytest.importorskip("transformers")
+    assert main(["max-batch-size", "--model", "llama", "--budget", "64MiB", "--hardware",
+                 "h100-sxm", "--world-size", "8", "--fsdp", "--max-batch", "4",
+                 "--strategy", "keep"]) == 0
+    assert "max_batch=4 fits" in capsys.readouterr().out
