@@ -47,7 +47,13 @@ def llama_unfilled(layers: int, width: int, sequence: int, vocab: int = 32000) -
                          max_position_embeddings=sequence)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    return model.to(torch.bfloat16).to_empty(device="cpu")
+    model = model.to(torch.bfloat16)
+    filling = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
+    torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+    try:  # bench.run turns deterministic algorithms on, which would fill (so commit) every page
+        return model.to_empty(device="cpu")
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = filling  # type: ignore[attr-defined]
 
 
 def loss_fn(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
