@@ -22,6 +22,7 @@ from memfit.core.hardware import Hardware
 from memfit.core.schedule import PlanError
 from memfit.core.sharding import Sharding, shard_graph
 from memfit.core.units import Budget
+from memfit.graph.capture import refuse_meta_parameters
 from memfit.planning import DeviceBudget, Planned, plan_step
 from memfit.runtime.resident import reserved_state_bytes
 
@@ -143,6 +144,7 @@ def trace_plan(model: torch.nn.Module, loss_fn: Callable, inputs: Sequence[torch
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    refuse_meta_parameters(model)
     sharded = sharding is not None and sharding.active
     kind = _ShardedPlanOnly if sharded else _PlanOnly
     planner = kind(budget, strategy, hardware, "aot_eager", optimizer, model, params)
@@ -167,23 +169,7 @@ def trace_plan(model: torch.nn.Module, loss_fn: Callable, inputs: Sequence[torch
             raise memfit_error(error) from None
     else:
         raise AssertionError("the planning-only backend ran the step")
-    _check_backward(planned.graph, model, device)
     return planned
-
-
-def _check_backward(graph: CostGraph, model: torch.nn.Module, device: torch.device) -> None:
-    """Refuse a step traced without its backward pass though the model trains.
-
-    Why: with parameters on the meta device, tracing a transformers Llama gave a forward-only
-    graph (172 forward ops and no backward for one layer, against 156 + 169 with the same
-    parameters on the CPU), whose plan would silently miss the whole backward pass.
-    """
-    trains = any(p.requires_grad for p in model.parameters())
-    if trains and device.type == "meta" and not any(op.phase == "backward" for op in graph.ops):
-        raise CaptureError(
-            "the step traced with parameters on the meta device has no backward pass: build the "
-            "model on the meta device, then model.to_empty(device='cpu') (unfilled pages take "
-            "no memory) and plan with meta inputs")
 
 
 def _fake(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
