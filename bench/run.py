@@ -94,6 +94,7 @@ def cpu_sections() -> list[str]:
     """The CPU part: capacity, overhead, alternatives, recomputation curves, auto at real sizes."""
     from bench.alternatives import ALTERNATIVE_HEADERS, alternative_rows
     from bench.auto import auto_section
+    from bench.cluster import cluster_section
     from bench.fit import fit_section
     from bench.models import (
         BENCH_MODELS,
@@ -145,6 +146,7 @@ def cpu_sections() -> list[str]:
         "\n" + planning_section(log),
         "\n" + scaling_markdown(log),
         "\n" + validation_section(log),
+        "\n" + cluster_section(log),
     ]
 
 
@@ -155,6 +157,7 @@ def section_builders() -> dict[str, Callable[[], str]]:
     """The CPU sections that can be rerun alone (``--only``), by name; each returns Markdown
     starting with its ``## `` title."""
     from bench.auto import auto_section
+    from bench.cluster import cluster_section
     from bench.fit import fit_section
     from bench.planning import planning_section
     from bench.planning_scaling import scaling_markdown
@@ -168,10 +171,11 @@ def section_builders() -> dict[str, Callable[[], str]]:
         "planning": lambda: planning_section(log),
         "scaling": lambda: scaling_markdown(log),
         "validation": lambda: validation_section(log),
+        "cluster": lambda: cluster_section(log),
     }
 
 
-ONLY_CHOICES = ("fit", "recompute", "auto", "planning", "scaling", "validation")  # section_builders()'s keys, without importing the sections
+ONLY_CHOICES = ("fit", "recompute", "auto", "planning", "scaling", "validation", "cluster")  # section_builders()'s keys, without importing the sections
 
 
 def splice(old: str, section: str, stamp: str) -> str:

@@ -23,6 +23,7 @@ from memfit.closed_loop import CLOSED_LOOP, Loop, Round
 from memfit.core.costgraph import CostGraph
 from memfit.core.hardware import PROFILES, Hardware, get_hardware
 from memfit.core.plan import Plan
+from memfit.core.sharding import DEFAULT_BUCKET_BYTES
 from memfit.core.timeline import Timeline
 from memfit.core.units import Budget
 from memfit.graph.capture import check_inputs, input_signature
@@ -30,6 +31,7 @@ from memfit.graph.target import check_autocast
 from memfit.planning import BudgetWarning, Planned, analyzed, plan_step, resolve_hardware
 from memfit.runtime.measure import measure_allocator_peak
 from memfit.runtime.measure import measure_peak as _measure_peak
+from memfit.sharding import FsdpBlock, resolve_sharding
 from memfit.strategies import resolve_budget_and_strategy
 from memfit.traced import as_planned, loss_module, memfit_error, trace_plan
 
@@ -302,7 +304,10 @@ def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float
 def plan(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor,
          budget: str | int | float | None = None, hardware: Hardware | str = "h100-pcie",
          strategy: str | None = None, linearize: bool = False,
-         autocast: torch.dtype | None = None, **params: Any) -> Plan:
+         autocast: torch.dtype | None = None, world_size: int = 1,
+         sharding: str = "none", fsdp_block: FsdpBlock = None,
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+         optimizer: torch.optim.Optimizer | None = None, **params: Any) -> Plan:
     """Plan a step without running it; ``inputs`` may be meta tensors.
 
     ``linearize`` reorders the forward pass first, as in ``compile``. The plan explains itself
@@ -316,13 +321,35 @@ def plan(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor,
     Such a plan runs only on its device: ``compile(..., plan=plan)`` on CPU tensors refuses a
     plan whose graph differs from the CPU's.
 
+    Args:
+        world_size: ranks of a data-parallel job to plan one rank of (default 1: one device).
+            ``inputs`` are then one rank's batch, and ``budget`` is one rank's device bytes.
+        sharding: ``"none"`` (default), ``"fsdp"`` (FSDP2 ``fully_shard`` on each block and
+            on the root, ``reshard_after_forward=True``) or ``"ddp"``. With ``world_size`` > 1
+            the plan is one rank's (``memfit.core.sharding``): sharded parameters, gradients
+            and optimizer state, all-gathers and reduce-scatters (or DDP's bucketed
+            all-reduces) timed on the profile's interconnect. Such a plan is for reading and
+            comparing; it names a graph this process does not run.
+        fsdp_block: the FSDP units: a module class, a predicate ``(path, module) -> bool`` or
+            module paths; default: the children of the largest ``nn.ModuleList``.
+        bucket_bytes: DDP's gradient bucket size (default 25 MiB, DDP's ``bucket_cap_mb``).
+        optimizer: the optimizer whose state is resident beside the step (reserved before its
+            first step); FSDP shards it. Default: none counted.
+
     Raises:
-        BudgetError, ValueError, CaptureError: as ``compile``.
+        BudgetError, ValueError, CaptureError: as ``compile``; ValueError also for a sharding
+            the hardware profile states no interconnect for.
+
+    Example:
+        >>> plan = memfit.plan(model, loss_fn, tokens, budget="70GiB", hardware="h100-sxm",
+        ...                    world_size=8, sharding="fsdp", optimizer=adamw)
     """
     check_autocast(autocast)
     parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
+    spread = resolve_sharding(model, sharding, world_size, fsdp_block, bucket_bytes)
     return trace_plan(model, loss_fn, inputs, parsed, chosen, get_hardware(hardware), params,
-                      linearize, what_ifs=True, autocast=autocast).plan
+                      linearize, what_ifs=True, autocast=autocast, sharding=spread,
+                      optimizer=optimizer).plan
 
 
 def measure_peak(fn: Callable, *args: Any, **kwargs: Any) -> int:

@@ -30,6 +30,7 @@ EXAMPLES_HELP = """examples:
   memfit plan --model gpt2 --batch 16 --budget 0.5 --hardware h100-pcie
   memfit plan --model resnet50 --budget 200MiB --param lb=3 --param ctrld_strategy=direct_order
   memfit plan --model gpt2 --model-arg layers=24 --model-arg width=1024 --save plan.json
+  memfit plan --model llama --hardware h100-sxm --world-size 8 --fsdp   # one rank of FSDP2
   memfit max-batch-size --model gpt2 --budget 80GiB --hardware h100-pcie
   memfit max-batch-size --model mlp --budget 20MB --hardware cpu --objective largest
   memfit show memfit-demo/swap.json --png swap.png
@@ -91,6 +92,22 @@ def _target(args: argparse.Namespace) -> str | Hardware:
     from memfit.core.hardware import get_hardware
 
     return get_hardware(args.hardware).with_(host_bytes=args.host_bytes)
+
+
+def _add_sharding(parser: argparse.ArgumentParser) -> None:
+    """``--world-size`` and ``--fsdp`` / ``--ddp``: plan one rank of a data-parallel job."""
+    parser.add_argument("--world-size", type=_positive_int, default=1,
+                        help="ranks of the job; the plan is one rank's (default 1)")
+    kinds = parser.add_mutually_exclusive_group()
+    kinds.add_argument("--fsdp", dest="sharding", action="store_const", const="fsdp",
+                       default="none", help="FSDP2: fully_shard on each block and the root")
+    kinds.add_argument("--ddp", dest="sharding", action="store_const", const="ddp",
+                       help="DistributedDataParallel: bucketed all-reduce of the gradients")
+
+
+def _sharding(args: argparse.Namespace) -> dict:
+    """The sharding keywords of ``memfit.plan`` / ``max_batch_size`` from the command line."""
+    return {"world_size": args.world_size, "sharding": args.sharding}
 
 
 def _budget(text: str) -> Budget:
@@ -205,7 +222,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     try:
         planned = plan_example(args.model, args.batch, dict(args.model_arg), args.budget,
-                               _target(args), args.strategy, dict(args.param), args.autocast)
+                               _target(args), args.strategy, dict(args.param), args.autocast,
+                               **_sharding(args))
     except BudgetError as error:
         print(f"memfit plan: {error}", file=sys.stderr)
         return 2
@@ -247,7 +265,8 @@ def cmd_max_batch_size(args: argparse.Namespace) -> int:
         found = max_batch_size(example.model, example.loss_fn, example.make_inputs, args.budget,
                                _target(args), args.strategy, objective=args.objective,
                                max_batch=args.max_batch, verify=False,
-                               autocast=autocast_dtype(args.autocast), **dict(args.param))
+                               autocast=autocast_dtype(args.autocast), **_sharding(args),
+                               **dict(args.param))
     except (BudgetError, ValueError) as error:  # nothing fits; a fractional budget
         print(f"memfit max-batch-size: {error}", file=sys.stderr)
         return 2
@@ -365,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--save", metavar="PATH",
                       help="write the plan as JSON; run it later with "
                            "memfit.compile(model, loss_fn, plan=memfit.Plan.load(PATH))")
+    _add_sharding(plan)
     plan.set_defaults(run=cmd_plan)
 
     search = commands.add_parser("max-batch-size", help="the fastest batch that fits, no run",
@@ -389,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a strategy parameter, repeatable: --param lb=3")
     search.add_argument("--model-arg", type=_key_value, action="append", default=[],
                         metavar="K=V", help="a model size, repeatable: --model-arg layers=24")
+    _add_sharding(search)
     search.set_defaults(run=cmd_max_batch_size)
 
     show = commands.add_parser("show", help="re-render a saved Timeline or Plan JSON",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,10 +36,12 @@ from memfit.batches import (
 from memfit.core.errors import BudgetError
 from memfit.core.hardware import Hardware
 from memfit.core.plan import Plan
+from memfit.core.sharding import DEFAULT_BUCKET_BYTES, Sharding
 from memfit.core.timeline import Timeline
 from memfit.core.units import Budget, format_bytes
 from memfit.graph.target import check_autocast
 from memfit.planning import resolve_hardware
+from memfit.sharding import FsdpBlock, resolve_sharding
 from memfit.strategies import resolve_budget_and_strategy
 from memfit.traced import trace_plan
 
@@ -136,6 +138,9 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
                    strategy: str | None = None, *, objective: str = "throughput",
                    max_batch: int = 1 << 16, verify: bool | None = None,
                    linearize: bool = False, autocast: torch.dtype | None = None,
+                   world_size: int = 1, sharding: str = "none",
+                   fsdp_block: FsdpBlock = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                   optimizer: torch.optim.Optimizer | None = None,
                    **params: Any) -> BatchSearch:
     """The batch whose training step fits ``budget`` at the highest predicted throughput (or
     the largest that fits), planned without running it.
@@ -165,6 +170,9 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
         linearize: as in ``compile``.
         autocast: as in ``memfit.plan``: the target's autocast dtype (``torch.bfloat16``,
             ``torch.float16``), its step captured as that device runs it.
+        world_size, sharding, fsdp_block, bucket_bytes, optimizer: as in ``memfit.plan``: the
+            batch is then one rank's, planned as one rank of that job holds it (``budget`` is
+            one rank's device). A sharded search plans only (``verify`` must be off).
         **params: the strategy's parameters.
 
     Raises:
@@ -187,6 +195,11 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
                          "a fraction of the unplanned peak changes with the batch")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     resolved = resolve_hardware(hardware, device)
+    spread = resolve_sharding(model, sharding, world_size, fsdp_block, bucket_bytes)
+    if spread.active and verify:
+        raise ValueError("a sharded plan (world_size > 1) cannot be verified on this machine: "
+                         "pass verify=False, or measure one rank under torchrun")
+    setup = _Setup(spread, optimizer, autocast)
     tried: list[Trial] = []
     fitting: dict[int, PlannedBatch] = {}  # every batch planned to fit: the frontier
 
@@ -195,7 +208,7 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
             return fitting[batch]
         try:
             planned = _plan_batch(model, loss_fn, make_inputs, batch, parsed, chosen, resolved,
-                                  params, linearize, autocast)
+                                  params, linearize, setup)
         except BudgetError as error:  # host_bytes named: swapping more would have fit
             tried.append(Trial(batch, False, "planned", error.minimum_bytes,
                                host_limited=error.host_bytes is not None))
@@ -207,14 +220,15 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
     largest = bracket_largest(attempt, tried, parsed.bytes, max_batch)
     if largest is None:
         _plan_batch(model, loss_fn, make_inputs, 1, parsed, chosen, resolved, params, linearize,
-                    autocast)
+                    setup)
         raise AssertionError("batch 1 fit on a second try")  # the first try raised BudgetError
     note = f"max_batch={max_batch} fits; raise max_batch to look further" \
         if largest.batch_size == max_batch else ""
     best = largest if objective == "largest" else search_fastest(attempt, largest, fitting)
     frontier = tuple(fitting[batch].point() for batch in sorted(fitting))
     verified = None
-    if verify if verify is not None else device.type == resolved.device_type:
+    default_verify = device.type == resolved.device_type and not spread.active
+    if verify if verify is not None else default_verify:
         best, verified, stepped = _verify(model, loss_fn, make_inputs, best, attempt, tried,
                                           chosen, resolved, params, linearize)
         note = " ".join(filter(None, (note, stepped)))
@@ -231,11 +245,22 @@ def meta_inputs(make_inputs: Callable[[int], tuple[torch.Tensor, ...]],
     return tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs)
 
 
+class _Setup(NamedTuple):
+    """What every batch of a search is planned with besides the batch: one rank's sharding,
+    the optimizer whose state is resident and the target's autocast dtype."""
+
+    sharding: Sharding | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    autocast: torch.dtype | None = None
+
+
 def _plan_batch(model, loss_fn, make_inputs, batch, budget, strategy, hardware, params,
-                linearize, autocast=None) -> PlannedBatch:
+                linearize, setup: _Setup | None = None) -> PlannedBatch:
     """Plan ``batch`` from meta inputs, as ``compile`` would plan it (nothing runs)."""
+    setup = setup or _Setup()
     planned = trace_plan(model, loss_fn, meta_inputs(make_inputs, batch), budget, strategy,
-                         hardware, params, linearize, autocast=autocast)
+                         hardware, params, linearize, autocast=setup.autocast,
+                         sharding=setup.sharding, optimizer=setup.optimizer)
     assert planned.budget.device_bytes is not None
     return PlannedBatch(batch, planned.plan, planned.predicted, planned.budget.device_bytes,
                         planned.budget.outside_bytes, planned.predicted.host_peak_bytes)

@@ -16,11 +16,15 @@ from typing import Any
 import torch
 
 from memfit.backend import Backend, Region, device_of
+from memfit.core.costgraph import CostGraph
 from memfit.core.errors import BudgetError, CaptureError
 from memfit.core.hardware import Hardware
 from memfit.core.schedule import PlanError
+from memfit.core.sharding import Sharding, shard_graph
 from memfit.core.units import Budget
-from memfit.planning import DeviceBudget, Planned
+from memfit.graph.capture import refuse_meta_parameters
+from memfit.planning import DeviceBudget, Planned, plan_step
+from memfit.runtime.resident import reserved_state_bytes
 
 MEMFIT_ERRORS = (BudgetError, CaptureError, PlanError)
 
@@ -87,15 +91,47 @@ class _PlanOnly(Backend):
         raise _Stop
 
 
+class _ShardedStop(_Stop):
+    """Raised by the sharded planner with one rank's plan (its graph is not the captured one,
+    so nothing is rewritten)."""
+
+    def __init__(self, planned: Planned) -> None:
+        super().__init__()
+        self.planned = planned
+
+
+class _ShardedPlanOnly(_PlanOnly):
+    """Plans one rank of a ``Sharding``: the captured graph sharded, the optimizer state too.
+
+    The captured region is the whole model's step; ``shard_graph`` makes it one rank's (sharded
+    parameters, all-gathers, reduce-scatters or all-reduces), and FSDP shards the optimizer
+    state that the bytes outside the graph hold."""
+
+    sharding = Sharding()
+
+    def _choose(self, graph: CostGraph, hardware: Hardware, outside: int, pending: int,
+                eager: int = 0) -> Any:
+        state = sum(reserved_state_bytes(optimizer, device_of(self.model.parameters()))
+                    for optimizer in self.optimizers) if self.model is not None else 0
+        raise _ShardedStop(plan_step(shard_graph(graph, self.sharding, hardware), hardware,
+                                     self.budget_override or self.budget, self.strategy,
+                                     self.params, self.sharding.outside_bytes(outside, state),
+                                     what_ifs=self.what_ifs))
+
+
 def trace_plan(model: torch.nn.Module, loss_fn: Callable, inputs: Sequence[torch.Tensor],
                budget: Budget | None, strategy: str, hardware: Hardware,
                params: Mapping[str, Any], linearize: bool = False,
-               what_ifs: bool = False, autocast: torch.dtype | None = None) -> Planned:
+               what_ifs: bool = False, autocast: torch.dtype | None = None,
+               sharding: Sharding | None = None,
+               optimizer: torch.optim.Optimizer | None = None) -> Planned:
     """Plan the step ``memfit.compile`` would run for inputs of these shapes; nothing runs.
 
     ``inputs`` may be real or ``meta`` tensors: each becomes a fake tensor on the parameters'
     device (a meta input) or its own, so no input memory is allocated. Bytes outside the graph
-    (buffers, existing ``.grad``) count as they would when the step runs.
+    (buffers, existing ``.grad``, ``optimizer``'s state, reserved before its first step) count
+    as they would when the step runs. With an active ``sharding`` the plan is one rank's
+    (``memfit.core.sharding``): its graph is the sharded one, which this process cannot run.
 
     The step is traced as ``hardware``'s device runs it (``memfit.graph.target``): for a CUDA
     profile planned from CPU tensors, CUDA's attention kernels and, with ``autocast``, CUDA's
@@ -108,7 +144,12 @@ def trace_plan(model: torch.nn.Module, loss_fn: Callable, inputs: Sequence[torch
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    planner = _PlanOnly(budget, strategy, hardware, "aot_eager", None, model, params)
+    refuse_meta_parameters(model)
+    sharded = sharding is not None and sharding.active
+    kind = _ShardedPlanOnly if sharded else _PlanOnly
+    planner = kind(budget, strategy, hardware, "aot_eager", optimizer, model, params)
+    if sharded:
+        planner.sharding = sharding  # type: ignore[attr-defined]
     planner.linearize, planner.what_ifs = linearize, what_ifs
     planner.scope_prefix = "model."  # LossModule holds the model as .model
     planner.retarget, planner.autocast = True, autocast
@@ -123,12 +164,12 @@ def trace_plan(model: torch.nn.Module, loss_fn: Callable, inputs: Sequence[torch
     try:
         compiled(*fake)
     except Exception as error:
-        region = _stopped_region(error, planner)
-        if region is None:
+        planned = _stopped(error, planner)
+        if planned is None:
             raise memfit_error(error) from None
     else:
         raise AssertionError("the planning-only backend ran the step")
-    return as_planned(region)
+    return planned
 
 
 def _fake(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -138,12 +179,16 @@ def _fake(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return fake.requires_grad_(tensor.requires_grad)
 
 
-def _stopped_region(error: BaseException, planner: Backend) -> Region | None:
+def _stopped(error: BaseException, planner: Backend) -> Planned | None:
+    """The plan the planning-only backend stopped with (``None``: it failed)."""
     from torch._dynamo.exc import BackendCompilerFailed
 
-    if isinstance(error, BackendCompilerFailed) and isinstance(error.inner_exception, _Stop):
-        return planner.regions[-1]
-    return None
+    if not isinstance(error, BackendCompilerFailed):
+        return None
+    inner = error.inner_exception
+    if isinstance(inner, _ShardedStop):
+        return inner.planned
+    return as_planned(planner.regions[-1]) if isinstance(inner, _Stop) else None
 
 
 def as_planned(region: Region) -> Planned:

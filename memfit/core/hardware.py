@@ -116,6 +116,15 @@ class Hardware:
             takes the pinned rate.
         h2d_pageable_bytes_per_s: host-to-device bandwidth from pageable memory; ``None``
             takes the pinned rate.
+        collective_bytes_per_s: the bus bandwidth of a ring collective between the GPUs of one
+            node (NVLink), as nccl-tests reports ``busbw``: an all-gather or reduce-scatter of
+            ``N`` bytes over ``W`` ranks takes ``(W-1)/W * N / collective_bytes_per_s``
+            (``collective_time_s``). ``None``: the device has no peer link (plans with
+            ``world_size`` 1 only).
+        network_bytes_per_s: the same between nodes, per GPU (InfiniBand); a collective over more
+            than ``gpus_per_node`` ranks runs at this rate (its slowest link). ``None``: one node.
+        gpus_per_node: GPUs that share the fast link (an HGX board: 8).
+        collective_latency_s: fixed time per collective (NCCL launch and ring set-up).
         host_bytes: host memory that swapped tensors may take at once (what is swapped out and
             not yet freed, ``memfit.core.host_memory``): no plan swaps more. ``None`` (default
             of a hand-built profile): no limit. The built-in GPU profiles state a figure for a
@@ -147,13 +156,19 @@ class Hardware:
     h2d_pageable_bytes_per_s: float | None = None
     host_bytes: int | None = None
     device_type: str = "cuda"
+    collective_bytes_per_s: float | None = None
+    network_bytes_per_s: float | None = None
+    gpus_per_node: int = 8
+    collective_latency_s: float = 20e-6
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         for key in ("flops_per_s", "compute_efficiency"):
             object.__setattr__(self, key, MappingProxyType(dict(getattr(self, key))))
         positive = ["memory_bytes_per_s", "d2h_bytes_per_s", "h2d_bytes_per_s"]
-        positive += [key for key in ("d2h_pageable_bytes_per_s", "h2d_pageable_bytes_per_s")
+        positive += [key for key in ("d2h_pageable_bytes_per_s", "h2d_pageable_bytes_per_s",
+                                     "collective_bytes_per_s", "network_bytes_per_s",
+                                     "gpus_per_node")
                      if getattr(self, key) is not None]
         for key in positive:
             if getattr(self, key) <= 0:
@@ -164,7 +179,7 @@ class Hardware:
         if self.host_bytes is not None and self.host_bytes < 0:
             raise ValueError(f"Hardware.host_bytes must be 0 or more (None: no limit), got "
                              f"{self.host_bytes}")
-        for key in ("op_overhead_s", "copy_latency_s", "compute_ramp_s"):
+        for key in ("op_overhead_s", "copy_latency_s", "compute_ramp_s", "collective_latency_s"):
             if getattr(self, key) < 0:
                 raise ValueError(f"Hardware.{key} must be 0 or more, got {getattr(self, key)}")
 
@@ -221,6 +236,32 @@ class Hardware:
         rate = self.h2d_bytes_per_s if pinned else self.h2d_pageable_bytes_per_s
         return self.copy_latency_s + size_bytes / (rate or self.h2d_bytes_per_s)
 
+    def collective_time_s(self, kind: str, size_bytes: int, world_size: int) -> float:
+        """Time of one ring collective of ``size_bytes`` (the whole, unsharded tensor) over
+        ``world_size`` ranks: ``"all_gather"`` and ``"reduce_scatter"`` move ``(W-1)/W * N``
+        bytes per rank, ``"all_reduce"`` twice that (a reduce-scatter then an all-gather), at
+        the bus bandwidth (nccl-tests' ``busbw`` is defined so that this holds, NVIDIA/nccl-tests
+        doc/PERFORMANCE.md), plus ``collective_latency_s``. One rank moves nothing: 0.
+
+        Raises:
+            ValueError: for an unknown kind, or for ``world_size`` > 1 on a profile without
+                ``collective_bytes_per_s`` (or past one node without ``network_bytes_per_s``).
+        """
+        if kind not in COLLECTIVE_PASSES:
+            raise ValueError(f"unknown collective {kind!r}: use one of {sorted(COLLECTIVE_PASSES)}")
+        if world_size <= 1:
+            return 0.0
+        rate = self.collective_bytes_per_s
+        if world_size > self.gpus_per_node:
+            rate = self.network_bytes_per_s
+        if rate is None:
+            raise ValueError(
+                f"hardware profile {self.name!r} states no bandwidth between {world_size} ranks: "
+                "set it with hardware.with_(collective_bytes_per_s=..., network_bytes_per_s=...) "
+                "or plan for h100-sxm")
+        moved = COLLECTIVE_PASSES[kind] * (world_size - 1) / world_size * size_bytes
+        return self.collective_latency_s + moved / rate
+
     def with_(self, **changes) -> Hardware:
         """A copy with some fields changed, e.g. ``hardware.with_(device_bytes=16 * GIB)``."""
         return replace(self, **changes)
@@ -268,10 +309,14 @@ class Hardware:
 
 def _gpu(name: str, peaks_tflops: Mapping[str, float], memory_gb_s: float, link_gb_s: float,
          device_gib: int, efficiency: Mapping[str, float], host_bytes: int,
-         notes: str) -> Hardware:
+         notes: str, peers_gb_s: tuple[float | None, float | None] = (None, None)) -> Hardware:
     """A GPU profile: dense peaks in TFLOPS, memory and (pinned) link rates in GB/s, the host
-    memory swaps may take in bytes."""
+    memory swaps may take in bytes, and the collective bus bandwidth in GB/s inside a node and
+    between nodes (``None``: no such link)."""
+    inside_gb_s, between_gb_s = peers_gb_s
     return Hardware(
+        collective_bytes_per_s=None if inside_gb_s is None else inside_gb_s * GB,
+        network_bytes_per_s=None if between_gb_s is None else between_gb_s * GB,
         name=name,
         flops_per_s={dtype: tflops * TFLOPS for dtype, tflops in peaks_tflops.items()},
         memory_bytes_per_s=memory_gb_s * GB,
@@ -300,18 +345,34 @@ HOPPER_EFFICIENCY = {"matmul": 0.80, "attention": 0.35, "convolution": 0.5, "rnn
 DGX_HOST_BYTES = 256 * GIB  # stated: a DGX's 2 TB of system memory shared by its 8 GPUs
 PCIE_HOST_BYTES = 128 * GIB  # stated: a PCIe server's 1 TB shared by 8 GPUs
 GRACE_HOST_BYTES = 480 * GB  # GH200: the Grace CPU's LPDDR5X beside one GPU
+COLLECTIVE_PASSES = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}  # ring passes of N
+# Collective bus bandwidth (GB/s, nccl-tests busbw) inside an 8-GPU node and between nodes.
+# NVLink 4 (H100/H200 SXM, NVSwitch): 900 GB/s total, 450 each way; an nccl-tests sweep on
+# 8xH100 SXM5 reads 460-480 GB/s all_reduce busbw at large sizes (NVLink SHARP helps
+# all-reduce; Alaya NeW, "NCCL-tests in practice", docs.alayanew.com, 2026-05-06); ring
+# all-gather / reduce-scatter, which FSDP runs, take a stated 360 (0.8 of one direction). The
+# same page reads 230-250 on 8xA100 SXM4 (NVLink 3) and 35-45 on 8xH100 PCIe without NVSwitch.
+# Between nodes: InfiniBand NDR, 400 Gb/s (50 GB/s) per GPU on H100/H200 systems, HDR 200 Gb/s
+# (25 GB/s) on DGX A100; taken at 0.9 of the line rate (an estimate).
+NVLINK4_PEERS = (360.0, 45.0)
+NVLINK3_PEERS = (230.0, 22.5)
+PCIE_PEERS = (40.0, 45.0)
 
 PROFILES: Mapping[str, Hardware] = MappingProxyType(
     {
         "h100-pcie": _gpu("h100-pcie", HOPPER_PCIE, 2000, 52, 80, HOPPER_EFFICIENCY,
-                          PCIE_HOST_BYTES, "H100 PCIe 80GB, PCIe Gen5 host, 128 GiB host share"),
+                          PCIE_HOST_BYTES, "H100 PCIe 80GB, PCIe Gen5 host, 128 GiB host share",
+                          PCIE_PEERS),
         "h100-sxm": _gpu("h100-sxm", HOPPER, 3350, 52, 80, HOPPER_EFFICIENCY, DGX_HOST_BYTES,
-                         "H100 SXM5 80GB, PCIe Gen5 host, 256 GiB host share"),
+                         "H100 SXM5 80GB, PCIe Gen5 host, 256 GiB host share, NVLink 4, IB NDR",
+                         NVLINK4_PEERS),
         "h200": _gpu("h200", HOPPER, 4800, 52, 141, HOPPER_EFFICIENCY, DGX_HOST_BYTES,
-                     "H200 141GB, PCIe Gen5 host, 256 GiB host share"),
+                     "H200 141GB, PCIe Gen5 host, 256 GiB host share, NVLink 4, IB NDR",
+                     NVLINK4_PEERS),
         "a100": _gpu("a100", AMPERE, 2039, 25, 80,
                      {"matmul": 0.86, "attention": 0.6, "convolution": 0.6, "rnn": 0.3},
-                     DGX_HOST_BYTES, "A100 SXM 80GB, PCIe Gen4 host, 256 GiB host share"),
+                     DGX_HOST_BYTES, "A100 SXM 80GB, PCIe Gen4 host, 256 GiB host share, NVLink 3",
+                     NVLINK3_PEERS),
         "gh200": _gpu("gh200", HOPPER, 4000, 300, 96, {**HOPPER_EFFICIENCY, "matmul": 0.83},
                       GRACE_HOST_BYTES, "GH200 96GB, NVLink-C2C to 480 GB of Grace host memory"),
         "cpu": Hardware(

@@ -1,10 +1,13 @@
-"""Predict a step's timeline under a plan: three streams on a fake clock, memory from liveness.
+"""Predict a step's timeline under a plan: four streams on a fake clock, memory from liveness.
 
 ``simulate`` replays ``lower(graph, plan).actions``, the same program the rewriter emits, so what
 is predicted and what is run cannot drift apart. Compute actions run back to back on the compute
 stream; a swap-out runs on the device-to-host stream once its producer has finished; a swap-in runs
 on the host-to-device stream once its control op and its tensor's swap-out have finished; a wait
 holds the compute stream until its swap-in has landed, and that stall is the exposed transfer time.
+Collectives (``comm.*`` ops of a sharded graph, ``memfit.core.sharding``) run on a
+communication stream of their own once issued, and a ``comm.wait`` op holds the compute stream
+until its collective has landed; copies never queue behind them.
 
 Note:
     Memory is not simulated in time: it is ``memory_profile`` of the same schedule (program-order
@@ -22,6 +25,7 @@ from memfit.core.hardware import Hardware
 from memfit.core.host_memory import host_peak_bytes
 from memfit.core.plan import Plan
 from memfit.core.schedule import Action, lower, memory_profile
+from memfit.core.sharding import COLLECTIVE_KINDS, WAIT
 from memfit.core.timeline import Interval, Stream, Timeline
 
 
@@ -65,8 +69,9 @@ def simulate(
     intervals: list[Interval] = []
     time_s = {op.name: op.time_s for op in graph.ops}
     run = _run_async if hardware.async_copies else _run_sync
+    communication = _communication(graph)
     step_time_s, exposed_s, recompute_s = run(
-        actions, time_s, schedule.buffer_bytes, hardware, labels, intervals
+        actions, time_s, schedule.buffer_bytes, hardware, labels, intervals, communication
     )
     peak_index = profile.peak_index
     return Timeline(
@@ -84,6 +89,20 @@ def simulate(
     )
 
 
+COMM = ""  # in ``_communication``: the op is a collective (else: the collective it waits for)
+
+
+def _communication(graph: CostGraph) -> Mapping[str, str]:
+    """Op -> ``COMM`` for a collective, or the collective a ``comm.wait`` op waits for; empty
+    for a graph without collectives (every unsharded one)."""
+    def find() -> dict[str, str]:
+        found = {op.name: COMM for op in graph.ops if op.kind in COLLECTIVE_KINDS}
+        found.update({op.name: op.depends_on[0] for op in graph.ops if op.kind == WAIT})
+        return found
+
+    return graph.remembered("communication", find)
+
+
 def _run_async(
     actions: Sequence[Action],
     time_s: Mapping[str, float],
@@ -91,14 +110,19 @@ def _run_async(
     hardware: Hardware,
     labels: Sequence[str] | None,
     intervals: list[Interval],
+    communication: Mapping[str, str],
 ) -> tuple[float, float, float]:
-    """Time the actions on three streams; returns (step time, compute time lost to waits).
+    """Time the actions on four streams; returns (step time, compute time lost to waits for
+    copies, recompute time).
 
     Note:
         Each copy stream is a FIFO in program order, as a CUDA stream is. Without ``duplex`` both
-        directions share one queue, so ``d2h_free`` and ``h2d_free`` move together.
+        directions share one queue, so ``d2h_free`` and ``h2d_free`` move together. A collective
+        starts once the compute stream has reached it (what it reduces is made by then) and the
+        communication stream is free; a wait for it stalls compute, and that stall is not a copy's.
     """
-    compute_free = d2h_free = h2d_free = exposed_s = recompute_s = 0.0
+    compute_free = d2h_free = h2d_free = comm_free = exposed_s = recompute_s = 0.0
+    comm_end: dict[str, float] = {}
     compute_end: dict[str, float] = {}
     swap_out_end: dict[str, float] = {}
     swap_in_end: dict[tuple[str, int], float] = {}
@@ -106,7 +130,19 @@ def _run_async(
     for index, action in enumerate(actions):
         kind = action.kind
         stream: Stream
-        if kind == "compute":
+        waits_for = communication.get(action.op) if communication else None
+        if waits_for == COMM and kind == "compute":  # a collective, on its own stream
+            start = max(compute_free, comm_free)
+            compute_end[action.op] = compute_free
+            comm_free = comm_end[action.op] = end = start + time_s[action.op]
+            stream = "comm"
+        elif waits_for and kind == "compute":  # the compute stream waits for a collective
+            start, end = compute_free, comm_end[waits_for]
+            compute_end[action.op] = compute_free = max(start, end)
+            if end <= start:
+                continue
+            stream, kind = "compute", "wait"
+        elif kind == "compute":
             start = compute_free
             compute_free = compute_end[action.op] = end = start + time_s[action.op]
             stream = "compute"
@@ -136,7 +172,7 @@ def _run_async(
             stream = "compute"
         if labels is not None:
             intervals.append(Interval(stream, labels[index], start, end, kind))
-    return max(compute_free, d2h_free, h2d_free), exposed_s, recompute_s
+    return max(compute_free, d2h_free, h2d_free, comm_free), exposed_s, recompute_s
 
 
 def _run_sync(
@@ -146,6 +182,7 @@ def _run_sync(
     hardware: Hardware,
     labels: Sequence[str] | None,
     intervals: list[Interval],
+    communication: Mapping[str, str],
 ) -> tuple[float, float, float]:
     """Time the actions one after another on one thread; every copy is exposed.
 
@@ -159,7 +196,8 @@ def _run_sync(
         kind = action.kind
         stream: Stream
         if kind == "compute":
-            duration, stream = time_s[action.op], "compute"
+            collective = communication.get(action.op) == COMM if communication else False
+            duration, stream = time_s[action.op], "comm" if collective else "compute"
         elif kind == "recompute":
             duration, stream = time_s[action.op], "compute"
             recompute_s += duration

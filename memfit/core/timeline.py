@@ -13,7 +13,7 @@ from typing import Literal
 
 from memfit.core.files import write_text
 
-Stream = Literal["compute", "d2h", "h2d"]
+Stream = Literal["compute", "d2h", "h2d", "comm"]  # comm: collectives (sharded steps)
 
 
 @dataclass(frozen=True)

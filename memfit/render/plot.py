@@ -133,8 +133,11 @@ def _phase_lines(axes, timelines: Mapping[str, Timeline], common: frozenset[str]
 
 
 def _gantt_panel(axes, name: str, timeline: Timeline) -> None:
-    """The predicted compute / d2h / h2d streams of one timeline, coloured by action kind."""
-    for row, stream in enumerate(STREAMS):
+    """The predicted compute / d2h / h2d streams of one timeline, coloured by action kind (and
+    the communication stream of a sharded step's collectives, where it has one)."""
+    has_comm = any(interval.stream == "comm" for interval in timeline.intervals)
+    streams = (*STREAMS, "comm") if has_comm else STREAMS
+    for row, stream in enumerate(streams):
         by_kind: dict[str, list[tuple[float, float]]] = {}
         for interval in timeline.intervals:
             if interval.stream == stream and interval.end_s > interval.start_s:
@@ -142,8 +145,8 @@ def _gantt_panel(axes, name: str, timeline: Timeline) -> None:
                 by_kind.setdefault(interval.kind, []).append(span)
         for kind, spans in by_kind.items():
             axes.broken_barh(spans, (row - 0.4, 0.8), color=KIND_COLOURS.get(kind, "#999999"))
-    axes.set_yticks(range(len(STREAMS)), STREAMS)
-    axes.set_ylim(-0.6, len(STREAMS) + 0.4)  # room above the top row for the legend
+    axes.set_yticks(range(len(streams)), streams)
+    axes.set_ylim(-0.6, len(streams) + 0.4)  # room above the top row for the legend
     axes.set_xlabel(f"{timeline.source} time of {name!r} (ms)")
     handles = [axes.bar(0, 0, color=colour, label=kind) for kind, colour in KIND_COLOURS.items()]
     axes.legend(handles=handles, loc="upper right", fontsize=7, ncol=4)

@@ -34,9 +34,11 @@ class Planned:
 
 def plan_example(model: str, batch_size: int | None, model_args: Mapping[str, Any],
                  budget: str | Budget | None, hardware: str | Hardware, strategy: str | None,
-                 params: Mapping[str, Any], autocast: str | None = None) -> Planned:
+                 params: Mapping[str, Any], autocast: str | None = None, world_size: int = 1,
+                 sharding: str = "none") -> Planned:
     """Build ``examples.<model>``, capture its step and plan it for ``hardware``, under the
-    target's autocast (``"bf16"``, ``"fp16"``, ``None``; ``memfit.plan``'s ``autocast=``).
+    target's autocast (``"bf16"``, ``"fp16"``, ``None``; ``memfit.plan``'s ``autocast=``), one
+    rank of ``world_size`` under ``sharding``, as ``memfit.plan``.
 
     Note:
         The model is built on the CPU with random weights; its inputs are meta tensors, traced
@@ -49,6 +51,7 @@ def plan_example(model: str, batch_size: int | None, model_args: Mapping[str, An
     """
     from memfit import examples
     from memfit.core.hardware import get_hardware
+    from memfit.sharding import resolve_sharding
     from memfit.strategies import resolve_budget_and_strategy
     from memfit.traced import trace_plan
 
@@ -60,8 +63,9 @@ def plan_example(model: str, batch_size: int | None, model_args: Mapping[str, An
         raise ValueError(f"bad --model-arg for {model}: {error}") from None
     batch = batch_size or example.batch_size
     inputs = tuple(t.to("meta") for t in example.inputs(batch))  # shapes only: nothing runs
+    spread = resolve_sharding(example.model, sharding, world_size)
     planned = trace_plan(example.model, example.loss_fn, inputs, parsed, chosen, profile, params,
-                         what_ifs=True, autocast=autocast_dtype(autocast))
+                         what_ifs=True, autocast=autocast_dtype(autocast), sharding=spread)
     return Planned(model, batch, planned.graph, planned.plan, planned.baseline, planned.predicted,
                    planned.budget.device_bytes)
 

@@ -34,7 +34,8 @@ class CopyEngine:
     """Copy streams (device→host and host→device), events keyed by int, and a host pool.
 
     Args:
-        device: the compute device; ``"cpu"`` gives synchronous copies and no-op streams.
+        device: the compute device; ``"cpu"`` gives synchronous copies and no-op streams, and
+            so does ``"meta"`` (a model on the meta device is only planned, never run).
 
     Example:
         >>> engine = CopyEngine("cuda")
@@ -44,10 +45,10 @@ class CopyEngine:
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
-        if self.device.type != "cpu" and self.device.index is None:
+        self.is_accelerator = self.device.type not in ("cpu", "meta")
+        if self.is_accelerator and self.device.index is None:
             self.device = torch.device(self.device.type, torch.get_device_module(self.device).current_device())
-        self.module: Any = torch.get_device_module(self.device)
-        self.is_accelerator = self.device.type != "cpu"
+        self.module: Any = torch.get_device_module(self.device if self.is_accelerator else "cpu")
         self.host_pool = HostPool(self.device)
         self.events: dict[int, Any] = {}
         if self.is_accelerator:

@@ -272,3 +272,18 @@ def test_a_profile_without_a_required_field_says_which(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="is not JSON"):
         Hardware.load(path)
+
+
+def test_interconnect_fields_round_trip_and_are_checked():
+    sxm = get_hardware("h100-sxm")
+    assert sxm.collective_bytes_per_s == 360e9 and sxm.network_bytes_per_s == 45e9
+    assert Hardware.from_json(sxm.to_json()) == sxm
+    assert get_hardware("gh200").collective_bytes_per_s is None  # one GPU: no peer link
+    data = {**sxm.to_json(), "gpus_per_node": 8.5}
+    with pytest.raises(ValueError, match="'gpus_per_node' must be an integer"):
+        Hardware.from_json(data)
+    with pytest.raises(ValueError, match="collective_bytes_per_s must be positive"):
+        sxm.with_(collective_bytes_per_s=0.0)
+    with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
+        sxm.collective_time_s("broadcast", 1, 2)
+    assert sxm.collective_time_s("all_gather", 10**9, 1) == 0.0  # one rank moves nothing

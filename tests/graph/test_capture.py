@@ -163,5 +163,5 @@ def test_a_step_without_gradients_is_refused_with_the_reason():
     with torch.device("meta"):
         meta_gpt2 = examples.gpt2(layers=1)
     inputs = tuple(t.to("meta") for t in meta_gpt2.inputs())
-    with pytest.raises(CaptureError, match="meta device: build it on the CPU"):
+    with pytest.raises(CaptureError, match="meta device.*to_empty"):
         capture(meta_gpt2.model, meta_gpt2.loss_fn, *inputs)

@@ -92,3 +92,22 @@ def test_a_measured_timeline_is_never_labelled_simulated():
     _gantt_panel(axes, "run", measured)
     assert axes.get_xlabel() == "measured time of 'run' (ms)"
     plt.close(figure)
+
+
+def test_gantt_has_a_comm_row_only_for_a_sharded_step():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from memfit.core.sharding import shard_graph
+    from memfit.render.plot import _gantt_panel
+    from tests.core.test_sharding import HARDWARE, fsdp, layered
+
+    rows = {}
+    for name, graph in (("one", layered()), ("rank", shard_graph(layered(), fsdp(), HARDWARE))):
+        figure, axes = plt.subplots()
+        _gantt_panel(axes, name, simulate(graph, Plan("keep"), HARDWARE))
+        rows[name] = [label.get_text() for label in axes.get_yticklabels()]
+        plt.close(figure)
+    assert rows == {"one": ["compute", "d2h", "h2d"], "rank": ["compute", "d2h", "h2d", "comm"]}
