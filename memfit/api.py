@@ -27,7 +27,6 @@ from memfit.core.sharding import DEFAULT_BUCKET_BYTES
 from memfit.core.timeline import Timeline
 from memfit.core.units import Budget
 from memfit.graph.capture import check_inputs, input_signature
-from memfit.graph.target import check_autocast
 from memfit.planning import BudgetWarning, Planned, analyzed, plan_step, resolve_hardware
 from memfit.runtime.measure import measure_allocator_peak
 from memfit.runtime.measure import measure_peak as _measure_peak
@@ -344,7 +343,6 @@ def plan(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor,
         >>> plan = memfit.plan(model, loss_fn, tokens, budget="70GiB", hardware="h100-sxm",
         ...                    world_size=8, sharding="fsdp", optimizer=adamw)
     """
-    check_autocast(autocast)
     parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
     spread = resolve_sharding(model, sharding, world_size, fsdp_block, bucket_bytes)
     return trace_plan(model, loss_fn, inputs, parsed, chosen, get_hardware(hardware), params,

@@ -39,7 +39,6 @@ from memfit.core.plan import Plan
 from memfit.core.sharding import DEFAULT_BUCKET_BYTES, Sharding
 from memfit.core.timeline import Timeline
 from memfit.core.units import Budget, format_bytes
-from memfit.graph.target import check_autocast
 from memfit.planning import resolve_hardware
 from memfit.sharding import FsdpBlock, resolve_sharding
 from memfit.strategies import resolve_budget_and_strategy
@@ -188,7 +187,6 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}: "
                          "'throughput' for the fastest batch, 'largest' for the largest")
-    check_autocast(autocast)
     parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
     if parsed is None or parsed.bytes is None:
         raise ValueError(f"max_batch_size needs a budget in bytes ('80GiB'), not {budget!r}: "

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from memfit.core.sharding import DEFAULT_BUCKET_BYTES, SHARDING_KINDS, Sharding
+from memfit.core.sharding import DEFAULT_BUCKET_BYTES, Sharding
 
 FsdpBlock = type | Callable[[str, torch.nn.Module], bool] | Sequence[str] | None
 
@@ -73,10 +73,9 @@ def resolve_sharding(model: torch.nn.Module, sharding: str, world_size: int,
     """The ``Sharding`` of ``memfit.plan``'s keywords (units found only for FSDP).
 
     Raises:
-        ValueError: for an unknown kind, a bad world size or no unit found.
+        ValueError: for an unknown kind or a bad world size (``Sharding`` checks both), or no
+            unit found.
     """
-    if sharding not in SHARDING_KINDS:
-        raise ValueError(f"sharding must be one of {SHARDING_KINDS}, got {sharding!r}")
     units = fsdp_units(model, fsdp_block) if sharding == "fsdp" and world_size > 1 else ()
     return Sharding(sharding, world_size, units, bucket_bytes)  # type: ignore[arg-type]
 

@@ -23,6 +23,7 @@ from memfit.core.schedule import PlanError
 from memfit.core.sharding import Sharding, shard_graph
 from memfit.core.units import Budget
 from memfit.graph.capture import refuse_meta_parameters
+from memfit.graph.target import check_autocast
 from memfit.planning import DeviceBudget, Planned, plan_step
 from memfit.runtime.resident import reserved_state_bytes
 
@@ -144,6 +145,7 @@ def trace_plan(model: torch.nn.Module, loss_fn: Callable, inputs: Sequence[torch
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    check_autocast(autocast)  # here, not inside Dynamo's trace, where it would be wrapped
     refuse_meta_parameters(model)
     sharded = sharding is not None and sharding.active
     kind = _ShardedPlanOnly if sharded else _PlanOnly

@@ -16,8 +16,8 @@ FIX = "fix the file, or save a profile with hardware.save(path)"
 _NUMBER = "a number"
 _KINDS = {  # field -> the JSON kind it holds (a field not listed is a number)
     "name": "a string", "notes": "a string", "device_type": "a string", "duplex": "a boolean",
-    "async_copies": "a boolean",
-    "tf32_matmuls": "a boolean", "tf32_cudnn": "a boolean", "device_bytes": "an integer",
+    "async_copies": "a boolean", "tf32_matmuls": "a boolean", "tf32_cudnn": "a boolean",
+    "device_bytes": "an integer",
     "flops_per_s": "an object of numbers", "compute_efficiency": "an object of numbers",
     "d2h_pageable_bytes_per_s": "a number or null", "h2d_pageable_bytes_per_s": "a number or null",
     "host_bytes": "an integer or null", "gpus_per_node": "an integer",

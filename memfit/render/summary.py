@@ -70,12 +70,12 @@ def plan_example(model: str, batch_size: int | None, model_args: Mapping[str, An
                    planned.budget.device_bytes)
 
 
-
 def autocast_dtype(name: str | None) -> Any:
     """The torch dtype of a command line's ``--autocast`` (``"bf16"``, ``"fp16"``), or ``None``."""
     import torch
 
     return {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms" if seconds < 0.1 else f"{seconds * 1e3:.1f} ms"
