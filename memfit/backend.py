@@ -255,7 +255,8 @@ class Backend:
         Raises:
             BudgetError: if no plan of the strategy fits, before anything runs.
         """
-        hardware = agree_on_hardware(resolve_hardware(self.hardware_spec, device))
+        measured = self.hardware_spec is None and device.type not in ("cpu", "meta")
+        hardware = agree_on_hardware(resolve_hardware(self.hardware_spec, device), measured)
         elide_clones(joint)
         drop_unread_running_statistics(joint)
         record_scopes(joint, self.scope_prefix)

@@ -171,6 +171,8 @@ def _worker(rank: int, store_path: str, out_folder: str, name: str, engine: str,
                 result["fitted"] = _train(example, inputs, wrapped, fitted, optimizer)
                 break
             except memfit.BudgetError as error:  # every rank raises it, with the same minimum
+                if budget_bytes is not None:
+                    raise
                 budget = error.minimum_bytes
                 result.setdefault("refused", []).append(budget)
         result["weights"] = [_local(p) for p in wrapped.parameters()]

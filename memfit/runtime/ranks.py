@@ -41,8 +41,18 @@ def agreement_group() -> Any:
     default = dist.group.WORLD
     key = id(default)
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(backend="gloo")
+        with real_tensors():
+            _GROUPS[key] = dist.new_group(backend="gloo")
     return _GROUPS[key]
+
+
+def real_tensors() -> Any:
+    """No mode on the dispatch stack inside the block: planning runs under AOTAutograd's fake
+    mode (and on a CPU beside memfit's watch of eager code), where the tensors a collective
+    sends would be fake."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 def agree_max(values: list[int]) -> list[int]:
@@ -71,48 +81,25 @@ def agree_on(value: Any) -> Any:
     return box[0]
 
 
-def agree_on_hardware(hardware: Any) -> Any:
-    """Rank 0's profile on every rank (a GPU's is measured on each rank, and differs)."""
+def agree_on_hardware(hardware: Any, measured: bool) -> Any:
+    """Rank 0's profile on every rank where each rank ``measured`` its own (a GPU's differs
+    from rank to rank); a named or built-in profile is the same everywhere already."""
     from memfit.core.hardware import Hardware
 
-    if agreement_group() is None:
+    if not measured or agreement_group() is None:
         return hardware
     return Hardware.from_json(agree_on(hardware.to_json()), "rank 0's hardware profile")
-
-
-def gathered(value: Any) -> list[Any]:
-    """``value`` of every rank, in rank order (``[value]`` without a process group)."""
-    group = agreement_group()
-    if group is None:
-        return [value]
-    import torch.distributed as dist
-
-    found: list[Any] = [None] * dist.get_world_size()
-    with real_tensors():
-        dist.all_gather_object(found, value, group=group)
-    return found
-
-
-def real_tensors() -> Any:
-    """No mode on the dispatch stack inside the block: planning runs under AOTAutograd's fake
-    mode (and on a CPU beside memfit's watch of eager code), where the tensors a collective
-    sends would be fake."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    return _disable_current_modes()
 
 
 def raise_if_any_failed(error: BudgetError | None) -> None:
     """Raise a ``BudgetError`` on every rank where any rank's planning raised one: this rank's
     own where it failed, else the failing rank's numbers (the largest smallest peak)."""
-    failures = gathered(None if error is None else (error.budget_bytes, error.minimum_bytes,
-                                                    error.strategy))
+    failed, minimum_bytes, budget_bytes = agree_max(
+        [0, 0, 0] if error is None else [1, error.minimum_bytes, error.budget_bytes])
     if error is not None:
         raise error
-    found = [failure for failure in failures if failure is not None]
-    if found:
-        budget_bytes, minimum_bytes, strategy = max(found, key=lambda failure: failure[1])
-        raise BudgetError(budget_bytes, minimum_bytes, strategy=strategy,
+    if failed:
+        raise BudgetError(budget_bytes, minimum_bytes, strategy="auto",
                           note="Another rank of this job could not fit its region; every rank "
                                "stops here, so that none waits for the others in a collective.")
 
@@ -124,16 +111,18 @@ def plan_digest(plan: Any) -> str:
     data = plan_to_json(plan)
     data.pop("explanation", None)
     text = json.dumps(data, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return hashlib.sha256(text.encode()).hexdigest()[:15]
 
 
 def agree_on_plan(plan: Any) -> tuple[Any, bool]:
     """Rank 0's plan where the ranks' digests differ (``plan`` itself where they agree), and
-    whether it was taken from rank 0."""
+    whether it was taken from rank 0. The digests are compared by the largest and the smallest
+    over the ranks (a fixed-size all-reduce; the plan itself travels only where they differ)."""
     from memfit.core.plan_json import plan_from_json, plan_to_json
 
-    digests = gathered(plan_digest(plan))
-    if len(set(digests)) <= 1:
+    digest = int(plan_digest(plan), 16)
+    largest, negated_smallest = agree_max([digest, -digest])
+    if largest == -negated_smallest:
         return plan, False
     return plan_from_json(agree_on(plan_to_json(plan)), "rank 0's plan"), True
 
