@@ -55,29 +55,12 @@ def real_tensors() -> Any:
     return _disable_current_modes()
 
 
-_SEQ = [0]
-
-
-def _trace(kind: str, size: int) -> None:
-    import os, traceback
-    path = os.environ.get("MEMFIT_TRACE_RANKS")
-    if not path:
-        return
-    import torch.distributed as dist
-    _SEQ[0] += 1
-    frames = traceback.extract_stack(limit=6)[:-2]
-    where = " < ".join(f"{f.name}:{f.lineno}" for f in reversed(frames))
-    with open(f"{path}.{os.getpid()}.r{dist.get_rank()}", "a") as out:
-        out.write(f"{_SEQ[0]} {kind} {size} {where}\n")
-
-
 def agree_max(values: list[int]) -> list[int]:
     """Each value's largest over the ranks (``values`` as given without a process group)."""
     group = agreement_group()
     if group is None:
         return list(values)
     import torch.distributed as dist
-    _trace("max", len(values))
 
     with real_tensors():
         tensor = torch.tensor(values, dtype=torch.int64)
@@ -93,7 +76,6 @@ def agree_on(value: Any) -> Any:
     import torch.distributed as dist
 
     box = [value]
-    _trace("bcast", 0)
     with real_tensors():
         dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
