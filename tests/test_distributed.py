@@ -23,6 +23,7 @@ for the others in a collective).
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 import pickle
 import time
@@ -43,7 +44,12 @@ WORLD_SIZE = 2
 FRACTION = 0.5
 ITERATIONS = 3
 ATTEMPTS = 4  # where the fraction does not fit: at auto's smallest peak, as a user would
-TIMEOUT_S = int(os.environ.get("MEMFIT_RANK_TIMEOUT_S", 240))  # a rank that waits longer is stuck in a collective: the test fails, not hangs
+# A rank that runs longer is stuck: it dumps its stack and exits, and the test fails instead of
+# hanging CI. Generous, because planning is CPU-bound: beside other work at a load of 9 on two
+# cores, unet3d-fsdp's first step took 99 s and the five tests 15 min (idle: 87 s in all); the
+# 240 s this was before fired on such runs, which looked like hangs (both ranks seen waiting in
+# one agreement) but completed here each time the watchdog let them (4 of 4 and 1 of 1).
+TIMEOUT_S = int(os.environ.get("MEMFIT_RANK_TIMEOUT_S", 900))
 # (model, engine) -> the iteration from which the measured peak is within the budget (None:
 # not claimed). The UNet's loss is computed outside the model: its CPU ``mse_loss`` buffer is
 # read on the first iteration and planned for from the second (tests/models/test_fit_models.py).
@@ -146,7 +152,7 @@ def _worker(rank: int, store_path: str, out_folder: str, name: str, engine: str,
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD_SIZE), rank=rank,
-                            world_size=WORLD_SIZE)
+                            world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     result: dict = {"rank": rank}
     try:
         example = _example(name)
