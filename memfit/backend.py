@@ -59,7 +59,7 @@ from memfit.graph.rewrite import rewrite
 from memfit.graph.rnn import eager_lstm_kernels, run_rnn_layers_for_training, size_lstm_buffers
 from memfit.graph.target import host_code, retargeted
 from memfit.graph_breaks import (
-    compiling_code,
+    compiling_site,
     latest_regions,
     save_at_most,
     saves_caps,
@@ -72,8 +72,15 @@ from memfit.replanning import (
     plan_again_when_stale,
 )
 from memfit.runtime.outside import EagerWatch
+from memfit.runtime.ranks import (
+    agree_max,
+    agree_on_eager_bytes,
+    agree_on_hardware,
+    agree_on_plan,
+    raise_if_any_failed,
+)
 from memfit.runtime.region_peak import measure_region_run
-from memfit.runtime.resident import resident_bytes
+from memfit.runtime.resident import local_tensor, resident_bytes
 from memfit.runtime.streams import CopyEngine, active_engine
 
 COMPILERS = ("aot_eager", "inductor")
@@ -104,6 +111,8 @@ class Region:
     saved_bytes: int = 0  # device bytes its forward saves for its backward
     open_forwards: int = 0  # forwards run whose backward has not run yet (their saves are alive)
     code: Any = None  # the code object Dynamo compiled it from: its place in the user's program
+    site: Any = None  # its code and the module it runs for (``compiling_site``): one per region
+    # an iteration runs, which a newer plan of the same site replaces
     pending_bytes: int = 0  # saves of earlier regions (before a graph break) it planned around
     minimum_bytes: int | None = None  # its smallest peak, where it could not fit the budget
     saves_cap_bytes: int | None = None  # the most its forward may save, planned jointly
@@ -122,6 +131,7 @@ class Region:
     output_names: tuple[str | None, ...] = ()  # its graph's tensor of each user-visible output
     output_tangents: tuple[str | None, ...] = ()  # each output's tangent, if not a loss's seed
     output_storages: tuple = field(default=(), repr=False)  # weakly, of its latest forward
+    saved_storages: tuple = field(default=(), repr=False)  # weakly, what its forwards saved
     backward_input_names: tuple[str, ...] = ()  # its backward module's placeholders, in order
     observed: tuple | None = None  # what the loop held and passed at its latest backward
     eager_forward_bytes: int = 0  # most bytes eager code held at its measured forwards' start
@@ -167,11 +177,11 @@ class Backend:
         self.replans = 0  # plans made again because more stayed resident than planned for
         self.measure_runs = measure_runs  # forward+backward runs measured per region
         self.warn_over_prediction = True  # off where a closed loop re-plans (memfit.compile)
-        self.saves_caps: dict[Any, int] = {}  # code object -> most bytes its forward may save
+        self.saves_caps: dict[Any, int] = {}  # site -> most bytes its forward may save
         self.joint_rounds = 0  # times the regions were planned again jointly
         self.joint_failed = False  # planning jointly could not make a region fit (said once)
         self.eager_codes: list[str] = []  # code Dynamo stopped compiling (its recompile limit)
-        self.eager_held: dict[Any, int] = {}  # code -> eager code's bytes its plan counts
+        self.eager_held: dict[Any, int] = {}  # site -> eager code's bytes its plan counts
         self.eager_replans = 0  # times regions were planned again for what eager code held
         self.eager_gave_up = False  # eager code held more each time: no longer planned for
         self._eager_watch: EagerWatch | None = None  # on a CPU, over the measured iterations
@@ -196,22 +206,22 @@ class Backend:
 
     def __call__(self, graph_module: fx.GraphModule, example_inputs: list) -> Any:
         device = device_of(example_inputs)
-        code = compiling_code()
+        site = compiling_site()
         first = len(self.regions)
-        compiled = self.compile_region(graph_module, example_inputs, device, code)
+        compiled = self.compile_region(graph_module, example_inputs, device, site)
         if len(self.regions) == first:  # no joint graph (an inference region): nothing planned
             return compiled
-        return plan_again_when_stale(self, graph_module, device, code, compiled,
+        return plan_again_when_stale(self, graph_module, device, site, compiled,
                                      self.regions[first:])
 
-    def compile_region(self, graph_module: fx.GraphModule, example_inputs: list, device: torch.device,
-                 code: Any) -> Any:
+    def compile_region(self, graph_module: fx.GraphModule, example_inputs: list,
+                       device: torch.device, site: Any) -> Any:
         """The region compiled with memfit as its partitioner (``plan_region``): by Dynamo's
         call, and again by ``memfit.replanning`` to plan it anew, from the same graph."""
         self._parameters = self._resident_counted = None  # count what is resident afresh
         self.device = device
         with self._target(device):
-            return self._compile_region(graph_module, example_inputs, device, code)
+            return self._compile_region(graph_module, example_inputs, device, site)
 
     def _target(self, device: torch.device) -> contextlib.AbstractContextManager:
         """The capture personality of a planning-only trace (``memfit.graph.target``)."""
@@ -220,7 +230,7 @@ class Backend:
         return retargeted(resolve_hardware(self.hardware_spec, device), device, self.autocast)
 
     def _compile_region(self, graph_module: fx.GraphModule, example_inputs: list,
-                        device: torch.device, code: Any) -> Any:
+                        device: torch.device, site: Any) -> Any:
         from torch._dynamo.backends.common import aot_autograd
 
         engine = CopyEngine(device)
@@ -235,34 +245,35 @@ class Backend:
                     "compiler='aot_eager' for plans with swaps", BudgetWarning, stacklevel=2)
 
             return compile_with_inductor(graph_module, example_inputs,
-                                         self._partition(device, code), engine,
+                                         self._partition(device, site), engine,
                                          _inductor_runner(engine, self))
         compile_module = _runner(engine, self)
         with eager_lstm_kernels():  # nn.LSTM traced as eager runs it (memfit.graph.rnn)
             return aot_autograd(fw_compiler=compile_module, bw_compiler=compile_module,
-                                partition_fn=self._partition(device, code),
+                                partition_fn=self._partition(device, site),
                                 decompositions=DECOMPOSE,
                                 keep_inference_input_mutations=True)(graph_module, example_inputs)
 
-    def _partition(self, device: torch.device, code: Any):
+    def _partition(self, device: torch.device, site: Any):
         def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int,
                       static_lifetime_input_indices: list[int] | None = None, **_):
             with host_code():  # planning is memfit's code, not the target's step
                 return self.plan_region(joint, device, num_fwd_outputs,
-                                        static_lifetime_input_indices, code)
+                                        static_lifetime_input_indices, site)
 
         return partition
 
     def plan_region(self, joint: fx.GraphModule, device: torch.device, num_fwd_outputs: int,
-                    static_lifetime_input_indices: list[int] | None, code: Any = None
+                    static_lifetime_input_indices: list[int] | None, site: Any = None
                     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         """Plan one region's joint graph and split the rewritten program into its two modules;
-        ``code`` is the code object Dynamo compiled the region from (see ``Region.code``).
+        ``site`` is where Dynamo compiled the region from (see ``Region.site``).
 
         Raises:
             BudgetError: if no plan of the strategy fits, before anything runs.
         """
-        hardware = resolve_hardware(self.hardware_spec, device)
+        measured = self.hardware_spec is None and device.type not in ("cpu", "meta")
+        hardware = agree_on_hardware(resolve_hardware(self.hardware_spec, device), measured)
         elide_clones(joint)
         drop_unread_running_statistics(joint)
         record_scopes(joint, self.scope_prefix)
@@ -278,12 +289,14 @@ class Backend:
                      if binding.kind == "parameter")
         trainable = trainable_parameter_bytes(joint, num_fwd_outputs, captured.inputs)
         later = self._later_gradient_bytes(device, trainable)
-        graph = with_later_gradients(graph, later)
-        eager = self.eager_held.get(code, 0)  # seen held by eager code beside it
+        eager = self.eager_held.get(site, 0)  # seen held by eager code beside it
         resident = resident_bytes(self.model, self.optimizers, device)
         # regions whose forward ran and whose backward has not hold their saved values meanwhile
         # (a model with graph breaks: the later region plans around the earlier one's saves)
         pending = sum(region.saved_bytes * region.open_forwards for region in self.regions)
+        # the rank holding most (uneven shards) plans for every rank (memfit.runtime.ranks)
+        later, eager, resident, pending = agree_max([later, eager, resident, pending])
+        graph = with_later_gradients(graph, later)
         outside = max(0, resident - inside) + pending + eager
 
         def lower(plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule, int]:
@@ -291,18 +304,28 @@ class Backend:
                                       num_fwd_outputs, static_lifetime_input_indices)
             return forward, backward, saved_device_bytes(forward, num_fwd_outputs)
 
-        planned, budget_bytes, minimum = self._choose(graph, hardware, outside, pending, eager)
+        try:
+            planned, budget_bytes, minimum = self._choose(graph, hardware, outside, pending,
+                                                          eager)
+        except BudgetError as error:
+            raise_if_any_failed(error)  # on every rank, so that none waits in a collective
+        raise_if_any_failed(None)
         made, predicted = planned.plan, planned.predicted
         forward, backward, saved = lower(made)
-        cap = self.saves_caps.get(code)
+        cap = self.saves_caps.get(site)
         if cap is not None and budget_bytes is not None and saved > cap:
             made, (forward, backward, saved) = self._save_at_most(cap, graph, hardware, outside,
                                                                   budget_bytes, lower)
             predicted = simulate(graph, made, hardware)
+        made, from_rank_0 = agree_on_plan(made)
+        if from_rank_0:  # this rank chose otherwise from the same numbers: rank 0's plan runs
+            forward, backward, saved = lower(made)
+            predicted = simulate(graph, made, hardware)
         forward.meta[REGION_KEY] = backward.meta[REGION_KEY] = index
         self.regions.append(Region(index, graph, made, planned.baseline, predicted,
                                    budget_bytes, outside, forward, backward, resident, saved,
-                                   code=code, pending_bytes=pending, minimum_bytes=minimum,
+                                   code=site[0] if isinstance(site, tuple) else site, site=site,
+                                   pending_bytes=pending, minimum_bytes=minimum,
                                    saves_cap_bytes=cap, hardware=hardware, bound=predicted,
                                    trainable_bytes=trainable, later_gradient_bytes=later,
                                    output_names=output_tensor_names(joint, num_fwd_outputs,
@@ -320,9 +343,9 @@ class Backend:
         micro-batches) are resident, counted in ``outside``."""
         if self.model is None:
             return 0
-        without_grad = {StorageWeakRef(p.untyped_storage()): p.untyped_storage().nbytes()
-                        for p in self.model.parameters()
-                        if p.requires_grad and p.grad is None and p.device == device}
+        local = [local_tensor(p).untyped_storage() for p in self.model.parameters()
+                 if p.requires_grad and p.grad is None and p.device == device]
+        without_grad = {StorageWeakRef(storage): storage.nbytes() for storage in local}
         earlier = sum(region.trainable_bytes for region in self.regions
                       if region.open_forwards and not region.replaced)
         return max(0, sum(without_grad.values()) - trainable - earlier)
@@ -381,6 +404,7 @@ class Backend:
         current = latest_regions(self.regions)
         if any(region.open_forwards for region in current):
             return
+        agree_on_eager_bytes(current)
         grown = self.make_room_for_eager(current)
         if self.joint_failed:
             return
@@ -389,7 +413,7 @@ class Backend:
             return
         caps = saves_caps(current, grown)
         if self.joint_rounds >= MAX_JOINT_ROUNDS or all(
-                self.saves_caps.get(code) == cap for code, cap in caps.items()):
+                self.saves_caps.get(site) == cap for site, cap in caps.items()):
             self._joint_failed(short[0])  # nothing new to plan for: no caps, or the same again
             return
         self.joint_rounds += 1
@@ -448,7 +472,7 @@ class Backend:
                 stacklevel=2)
             return {}
         for region, held in needed:
-            self.eager_held[region.code] = held  # its code's next plan counts them
+            self.eager_held[region.site] = held  # its site's next plan counts them
         fitting = [region for region, _ in needed if region.minimum_bytes is None]
         if fitting:  # a short region runs at its smallest peak: only joint planning helps it
             self.eager_replans += 1
@@ -552,7 +576,8 @@ class Backend:
         key = (device, len(self.optimizers), tuple(p.grad is None for p in parameters),
                tuple((len(o.param_groups), len(o.state)) for o in self.optimizers))
         if self._resident_counted is None or self._resident_counted[0] != key:
-            self._resident_counted = (key, resident_bytes(self.model, self.optimizers, device))
+            counted = resident_bytes(self.model, self.optimizers, device)
+            self._resident_counted = (key, agree_max([counted])[0])  # as plan_region counts
         return self._resident_counted[1]
 
     def must_plan_again(self, regions: list[Region], device: torch.device) -> bool:

@@ -41,7 +41,10 @@ def fit(model: torch.nn.Module, budget: str | int | float | None = None,
         >>> model = memfit.fit(model, budget=0.5, optimizer=optimizer)
         >>> loss = model(**batch).loss; loss.backward(); optimizer.step()
     """
+    from memfit.runtime.ranks import agreement_group
+
     planner = backend(budget, strategy, hardware, compiler, optimizer, model=model, **params)
+    agreement_group()  # in a distributed job: made here, where every rank calls fit, not mid-step
     _watch_optimizers(planner)
     compiled = torch.compile(model, backend=planner, dynamic=False)
     compiled.__class__ = _fitted_class()

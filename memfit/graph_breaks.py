@@ -11,7 +11,7 @@ what the short region leaves for them, and each region is planned anew before it
 from the next iteration on the whole iteration fits.
 
 Example:
-    >>> caps = saves_caps(latest_regions(backend.regions))  # {code: most bytes it may save}
+    >>> caps = saves_caps(latest_regions(backend.regions))  # {site: most bytes it may save}
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from types import CodeType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -27,30 +26,46 @@ if TYPE_CHECKING:
     from memfit.core.plan import Plan
 
 
-def compiling_code() -> CodeType | None:
-    """The code object Dynamo is compiling now: a region's place in the user's program (a
-    function, or the function Dynamo resumes after a graph break). ``None`` outside Dynamo."""
+def compiling_site() -> Any:
+    """Where the region Dynamo is compiling now runs in one iteration: its code object, the
+    module whose method it is (by id) where it is one, and its place among the regions of one
+    Dynamo compile. A model whose blocks Dynamo compiles one by one (FSDP2's per-block
+    ``fully_shard``: its hooks are skipped, so each block is a region between graph breaks)
+    runs one code object as several regions per iteration, and DDP's ``DDPOptimizer`` splits one
+    frame's graph into a region per gradient bucket; keyed by the code alone, they would replace
+    one another in ``latest_regions`` and share one saves cap. A new shape of the same block is
+    the same site, and replaces its older region. ``None`` outside Dynamo."""
+    import torch
     from torch._dynamo.symbolic_convert import InstructionTranslator
 
     try:
         translator = InstructionTranslator.current_tx()
     except AttributeError:  # no translation running (a backend called by hand)
         return None
-    return getattr(translator, "f_code", None)
+    code = getattr(translator, "f_code", None)
+    owner = getattr(translator, "f_locals", {}).get("self")
+    place = _REGIONS_COMPILED.get(translator, 0)
+    _REGIONS_COMPILED[translator] = place + 1
+    if not isinstance(owner, torch.nn.Module) and not place:
+        return code
+    return code, id(owner) if isinstance(owner, torch.nn.Module) else None, place
+
+
+_REGIONS_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per Dynamo compile
 
 
 def latest_regions(regions: Sequence[Region]) -> list[Region]:
-    """The newest region of each code object, in the order they were first compiled: the
-    regions one iteration runs now (a re-planned code replaces its older regions)."""
+    """The newest region of each site (``compiling_site``), in the order they were first
+    compiled: the regions one iteration runs now (a re-planned site replaces its older ones)."""
     newest: dict[Any, Region] = {}
     for region in regions:
         if not region.replaced:
-            newest[region.code if region.code is not None else region.index] = region
+            newest[region.site if region.site is not None else region.index] = region
     return sorted(newest.values(), key=lambda region: region.index)
 
 
 def saves_caps(regions: Sequence[Region], grown_bytes: Mapping[int, int] | None = None
-               ) -> dict[CodeType, int]:
+               ) -> dict[Any, int]:
     """The most device bytes each earlier region may save so that every region that ran short
     fits its budget: what a short region has for the saves before it (its budget less its
     smallest peak without them) split among the earlier regions in proportion to what they
@@ -58,20 +73,20 @@ def saves_caps(regions: Sequence[Region], grown_bytes: Mapping[int, int] | None 
     ``grown_bytes``: region index -> bytes its next plan counts beyond this one's (eager code's,
     ``Backend.make_room_for_eager``), which raise its smallest peak by at most as much.
     """
-    caps: dict[CodeType, int] = {}
+    caps: dict[Any, int] = {}
     for position, short in enumerate(regions):
         if short.minimum_bytes is None or short.budget_bytes is None:
             continue
         grown = (grown_bytes or {}).get(short.index, 0)
         room = short.budget_bytes - (short.minimum_bytes + grown - short.pending_bytes)
         earlier = [region for region in regions[:position]
-                   if region.code is not None and region.saved_bytes]
+                   if region.site is not None and region.saved_bytes]
         total = sum(region.saved_bytes for region in earlier)
         if room <= 0 or not total:
             continue
         for region in earlier:
             share = room * region.saved_bytes // total
-            caps[region.code] = min(caps.get(region.code, share), share)
+            caps[region.site] = min(caps.get(region.site, share), share)
     return caps
 
 

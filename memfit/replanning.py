@@ -12,7 +12,7 @@ region's callable compiles its own Dynamo graph again with memfit as the partiti
 this region is planned again, and Dynamo traces nothing again.
 
 Example:
-    >>> compiled = plan_again_when_stale(planner, graph_module, device, code, compiled, regions)
+    >>> compiled = plan_again_when_stale(planner, graph_module, device, site, compiled, regions)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 
 def plan_again_when_stale(planner: Backend, graph_module: fx.GraphModule, device: torch.device,
-                          code: Any, compiled: Callable[..., Any],
+                          site: Any, compiled: Callable[..., Any],
                           regions: list[Region]) -> Callable[..., Any]:
     """``compiled`` (the region planned as ``regions``), compiled again from ``graph_module``
     with the arguments of the first run that ``planner.must_plan_again`` says needs a new plan.
@@ -43,7 +43,7 @@ def plan_again_when_stale(planner: Backend, graph_module: fx.GraphModule, device
         if planner.must_plan_again(current[1], device):
             first = len(planner.regions)
             with _generators_kept(device), planner.eager_watch_off():
-                current[0] = planner.compile_region(graph_module, list(args), device, code)
+                current[0] = planner.compile_region(graph_module, list(args), device, site)
             current[1] = planner.regions[first:] or current[1]
         return current[0](*args)
 

@@ -12,8 +12,8 @@ from memfit.graph_breaks import latest_regions, save_at_most, saves_caps
 
 
 def region(index, code, saved_bytes, budget_bytes=100, minimum_bytes=None, pending_bytes=0,
-           replaced=False):
-    return SimpleNamespace(index=index, code=code, saved_bytes=saved_bytes,
+           replaced=False, site=None):
+    return SimpleNamespace(index=index, code=code, site=site or code, saved_bytes=saved_bytes,
                            budget_bytes=budget_bytes, minimum_bytes=minimum_bytes,
                            pending_bytes=pending_bytes, replaced=replaced)
 
@@ -43,6 +43,12 @@ def test_the_latest_region_of_each_code_is_the_current_one():
     old = region(0, "a", 1, replaced=True)
     regions = [old, region(1, "b", 1), region(2, "a", 1)]
     assert [r.index for r in latest_regions(regions)] == [1, 2]
+
+
+def test_one_code_run_for_several_modules_is_a_region_each():
+    # FSDP2's per-block regions: one block's forward code, one site per block module
+    blocks = [region(index, "block", 1, site=("block", index)) for index in range(3)]
+    assert [r.index for r in latest_regions(blocks)] == [0, 1, 2]
 
 
 def plan_at(budget_bytes):

@@ -119,10 +119,17 @@ def _same_layout(tangent: object, tensor: torch.Tensor) -> bool:
 
 
 def remember_outputs(region: Region, outputs: Sequence) -> None:
-    """Note the storages of a forward run's user-visible outputs, weakly (``observe_loop``)."""
+    """Note the storages of a forward run's user-visible outputs, weakly (``observe_loop``),
+    and those of the values it saved for its backward (counted as the region's saves while
+    they wait, so not as eager code's bytes: ``memfit.runtime.region_peak``)."""
+    visible = len(region.output_names)
     region.output_storages = tuple(
         StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
-        for value in outputs[:len(region.output_names)])
+        for value in outputs[:visible])
+    saved = tuple(StorageWeakRef(value.untyped_storage()) for value in outputs[visible:]
+                  if isinstance(value, torch.Tensor))
+    alive = tuple(reference for reference in region.saved_storages if not reference.expired())
+    region.saved_storages = alive + saved
 
 
 def tangents_given(region: Region, args: Sequence) -> tuple[tuple[str, object], ...]:

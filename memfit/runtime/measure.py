@@ -111,11 +111,12 @@ def _unique_bytes(tree: Any, device: torch.device) -> int:
     from torch.multiprocessing.reductions import StorageWeakRef
 
     from memfit.runtime.host import is_host_storage
+    from memfit.runtime.resident import local_tensor
 
     sizes: dict[StorageWeakRef, int] = {}
     for leaf in tree_leaves(tree):
         if isinstance(leaf, torch.Tensor) and leaf.device == device:
-            storage = leaf.untyped_storage()
+            storage = local_tensor(leaf).untyped_storage()  # a DTensor's shard
             if not is_host_storage(storage):
                 sizes.setdefault(StorageWeakRef(storage), storage.nbytes())
     return sum(sizes.values())

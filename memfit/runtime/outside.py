@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_leaves
 
 from memfit.runtime.host import is_host_storage
+from memfit.runtime.resident import local_tensor
 
 
 class EagerWatch(TorchDispatchMode):
@@ -66,7 +67,7 @@ class EagerWatch(TorchDispatchMode):
                     or leaf.device != self.device or leaf.is_meta
                     or torch._subclasses.fake_tensor.is_fake(leaf)):
                 continue
-            storage = leaf.untyped_storage()
+            storage = local_tensor(leaf).untyped_storage()  # a DTensor's shard
             if not is_host_storage(storage):
                 self._storages.setdefault(StorageWeakRef(storage), storage.nbytes())
         if len(self._storages) > 2 * self._pruned_at + 1024:  # drop the dead now and then
@@ -76,13 +77,15 @@ class EagerWatch(TorchDispatchMode):
         self._storages = {ref: size for ref, size in self._storages.items() if not ref.expired()}
         self._pruned_at = len(self._storages)
 
-    def held_bytes(self, counted: Iterable[Any]) -> int:
-        """Bytes of the noted storages alive now, less those of the tensors in ``counted``
-        (what memfit counts already: the model, optimizer state, the region's arguments)."""
+    def held_bytes(self, counted: Iterable[Any], storages: Iterable[StorageWeakRef] = ()) -> int:
+        """Bytes of the noted storages alive now, less those of the tensors in ``counted`` and
+        of ``storages`` (what memfit counts already: the model, optimizer state, the region's
+        arguments, the saves of open regions)."""
         self._prune()
-        known = {StorageWeakRef(leaf.untyped_storage()) for leaf in tree_leaves(list(counted))
+        known = {StorageWeakRef(local_tensor(leaf).untyped_storage()) for leaf in tree_leaves(list(counted))
                  if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided
                  and not leaf.is_meta}
+        known.update(storages)
         return sum(size for ref, size in self._storages.items() if ref not in known)
 
     @contextlib.contextmanager
@@ -132,7 +135,7 @@ def cuda_outside_bytes(device: torch.device, counted: Iterable[Any], saves_bytes
     sizes: dict[StorageWeakRef, int] = {}
     for leaf in tree_leaves(list(counted)):
         if isinstance(leaf, torch.Tensor) and leaf.device == device:
-            storage = leaf.untyped_storage()
+            storage = local_tensor(leaf).untyped_storage()
             blocks = -(-storage.nbytes() // CUDA_BLOCK_BYTES)
             sizes.setdefault(StorageWeakRef(storage), blocks * CUDA_BLOCK_BYTES)
     return max(0, torch.cuda.memory_allocated(device) - sum(sizes.values()) - saves_bytes)

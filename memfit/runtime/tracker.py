@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from memfit.runtime.host import is_host_storage
+from memfit.runtime.resident import local_tensor
 
 
 class DeviceMemoryTracker(TorchDispatchMode):
@@ -63,7 +64,7 @@ class DeviceMemoryTracker(TorchDispatchMode):
     def _count(self, tensor: torch.Tensor) -> None:
         if tensor.layout != torch.strided or not self._on_device(tensor.device):
             return  # sparse and nested tensors have no single storage; MemTracker skips them too
-        storage = tensor.untyped_storage()
+        storage = local_tensor(tensor).untyped_storage()  # a DTensor's shard
         storage_id = id(storage)
         entry = self._counted.get(storage_id)
         if entry is not None and entry[0]() is storage:

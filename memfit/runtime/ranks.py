@@ -1,0 +1,151 @@
+"""Ranks of a ``torch.distributed`` job that plan alike: the same plan on every rank, the same
+error on every rank.
+
+Under DDP or FSDP2 each rank runs memfit's backend on its own copy of the same program. A plan
+depends on numbers each rank finds for itself: the bytes resident beside a region (FSDP2's
+shards are uneven where a dimension does not divide by the world size), what eager code was
+seen to hold (read from each rank's allocator), a GPU's measured profile. Ranks that planned
+differently would recompute different tensors, and a rank whose plan failed while the others
+went on would leave them waiting in their next collective. So every number a plan depends on
+is agreed first (the largest over ranks: a plan that fits the rank holding most fits all), the
+profile is rank 0's, each plan's digest is compared (rank 0's plan is taken where they still
+differ), and a ``BudgetError`` on any rank is raised on every rank.
+
+The agreement runs on a gloo group of its own, made when first needed (all ranks plan at the
+same points of the same program, so they reach it together), so that it neither queues behind
+nor reorders the model's own collectives, whatever their backend.
+
+Example:
+    >>> resident, eager = agree_max([resident, eager])  # without a process group: as given
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+
+from memfit.core.errors import BudgetError
+
+_GROUPS: dict[int, Any] = {}  # the default group's id -> memfit's gloo group beside it
+
+
+def agreement_group() -> Any:
+    """memfit's gloo group over every rank, or ``None`` outside a job of two or more ranks."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    default = dist.group.WORLD
+    key = id(default)
+    if key not in _GROUPS:
+        with real_tensors():
+            _GROUPS[key] = dist.new_group(backend="gloo")
+    return _GROUPS[key]
+
+
+def real_tensors() -> Any:
+    """No mode on the dispatch stack inside the block: planning runs under AOTAutograd's fake
+    mode (and on a CPU beside memfit's watch of eager code), where the tensors a collective
+    sends would be fake."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def agree_max(values: list[int]) -> list[int]:
+    """Each value's largest over the ranks (``values`` as given without a process group)."""
+    group = agreement_group()
+    if group is None:
+        return list(values)
+    import torch.distributed as dist
+
+    with real_tensors():
+        tensor = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        return [int(value) for value in tensor.tolist()]
+
+
+def agree_on(value: Any) -> Any:
+    """Rank 0's ``value`` (pickled) on every rank: what only one rank should decide."""
+    group = agreement_group()
+    if group is None:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    with real_tensors():
+        dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def agree_on_hardware(hardware: Any, measured: bool) -> Any:
+    """Rank 0's profile on every rank where each rank ``measured`` its own (a GPU's differs
+    from rank to rank); a named or built-in profile is the same everywhere already."""
+    from memfit.core.hardware import Hardware
+
+    if not measured or agreement_group() is None:
+        return hardware
+    return Hardware.from_json(agree_on(hardware.to_json()), "rank 0's hardware profile")
+
+
+def raise_if_any_failed(error: BudgetError | None) -> None:
+    """Raise a ``BudgetError`` on every rank where any rank's planning raised one: this rank's
+    own where it failed, else the failing rank's numbers (the largest smallest peak)."""
+    failed, minimum_bytes, budget_bytes = agree_max(
+        [0, 0, 0] if error is None else [1, error.minimum_bytes, error.budget_bytes])
+    if error is not None:
+        raise error
+    if failed:
+        raise BudgetError(budget_bytes, minimum_bytes, strategy="auto",
+                          note="Another rank of this job could not fit its region; every rank "
+                               "stops here, so that none waits for the others in a collective.")
+
+
+def plan_digest(plan: Any) -> str:
+    """A short digest of a plan's decisions and re-runs: equal on ranks that chose alike."""
+    from memfit.core.plan_json import plan_to_json
+
+    data = plan_to_json(plan)
+    data.pop("explanation", None)
+    text = json.dumps(data, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:15]
+
+
+def agree_on_plan(plan: Any) -> tuple[Any, bool]:
+    """Rank 0's plan where the ranks' digests differ (``plan`` itself where they agree), and
+    whether it was taken from rank 0. The digests are compared by the largest and the smallest
+    over the ranks (a fixed-size all-reduce; the plan itself travels only where they differ)."""
+    from memfit.core.plan_json import plan_from_json, plan_to_json
+
+    digest = int(plan_digest(plan), 16)
+    largest, negated_smallest = agree_max([digest, -digest])
+    if largest == -negated_smallest:
+        return plan, False
+    return plan_from_json(agree_on(plan_to_json(plan)), "rank 0's plan"), True
+
+
+_NONE = -(2**62)  # a freed-output count not read yet, among the agreed numbers
+
+
+def agree_on_eager_bytes(regions: list) -> None:
+    """What eager code held beside each region, as the rank that saw most saw it: the bytes at
+    its forwards' and backwards' start (the largest), the outputs freed by its backward's start
+    (the fewest), whether any rank read them. Each rank reads them from its own allocator, and
+    they decide whether a region is planned again (``memfit.replanning.eager_room_needed``).
+    Measured: GPT-2 under DDP, 845,500 B on one rank and 845,504 B on the other."""
+    if agreement_group() is None or not regions:
+        return
+    numbers = []
+    for region in regions:
+        freed = region.freed_output_bytes
+        numbers += [region.eager_forward_bytes, region.eager_backward_bytes,
+                    _NONE if freed is None else -freed, int(region.eager_read)]
+    agreed = agree_max(numbers)
+    for position, region in enumerate(regions):
+        forward, backward, freed, read = agreed[4 * position:4 * position + 4]
+        region.eager_forward_bytes, region.eager_backward_bytes = forward, backward
+        region.freed_output_bytes = None if freed == _NONE else -freed
+        region.eager_read = bool(read)
