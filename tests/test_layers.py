@@ -185,6 +185,14 @@ def test_types_never_import_renderers(either_graph):
             if a.startswith("memfit.core") and b.startswith("memfit.render")] == []
 
 
+def test_graph_ops_stand_below_the_runtime(either_graph):
+    """The custom ops a rewritten graph calls reach the runtime's copy engine through a slot
+    (``memfit.graph.engine_slot``), never by importing ``memfit.runtime``."""
+    reached = set().union(*(nx.descendants(either_graph, module) | {module}
+                            for module in ("memfit.graph.ops", "memfit.graph.rng")))
+    assert sorted(module for module in reached if module.startswith("memfit.runtime")) == []
+
+
 def test_every_folder_has_a_layer(memfit_graph):
     """A new folder is placed in the table on purpose, not by the top-level default."""
     folders = {module.split(".")[1] for module in memfit_graph if module.count(".") >= 2}
