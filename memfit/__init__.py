@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import importlib
 
+from memfit import plan_methods as _plan_methods
+
+_plan_methods.attach()  # Plan.explain/to_json/from_json/save/load: see memfit.plan_methods
+
 __version__ = "0.1.0"
 
 _EXPORTS = {
@@ -33,7 +37,7 @@ _EXPORTS = {
     "measure_hardware": "memfit.runtime.probe",
     "BudgetError": "memfit.core.errors",
     "CaptureError": "memfit.core.errors",
-    "PlanError": "memfit.core.schedule",
+    "PlanError": "memfit.core.errors",
     "Plan": "memfit.core.plan",
     "Keep": "memfit.core.plan",
     "Swap": "memfit.core.plan",

@@ -310,14 +310,14 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def _show_plan(args: argparse.Namespace, data: dict) -> int:
     """A saved plan: its strategy and decisions, then ``plan.explain()``."""
-    from memfit.core.plan_json import plan_from_json
+    from memfit.core.plan import Plan
 
     if args.png:
         print(f"memfit show: {args.file} is a plan, which holds no memory curve to draw; draw a "
               "timeline (memfit demo writes them) or drop --png to read the plan", file=sys.stderr)
         return 2
     try:
-        plan = plan_from_json(data, source=args.file)
+        plan = Plan.from_json(data, source=args.file)
     except ValueError as error:
         print(f"memfit show: {error}", file=sys.stderr)
         return 2

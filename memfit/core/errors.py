@@ -52,3 +52,8 @@ def _host_advice(host_bytes: int) -> str:
 
 class CaptureError(RuntimeError):
     """The training step could not be captured as one forward+backward graph."""
+
+
+class PlanError(ValueError):
+    """A plan that cannot be executed on its graph (a swap-in after its consumer, say), or was
+    made for another graph or hardware (``Plan.check_for``)."""

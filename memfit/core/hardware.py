@@ -74,6 +74,7 @@ from types import MappingProxyType
 from typing import Any
 
 from memfit.core.files import write_text
+from memfit.core.hardware_json import FORMAT, FORMAT_VERSION, hardware_fields
 from memfit.core.op_classes import COMPUTE_CLASSES, MEMORY, op_class
 
 GB = 10**9
@@ -81,8 +82,6 @@ GIB = 2**30
 TFLOPS = 10**12
 TENSOR_FLOAT32 = "tfloat32"  # the flops_per_s key of float32 math on tensor cores
 _CUDNN_CLASSES = ("convolution", "rnn")  # the classes torch.backends.cudnn.allow_tf32 covers
-FORMAT = "memfit.hardware"
-FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -283,9 +282,7 @@ class Hardware:
             ValueError: naming the field that is missing, unknown or of the wrong type, or for
                 a file of another format; and every check ``Hardware`` makes of its numbers.
         """
-        from memfit.core.hardware_json import hardware_fields
-
-        return Hardware(**hardware_fields(data, source))
+        return Hardware(**hardware_fields(data, source, fields(Hardware)))
 
     def save(self, path: str | Path) -> None:
         """Write the profile as JSON, atomically (``memfit.core.files``)."""

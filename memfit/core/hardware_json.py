@@ -8,10 +8,12 @@ not as a wrong step time later. ``Hardware`` then checks the numbers themselves.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import MISSING, fields
+from collections.abc import Iterable, Mapping
+from dataclasses import MISSING, Field
 from typing import Any
 
+FORMAT = "memfit.hardware"
+FORMAT_VERSION = 1
 FIX = "fix the file, or save a profile with hardware.save(path)"
 _NUMBER = "a number"
 _KINDS = {  # field -> the JSON kind it holds (a field not listed is a number)
@@ -25,22 +27,24 @@ _KINDS = {  # field -> the JSON kind it holds (a field not listed is a number)
 }
 
 
-def hardware_fields(data: object, source: str) -> dict[str, Any]:
+def hardware_fields(data: object, source: str, declared: Iterable[Field]) -> dict[str, Any]:
     """The keyword arguments of ``Hardware`` that ``data`` (``to_json``'s form) holds.
+
+    Args:
+        declared: ``dataclasses.fields(Hardware)``, passed in: ``Hardware`` builds itself from
+            the result, so this module stays below it (no import loop).
 
     Raises:
         ValueError: for another format or version, an unknown or missing field, or a field
             of the wrong JSON type; the message names it.
     """
-    from memfit.core.hardware import FORMAT, FORMAT_VERSION, Hardware
-
     if not isinstance(data, Mapping) or data.get("format") != FORMAT:
         raise ValueError(f"{source} is not a memfit hardware profile (no 'format': {FORMAT!r}); "
                          f"{FIX}")
     if data.get("version") != FORMAT_VERSION:
         raise ValueError(f"{source} has format version {data.get('version')!r}, this memfit "
                          f"reads version {FORMAT_VERSION}: measure or save the profile again")
-    known = {item.name: item for item in fields(Hardware)}
+    known = {item.name: item for item in declared}
     values = {key: value for key, value in data.items() if key not in ("format", "version")}
     unknown = sorted(set(values) - set(known))
     if unknown:

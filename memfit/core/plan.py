@@ -18,15 +18,16 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from memfit.core.files import write_text
+from memfit.core.errors import PlanError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from memfit.core.costgraph import CostGraph
-    from memfit.core.explain import Explanation
+    from memfit.core.explanation import Explanation
 
 FORMAT_VERSION = 1  # of the JSON form; bump when a saved plan would be read differently
 
@@ -164,18 +165,6 @@ class Plan:
     def swap_in_count(self) -> int:
         return sum(len(d.swap_ins) for d in self.decisions.values() if isinstance(d, Swap))
 
-    def explain(self, depth: int = 3, width: int = 100, rows: int | None = 40) -> str:
-        """The decisions grouped by module, the time each costs, and what-if budgets, as text.
-
-        Args:
-            depth: module-path parts to group by (``transformer.h.3``: 3); deeper paths are cut.
-            width: terminal columns; wide tables turn on their side.
-            rows: the most per-tensor rows to print, most costly first (``None``: all).
-        """
-        from memfit.render.explain import explain_text
-
-        return explain_text(self, depth=depth, width=width, rows=rows)
-
     def check_for(self, graph: CostGraph, hardware: str) -> None:
         """Raise ``PlanError`` unless this plan was made for ``graph`` on ``hardware``.
 
@@ -183,8 +172,6 @@ class Plan:
         tensor sizes) or the graph itself, and what to do about it. A plan with a blank
         ``graph_hash`` is refused: without it nothing says the plan fits this step.
         """
-        from memfit.core.schedule import PlanError
-
         again = "plan again with memfit.plan(...) for this model and input shape"
         if self.hardware and self.hardware != hardware:
             raise PlanError(
@@ -211,46 +198,21 @@ class Plan:
             f"only there, not on this CPU); {again}"
         )
 
-    # ---- serialisation (the schema a saved plan is read against: ``memfit.core.plan_json``) ----
+    # ---- methods that reach above the data layer, attached by ``memfit/__init__.py`` ----
+    # (the bodies and their docstrings: ``memfit.plan_methods``; declared here for type checkers)
 
-    def to_json(self) -> dict:
-        from memfit.core.plan_json import plan_to_json
+    if TYPE_CHECKING:
+        def explain(self, depth: int = 3, width: int = 100, rows: int | None = 40) -> str: ...
 
-        return plan_to_json(self)
+        def to_json(self) -> dict: ...
 
-    @staticmethod
-    def from_json(data: Mapping) -> Plan:
-        """A plan from its JSON form, checked against the schema first.
+        @staticmethod
+        def from_json(data: Mapping, source: str = "the saved plan") -> Plan: ...
 
-        Raises:
-            ValueError: naming the field that is missing, unknown, or of the wrong type or value
-                (an unregistered strategy, a budget that is not a positive int, a blank
-                ``graph_hash``); for a plan of another format version (made by another memfit).
-        """
-        from memfit.core.plan_json import plan_from_json
+        def save(self, path: str | Path) -> None: ...
 
-        return plan_from_json(data)
-
-    def save(self, path: str | Path) -> None:
-        """Write the plan as JSON, atomically: an existing file is replaced only when complete."""
-        write_text(path, json.dumps(self.to_json(), indent=1))
-
-    @staticmethod
-    def load(path: str | Path) -> Plan:
-        """Read a plan ``save`` wrote. ``memfit.compile(..., plan=plan)`` checks that it fits.
-
-        Raises:
-            ValueError: if the file is not a memfit plan, is one of another format version, or
-                breaks the schema (the message names the field; see ``from_json``).
-            OSError: if the file cannot be read.
-        """
-        from memfit.core.plan_json import plan_from_json
-
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ValueError(f"{path} is not a memfit plan (not JSON: {error})") from None
-        return plan_from_json(data, source=str(path))
+        @staticmethod
+        def load(path: str | Path) -> Plan: ...
 
 
 def topology_hash(graph: CostGraph) -> str:

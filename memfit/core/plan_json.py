@@ -1,7 +1,7 @@
 """The JSON form of a ``Plan``, and the schema a saved plan is checked against when read.
 
 A saved plan is checked whole before a ``Plan`` is built from it: the type of every field, the
-strategy against the registry, a positive budget, a non-blank graph hash, no field this memfit
+strategy against the registered names (passed in: the registry is a layer up), a positive budget, a non-blank graph hash, no field this memfit
 does not know. The first problem raises ``ValueError`` naming the field (``budget_bytes``,
 ``decisions['h1'].swap_ins[0].after``) and what it should hold, so a hand-edited or truncated
 file fails at ``Plan.load``, before any model is touched, never as a ``KeyError`` mid-step.
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from memfit.core.plan import FORMAT_VERSION, Decision, Keep, Plan, Recompute, Rerun, Swap, SwapIn
 
 if TYPE_CHECKING:
-    from memfit.core.explain import Explanation
+    from memfit.core.explanation import Explanation
 
 FORMAT = "memfit.plan"
 REQUIRED = ("format", "version", "strategy", "graph_hash", "decisions")
@@ -50,8 +50,14 @@ def plan_to_json(plan: Plan) -> dict:
     }
 
 
-def plan_from_json(data: object, source: str = "the saved plan") -> Plan:
+def plan_from_json(data: object, strategy_names: Collection[str],
+                   source: str = "the saved plan") -> Plan:
     """Check ``data`` against the schema, then build the ``Plan``.
+
+    Args:
+        strategy_names: the registered strategies (``memfit.strategies.strategy_names()``): a
+            step re-plans with the plan's strategy when a measured peak is over, so an unknown
+            one is refused here. Passed in because the registry is a layer above the data.
 
     Raises:
         PlanFileError: (a ``ValueError``) naming the first field that is missing, unknown or of
@@ -66,7 +72,7 @@ def plan_from_json(data: object, source: str = "the saved plan") -> Plan:
     missing = [name for name in REQUIRED if name not in data]
     if missing:
         raise PlanFileError(f"{source} lacks the field(s) {missing}; {FIX}")
-    read = _Reader(source)
+    read = _Reader(source, tuple(strategy_names))
     decisions = read.mapping(data["decisions"], "decisions")
     return Plan(
         strategy=read.strategy(data["strategy"]),
@@ -102,8 +108,9 @@ def _check_header(data: object, source: str) -> None:
 class _Reader:
     """Typed reads of one saved plan's fields; each failure names the field and its type."""
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, strategy_names: tuple[str, ...]) -> None:
         self.source = source
+        self.strategy_names = strategy_names
 
     def fail(self, where: str, expected: str, value: object) -> PlanFileError:
         return PlanFileError(f"{self.source}: field '{where}' must be {expected}, got "
@@ -130,17 +137,10 @@ class _Reader:
         return value
 
     def strategy(self, value: object) -> str:
-        """A registered strategy name: a step re-plans with it when a measured peak is over.
-
-        Note:
-            The registry lives one layer up (``memfit.strategies``, torch-free too); it is the
-            one list of names, so it is read here rather than copied.
-        """
-        from memfit.strategies import strategy_names
-
+        """A registered strategy name: a step re-plans with it when a measured peak is over."""
         name = self.text(value, "strategy", blank=False)
-        if name not in strategy_names():
-            raise self.fail("strategy", f"a registered strategy, one of {list(strategy_names())}",
+        if name not in self.strategy_names:
+            raise self.fail("strategy", f"a registered strategy, one of {list(self.strategy_names)}",
                             name)
         return name
 
@@ -185,7 +185,7 @@ class _Reader:
 
     def explanation(self, value: object) -> Explanation | None:
         """The explanation, its fields checked against their declared types."""
-        from memfit.core.explain import Explanation, Tally, TensorRow, WhatIf
+        from memfit.core.explanation import Explanation, Tally, TensorRow, WhatIf
 
         if value is None:
             return None

@@ -21,14 +21,11 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from memfit.core.costgraph import CostGraph
+from memfit.core.errors import PlanError
 from memfit.core.plan import Plan, Recompute, Swap
 from memfit.core.recompute import PlannedRerun, planned_reruns, rebuilt_buffer
 
 ActionKind = Literal["compute", "swap_out", "swap_in", "wait", "recompute"]
-
-
-class PlanError(ValueError):
-    """A plan that cannot be executed on its graph (a swap-in after its consumer, say)."""
 
 
 class Action(NamedTuple):

@@ -2,7 +2,7 @@
 
 Each is a ``torch.library.custom_op`` with a fake implementation, so a rewritten graph still runs
 under ``FakeTensorMode`` (shape propagation, the static liveness check). They find the copy
-streams, events and host pool through ``memfit.runtime.streams.current_engine()``.
+streams, events and host pool through ``memfit.graph.engine_slot.current_engine()``.
 
 In a rewritten graph::
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.fx.node
 
-from memfit.runtime.streams import current_engine
+from memfit.graph.engine_slot import current_engine
 
 
 def whole_storage(x: torch.Tensor) -> torch.Tensor:

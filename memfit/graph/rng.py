@@ -20,7 +20,7 @@ import torch
 import torch.fx.node
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memfit.runtime.host import host_copy
+from memfit.graph.host import host_copy
 
 
 def is_random(node: torch.fx.Node) -> bool:

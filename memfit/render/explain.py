@@ -6,7 +6,7 @@ from JSON renders the same as the one just made.
 
 from __future__ import annotations
 
-from memfit.core.explain import BudgetRow, Explanation, TensorRow
+from memfit.core.explanation import BudgetRow, Explanation, TensorRow
 from memfit.core.plan import Plan, Recompute, Swap
 from memfit.core.units import format_bytes
 from memfit.render.text import fit_table, format_param, table, tally_lines

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from memfit.core.explain import Tally, tally
+from memfit.core.explain import tally
+from memfit.core.explanation import Tally
 from memfit.core.units import format_bytes
 
 

@@ -1,10 +1,8 @@
 """The copy engine: the two copy streams, the events that order them, and the host pool.
 
 The swap ops of ``memfit.graph.ops`` look the engine up with ``current_engine()``; the executor
-makes one current with ``with active_engine(engine):`` for the length of a run. The current engine
-is a ``contextvars.ContextVar``: each thread (and each asyncio task) sees only the engine of its
-own run, so two steps running at once in two threads never use each other's streams, events or
-saved random states.
+makes one current with ``with active_engine(engine):`` for the length of a run. Both live in
+``memfit.graph.engine_slot`` (the ops import nothing from the runtime) and are exported here too.
 
 Note:
     The engine is written against ``torch.get_device_module(device)`` so one code path serves CUDA
@@ -16,18 +14,14 @@ Note:
 from __future__ import annotations
 
 import contextlib
-import contextvars
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from memfit.runtime.host import HostPool
+from memfit.graph.engine_slot import active_engine, current_engine
+from memfit.graph.host import HostPool
 
-# The engine of the run in progress in this thread (a context variable: never shared by threads).
-_CURRENT_ENGINE: contextvars.ContextVar[CopyEngine | None] = contextvars.ContextVar(
-    "memfit_copy_engine", default=None
-)
+__all__ = ["CopyEngine", "active_engine", "current_engine"]
 
 
 class CopyEngine:
@@ -100,32 +94,3 @@ class CopyEngine:
     def clear(self) -> None:
         """Forget the recorded events (after a run, once synchronised)."""
         self.events.clear()
-
-
-@contextlib.contextmanager
-def active_engine(engine: CopyEngine) -> Iterator[CopyEngine]:
-    """Make ``engine`` the one the memfit swap ops use inside the ``with`` block (nests).
-
-    Only the calling thread (or asyncio task) sees it: another thread's run keeps its own.
-    """
-    token = _CURRENT_ENGINE.set(engine)
-    try:
-        yield engine
-    finally:
-        _CURRENT_ENGINE.reset(token)
-
-
-def current_engine(op_name: str = "a memfit op") -> CopyEngine:
-    """The engine made current by ``active_engine`` in this thread.
-
-    Raises:
-        RuntimeError: outside ``active_engine``, saying how to run the op.
-    """
-    engine = _CURRENT_ENGINE.get()
-    if engine is None:
-        raise RuntimeError(
-            f"{op_name} ran outside a copy engine: run the rewritten graph with "
-            "memfit.runtime.executor.Executor, or wrap the call in "
-            "`with memfit.runtime.streams.active_engine(CopyEngine(device)):`"
-        )
-    return engine

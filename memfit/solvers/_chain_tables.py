@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from memfit.solvers.chain import ChainCosts
+    from memfit.solvers.chain_costs import ChainCosts
 
 OperationTuple = tuple[str, int]  # ("forward" | "free" | "backward" | "loss", step)
 

@@ -45,7 +45,7 @@ from memfit.core.simulate import simulate
 from memfit.strategies._fit import fits
 
 if TYPE_CHECKING:
-    from memfit.strategies.swap import SwapConfig
+    from memfit.strategies._swap_config import SwapConfig
 
 Decisions = Sequence[tuple[str, Swap]]
 Decide = Callable[["SwapConfig"], list[tuple[str, Swap]]]

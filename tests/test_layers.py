@@ -1,0 +1,228 @@
+"""memfit's import rule, read from the source: layers import only downward, no module loops.
+
+The import graph is built with ``ast`` from every file of the package: imports inside functions
+count (a lazy import is still a dependency, only a later one), imports under
+``if TYPE_CHECKING:`` do not (they never run): no two modules may import each other in a loop.
+A second graph with those type-only imports added must hold the layer rule too, and has no loop
+but the one ``KNOWN_LOOPS`` lists: a type named across a loop is a type in the wrong module. An import names the module it loads: ``from
+memfit.core import plan`` is an edge to ``memfit.core.plan``, ``from memfit.core.plan import
+Plan`` one to ``memfit.core.plan``. The package ``__init__`` files Python runs on the way are not
+edges: every module would otherwise depend on ``memfit/__init__.py`` and through it on all others.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+import memfit
+
+ROOT = Path(memfit.__file__).resolve().parent.parent
+
+LAYER_OF_FOLDER = {  # folder (or top-level module) -> layer; another top-level module: "torch"
+    "core": "core",  # data and model: frozen types, lowering, simulation, explanation
+    "strategies": "planning",
+    "solvers": "planning",
+    "graph": "torch",  # capture, rewrite, the custom ops
+    "runtime": "torch",
+    "render": "render",
+    "": "surface",  # the package's own __init__: the public names
+    "api": "surface",
+    "cli": "surface",
+}
+
+ALLOWED = {  # layer -> the layers its modules may import (its own included): the rule as it holds
+    "core": {"core"},
+    "planning": {"core", "planning"},
+    "render": {"core", "planning", "torch", "render"},
+    # Unconstrained today: backend -> render.regions (loop 3 of issue 15), search -> api.
+    "torch": {"core", "planning", "torch", "render", "surface"},
+    "surface": {"core", "planning", "torch", "render", "surface"},
+}
+
+FORBIDDEN_PACKAGES = ("bench",)  # the source checkout's benchmarks: never installed with memfit
+
+KNOWN_LOOPS = [  # type-only imports: issue 15, loop 3 (Region and its helpers live in backend.py,
+    # read for typing by the modules around it; a branch moves them out): delete when it is gone
+    {"memfit.backend", "memfit.graph.lifetimes", "memfit.graph_breaks", "memfit.render.regions",
+     "memfit.replanning", "memfit.runtime.region_peak"},
+]
+
+
+def module_files(root: Path, package: str) -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` file of ``package`` under ``root``."""
+    modules = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _nodes(tree: ast.AST, type_checking: bool) -> Iterator[ast.AST]:
+    """Every node of ``tree``; without ``type_checking``, not the bodies of ``if
+    TYPE_CHECKING:`` blocks."""
+    for node in ast.iter_child_nodes(tree):
+        if not type_checking and isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                yield child
+                yield from _nodes(child, type_checking)
+            continue
+        yield node
+        yield from _nodes(node, type_checking)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imported_modules(node: ast.AST, module: str, is_package: bool,
+                      modules: dict[str, Path]) -> list[str]:
+    """The modules an import statement loads (relative imports resolved); outside the package,
+    the top-level name (``bench``, ``torch``)."""
+    if isinstance(node, ast.Import):
+        return [_nearest_module(alias.name, modules) for alias in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = node.module or ""
+    if node.level:
+        parts = module.split(".") if is_package else module.split(".")[:-1]
+        parts = parts[: len(parts) - node.level + 1]
+        base = ".".join(parts + ([node.module] if node.module else []))
+    return [_nearest_module(f"{base}.{alias.name}", modules) for alias in node.names]
+
+
+def _nearest_module(name: str, modules: dict[str, Path]) -> str:
+    """The longest prefix of ``name`` that is a module of the package, else its top-level name:
+    ``memfit.core.plan.Plan`` -> ``memfit.core.plan``, ``bench.run.main`` -> ``bench``."""
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in modules:
+            return ".".join(parts[:end])
+    return parts[0]
+
+
+def import_graph(root: Path, package: str, type_checking: bool = False) -> nx.DiGraph:
+    """The modules of ``package`` and what each imports at run time (with ``type_checking``,
+    the imports only a type checker reads as well)."""
+    modules = module_files(root, package)
+    graph = nx.DiGraph()
+    for module, path in modules.items():
+        graph.add_node(module)
+        is_package = path.name == "__init__.py"
+        for node in _nodes(ast.parse(path.read_text(encoding="utf-8")), type_checking):
+            for target in _imported_modules(node, module, is_package, modules):
+                if target != module:
+                    graph.add_edge(module, target)
+    return graph
+
+
+def layer_of(module: str, package: str) -> str:
+    parts = module.split(".")[1:]
+    return LAYER_OF_FOLDER.get(parts[0] if parts else "", "torch")
+
+
+def upward_imports(graph: nx.DiGraph, package: str) -> list[str]:
+    """``a -> b (layer -> layer)`` for each import the layer table does not allow."""
+    found = []
+    for importer, imported in sorted(graph.edges):
+        if not imported.startswith(package + ".") and imported != package:
+            continue
+        source, target = layer_of(importer, package), layer_of(imported, package)
+        if target not in ALLOWED[source]:
+            found.append(f"{importer} -> {imported} ({source} -> {target})")
+    return found
+
+
+def import_loops(graph: nx.DiGraph) -> list[set[str]]:
+    """The strongly connected components of more than one module: modules importing in a loop."""
+    return sorted((set(c) for c in nx.strongly_connected_components(graph) if len(c) > 1),
+                  key=sorted)
+
+
+def forbidden_imports(graph: nx.DiGraph) -> list[str]:
+    return [f"{a} -> {b}" for a, b in sorted(graph.edges) if b in FORBIDDEN_PACKAGES]
+
+
+@pytest.fixture(scope="module")
+def memfit_graph() -> nx.DiGraph:
+    return import_graph(ROOT, "memfit")
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["run-time", "with-type-only"])
+def either_graph(request) -> nx.DiGraph:
+    return import_graph(ROOT, "memfit", type_checking=request.param)
+
+
+def test_no_module_imports_in_a_loop(memfit_graph):
+    assert import_loops(memfit_graph) == []
+
+
+def test_type_only_imports_make_only_the_known_loops():
+    """A listed loop that is gone (or changed) must leave the list."""
+    loops = import_loops(import_graph(ROOT, "memfit", type_checking=True))
+    assert [loop for loop in loops if loop not in KNOWN_LOOPS] == []
+    assert [loop for loop in KNOWN_LOOPS if loop not in loops] == [], (
+        "a known loop is broken (or changed): remove it from KNOWN_LOOPS")
+
+
+def test_layers_import_only_downward(either_graph):
+    assert upward_imports(either_graph, "memfit") == []
+
+
+def test_memfit_never_imports_bench(either_graph):
+    assert forbidden_imports(either_graph) == []
+
+
+def test_types_never_import_renderers(either_graph):
+    assert [f"{a} -> {b}" for a, b in either_graph.edges
+            if a.startswith("memfit.core") and b.startswith("memfit.render")] == []
+
+
+def test_graph_ops_stand_below_the_runtime(either_graph):
+    """The custom ops a rewritten graph calls reach the runtime's copy engine through a slot
+    (``memfit.graph.engine_slot``), never by importing ``memfit.runtime``."""
+    reached = set().union(*(nx.descendants(either_graph, module) | {module}
+                            for module in ("memfit.graph.ops", "memfit.graph.rng")))
+    assert sorted(module for module in reached if module.startswith("memfit.runtime")) == []
+
+
+def test_every_folder_has_a_layer(memfit_graph):
+    """A new folder is placed in the table on purpose, not by the top-level default."""
+    folders = {module.split(".")[1] for module in memfit_graph if module.count(".") >= 2}
+    assert folders <= set(LAYER_OF_FOLDER)
+
+
+def test_the_checker_finds_an_upward_import_a_loop_and_bench(tmp_path):
+    """A small package with one of each mistake: the checks above would fail on it."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/core/__init__.py": "",
+        "pkg/core/plan.py": "def explain():\n    from pkg.render import text\n",
+        "pkg/core/json.py": "from . import loop\n",
+        "pkg/core/loop.py": "import pkg.core.json\n",
+        "pkg/core/typed.py": "from typing import TYPE_CHECKING\n"
+                             "if TYPE_CHECKING:\n    from pkg.strategies import register\n",
+        "pkg/render/__init__.py": "",
+        "pkg/render/text.py": "from pkg.core.plan import explain\n",
+        "pkg/strategies/__init__.py": "",
+        "pkg/cli.py": "from bench.run import main\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph(tmp_path, "pkg")
+    assert upward_imports(graph, "pkg") == ["pkg.core.plan -> pkg.render.text (core -> render)"]
+    assert import_loops(graph) == [{"pkg.core.json", "pkg.core.loop"},
+                                   {"pkg.core.plan", "pkg.render.text"}]
+    assert forbidden_imports(graph) == ["pkg.cli -> bench"]
+    typed = import_graph(tmp_path, "pkg", type_checking=True)
+    assert upward_imports(typed, "pkg") == [
+        "pkg.core.plan -> pkg.render.text (core -> render)",
+        "pkg.core.typed -> pkg.strategies (core -> planning)"]
