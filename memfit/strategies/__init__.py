@@ -27,12 +27,19 @@ class Strategy(Protocol):
 
 
 _REGISTRY: dict[str, Strategy] = {}
+_CHECKS: dict[str, Callable[..., None]] = {}  # strategy name -> its own parameter check
 
 
-def register(name: str) -> Callable[[Strategy], Strategy]:
-    """Register a strategy's ``plan`` function under ``name``."""
+def register(name: str, check_params: Callable[..., None] | None = None
+             ) -> Callable[[Strategy], Strategy]:
+    """Register a strategy's ``plan`` function under ``name``; ``check_params`` validates its
+    parameters without a graph (default: the module's own ``check_params``; a module that
+    registers several strategies, such as ``vdnn``, gives each its own)."""
 
     def decorate(function: Strategy) -> Strategy:
+        if check_params is not None:
+            _CHECKS[name] = check_params
+
         @functools.wraps(function)
         def planned(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
                     **params) -> Plan:
@@ -111,11 +118,11 @@ def get_strategy(name: str) -> Strategy:
 def check_params(name: str, params: Mapping[str, Any]) -> None:
     """Validate a strategy's parameters without a graph, so bad ones fail before any capture.
 
-    Each strategy module defines ``check_params(**params)``, raising ``ValueError`` that names
-    the accepted values.
+    Each strategy module defines ``check_params(**params)`` (or registers one per strategy),
+    raising ``ValueError`` that names the accepted values.
     """
-    module = sys.modules[get_strategy(name).__module__]
-    module.check_params(**params)
+    check = _CHECKS.get(name) or sys.modules[get_strategy(name).__module__].check_params
+    check(**params)
 
 
 def resolve_budget_and_strategy(budget: str | int | float | Budget | None, strategy: str | None,

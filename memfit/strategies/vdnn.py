@@ -1,14 +1,25 @@
-"""vDNN_dyn (Rhu et al., section III.C): the fastest vDNN configuration that fits the budget.
+"""The vDNN policies (Rhu et al.): vdnn_all, vdnn_conv and vdnn_dyn, one per registered name.
 
-A configuration is a policy (offload nothing, the convolution inputs, or every feature map), an
-offload *boundary* (only the feature maps made by layers ``0..k-1`` are offloaded: layers near the
-input wait longest for their backward, so they are offloaded first) and a per-layer algorithm. The
-search follows the paper: the unplanned step if it fits (it is the fastest), else vDNN_conv then
-vDNN_all, each with the smallest boundary that fits (found by bisection: offloading more never
-raises the peak, because a swapped buffer lives for a subset of the original's lifetime), a few
-larger boundaries, and the full policy; every candidate is simulated on ``hardware`` and the fastest
-that fits is returned. The full policies are candidates, so vdnn_dyn is never slower than
-vdnn_conv or vdnn_all where they fit.
+``_vdnn_layers`` says what a layer and a feature map are in a captured step; the policies differ
+only in which feature maps they offload (each offloaded after its forward use and prefetched one
+backward layer ahead):
+
+- **vdnn_all**: every feature map. The most memory-frugal static policy.
+- **vdnn_conv**: the feature maps forward convolutions read, the paper's middle policy for CNNs,
+  where convolutions are the slow layers whose run time hides the copies. "Convolution" is
+  matched strictly on the op kind (``aten.convolution`` and variants): on a transformer (GPT-2's
+  ``Conv1D`` is a matrix multiply) nothing is offloaded, and with a budget below the unplanned
+  peak the policy raises ``BudgetError``; use vdnn_all or vdnn_dyn there.
+- **vdnn_dyn** (section III.C): the fastest vDNN configuration that fits the budget. A
+  configuration is a policy (offload nothing, the convolution inputs, or every feature map) and
+  an offload *boundary* (only the feature maps made by layers ``0..k-1`` are offloaded: layers
+  near the input wait longest for their backward, so they are offloaded first). The search
+  follows the paper: the unplanned step if it fits (it is the fastest), else vDNN_conv then
+  vDNN_all, each with the smallest boundary that fits (found by bisection: offloading more never
+  raises the peak, because a swapped buffer lives for a subset of the original's lifetime), a few
+  larger boundaries, and the full policy; every candidate is simulated on ``hardware`` and the
+  fastest that fits is returned. The full policies are candidates, so vdnn_dyn is never slower
+  than vdnn_conv or vdnn_all where they fit.
 
 Note:
     The paper also picks each layer's cuDNN algorithm (performance- vs memory-optimal workspace),
@@ -31,7 +42,7 @@ from memfit.core.plan import Plan
 from memfit.core.schedule import live_buffers, lower, memory_profile
 from memfit.core.simulate import simulate
 from memfit.strategies import register
-from memfit.strategies._fit import HOST_DROPPED
+from memfit.strategies._fit import HOST_DROPPED, require_fit
 from memfit.strategies._vdnn_layers import (
     FeatureMap,
     LayerView,
@@ -40,17 +51,72 @@ from memfit.strategies._vdnn_layers import (
     resolve_attention,
 )
 
-POLICIES = ("conv", "all")  # the paper's order: the cheaper policy first
+POLICIES = ("conv", "all")  # vdnn_dyn tries the paper's order: the cheaper policy first
 EXTRA_BOUNDARIES = 4  # boundaries tried past the smallest that fits: time is not monotone in it
 
 
-def check_params(**params) -> None:
-    """vdnn_dyn takes ``attention`` ('auto', 'math' or 'fused') only."""
-    check_attention("vdnn_dyn", params)
+def check_params(strategy: str, **params) -> None:
+    """Each vDNN policy takes ``attention`` ('auto', 'math' or 'fused') only."""
+    check_attention(strategy, params)
 
 
-@register("vdnn_dyn")
-def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, **params) -> Plan:
+@register("vdnn_all", check_params=lambda **params: check_params("vdnn_all", **params))
+def plan_all(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
+             **params) -> Plan:
+    """Offload every feature map after its forward use; prefetch it one backward layer ahead.
+
+    Args:
+        graph: the captured step.
+        hardware: the device profile (recorded in the plan; the policy does not depend on it).
+        budget_bytes: device bytes the step may use at its peak; ``None``: no check.
+        attention: ``"auto"`` (default) plans with the attention backend the step was captured
+            with; ``"math"`` or ``"fused"`` insist on one (see ``_vdnn_layers.resolve_attention``).
+
+    Raises:
+        ValueError: for an unknown parameter or value, or an attention backend the step lacks.
+        BudgetError: if the plan's peak exceeds ``budget_bytes``; its minimum is that peak.
+
+    Example:
+        >>> from memfit.core.hardware import get_hardware
+        >>> from memfit.core.synthetic import chain
+        >>> sorted(plan_all(chain(4), get_hardware("h100-pcie")).swapped)
+        ['f0', 'f1', 'f2']
+    """
+    return _static("vdnn_all", graph, hardware, budget_bytes, params, convolutions_only=False)
+
+
+@register("vdnn_conv", check_params=lambda **params: check_params("vdnn_conv", **params))
+def plan_conv(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
+              **params) -> Plan:
+    """Offload the feature maps that forward convolutions read; prefetch one layer ahead.
+
+    Arguments and errors as for ``plan_all``.
+
+    Example:
+        >>> from memfit.core.hardware import get_hardware
+        >>> from memfit.core.synthetic import resnet_like
+        >>> sorted(plan_conv(resnet_like(1), get_hardware("h100-pcie")).swapped)
+        ['b0_relu', 'stem']
+    """
+    return _static("vdnn_conv", graph, hardware, budget_bytes, params, convolutions_only=True)
+
+
+def _static(strategy: str, graph: CostGraph, hardware: Hardware, budget_bytes: int | None,
+            params: dict, convolutions_only: bool) -> Plan:
+    """A static policy's plan: its feature maps offloaded, checked against ``budget_bytes``."""
+    attention = check_attention(strategy, params)
+    budget_bytes = check_budget(strategy, budget_bytes)
+    view = LayerView(graph)
+    used = {"attention": resolve_attention(graph, attention, strategy),
+            "layers": len(view.forward)}
+    maps = [feature for feature in view.maps if feature.conv_input or not convolutions_only]
+    result = view.make_plan(strategy, maps, hardware, budget_bytes, used)
+    return require_fit(graph, result, budget_bytes, hardware.host_bytes)
+
+
+@register("vdnn_dyn", check_params=lambda **params: check_params("vdnn_dyn", **params))
+def plan_dyn(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
+             **params) -> Plan:
     """The fastest simulated vDNN configuration whose peak fits ``budget_bytes``.
 
     Args:
@@ -59,7 +125,7 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, 
         budget_bytes: device bytes the step may use at its peak. ``None``: the device's memory
             (``hardware.device_bytes``), as in the paper, which fits the GPU at hand.
         attention: ``"auto"`` (default) plans with the captured attention backend; ``"math"`` or
-            ``"fused"`` insist on one (see the note above).
+            ``"fused"`` insist on one (see the module's note).
 
     Raises:
         ValueError: for an unknown parameter or value, or an attention backend the step lacks.
@@ -70,7 +136,7 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, 
     Example:
         >>> from memfit.core.hardware import get_hardware
         >>> from memfit.core.synthetic import chain
-        >>> result = plan(chain(8), get_hardware("h100-pcie"), budget_bytes=8 << 20)
+        >>> result = plan_dyn(chain(8), get_hardware("h100-pcie"), budget_bytes=8 << 20)
         >>> result.params["policy"], result.params["boundary"]
         ('all', 3)
     """
