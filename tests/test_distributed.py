@@ -54,7 +54,7 @@ TIMEOUT_S = int(os.environ.get("MEMFIT_RANK_TIMEOUT_S", 240))  # a rank that wai
 # smaller peak than its unplanned one): the regions between FSDP2's hooks are planned one by
 # one and jointly only after the first iteration, and eager FSDP2 code between them is read at
 # the regions' starts only.
-HOLDS_FROM = {("gpt2", "ddp"): 1, ("unet3d", "ddp"): 3, ("gpt2", "fsdp"): None,
+HOLDS_FROM = {("gpt2", "ddp"): 1, ("unet3d", "ddp"): 3, ("gpt2", "fsdp"): 2,
               ("unet3d", "fsdp"): None}
 
 
