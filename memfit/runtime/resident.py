@@ -49,16 +49,18 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _dtensor_type() -> type | None:
-    """``DTensor``, where this build of torch has ``torch.distributed``."""
+def _distributed_type(module: str, name: str) -> type | None:
+    """``module.name`` (``DTensor``, ``FSDPModule``), where this build of torch has
+    ``torch.distributed``; ``None`` where it has not."""
+    import importlib
+
     try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
         return None
-    return DTensor
 
 
-_DTENSOR = _dtensor_type()
+_DTENSOR = _distributed_type("torch.distributed.tensor", "DTensor")
 
 
 def bucket_bytes(model: torch.nn.Module | None, device: torch.device) -> int:
@@ -165,15 +167,7 @@ def fsdp_param_groups(model: torch.nn.Module | None) -> list:
     return groups
 
 
-def _fsdp_module_type() -> type | None:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return None
-    return FSDPModule
-
-
-_FSDP_MODULE = _fsdp_module_type()
+_FSDP_MODULE = _distributed_type("torch.distributed.fsdp", "FSDPModule")
 
 
 def fsdp_sharded_parameters(model: torch.nn.Module | None) -> dict[int, torch.Tensor]:
