@@ -61,7 +61,6 @@ from memfit.graph.target import host_code, retargeted
 from memfit.graph_breaks import (
     compiling_site,
     latest_regions,
-    newest_per_site,
     save_at_most,
     saves_caps,
     watch_recompile_limit,
@@ -486,15 +485,14 @@ class Backend:
 
     def watching_eager(self) -> bool:
         """Whether what eager code holds is still watched: over the iterations whose region
-        runs are measured (a region planned again is measured anew: its site's regions all
-        replaced after an iteration still count, so that the next iteration's forward is watched
-        from its start), until planning for it gave up. Without a budget too: nothing is
-        planned again, but a region's predicted peak is the whole device's, and the loop's loss
-        and target are on the device beside it (``count_eager_in_prediction``)."""
+        runs are measured (from the first call on, ``watch_first_call``), until planning for it
+        gave up. Without a budget too: nothing is planned again, but a region's predicted peak
+        is the whole device's, and the loop's loss and target are on the device beside it
+        (``count_eager_in_prediction``)."""
         return (not self.eager_gave_up and self.measure_runs > 0
                 and (not self.regions or any(
-                    region.replaced or region.measured_runs < 2 * self.measure_runs
-                    for region in newest_per_site(self.regions))))
+                    region.measured_runs < 2 * self.measure_runs
+                    for region in latest_regions(self.regions))))
 
     def eager_watch(self) -> EagerWatch | None:
         """This thread's ``EagerWatch`` (a CPU's), if one is on."""

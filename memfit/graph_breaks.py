@@ -57,16 +57,10 @@ _REGIONS_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pe
 def latest_regions(regions: Sequence[Region]) -> list[Region]:
     """The newest region of each site (``compiling_site``), in the order they were first
     compiled: the regions one iteration runs now (a re-planned site replaces its older ones)."""
-    return newest_per_site([region for region in regions if not region.replaced])
-
-
-def newest_per_site(regions: Sequence[Region]) -> list[Region]:
-    """The newest of ``regions`` per site, in the order they were first compiled (replaced ones
-    included where given: a site whose newest region is replaced is planned again on its next
-    run)."""
     newest: dict[Any, Region] = {}
     for region in regions:
-        newest[region.site if region.site is not None else region.index] = region
+        if not region.replaced:
+            newest[region.site if region.site is not None else region.index] = region
     return sorted(newest.values(), key=lambda region: region.index)
 
 
