@@ -89,6 +89,7 @@ def _fitted_class() -> type:
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
             planner = self._memfit_backend
             planner.end_eager_watch()
+            planner.watch_first_call(self._orig_mod)
             try:
                 with _rnn_traced(self._memfit_traces_rnns):
                     result = super().__call__(*args, **kwargs)

@@ -130,14 +130,15 @@ def measure_region_run(planner: Backend, region: Region, call: Callable[[list], 
     """
     import weakref
 
-    from memfit.runtime.resident import resident_tensors
+    from memfit.runtime.resident import fsdp_unsharded_tensors, resident_tensors
 
     device = next((value.device for value in args if isinstance(value, torch.Tensor)),
                   torch.device("cpu"))
     others = sum(other.saved_bytes * other.open_forwards for other in planner.regions
                  if other is not region)
     own = region.saved_bytes * (region.open_forwards - (1 if is_backward else 0))
-    alive = resident_tensors(planner.model, planner.optimizers)
+    alive = [*resident_tensors(planner.model, planner.optimizers),
+             *fsdp_unsharded_tensors(planner.model)]  # planned for as FSDP2's, not eager code's
     inputs = [weakref.ref(value) for value in args if isinstance(value, torch.Tensor)]
     if is_backward:
         alive += [value for value in (ref() for ref in region.forward_values) if value is not None]
