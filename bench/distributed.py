@@ -18,6 +18,7 @@ Peaks are measured per rank over whole iterations (forward, backward, ``optimize
 batch, DTensors counted by their local shard, plus DDP's gradient buckets, as
 ``tests/test_distributed.py`` measures them. Where no plan fits a budget, every rank raises
 ``BudgetError`` and the way runs again at the smallest peak the error names (the row says so).
+Step times are taken after every way is set up and measured, in rounds of one step per way.
 
 Run: ``python -m bench.distributed`` (prints), or ``python -m bench.run --only distributed``
 (writes its section of ``bench/RESULTS.md``).
@@ -41,6 +42,7 @@ from pathlib import Path
 import torch
 
 import memfit
+from bench.fit import RECOMPILE_LIMIT
 from bench.recompute import block_paths, wrap_blocks
 from memfit import examples
 from memfit.core.units import format_bytes
@@ -54,8 +56,8 @@ WARMUP_STEPS = 4  # neither measured nor timed: memfit compiles and plans in the
 MEASURED_STEPS = 2  # iterations whose peak is measured (the larger is reported)
 TIMED_STEPS = 3  # iterations timed without the profiler (the median is reported)
 ATTEMPTS = 3  # budgets tried per memfit way: the asked one, then the smallest peak refused
-WAY_TIMEOUT_S = int(os.environ.get("MEMFIT_RANK_TIMEOUT_S", 240))  # per way and rank: a rank
-# stuck in a collective longer than this dumps its stack and exits, and the launch is retried
+WAY_TIMEOUT_S = int(os.environ.get("MEMFIT_RANK_TIMEOUT_S", 240))  # per way's set-up and per
+# timed round, on each rank: a rank stuck in a collective longer than this dumps its stack and exits, and the launch is retried
 LAUNCHES = 2  # the 2-rank runs hang intermittently under load: one retry
 
 
@@ -117,7 +119,7 @@ class RankResult:
     times_s: list[float] = field(default_factory=list)
     budget_bytes: int | None = None
     refused_bytes: list[int] = field(default_factory=list)  # budgets no plan fitted
-    wall_s: float = 0.0  # the whole way: building, compiling, planning, every iteration
+    wall_s: float = 0.0  # building, compiling, planning, the warm-up and measured iterations
 
 
 def fsdp_blocks(kind: str, model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -125,8 +127,8 @@ def fsdp_blocks(kind: str, model: torch.nn.Module) -> list[torch.nn.Module]:
     U-Net's outer stages (the first down stage, the skip connection holding the rest, the last
     up stage)."""
     if kind == "gpt2":
-        return list(model.transformer.h)
-    return list(model.model.children())
+        return list(model.get_submodule("transformer.h").children())
+    return list(model.get_submodule("model").children())
 
 
 def _distribute(kind: str, engine: str, model: torch.nn.Module) -> torch.nn.Module:
@@ -138,14 +140,16 @@ def _distribute(kind: str, engine: str, model: torch.nn.Module) -> torch.nn.Modu
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
     for block in fsdp_blocks(kind, model):
         fully_shard(block, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # in place: the model's class becomes an FSDPModule
+    return model
 
 
 def _prepared(bench: DistModel, example: examples.Example, way: Way):
     """A fresh copy of the weights, checkpointed per block where ``way`` says, distributed."""
     model = copy.deepcopy(example.model)
-    if getattr(model, "config", None) is not None:
-        model.config.use_cache = False  # as under gradient checkpointing, in every way alike
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.use_cache = False  # as under gradient checkpointing, in every way alike
     if way.checkpointed:
         wrap_blocks(model, block_paths(model, bench.checkpoint_types))
     return _distribute(bench.kind, way.engine, model)
@@ -161,54 +165,55 @@ def _iteration(loss_fn: Callable, runner: torch.nn.Module, inputs: tuple,
     return loss.detach().clone()  # a copy: a CPU mse_loss's 0-dim loss views a batch-sized buffer
 
 
-def _train(example: examples.Example, inputs: tuple, wrapped: torch.nn.Module,
-           runner: torch.nn.Module, optimizer: torch.optim.Optimizer,
-           result: RankResult) -> RankResult:
-    """Warm-up, measured and timed iterations, in that order (the same seeds in every way)."""
-    import torch.distributed as dist
+@dataclass
+class Running:
+    """A way set up on this rank and past its measured iterations, ready for timed steps."""
 
+    example: examples.Example
+    inputs: tuple
+    runner: torch.nn.Module  # the distributed model, or memfit's fitted module over it
+    optimizer: torch.optim.Optimizer
+    result: RankResult
+
+    def step(self, index: int) -> torch.Tensor:
+        return _iteration(self.example.loss_fn, self.runner, self.inputs, self.optimizer, index)
+
+
+def _warm_and_measure(running: Running, wrapped: torch.nn.Module) -> Running:
+    """Warm-up iterations, then the measured ones (the same seeds in every way)."""
     from memfit.runtime.measure import measure_allocator_peak
     from memfit.runtime.resident import bucket_bytes
 
-    track = (list(wrapped.parameters()), list(wrapped.buffers()), optimizer.state, inputs)
-    steps = WARMUP_STEPS + MEASURED_STEPS + TIMED_STEPS
-    for index in range(steps):
-        dist.barrier()  # every rank starts the step together: its time is the step's
-        started = time.perf_counter()
-        if index < WARMUP_STEPS + MEASURED_STEPS:
-            measured = measure_allocator_peak(_iteration, example.loss_fn, runner, inputs,
-                                              optimizer, index, track=track)
-            loss = measured.result
-            if index >= WARMUP_STEPS:
-                result.peaks_bytes.append(measured.peak_bytes
-                                          + bucket_bytes(wrapped, torch.device("cpu")))
-        else:
-            loss = _iteration(example.loss_fn, runner, inputs, optimizer, index)
-            result.times_s.append(time.perf_counter() - started)
-        result.losses.append(loss)
-    return result
+    track = (list(wrapped.parameters()), list(wrapped.buffers()), running.optimizer.state,
+             running.inputs)
+    for index in range(WARMUP_STEPS + MEASURED_STEPS):
+        measured = measure_allocator_peak(running.step, index, track=track)
+        running.result.losses.append(measured.result)
+        if index >= WARMUP_STEPS:
+            running.result.peaks_bytes.append(measured.peak_bytes
+                                              + bucket_bytes(wrapped, torch.device("cpu")))
+    return running
 
 
-def _run_way(bench: DistModel, example: examples.Example, inputs: tuple, way: Way,
-             budget_bytes: int | None) -> RankResult:
-    """``way`` on this rank; under memfit, again at the smallest peak a refused budget names
-    (``ATTEMPTS`` budgets in all, then the last refusal is raised)."""
+def _set_up(bench: DistModel, example: examples.Example, inputs: tuple, way: Way,
+            budget_bytes: int | None) -> Running:
+    """``way`` on this rank, warmed up and measured; under memfit, again at the smallest peak a
+    refused budget names (``ATTEMPTS`` budgets in all, then the last refusal is raised)."""
     result = RankResult(budget_bytes=budget_bytes)
     for attempt in range(1, ATTEMPTS + 1):
-        torch._dynamo.reset()  # each way compiles its own copy of the model afresh
         wrapped = _prepared(bench, example, way)
         optimizer = torch.optim.AdamW(wrapped.parameters())
         if result.budget_bytes is None:
-            return _train(example, inputs, wrapped, wrapped, optimizer, result)
+            return _warm_and_measure(Running(example, inputs, wrapped, optimizer, result), wrapped)
         fitted = memfit.fit(wrapped, budget=result.budget_bytes, optimizer=optimizer)
         try:
-            return _train(example, inputs, wrapped, fitted, optimizer, result)
+            return _warm_and_measure(Running(example, inputs, fitted, optimizer, result), wrapped)
         except memfit.BudgetError as error:  # every rank raises it, with the same minimum
             if attempt == ATTEMPTS:
                 raise
             result.refused_bytes.append(result.budget_bytes)
             result.budget_bytes = error.minimum_bytes
-            result.losses, result.peaks_bytes, result.times_s = [], [], []
+            result.losses, result.peaks_bytes = [], []
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
@@ -220,9 +225,29 @@ def _largest_over_ranks(value: int) -> int:
     return int(largest)
 
 
+def _timed_rounds(runnings: Sequence[Running]) -> None:
+    """``TIMED_STEPS`` rounds, each one step of every way in turn, each started at a barrier.
+
+    Note:
+        Interleaved so that every way gets the same share of the other jobs' load on this
+        shared machine: timed way after way, a checkpointed U-Net step came out 0.43x eager's.
+    """
+    import torch.distributed as dist
+
+    for round_index in range(TIMED_STEPS):
+        faulthandler.dump_traceback_later(WAY_TIMEOUT_S, exit=True)
+        for running in runnings:
+            dist.barrier()
+            started = time.perf_counter()
+            loss = running.step(WARMUP_STEPS + MEASURED_STEPS + round_index)
+            running.result.times_s.append(time.perf_counter() - started)
+            running.result.losses.append(loss)
+
+
 def _worker(rank: int, store_path: str, out_folder: str, bench: DistModel,
             ways: Sequence[Way]) -> None:
-    """One rank: every way in turn, results pickled to ``out_folder``."""
+    """One rank: every way set up and measured in turn, then timed in rounds; the results
+    pickled to ``out_folder``."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -231,22 +256,27 @@ def _worker(rank: int, store_path: str, out_folder: str, bench: DistModel,
                             world_size=WORLD_SIZE)
     example = bench.build()
     inputs = tuple(t.roll(rank, 0).contiguous() for t in example.inputs())  # per-rank data
-    results: dict[str, RankResult] = {}
+    runnings: dict[str, Running] = {}
     largest_peaks: dict[str, int] = {}
-    for way in ways:
-        faulthandler.dump_traceback_later(WAY_TIMEOUT_S, exit=True)
-        budget = (None if way.budget_of is None
-                  else int(way.budget_fraction * largest_peaks[way.budget_of]))
-        started = time.perf_counter()
-        results[way.label] = _run_way(bench, example, inputs, way, budget)
-        results[way.label].wall_s = time.perf_counter() - started
-        if rank == 0:
-            print(f"distributed: {bench.name}: {way.label}: {results[way.label].wall_s:.0f} s",
-                  file=sys.stderr, flush=True)
-        largest_peaks[way.label] = _largest_over_ranks(max(results[way.label].peaks_bytes))
+    # every way's compiled code stays in Dynamo's cache until the timed rounds: see fit.py's
+    # RECOMPILE_LIMIT
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        for way in ways:
+            faulthandler.dump_traceback_later(WAY_TIMEOUT_S, exit=True)
+            budget = (None if way.budget_of is None
+                      else int(way.budget_fraction * largest_peaks[way.budget_of]))
+            started = time.perf_counter()
+            runnings[way.label] = _set_up(bench, example, inputs, way, budget)
+            result = runnings[way.label].result
+            result.wall_s = time.perf_counter() - started
+            if rank == 0:
+                print(f"distributed: {bench.name}: {way.label}: {result.wall_s:.0f} s",
+                      file=sys.stderr, flush=True)
+            largest_peaks[way.label] = _largest_over_ranks(max(result.peaks_bytes))
+        _timed_rounds(list(runnings.values()))
     faulthandler.cancel_dump_traceback_later()
     with open(os.path.join(out_folder, f"rank{rank}.pickle"), "wb") as file:
-        pickle.dump(results, file)
+        pickle.dump({label: running.result for label, running in runnings.items()}, file)
     dist.destroy_process_group()
 
 
@@ -292,7 +322,7 @@ class WayFigures:
     eager_step_s: float
     steps_s: tuple[float, ...]  # each timed step, the slower rank's
     losses_bitwise: bool  # every iteration's loss on every rank equal to the engine's eager's
-    wall_s: float  # the slower rank's whole way: building, compiling, planning, every iteration
+    wall_s: float  # the slower rank's set-up: building, compiling, planning, warm-up, measured
 
     @property
     def within_budget(self) -> bool | None:
@@ -400,10 +430,11 @@ def distributed_section(log: Callable[[str], None]) -> str:
         "by the CPU allocator's events (`measure_allocator_peak`) above the resident "
         "parameters, optimizer state and batch, DTensors counted by their local shard, plus "
         f"DDP's gradient buckets. Step time: the slower rank's median of {TIMED_STEPS} "
-        "iterations after those, each started at a barrier, without the profiler; vs eager is "
-        "against the same engine's eager row. Wall time: the whole way on the slower rank "
-        "(building, compiling and planning, every iteration). Losses: every iteration's loss on "
-        "every rank "
+        "iterations after those, without the profiler, timed in rounds (one step of every way "
+        "in turn, each started at a barrier, so that every way shares the other jobs' load "
+        "alike); vs eager is against the same engine's eager row. Wall time: setting the way "
+        "up on the slower rank (building, compiling, planning, the warm-up and measured "
+        "iterations). Losses: every iteration's loss on every rank "
         "compared with `torch.equal` to the same engine's eager run. Peaks over the budget are "
         "reported as measured (**no**). Timings on this shared 2-core machine are noisy, and "
         "two ranks on two cores compete with other jobs.\n",
