@@ -4,7 +4,8 @@ Every figure in the file is measured by the run that wrote it (the H100 step tim
 simulator's, and say so). CPU part: per-model capacity under a fixed budget, executor overhead,
 GPT-2 beside the alternatives, recomputation curves (bench/recompute.py), auto against the
 alternatives at real sizes (bench/auto.py), the cost model against published throughput and
-auto's sensitivity to the profile (bench/validation.py), the line count. ``--gpu``: the host
+auto's sensitivity to the profile (bench/validation.py), FSDP2 and DDP on two gloo ranks beside
+per-block checkpointing (bench/distributed.py), the line count. ``--gpu``: the host
 link and a GPT-2 medium step.
 """
 
@@ -95,6 +96,7 @@ def cpu_sections() -> list[str]:
     from bench.alternatives import ALTERNATIVE_HEADERS, alternative_rows
     from bench.auto import auto_section
     from bench.cluster import cluster_section
+    from bench.distributed import distributed_section
     from bench.fit import fit_section
     from bench.models import (
         BENCH_MODELS,
@@ -147,6 +149,7 @@ def cpu_sections() -> list[str]:
         "\n" + scaling_markdown(log),
         "\n" + validation_section(log),
         "\n" + cluster_section(log),
+        "\n" + distributed_section(log),
     ]
 
 
@@ -158,6 +161,7 @@ def section_builders() -> dict[str, Callable[[], str]]:
     starting with its ``## `` title."""
     from bench.auto import auto_section
     from bench.cluster import cluster_section
+    from bench.distributed import distributed_section
     from bench.fit import fit_section
     from bench.planning import planning_section
     from bench.planning_scaling import scaling_markdown
@@ -172,10 +176,12 @@ def section_builders() -> dict[str, Callable[[], str]]:
         "scaling": lambda: scaling_markdown(log),
         "validation": lambda: validation_section(log),
         "cluster": lambda: cluster_section(log),
+        "distributed": lambda: distributed_section(log),
     }
 
 
-ONLY_CHOICES = ("fit", "recompute", "auto", "planning", "scaling", "validation", "cluster")  # section_builders()'s keys, without importing the sections
+ONLY_CHOICES = ("fit", "recompute", "auto", "planning", "scaling", "validation", "cluster",
+                "distributed")  # section_builders()'s keys, without importing the sections
 
 
 def splice(old: str, section: str, stamp: str) -> str:
