@@ -197,7 +197,7 @@ def intro(search_note: str) -> str:
         "them (recompute-only is `optimal-recompute` with `method=\"segments\"`, the "
         "separator-block DP), so auto, which simulates each of them among its candidates, can "
         "only tie or beat them. The MILP optimum (POET's swap + recompute MILP, "
-        f"`memfit.solvers.milp_swap`) is solved only on graphs of up to {MILP_MAX_OPS} ops: "
+        f"`memfit.planning.solvers.milp_swap`) is solved only on graphs of up to {MILP_MAX_OPS} ops: "
         "its model has a binary per pair of ops, and these graphs have hundreds to thousands. "
         "Planning times are wall seconds on this shared 2-core CPU. " + search_note)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import memfit
-import memfit.backend
+import memfit.compiler.backend
 from memfit import examples
 from memfit.runtime.measure import measure_allocator_peak
 
@@ -32,7 +32,7 @@ TINY_BYTES = 2  # a bare 1 would mean the whole unplanned peak (a fraction)
 
 def _recording_plan_step(saved: list[dict]):
     """``plan_step`` that keeps each graph, hardware and outside bytes it is given."""
-    original = memfit.backend.plan_step
+    original = memfit.compiler.backend.plan_step
 
     def plan_step(graph, hardware, budget, strategy, params, outside_bytes=0, *rest, **named):
         saved.append({"graph": graph.to_json(), "hardware": hardware.to_json(),
@@ -69,7 +69,7 @@ def floor(name: str, graphs_dir: Path | None) -> dict:
 
     example = getattr(examples, name)()
     saved: list[dict] = []
-    memfit.backend.plan_step = _recording_plan_step(saved)
+    memfit.compiler.backend.plan_step = _recording_plan_step(saved)
     budget, minimums, started_s = TINY_BYTES, [], time.perf_counter()
     peaks = None
     for _attempt in range(ATTEMPTS):  # main() puts the original plan_step back
@@ -92,12 +92,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--graphs", type=Path, default=None)
     parser.add_argument("models", nargs="*", default=list(MODELS))
     arguments = parser.parse_args(argv)
-    original = memfit.backend.plan_step
+    original = memfit.compiler.backend.plan_step
     for name in arguments.models:
         try:
             print(json.dumps(floor(name, arguments.graphs)), flush=True)
         finally:
-            memfit.backend.plan_step = original
+            memfit.compiler.backend.plan_step = original
 
 
 if __name__ == "__main__":

@@ -19,14 +19,14 @@ import memfit
 from bench.common import ms
 from memfit import examples
 from memfit.api import analyzed
-from memfit.core.costgraph import CostGraph
-from memfit.core.errors import BudgetError
-from memfit.core.hardware import Hardware, get_hardware
-from memfit.core.plan import Plan
-from memfit.core.simulate import simulate
+from memfit.data.costgraph import CostGraph
+from memfit.data.errors import BudgetError
+from memfit.data.hardware import Hardware, get_hardware
+from memfit.data.plan import Plan
 from memfit.graph.capture import capture
+from memfit.model.simulate import simulate
+from memfit.planning.strategies import get_strategy
 from memfit.search import meta_inputs
-from memfit.strategies import get_strategy
 
 PROFILES = ("h100-pcie", "gh200")
 FRACTIONS = (0.9, 0.7, 0.5, 0.3)  # of the unplanned (keep) simulated peak
@@ -138,7 +138,7 @@ def milp_outcome(graph: CostGraph, hardware: Hardware, budget_bytes: int) -> Out
     ops; ``None`` above, where the model is too large to build, let alone solve."""
     if len(graph.ops) > MILP_MAX_OPS:
         return None
-    from memfit.solvers.milp_swap import solve_swap_milp
+    from memfit.planning.solvers.milp_swap import solve_swap_milp
 
     solution = solve_swap_milp(graph, hardware, budget_bytes)
     fits = solution.plan is not None and 0 <= solution.peak_bytes <= budget_bytes

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 import memfit
-from memfit.core.units import format_bytes
+from memfit.data.units import format_bytes
 from memfit.render.text import table
 
 BUDGET = "80GiB"

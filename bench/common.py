@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from memfit.core.units import format_bytes
+from memfit.data.units import format_bytes
 from memfit.runtime.measure import _allocator_peak_above_start, measure_peak
 
 REPEATS = 3  # timed runs per figure after one warm-up; the median is reported

@@ -45,7 +45,7 @@ import memfit
 from bench.fit import RECOMPILE_LIMIT
 from bench.recompute import block_paths, wrap_blocks
 from memfit import examples
-from memfit.core.units import format_bytes
+from memfit.data.units import format_bytes
 from memfit.render.text import table
 
 WORLD_SIZE = 2

@@ -17,10 +17,10 @@ import torch
 import memfit
 from bench.common import median_time_s, mib, ms
 from memfit import examples
-from memfit.core.hardware import Hardware
+from memfit.compiler.traced import trace_plan
+from memfit.data.hardware import Hardware
 from memfit.render.text import table
 from memfit.runtime.probe import measure_link
-from memfit.traced import trace_plan
 
 LINK_BYTES = 256 * 2**20
 DEVICE_FRACTION = 0.7  # headroom for the allocator's fragmentation and the CUDA context
@@ -71,9 +71,9 @@ def gpt2_row(strategy: str, batch: int, device: torch.device, hardware: Hardware
 
 
 def _swapped_of_saved(compiled) -> str:
-    """Swapped saved tensors over all saved ones (``memfit.core.explain.tally``: one population,
+    """Swapped saved tensors over all saved ones (``memfit.model.explain.tally``: one population,
     so the first never exceeds the second)."""
-    from memfit.core.explain import tally
+    from memfit.model.explain import tally
 
     counted = tally(compiled.graph, compiled.plan, compiled.predicted)
     return f"{counted.swapped} / {counted.saved}"

@@ -20,7 +20,7 @@ from bench.common import (
     ms,
 )
 from memfit import examples
-from memfit.core.errors import BudgetError
+from memfit.data.errors import BudgetError
 
 PLANNING_HARDWARE = "h100-pcie"
 SEARCH_LIMIT = 16  # search batches up to this many times the base batch

@@ -1,7 +1,7 @@
 """How long ``strategy="auto"`` takes to plan a 10,000-op step, on graph shapes that stress it.
 
 Issue 4's goal: planning a 10,000-op graph takes under 10 s on this machine. Each shape is a
-synthetic forward pass (``memfit.core.synthetic``) sized to about 10,000 ops with its backward
+synthetic forward pass (``memfit.model.synthetic``) sized to about 10,000 ops with its backward
 pass, planned for ``h100-pcie`` at 90/50/30% of its unplanned peak; each figure is the wall time
 of one ``auto`` call on a freshly built graph (nothing cached from an earlier budget), after one
 small plan that pays the imports. The shapes: a chain (every op an articulation point: the
@@ -15,14 +15,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from memfit.core import synthetic
-from memfit.core.costgraph import CostGraph
-from memfit.core.errors import BudgetError
-from memfit.core.hardware import get_hardware
-from memfit.core.plan import Plan
-from memfit.core.simulate import simulate
+from memfit.data.costgraph import CostGraph
+from memfit.data.errors import BudgetError
+from memfit.data.hardware import get_hardware
+from memfit.data.plan import Plan
+from memfit.model import synthetic
+from memfit.model.simulate import simulate
+from memfit.planning.strategies import get_strategy
 from memfit.render.text import table
-from memfit.strategies import get_strategy
 
 PLANNING_TITLE = "## Planning time on 10,000-op graphs (auto)"
 PLANNING_GOAL_S = 10.0

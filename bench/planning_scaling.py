@@ -30,16 +30,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from memfit import examples
-from memfit.core.costgraph import CostGraph
-from memfit.core.errors import BudgetError
-from memfit.core.hardware import get_hardware
-from memfit.core.plan import Plan
-from memfit.core.simulate import simulate
+from memfit.compiler.plan_step import analyzed
+from memfit.data.costgraph import CostGraph
+from memfit.data.errors import BudgetError
+from memfit.data.hardware import get_hardware
+from memfit.data.plan import Plan
 from memfit.graph.capture import capture
-from memfit.planning import analyzed
+from memfit.model.simulate import simulate
+from memfit.planning.strategies import get_strategy
 from memfit.render.text import table
 from memfit.search import meta_inputs
-from memfit.strategies import get_strategy
 
 LAYERS = (6, 12, 24, 48)
 WIDTH = 256

@@ -38,7 +38,7 @@ from bench.common import (
     profiled_peak_above_start,
 )
 from memfit import examples
-from memfit.core.errors import BudgetError
+from memfit.data.errors import BudgetError
 from memfit.render.text import table
 from memfit.runtime.measure import measure_peak
 
@@ -247,7 +247,7 @@ def optimal_minimum_bytes(step: memfit.Step, inputs: tuple) -> int | None:
     """The least whole-step budget ``optimal-recompute`` fits on ``step``'s captured graph: the
     strategy's ``BudgetError.minimum_bytes`` for a 1-byte budget, plus the bytes outside the graph."""
     from memfit.api import resolve_hardware
-    from memfit.strategies import get_strategy
+    from memfit.planning.strategies import get_strategy
 
     compiled = step.compiled
     hardware = resolve_hardware(step.hardware_spec, inputs[0].device)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.recompute import ModelResult, Row
-from memfit.core.files import replacing
+from memfit.data.files import replacing
 
 STYLES = {  # family: (colour, marker, joined by a line)
     "eager": ("black", "*", False),

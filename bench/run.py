@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from memfit.core.files import write_text
+from memfit.data.files import write_text
 from memfit.render.text import table
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -31,11 +31,11 @@ from bench.auto_plans import overhead, plan_outcome
 from bench.common import ms
 from memfit import examples
 from memfit.api import analyzed
-from memfit.core.costgraph import CostGraph
-from memfit.core.hardware import Hardware, get_hardware
-from memfit.core.plan import Plan
-from memfit.core.simulate import simulate
+from memfit.data.costgraph import CostGraph
+from memfit.data.hardware import Hardware, get_hardware
+from memfit.data.plan import Plan
 from memfit.graph.capture import Captured, capture
+from memfit.model.simulate import simulate
 from memfit.render.text import table
 from memfit.search import meta_inputs
 

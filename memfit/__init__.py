@@ -1,7 +1,7 @@
 """memfit: fit a PyTorch training step into a device-memory budget.
 
 The public API, nothing else. Names are imported lazily so that the torch-free layers
-(``memfit.core``, ``memfit.strategies``, ``memfit.solvers``) import without torch.
+(``memfit.core``, ``memfit.planning.strategies``, ``memfit.planning.solvers``) import without torch.
 
 Example:
     >>> step = memfit.compile(model, loss_fn, budget="0.5", strategy="swap")
@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import importlib
 
+from memfit import moved as _moved
 from memfit import plan_methods as _plan_methods
 
 _plan_methods.attach()  # Plan.explain/to_json/from_json/save/load: see memfit.plan_methods
+_moved.install()  # the module paths before the layer folders: see memfit.moved
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "fit": "memfit.fitted",
-    "backend": "memfit.backend",
-    "report": "memfit.fitted",
-    "Backend": "memfit.backend",
+    "fit": "memfit.compiler.fitted",
+    "backend": "memfit.compiler.backend",
+    "report": "memfit.compiler.fitted",
+    "Backend": "memfit.compiler.backend",
     "compile": "memfit.api",
     "plan": "memfit.api",
     "measure_peak": "memfit.api",
@@ -32,22 +34,22 @@ _EXPORTS = {
     "BudgetWarning": "memfit.api",
     "max_batch_size": "memfit.search",
     "BatchSearch": "memfit.search",
-    "FrontierPoint": "memfit.batches",
+    "FrontierPoint": "memfit.planning.batches",
     "capture": "memfit.graph.capture",
     "measure_hardware": "memfit.runtime.probe",
-    "BudgetError": "memfit.core.errors",
-    "CaptureError": "memfit.core.errors",
-    "PlanError": "memfit.core.errors",
-    "Plan": "memfit.core.plan",
-    "Keep": "memfit.core.plan",
-    "Swap": "memfit.core.plan",
-    "SwapIn": "memfit.core.plan",
-    "CostGraph": "memfit.core.costgraph",
-    "Timeline": "memfit.core.timeline",
-    "Hardware": "memfit.core.hardware",
-    "PROFILES": "memfit.core.hardware",
-    "simulate": "memfit.core.simulate",
-    "strategy_names": "memfit.strategies",
+    "BudgetError": "memfit.data.errors",
+    "CaptureError": "memfit.data.errors",
+    "PlanError": "memfit.data.errors",
+    "Plan": "memfit.data.plan",
+    "Keep": "memfit.data.plan",
+    "Swap": "memfit.data.plan",
+    "SwapIn": "memfit.data.plan",
+    "CostGraph": "memfit.data.costgraph",
+    "Timeline": "memfit.data.timeline",
+    "Hardware": "memfit.data.hardware",
+    "PROFILES": "memfit.data.hardware",
+    "simulate": "memfit.model.simulate",
+    "strategy_names": "memfit.planning.strategies",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -4,8 +4,8 @@ One path: ``compile`` returns a ``Step`` that runs ``loss_fn(model, *inputs)`` c
 memfit's ``torch.compile`` backend, then ``loss.backward()``, so every parameter's ``.grad``
 accumulates as PyTorch's own; Dynamo's guards decide when a region is traced and planned again
 (a new shape, a frozen layer). ``plan`` traces the same module with fake inputs and keeps the
-plan, running nothing. Planning is ``memfit.planning.plan_step``; the closed loop is
-``memfit.closed_loop``.
+plan, running nothing. Planning is ``memfit.compiler.plan_step.plan_step``; the closed loop is
+``memfit.compiler.closed_loop``.
 """
 
 from __future__ import annotations
@@ -18,21 +18,21 @@ from typing import Any
 
 import torch
 
-from memfit.backend import Backend, Region, device_of
-from memfit.closed_loop import CLOSED_LOOP, Loop, Round
-from memfit.core.costgraph import CostGraph
-from memfit.core.hardware import PROFILES, Hardware, get_hardware
-from memfit.core.plan import Plan
-from memfit.core.sharding import DEFAULT_BUCKET_BYTES
-from memfit.core.timeline import Timeline
-from memfit.core.units import Budget
+from memfit.compiler.backend import Backend, Region, device_of
+from memfit.compiler.closed_loop import CLOSED_LOOP, Loop, Round
+from memfit.compiler.plan_step import BudgetWarning, Planned, analyzed, plan_step, resolve_hardware
+from memfit.compiler.sharding import FsdpBlock, resolve_sharding
+from memfit.compiler.traced import as_planned, loss_module, memfit_error, trace_plan
+from memfit.data.costgraph import CostGraph
+from memfit.data.hardware import PROFILES, Hardware, get_hardware
+from memfit.data.plan import Plan
+from memfit.data.timeline import Timeline
+from memfit.data.units import Budget
 from memfit.graph.capture import check_inputs, input_signature
-from memfit.planning import BudgetWarning, Planned, analyzed, plan_step, resolve_hardware
+from memfit.model.sharding import DEFAULT_BUCKET_BYTES
+from memfit.planning.strategies import resolve_budget_and_strategy
 from memfit.runtime.measure import measure_allocator_peak
 from memfit.runtime.measure import measure_peak as _measure_peak
-from memfit.sharding import FsdpBlock, resolve_sharding
-from memfit.strategies import resolve_budget_and_strategy
-from memfit.traced import as_planned, loss_module, memfit_error, trace_plan
 
 __all__ = ["Step", "Round", "BudgetWarning", "CLOSED_LOOP", "compile", "plan", "measure_peak",
            "analyzed", "resolve_hardware"]
@@ -124,7 +124,7 @@ class Step:
 
         With a budget and ``measure``, a step whose measured peak is over the budget still
         completes (its gradients are exact), and the next call runs a plan made for a budget
-        lowered by the excess (``memfit.closed_loop``).
+        lowered by the excess (``memfit.compiler.closed_loop``).
 
         Raises:
             BudgetError: if the plan cannot fit the budget (raised before anything runs).
@@ -253,13 +253,13 @@ def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float
         model: the module to train.
         loss_fn: ``loss_fn(model, *inputs) -> scalar tensor``.
         budget: device bytes the step may use at its peak, read as on the command line
-            (``memfit.core.units.parse_budget``): a bare number at most 1 is a fraction of the
+            (``memfit.data.units.parse_budget``): a bare number at most 1 is a fraction of the
             unplanned step's peak (``0.5``, ``"0.5"``; ``1`` is the whole peak, not one byte), an
             int above 1 is bytes, a size string is bytes (``"3GiB"``); a float above 1 is
             refused (write an int or units). ``None``: no limit.
         strategy: ``"auto"`` (the fastest mix of keep, swap and recompute that fits), ``"keep"``
             (the unplanned step), ``"swap"`` (TFLMS), ``"checkpoint"``, ``"optimal-recompute"``,
-            ``"vdnn_all"``, ``"vdnn_conv"``, ``"vdnn_dyn"``, ... (``memfit.strategies.
+            ``"vdnn_all"``, ``"vdnn_conv"``, ``"vdnn_dyn"``, ... (``memfit.planning.strategies.
             strategy_names()``). Default: ``"auto"`` with a budget, ``"keep"`` without.
         hardware: a profile name (``"h100-pcie"``, ``"cpu"``, ...) or ``Hardware`` for the cost
             model. Default: ``cpu`` on a CPU, measured on an accelerator.
@@ -325,7 +325,7 @@ def plan(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor,
             ``inputs`` are then one rank's batch, and ``budget`` is one rank's device bytes.
         sharding: ``"none"`` (default), ``"fsdp"`` (FSDP2 ``fully_shard`` on each block and
             on the root, ``reshard_after_forward=True``) or ``"ddp"``. With ``world_size`` > 1
-            the plan is one rank's (``memfit.core.sharding``): sharded parameters, gradients
+            the plan is one rank's (``memfit.model.sharding``): sharded parameters, gradients
             and optimizer state, all-gathers and reduce-scatters (or DDP's bucketed
             all-reduces) timed on the profile's interconnect. Such a plan is for reading and
             comparing; it names a graph this process does not run.

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from memfit.core.hardware import Hardware
-    from memfit.core.units import Budget
+    from memfit.data.hardware import Hardware
+    from memfit.data.units import Budget
 
 EXAMPLES_HELP = """examples:
   memfit demo                          # about a minute on a laptop CPU
@@ -63,9 +63,9 @@ def _positive_int(text: str) -> int:
 
 def _hardware(name: str) -> str | Hardware:
     """A built-in hardware profile's name, or a profile saved as JSON (a path ending in
-    ``.json``, e.g. one ``measure_hardware()`` made on the target GPU); ``memfit.core.hardware``
+    ``.json``, e.g. one ``measure_hardware()`` made on the target GPU); ``memfit.data.hardware``
     is torch-free: fast."""
-    from memfit.core.hardware import Hardware, get_hardware
+    from memfit.data.hardware import Hardware, get_hardware
 
     try:
         return Hardware.load(name) if name.endswith(".json") else get_hardware(name).name
@@ -75,7 +75,7 @@ def _hardware(name: str) -> str | Hardware:
 
 def _host_bytes(text: str) -> int | None:
     """``--host-bytes``: a size (``'512GiB'``) or ``none`` (no limit)."""
-    from memfit.core.units import parse_bytes
+    from memfit.data.units import parse_bytes
 
     if text.strip().lower() == "none":
         return None
@@ -89,7 +89,7 @@ def _target(args: argparse.Namespace) -> str | Hardware:
     """``--hardware`` with ``--host-bytes`` applied where given (else the profile's own)."""
     if not hasattr(args, "host_bytes"):
         return args.hardware
-    from memfit.core.hardware import get_hardware
+    from memfit.data.hardware import get_hardware
 
     return get_hardware(args.hardware).with_(host_bytes=args.host_bytes)
 
@@ -112,7 +112,7 @@ def _sharding(args: argparse.Namespace) -> dict:
 
 def _budget(text: str) -> Budget:
     """A budget, read as ``memfit.compile(budget=...)`` reads one (``parse_budget``)."""
-    from memfit.core.units import parse_budget
+    from memfit.data.units import parse_budget
 
     try:
         parsed = parse_budget(text)
@@ -179,7 +179,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Train unplanned then under swap; print the comparison; exit 1 if it is not sound."""
     from tqdm import tqdm
 
-    from memfit.core.errors import BudgetError
+    from memfit.data.errors import BudgetError
     from memfit.demo import DemoConfig, demo_report, run_demo, write_outputs
 
     config = DemoConfig.quick() if args.quick else DemoConfig()
@@ -209,7 +209,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Plan the named example on a hardware profile; print ``plan.explain()``; save it if asked."""
-    from memfit.strategies import resolve_budget_and_strategy
+    from memfit.planning.strategies import resolve_budget_and_strategy
 
     try:  # everything checkable without torch first: the model is built and traced below
         check_model_args(args.model, args.model_arg)
@@ -217,7 +217,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except ValueError as error:  # unknown model argument, strategy or parameter
         print(f"memfit plan: {error}", file=sys.stderr)
         return 2
-    from memfit.core.errors import BudgetError
+    from memfit.data.errors import BudgetError
     from memfit.render.summary import plan_example, plan_summary
 
     try:
@@ -243,7 +243,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_max_batch_size(args: argparse.Namespace) -> int:
     """Search the named example's batch for a hardware profile (``memfit.max_batch_size``, on
     meta inputs, nothing runs); print the chosen batch, the frontier and every batch tried."""
-    from memfit.strategies import resolve_budget_and_strategy
+    from memfit.planning.strategies import resolve_budget_and_strategy
 
     try:  # everything checkable without torch first
         check_model_args(args.model, args.model_arg)
@@ -256,7 +256,7 @@ def cmd_max_batch_size(args: argparse.Namespace) -> int:
         print(f"memfit max-batch-size: {error}", file=sys.stderr)
         return 2
     from memfit import examples
-    from memfit.core.errors import BudgetError
+    from memfit.data.errors import BudgetError
     from memfit.render.summary import autocast_dtype
     from memfit.search import max_batch_size
 
@@ -280,7 +280,7 @@ def cmd_max_batch_size(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     """Print a saved timeline's summary (and draw it as a PNG when asked), or a saved plan's
     explanation: the file says which it is."""
-    from memfit.core.timeline import Timeline
+    from memfit.data.timeline import Timeline
     from memfit.render.summary import timeline_summary
 
     try:
@@ -310,7 +310,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def _show_plan(args: argparse.Namespace, data: dict) -> int:
     """A saved plan: its strategy and decisions, then ``plan.explain()``."""
-    from memfit.core.plan import Plan
+    from memfit.data.plan import Plan
 
     if args.png:
         print(f"memfit show: {args.file} is a plan, which holds no memory curve to draw; draw a "

@@ -24,7 +24,7 @@ import torch
 
 import memfit
 from memfit import examples
-from memfit.core.timeline import Timeline
+from memfit.data.timeline import Timeline
 
 
 @dataclass(frozen=True)
@@ -246,8 +246,8 @@ def _ms(seconds: float) -> str:
 
 def demo_report(result: DemoResult, width: int = 100) -> str:
     """The table the demo prints: peaks, budget, step times, what was swapped, the verdicts."""
-    from memfit.core.explain import tally
-    from memfit.core.units import format_bytes
+    from memfit.data.units import format_bytes
+    from memfit.model.explain import tally
     from memfit.render.text import fit_table, tally_lines
 
     planned_step = result.planned.step

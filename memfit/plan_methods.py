@@ -1,8 +1,8 @@
 """The methods of ``Plan`` that reach above the data layer: explain, and the JSON file form.
 
-``Plan`` (``memfit.core.plan``) is frozen data that every layer builds and reads, so it imports
+``Plan`` (``memfit.data.plan``) is frozen data that every layer builds and reads, so it imports
 nothing above itself. Yet ``plan.explain()`` renders text (``memfit.render``) and a plan read
-from a file names a strategy checked against the registry (``memfit.strategies``). The bodies
+from a file names a strategy checked against the registry (``memfit.planning.strategies``). The bodies
 live here, in the surface layer, and ``memfit/__init__.py`` attaches them to ``Plan`` with
 ``attach``: Python runs that file before any memfit module, so the methods are there whichever
 module a program imports first, and ``plan.explain()``, ``plan.save(path)``, ``Plan.load(path)``
@@ -12,7 +12,7 @@ Note:
     Why not a subclass of ``Plan`` with the methods: strategies build ``Plan`` in a layer below
     any such subclass, so a plan they return would lack the methods. Why not lazy imports in
     ``Plan``'s own methods: an import inside a function is still an upward dependency, and the
-    loop it made (``core.plan`` -> ``render.explain`` -> ``core.explain`` -> ``core.plan``) is
+    loop it made (``data.plan`` -> ``render.explain`` -> ``model.explain`` -> ``data.plan``) is
     what ``tests/test_layers.py`` forbids.
 """
 
@@ -22,8 +22,8 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
-from memfit.core.files import write_text
-from memfit.core.plan import Plan
+from memfit.data.files import write_text
+from memfit.data.plan import Plan
 
 
 def explain(plan: Plan, depth: int = 3, width: int = 100, rows: int | None = 40) -> str:
@@ -40,8 +40,8 @@ def explain(plan: Plan, depth: int = 3, width: int = 100, rows: int | None = 40)
 
 
 def to_json(plan: Plan) -> dict:
-    """The plan's JSON form (``memfit.core.plan_json`` holds the schema)."""
-    from memfit.core.plan_json import plan_to_json
+    """The plan's JSON form (``memfit.data.plan_json`` holds the schema)."""
+    from memfit.data.plan_json import plan_to_json
 
     return plan_to_json(plan)
 
@@ -54,8 +54,8 @@ def from_json(data: Mapping, source: str = "the saved plan") -> Plan:
             (an unregistered strategy, a budget that is not a positive int, a blank
             ``graph_hash``); for a plan of another format version (made by another memfit).
     """
-    from memfit.core.plan_json import plan_from_json
-    from memfit.strategies import strategy_names
+    from memfit.data.plan_json import plan_from_json
+    from memfit.planning.strategies import strategy_names
 
     return plan_from_json(data, strategy_names(), source=source)
 

@@ -25,7 +25,16 @@ from typing import Any, NamedTuple
 import torch
 
 from memfit.api import Step
-from memfit.batches import (
+from memfit.compiler.plan_step import resolve_hardware
+from memfit.compiler.sharding import FsdpBlock, resolve_sharding
+from memfit.compiler.traced import trace_plan
+from memfit.data.errors import BudgetError
+from memfit.data.hardware import Hardware
+from memfit.data.plan import Plan
+from memfit.data.timeline import Timeline
+from memfit.data.units import Budget, format_bytes
+from memfit.model.sharding import DEFAULT_BUCKET_BYTES, Sharding
+from memfit.planning.batches import (
     FrontierPoint,
     PlannedBatch,
     Trial,
@@ -33,16 +42,7 @@ from memfit.batches import (
     search_fastest,
     whole_bytes,
 )
-from memfit.core.errors import BudgetError
-from memfit.core.hardware import Hardware
-from memfit.core.plan import Plan
-from memfit.core.sharding import DEFAULT_BUCKET_BYTES, Sharding
-from memfit.core.timeline import Timeline
-from memfit.core.units import Budget, format_bytes
-from memfit.planning import resolve_hardware
-from memfit.sharding import FsdpBlock, resolve_sharding
-from memfit.strategies import resolve_budget_and_strategy
-from memfit.traced import trace_plan
+from memfit.planning.strategies import resolve_budget_and_strategy
 
 __all__ = ["Trial", "FrontierPoint", "BatchSearch", "max_batch_size"]
 

@@ -8,7 +8,7 @@ from torch import nn
 
 import memfit
 from memfit import examples
-from memfit.core.schedule import PlanError
+from memfit.model.schedule import PlanError
 
 
 def small():

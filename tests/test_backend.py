@@ -386,7 +386,7 @@ def _measured_region(measured: int, eager: int = 0, predicted: int = 100, budget
     """The fields ``_warn_if_over_its_prediction`` reads, of a region with one measured run."""
     from types import SimpleNamespace
 
-    from memfit.core.plan import Plan
+    from memfit.data.plan import Plan
 
     return SimpleNamespace(index=0, warned_over=False, measured_peak_bytes=measured,
                            budget_bytes=budget, predicted_peak_bytes=predicted,
@@ -395,7 +395,7 @@ def _measured_region(measured: int, eager: int = 0, predicted: int = 100, budget
 
 
 def test_a_plan_measured_over_its_budget_and_prediction_is_said_once():
-    from memfit.backend import _warn_if_over_its_prediction
+    from memfit.compiler.backend import _warn_if_over_its_prediction
 
     region = _measured_region(measured=300)
     with pytest.warns(memfit.BudgetWarning, match="does not run as simulated"):

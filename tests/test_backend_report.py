@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.planning import BudgetWarning
+from memfit.compiler.plan_step import BudgetWarning
 from memfit.runtime.measure import measure_allocator_peak
 from tests.test_backend import Broken, assert_same_training, batches, eager_reference, mlp, train
 

@@ -35,8 +35,8 @@ from bench.auto_plans import (
     overhead,
     profile_result,
 )
-from memfit.core import synthetic
-from memfit.core.hardware import get_hardware
+from memfit.data.hardware import get_hardware
+from memfit.model import synthetic
 
 SIZE_BYTES = 64 << 20
 FRACTIONS = (0.9, 0.5, 0.3)  # 0.5 and 0.3: the goals and anchors read them

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bench import validation
-from memfit.core.hardware import get_hardware
+from memfit.data.hardware import get_hardware
 
 
 def test_scaled_profile_changes_op_rates_or_the_link_and_nothing_else():

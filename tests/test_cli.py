@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from memfit.cli import build_parser, main, terminal_width
-from memfit.core.plan import Plan
-from memfit.core.timeline import Timeline
-from memfit.core.units import parse_budget
+from memfit.data.plan import Plan
+from memfit.data.timeline import Timeline
+from memfit.data.units import parse_budget
 from memfit.render.text import fit_table
 
 MLP = ["--model", "mlp", "--model-arg", "depth=8", "--model-arg", "width=32", "--batch", "512"]
@@ -156,7 +156,7 @@ def test_python_and_the_command_line_read_a_budget_alike(python, typed):
 def test_plan_reads_a_saved_hardware_profile(capsys, tmp_path):
     """A profile saved as JSON (one measured on the target) plans as a built-in one does; a
     bad file is refused with the field it breaks."""
-    from memfit.core.hardware import PROFILES
+    from memfit.data.hardware import PROFILES
 
     profile = tmp_path / "measured.json"
     PROFILES["a100"].with_(name="measured-a100").save(profile)
@@ -171,7 +171,7 @@ def test_plan_reads_a_saved_hardware_profile(capsys, tmp_path):
 def test_host_bytes_on_the_command_line_limits_the_swaps(tmp_path, capsys):
     """``--host-bytes 0``: the plan that swapped with the profile's host recomputes instead;
     ``none`` lifts the limit; a bad size fails as an argument."""
-    from memfit.core.plan import Plan
+    from memfit.data.plan import Plan
 
     saved = tmp_path / "plan.json"
     argv = ["plan", *MLP, "--budget", "0.6", "--hardware", "h100-pcie", "--save", str(saved)]

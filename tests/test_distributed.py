@@ -154,7 +154,7 @@ def _worker(rank: int, store_path: str, out_folder: str, name: str, engine: str,
 
     import torch.distributed as dist
 
-    from memfit.graph_breaks import latest_regions
+    from memfit.compiler.graph_breaks import latest_regions
     from memfit.runtime.ranks import plan_digest
 
     faulthandler.dump_traceback_later(TIMEOUT_S, exit=True)

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from memfit.core.errors import BudgetError
-from memfit.graph_breaks import latest_regions, save_at_most, saves_caps
+from memfit.compiler.graph_breaks import latest_regions, save_at_most, saves_caps
+from memfit.data.errors import BudgetError
 
 
 def region(index, code, saved_bytes, budget_bytes=100, minimum_bytes=None, pending_bytes=0,

@@ -5,8 +5,8 @@ count (a lazy import is still a dependency, only a later one), imports under
 ``if TYPE_CHECKING:`` do not (they never run): no two modules may import each other in a loop.
 A second graph with those type-only imports added must hold the layer rule too, and has no loop
 but the one ``KNOWN_LOOPS`` lists: a type named across a loop is a type in the wrong module. An import names the module it loads: ``from
-memfit.core import plan`` is an edge to ``memfit.core.plan``, ``from memfit.core.plan import
-Plan`` one to ``memfit.core.plan``. The package ``__init__`` files Python runs on the way are not
+memfit.core import plan`` is an edge to ``memfit.data.plan``, ``from memfit.data.plan import
+Plan`` one to ``memfit.data.plan``. The package ``__init__`` files Python runs on the way are not
 edges: every module would otherwise depend on ``memfit/__init__.py`` and through it on all others.
 """
 
@@ -48,8 +48,8 @@ FORBIDDEN_PACKAGES = ("bench",)  # the source checkout's benchmarks: never insta
 
 KNOWN_LOOPS = [  # type-only imports: issue 15, loop 3 (Region and its helpers live in backend.py,
     # read for typing by the modules around it; a branch moves them out): delete when it is gone
-    {"memfit.backend", "memfit.graph.lifetimes", "memfit.graph_breaks", "memfit.render.regions",
-     "memfit.replanning", "memfit.runtime.region_peak"},
+    {"memfit.compiler.backend", "memfit.graph.lifetimes", "memfit.compiler.graph_breaks", "memfit.render.regions",
+     "memfit.compiler.replanning", "memfit.runtime.region_peak"},
 ]
 
 
@@ -100,7 +100,7 @@ def _imported_modules(node: ast.AST, module: str, is_package: bool,
 
 def _nearest_module(name: str, modules: dict[str, Path]) -> str:
     """The longest prefix of ``name`` that is a module of the package, else its top-level name:
-    ``memfit.core.plan.Plan`` -> ``memfit.core.plan``, ``bench.run.main`` -> ``bench``."""
+    ``memfit.data.plan.Plan`` -> ``memfit.data.plan``, ``bench.run.main`` -> ``bench``."""
     parts = name.split(".")
     for end in range(len(parts), 0, -1):
         if ".".join(parts[:end]) in modules:

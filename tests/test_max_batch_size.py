@@ -5,7 +5,7 @@ import pytest
 
 import memfit
 from memfit import examples
-from memfit.batches import PlannedBatch, Trial, bracket_largest, search_fastest
+from memfit.planning.batches import PlannedBatch, Trial, bracket_largest, search_fastest
 from memfit.runtime.measure import measure_allocator_peak
 from memfit.search import meta_inputs
 
@@ -147,7 +147,7 @@ def test_no_plan_swaps_more_than_the_host_holds():
     """``host_bytes`` on the profile: the strategies plan within it, so every batch on the
     frontier holds at most that on the host, and the largest batch is no larger than with an
     unlimited host."""
-    from memfit.core.hardware import get_hardware
+    from memfit.data.hardware import get_hardware
 
     example = examples.mlp(depth=3, width=256)
     host_bytes = 1 << 20
@@ -166,7 +166,7 @@ def test_a_host_limited_refusal_is_shown_and_batch_one_names_the_host(monkeypatc
     """A fake planner that fits batches up to 2 and refuses larger ones for the host limit:
     the search says so; where batch 1 is refused too, its BudgetError names host_bytes."""
     from memfit import search
-    from memfit.core.hardware import get_hardware
+    from memfit.data.hardware import get_hardware
 
     fits_up_to = 2
 

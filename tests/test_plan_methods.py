@@ -5,7 +5,7 @@ import sys
 
 FRESH_PROCESS = """
 import sys
-from memfit.core.plan import Keep, Plan, Recompute
+from memfit.data.plan import Keep, Plan, Recompute
 plan = Plan("keep", {"a": Keep("x"), "b": Recompute()}, graph_hash="0123")
 path = sys.argv[1]
 plan.save(path)

@@ -12,7 +12,7 @@ import torch
 
 import memfit
 from memfit import examples
-from memfit.core.plan import Plan
+from memfit.data.plan import Plan
 
 BUDGET = 0.9  # of the unplanned peak: both strategies fit, and both decide something
 

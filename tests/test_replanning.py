@@ -4,7 +4,7 @@ micro-batches, and no other model re-traced by it.
 
 GPT-2's compiled frame is transformers' decorator wrapper around ``forward``: a guard in a
 module pre-hook is never traced there, and resetting that code object would reach every model
-that shares it. ``memfit.replanning`` plans the region again in its own callable instead; these
+that shares it. ``memfit.compiler.replanning`` plans the region again in its own callable instead; these
 tests count Dynamo's graphs and AOTAutograd's compiles to show that nothing is traced again.
 """
 
@@ -19,8 +19,8 @@ from torch._dynamo.utils import counters
 
 import memfit
 from memfit import examples
-from memfit.core.units import format_bytes
-from memfit.replanning import eager_bytes_to_plan
+from memfit.compiler.replanning import eager_bytes_to_plan
+from memfit.data.units import format_bytes
 from memfit.runtime.measure import measure_allocator_peak
 from tests.models.test_fit_models import train
 
@@ -135,7 +135,7 @@ def test_planning_one_model_again_retraces_no_other_model():
 def test_what_is_resident_is_counted_again_only_when_it_can_have_changed(monkeypatch):
     """Counting what is resident walks every module and storage; a region's run counts again
     only when a gradient appeared or went, or an optimizer's state or groups changed."""
-    import memfit.backend
+    import memfit.compiler.backend
     from tests.test_backend import mlp
 
     model = mlp(depth=2)
@@ -149,8 +149,8 @@ def test_what_is_resident_is_counted_again_only_when_it_can_have_changed(monkeyp
     replanned = planner.replans + planner.eager_replans
     assert replanned == 1 and len(planner.regions) == 2
     counted = []
-    real = memfit.backend.resident_bytes
-    monkeypatch.setattr(memfit.backend, "resident_bytes",
+    real = memfit.compiler.backend.resident_bytes
+    monkeypatch.setattr(memfit.compiler.backend, "resident_bytes",
                         lambda *args: counted.append(args) or real(*args))
     for _ in range(3):
         fitted(x).sum().backward()

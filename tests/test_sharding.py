@@ -11,10 +11,10 @@ import torch
 import memfit
 from memfit import examples
 from memfit.cli import main
-from memfit.core.hardware import get_hardware
-from memfit.core.schedule import live_buffers, lower, memory_profile
-from memfit.sharding import fsdp_units, resolve_sharding
-from memfit.traced import trace_plan
+from memfit.compiler.sharding import fsdp_units, resolve_sharding
+from memfit.compiler.traced import trace_plan
+from memfit.data.hardware import get_hardware
+from memfit.model.schedule import live_buffers, lower, memory_profile
 
 WORLD = 4
 HARDWARE = get_hardware("h100-sxm")
@@ -154,7 +154,7 @@ def test_cli_plans_one_rank(capsys):
 
 def test_a_model_on_the_meta_device_is_refused_not_planned_without_its_backward():
     transformers = pytest.importorskip("transformers")
-    from memfit.core.errors import CaptureError
+    from memfit.data.errors import CaptureError
 
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=1, num_attention_heads=2,

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from memfit.core.costgraph import CostGraph, Op, Tensor
-from memfit.core.hardware import Hardware
+from memfit.data.costgraph import CostGraph, Op, Tensor
+from memfit.data.hardware import Hardware
 from memfit.graph.capture import SCOPE_KEY, TYPE_KEY, Binding, Captured
 from memfit.graph.flops import node_flops
 from memfit.graph.temporaries import kernel_output_storage_bytes, kernel_temporary_bytes_of

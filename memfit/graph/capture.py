@@ -37,8 +37,8 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from memfit.core.errors import CaptureError
-from memfit.core.hardware import Hardware
+from memfit.data.errors import CaptureError
+from memfit.data.hardware import Hardware
 
 SCOPE_KEY = "memfit_scope"
 

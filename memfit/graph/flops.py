@@ -5,7 +5,7 @@ not the kernels a CPU capture records (``_scaled_dot_product_flash_attention_for
 backward, oneDNN's ``mkldnn_rnn_layer``), cuDNN's RNN, nor a few matmul and convolution
 variants. Importing this module registers formulas for those in torch's own registry
 (``register_flop_formula``), only where torch has none, so ``FlopCounterMode`` counts them too
-and a later torch that adds its own keeps it. ``memfit.core.op_classes`` lists every compute op;
+and a later torch that adds its own keeps it. ``memfit.data.op_classes`` lists every compute op;
 a test fails on any of them counted at zero.
 
 Conventions follow torch's (a multiply-add is 2 FLOPs, a backward counts the gradients of both
@@ -29,7 +29,7 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
-from memfit.core.op_classes import op_class
+from memfit.data.op_classes import op_class
 
 aten = torch.ops.aten
 Shape = Sequence[int]

@@ -32,7 +32,7 @@ from torch._functorch.partitioners import _extract_fwd_bwd_modules
 from torch.fx.experimental.proxy_tensor import is_sym_node
 from torch.utils._ordered_set import OrderedSet
 
-from memfit.core.errors import CaptureError
+from memfit.data.errors import CaptureError
 from memfit.graph.analyze import storage_key, tensors_in
 from memfit.graph.capture import SCOPE_KEY, TYPE_KEY, Binding, Captured
 

@@ -1,6 +1,6 @@
 """A compiled region's lifetimes outside its joint graph, read from the graph and the user's loop.
 
-``memfit.core.lifetimes`` says what these lifetimes are; this module finds them for a region of
+``memfit.model.lifetimes`` says what these lifetimes are; this module finds them for a region of
 ``memfit.fit``: the gradients other regions make during its backward (planned for), and, once a
 backward has run, which outputs the loop held through it and which tangents autograd passed (the
 region's prediction is simulated again with them; its plan, checked with every output held and
@@ -21,14 +21,14 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from memfit.core.costgraph import CostGraph
-from memfit.core.lifetimes import with_loop_lifetimes, with_storage_from
-from memfit.core.simulate import simulate
+from memfit.data.costgraph import CostGraph
 from memfit.graph.analyze import storage_key, tensors_in
 from memfit.graph.capture import Binding
+from memfit.model.lifetimes import with_loop_lifetimes, with_storage_from
+from memfit.model.simulate import simulate
 
 if TYPE_CHECKING:
-    from memfit.backend import Region
+    from memfit.compiler.backend import Region
 
 LATER_GRADIENTS = "memfit.later_gradients"  # the storage standing for other regions' gradients
 EAGER_AT_BACKWARD = "memfit.eager_at_backward"  # eager code's bytes seen at the backward's start
@@ -197,7 +197,7 @@ def loop_graph(graph: CostGraph, output_alive: dict[str | None, bool],
     after their last reader, for those its backward reads),
     tangents it passed made when the backward starts and freed after their last reader (held
     until it returns: those in ``tangent_kept``), the others made as zeros before their first
-    reader (``memfit.backend._zeros_at_first_use``) or never."""
+    reader (``memfit.compiler.backend._zeros_at_first_use``) or never."""
     forward = [op.name for op in graph.ops if op.phase == "forward"]
     first_backward = next((i for i, op in enumerate(graph.ops) if op.phase == "backward"), None)
     if not forward or first_backward is None or first_backward == 0:

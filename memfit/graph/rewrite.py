@@ -22,11 +22,11 @@ import torch
 import torch.fx as fx
 
 import memfit.graph.ops  # noqa: F401  (registers torch.ops.memfit.*)
-from memfit.core.costgraph import CostGraph
-from memfit.core.plan import Plan
-from memfit.core.schedule import Action, PlanError, copy_buffer, lower
+from memfit.data.costgraph import CostGraph
+from memfit.data.plan import Plan
 from memfit.graph.analyze import storage_key, tensors_in
 from memfit.graph.rng import RNG_REPLAY_BEGIN, RNG_REPLAY_END, RNG_SAVE, is_random
+from memfit.model.schedule import Action, PlanError, copy_buffer, lower
 
 
 def storage_owners(graph_module: fx.GraphModule) -> dict:

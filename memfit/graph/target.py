@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from memfit.core.hardware import Hardware
+from memfit.data.hardware import Hardware
 from memfit.graph.target_attention import cuda_attention
 
 LOWER_PRECISION_DTYPES = (torch.bfloat16, torch.float16)

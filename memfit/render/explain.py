@@ -1,14 +1,14 @@
 """``Plan.explain()`` as text: predicted figures, totals by module, decisions, what-if budgets.
 
-Reads only the plan and the ``Explanation`` it carries (``memfit.core.explain``), so a plan loaded
+Reads only the plan and the ``Explanation`` it carries (``memfit.model.explain``), so a plan loaded
 from JSON renders the same as the one just made.
 """
 
 from __future__ import annotations
 
-from memfit.core.explanation import BudgetRow, Explanation, TensorRow
-from memfit.core.plan import Plan, Recompute, Swap
-from memfit.core.units import format_bytes
+from memfit.data.explanation import BudgetRow, Explanation, TensorRow
+from memfit.data.plan import Plan, Recompute, Swap
+from memfit.data.units import format_bytes
 from memfit.render.text import fit_table, format_param, table, tally_lines
 
 

@@ -16,9 +16,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
-from memfit.core.costgraph import CostGraph
-from memfit.core.files import replacing
-from memfit.core.timeline import Timeline
+from memfit.data.costgraph import CostGraph
+from memfit.data.files import replacing
+from memfit.data.timeline import Timeline
 
 MIB = 2**20
 STREAMS = ("compute", "d2h", "h2d")
@@ -54,7 +54,7 @@ def _positions(timeline: Timeline, x_axis: str, common: frozenset[str]) -> list[
     Note:
         Position counts only the labels every timeline has (the original ops), so a planned
         step's extra copy actions do not shift its curve against the unplanned one; each copy
-        sits at the op before it. Memory is counted in program order (``core/schedule.py``), so
+        sits at the op before it. Memory is counted in program order (``model/schedule.py``), so
         on the time axis each action sits at the start of the compute action at or before it.
     """
     count = len(timeline.memory_bytes)

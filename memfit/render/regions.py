@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from memfit.core.units import format_bytes
+from memfit.data.units import format_bytes
 from memfit.render.text import table
 
 if TYPE_CHECKING:
-    from memfit.backend import Backend, Region
+    from memfit.compiler.backend import Backend, Region
 
 
 def regions_report(planner: Backend) -> str:
@@ -62,7 +62,7 @@ def _notes(planner: Backend) -> list[str]:
 def _eager_note(region: Region) -> str:
     """Bytes eager code held while ``region`` ran (``memfit.runtime.outside``), and whether its
     plan had room for them."""
-    from memfit.replanning import eager_bytes_to_plan
+    from memfit.compiler.replanning import eager_bytes_to_plan
 
     held = max(region.eager_forward_bytes, region.eager_backward_bytes)
     if region.budget_bytes is None:
@@ -83,7 +83,7 @@ def _eager_note(region: Region) -> str:
 
 
 def _row(region: Region) -> tuple:
-    from memfit.core.explain import tally
+    from memfit.model.explain import tally
 
     plan, graph = region.plan, region.graph
     counted = tally(graph, plan, region.predicted)

@@ -10,11 +10,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from memfit.core.costgraph import CostGraph
-from memfit.core.hardware import Hardware
-from memfit.core.plan import Plan
-from memfit.core.timeline import Timeline
-from memfit.core.units import Budget, format_bytes
+from memfit.data.costgraph import CostGraph
+from memfit.data.hardware import Hardware
+from memfit.data.plan import Plan
+from memfit.data.timeline import Timeline
+from memfit.data.units import Budget, format_bytes
 
 BARS = " ▁▂▃▄▅▆▇█"
 
@@ -42,7 +42,7 @@ def plan_example(model: str, batch_size: int | None, model_args: Mapping[str, An
 
     Note:
         The model is built on the CPU with random weights; its inputs are meta tensors, traced
-        as fake ones the way ``memfit.compile`` would trace the step (``memfit.traced``), so no
+        as fake ones the way ``memfit.compile`` would trace the step (``memfit.compiler.traced``), so no
         step runs.
 
     Raises:
@@ -50,10 +50,10 @@ def plan_example(model: str, batch_size: int | None, model_args: Mapping[str, An
         BudgetError: if the strategy cannot reach the budget.
     """
     from memfit import examples
-    from memfit.core.hardware import get_hardware
-    from memfit.sharding import resolve_sharding
-    from memfit.strategies import resolve_budget_and_strategy
-    from memfit.traced import trace_plan
+    from memfit.compiler.sharding import resolve_sharding
+    from memfit.compiler.traced import trace_plan
+    from memfit.data.hardware import get_hardware
+    from memfit.planning.strategies import resolve_budget_and_strategy
 
     parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
     profile = get_hardware(hardware)

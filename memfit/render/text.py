@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from memfit.core.explain import tally
-from memfit.core.explanation import Tally
-from memfit.core.units import format_bytes
+from memfit.data.explanation import Tally
+from memfit.data.units import format_bytes
+from memfit.model.explain import tally
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -49,7 +49,7 @@ def tally_lines(counted: Tally, how: str = "predicted") -> list[str]:
 def step_report(compiled, measured=None, rounds=()) -> str:
     """What a compiled step planned, predicted and measured, as a short table.
 
-    ``compiled`` is the region that ran (``memfit.backend.Region``), ``measured`` its last
+    ``compiled`` is the region that ran (``memfit.compiler.backend.Region``), ``measured`` its last
     measured ``Timeline`` (whole device), ``rounds`` its closed loop. Each figure says whether
     it was simulated (predicted) or measured."""
     plan, graph = compiled.plan, compiled.graph

@@ -1,6 +1,6 @@
 """Executor: runs a (rewritten) fx graph node by node, freeing each value right after its last use.
 
-Memory follows program order exactly as ``memfit.core.schedule.memory_profile`` models it: a
+Memory follows program order exactly as ``memfit.model.schedule.memory_profile`` models it: a
 node's outputs are allocated, then the values it was the last user of are dropped (and a value
 nobody uses is dropped right after it is made). The swap ops run inside the executor's copy
 engine.

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from memfit.core.hardware import PROFILES, TENSOR_FLOAT32, Hardware, available_host_bytes
+from memfit.data.hardware import PROFILES, TENSOR_FLOAT32, Hardware, available_host_bytes
 
 # A combined (both directions at once) rate at least this many times one direction's means the
 # link is full duplex; 2.0 is perfect, PCIe hosts usually reach 1.6-1.9.

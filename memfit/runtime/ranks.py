@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from memfit.core.errors import BudgetError
+from memfit.data.errors import BudgetError
 
 _GROUPS: dict[int, Any] = {}  # the default group's id -> memfit's gloo group beside it
 
@@ -84,7 +84,7 @@ def agree_on(value: Any) -> Any:
 def agree_on_hardware(hardware: Any, measured: bool) -> Any:
     """Rank 0's profile on every rank where each rank ``measured`` its own (a GPU's differs
     from rank to rank); a named or built-in profile is the same everywhere already."""
-    from memfit.core.hardware import Hardware
+    from memfit.data.hardware import Hardware
 
     if not measured or agreement_group() is None:
         return hardware
@@ -106,7 +106,7 @@ def raise_if_any_failed(error: BudgetError | None) -> None:
 
 def plan_digest(plan: Any) -> str:
     """A short digest of a plan's decisions and re-runs: equal on ranks that chose alike."""
-    from memfit.core.plan_json import plan_to_json
+    from memfit.data.plan_json import plan_to_json
 
     data = plan_to_json(plan)
     data.pop("explanation", None)
@@ -134,7 +134,7 @@ def agree_on_eager_bytes(regions: list) -> None:
     """What eager code held beside each region, as the rank that saw most saw it: the bytes at
     its forwards' and backwards' start (the largest), the outputs freed by its backward's start
     (the fewest), whether any rank read them. Each rank reads them from its own allocator, and
-    they decide whether a region is planned again (``memfit.replanning.eager_room_needed``).
+    they decide whether a region is planned again (``memfit.compiler.replanning.eager_room_needed``).
     Measured: GPT-2 under DDP, 845,500 B on one rank and 845,504 B on the other."""
     if agreement_group() is None or not regions:
         return

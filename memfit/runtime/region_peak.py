@@ -29,7 +29,7 @@ import torch
 from memfit.runtime.tracker import DeviceMemoryTracker
 
 if TYPE_CHECKING:
-    from memfit.backend import Backend, Region
+    from memfit.compiler.backend import Backend, Region
 
 # One CPU profiler at a time in the process: two threads' profilers starting and stopping
 # together crash torch (tests/test_threads.py); a run that finds it taken is counted by ops.

@@ -5,7 +5,7 @@ from torch import nn
 
 import memfit
 from memfit import examples
-from memfit.core.hardware import PROFILES
+from memfit.data.hardware import PROFILES
 from memfit.graph.analyze import analyze
 from memfit.graph.capture import capture
 from tests.measured_peaks import assert_measured_as_predicted

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from memfit import examples
-from memfit.core.errors import CaptureError
+from memfit.data.errors import CaptureError
 from memfit.graph.capture import SCOPE_KEY, capture
 
 

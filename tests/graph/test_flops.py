@@ -14,8 +14,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from memfit import examples
-from memfit.core.hardware import PROFILES
-from memfit.core.op_classes import COMPUTE_CLASSES, MEMORY, op_class
+from memfit.data.hardware import PROFILES
+from memfit.data.op_classes import COMPUTE_CLASSES, MEMORY, op_class
 from memfit.graph import rnn
 from memfit.graph.analyze import analyze, op_kind
 from memfit.graph.capture import capture

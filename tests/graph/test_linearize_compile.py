@@ -12,7 +12,7 @@ from torch import nn
 
 import memfit
 from memfit import examples
-from memfit.core.linearize import linearize
+from memfit.model.linearize import linearize
 from tests.measured_peaks import assert_measured_as_predicted
 
 SIDES = 6

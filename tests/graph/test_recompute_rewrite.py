@@ -85,10 +85,10 @@ def test_optimal_recompute_runs_bitwise_on_a_real_graph():
 def checkpoints_fed_from_host(graph, plan):
     """``plan`` plus a swap of every value its re-runs read, back just before the first of them
     (a link so fast every copy is free)."""
-    from memfit.core.hardware import PROFILES
-    from memfit.core.plan import Plan
-    from memfit.core.recompute import planned_reruns
-    from memfit.strategies._link_swap import free_swaps
+    from memfit.data.hardware import PROFILES
+    from memfit.data.plan import Plan
+    from memfit.model.recompute import planned_reruns
+    from memfit.planning.strategies._link_swap import free_swaps
 
     instant = PROFILES["cpu"].with_(async_copies=True, d2h_bytes_per_s=1e18, h2d_bytes_per_s=1e18,
                                     copy_latency_s=0.0)

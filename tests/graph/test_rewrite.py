@@ -5,12 +5,12 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.core.hardware import PROFILES
-from memfit.core.plan import Plan, Swap, SwapIn
-from memfit.core.schedule import PlanError, lower, memory_profile
+from memfit.data.hardware import PROFILES
+from memfit.data.plan import Plan, Swap, SwapIn
 from memfit.graph.analyze import analyze
 from memfit.graph.capture import capture
 from memfit.graph.rewrite import rewrite
+from memfit.model.schedule import PlanError, lower, memory_profile
 
 
 def chain_model():

@@ -10,10 +10,10 @@ from torch import nn
 
 import memfit
 from memfit import examples
-from memfit.core.hardware import get_hardware
+from memfit.compiler.traced import trace_plan
+from memfit.data.hardware import get_hardware
 from memfit.graph.capture import capture
 from memfit.graph.target import retargeted
-from memfit.traced import trace_plan
 
 H100 = get_hardware("h100-sxm")
 SEQUENCE = 1024

@@ -10,13 +10,13 @@ import torch
 
 import memfit
 from memfit import examples
-from memfit.core.hardware import get_hardware
-from memfit.core.plan import Plan
-from memfit.core.simulate import simulate
-from memfit.strategies import _just_in_time_swap, get_strategy, strategy_names
-from memfit.traced import trace_plan
+from memfit.compiler.traced import trace_plan
+from memfit.data.hardware import get_hardware
+from memfit.data.plan import Plan
+from memfit.model.simulate import simulate
+from memfit.planning.strategies import _just_in_time_swap, get_strategy, strategy_names
 from tests.measured_peaks import assert_within_budget
-from tests.strategies.test_strategy_guarantees import slow_clock, spy_on_highs
+from tests.planning.strategies.test_strategy_guarantees import slow_clock, spy_on_highs
 
 SMALL = {
     "mlp": lambda: examples.mlp(depth=8, width=64, batch_size=256),

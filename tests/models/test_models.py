@@ -21,16 +21,16 @@ import torch
 
 import memfit
 from memfit import examples
-from memfit.core.hardware import get_hardware
-from memfit.core.plan import Plan
-from memfit.core.rerun_profile import RerunProfiler
-from memfit.core.simulate import simulate
+from memfit.compiler.traced import trace_plan
+from memfit.data.hardware import get_hardware
+from memfit.data.plan import Plan
 from memfit.graph.analyze import tensors_in
 from memfit.graph.capture import capture
+from memfit.model.rerun_profile import RerunProfiler
+from memfit.model.simulate import simulate
+from memfit.planning.strategies import get_strategy
+from memfit.planning.strategies.optimal_recompute import _least_fitting
 from memfit.runtime.executor import Executor
-from memfit.strategies import get_strategy
-from memfit.strategies.optimal_recompute import _least_fitting
-from memfit.traced import trace_plan
 from tests.measured_peaks import assert_measured_as_predicted, assert_within_budget
 
 MODELS = {

@@ -15,11 +15,11 @@ import torch
 
 import memfit
 from memfit import examples
-from memfit.core.errors import BudgetError
-from memfit.core.plan import Plan, Swap, SwapIn
-from memfit.core.recompute import planned_reruns
+from memfit.data.errors import BudgetError
+from memfit.data.plan import Plan, Swap, SwapIn
 from memfit.graph.analyze import storage_key
 from memfit.graph.rewrite import storage_owners
+from memfit.model.recompute import planned_reruns
 from tests.measured_peaks import assert_within_budget, tolerance_bytes
 
 MODELS = {"t5": examples.t5, "swin": examples.swin_blocks}

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from memfit.core import synthetic
-from memfit.core.hardware import get_hardware
-from memfit.core.plan import Plan, Swap, SwapIn
-from memfit.core.simulate import simulate
-from memfit.core.timeline import Timeline
+from memfit.data.hardware import get_hardware
+from memfit.data.plan import Plan, Swap, SwapIn
+from memfit.data.timeline import Timeline
+from memfit.model import synthetic
+from memfit.model.simulate import simulate
 from memfit.render.plot import memory_plot, with_phases, x_label
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -100,9 +100,9 @@ def test_gantt_has_a_comm_row_only_for_a_sharded_step():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from memfit.core.sharding import shard_graph
+    from memfit.model.sharding import shard_graph
     from memfit.render.plot import _gantt_panel
-    from tests.core.test_sharding import HARDWARE, fsdp, layered
+    from tests.model.test_sharding import HARDWARE, fsdp, layered
 
     rows = {}
     for name, graph in (("one", layered()), ("rank", shard_graph(layered(), fsdp(), HARDWARE))):

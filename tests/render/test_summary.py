@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memfit.core.timeline import Timeline
+from memfit.data.timeline import Timeline
 from memfit.render.summary import timeline_summary
 
 

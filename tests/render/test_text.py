@@ -5,22 +5,22 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from memfit.core import synthetic
-from memfit.core.explain import tally
-from memfit.core.hardware import get_hardware
-from memfit.core.plan import Plan
-from memfit.core.simulate import simulate
-from memfit.core.timeline import Timeline
-from memfit.core.units import format_bytes
+from memfit.data.hardware import get_hardware
+from memfit.data.plan import Plan
+from memfit.data.timeline import Timeline
+from memfit.data.units import format_bytes
+from memfit.model import synthetic
+from memfit.model.explain import tally
+from memfit.model.simulate import simulate
+from memfit.planning.strategies import get_strategy
 from memfit.render.regions import regions_report
 from memfit.render.text import step_report
-from memfit.strategies import get_strategy
 
 HARDWARE = get_hardware("h100-pcie")
 
 
 def checkpointed_region(index: int = 0) -> SimpleNamespace:
-    """What ``step_report`` and ``regions_report`` read of a ``memfit.backend.Region``: a
+    """What ``step_report`` and ``regions_report`` read of a ``memfit.compiler.backend.Region``: a
     16-op chain planned by ``checkpoint`` (re-runs, no swaps)."""
     graph = synthetic.chain(16)
     plan = get_strategy("checkpoint")(graph, HARDWARE, None)

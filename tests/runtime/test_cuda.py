@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from memfit.core.hardware import Hardware
+from memfit.data.hardware import Hardware
 from memfit.graph.ops import SWAP_IN, SWAP_OUT, WAIT
 from memfit.runtime.executor import Executor
 from memfit.runtime.host import is_host_storage

@@ -1,7 +1,7 @@
 """Executor: same results as torch.fx.Interpreter, values freed at last use, swap ops by hand.
 
 The measured peaks (DeviceMemoryTracker) are compared with hand-computed figures and with the
-planner's program-order model (``memfit.core.schedule.memory_profile``) on view-free graphs.
+planner's program-order model (``memfit.model.schedule.memory_profile``) on view-free graphs.
 """
 
 import operator
@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from memfit.core.costgraph import CostGraph, Op, Tensor
-from memfit.core.plan import Plan, Swap, SwapIn
-from memfit.core.schedule import lower, memory_profile
+from memfit.data.costgraph import CostGraph, Op, Tensor
+from memfit.data.plan import Plan, Swap, SwapIn
 from memfit.graph.ops import SWAP_IN, SWAP_OUT, WAIT
+from memfit.model.schedule import lower, memory_profile
 from memfit.runtime.executor import Executor, last_uses
 from memfit.runtime.host import host_storage_count
 from memfit.runtime.measure import measure_peak

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from memfit.core.hardware import PROFILES, Hardware
+from memfit.data.hardware import PROFILES, Hardware
 from memfit.runtime import probe
 from memfit.runtime.probe import measure_hardware
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from memfit.core.errors import BudgetError
-from memfit.core.plan import Keep, Plan, Recompute
+from memfit.data.errors import BudgetError
+from memfit.data.plan import Keep, Plan, Recompute
 from memfit.runtime.ranks import agree_max, agree_on, plan_digest, raise_if_any_failed
 
 

@@ -1,0 +1,161 @@
+"""``memfit.fit``: a model compiled with memfit's backend, in the user's own loop.
+
+``fit`` is ``torch.compile(model, backend=memfit.backend(...), dynamic=False)`` plus what makes a
+budget hold over a whole training run: the model itself passed to the backend, so that its
+parameters, gradients and buffers count and its regions are planned again when more stays
+resident than their plans left room for (``memfit.compiler.replanning``: optimizer state, gradients kept
+across micro-batches), the loop's optimizer found by its first step, and memfit's own errors
+raised whole instead of wrapped by Dynamo. ``report`` shows what was planned.
+
+Example:
+    >>> model = memfit.fit(model, budget=0.5, optimizer=optimizer)
+    >>> loss = model(**batch).loss; loss.backward(); optimizer.step()
+    >>> print(memfit.report(model))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any
+
+import torch
+
+from memfit.compiler.backend import Backend, backend
+from memfit.compiler.plan_step import BudgetWarning
+from memfit.data.hardware import Hardware
+
+
+def fit(model: torch.nn.Module, budget: str | int | float | None = None,
+        strategy: str | None = None, hardware: Hardware | str | None = None,
+        compiler: str = "aot_eager", optimizer: torch.optim.Optimizer | None = None,
+        **params: Any) -> torch.nn.Module:
+    """``model`` compiled so that each training iteration fits ``budget``: the one-line form of
+    ``torch.compile(model, backend=memfit.backend(...), dynamic=False)``.
+
+    Each input shape is planned on its own (``dynamic=False``); Dynamo's guards decide when a
+    region is traced and planned again (a frozen layer, a changed Python value, a new shape).
+    Arguments are those of ``memfit.backend``; ``memfit.report(compiled)`` shows the plans.
+
+    Example:
+        >>> model = memfit.fit(model, budget=0.5, optimizer=optimizer)
+        >>> loss = model(**batch).loss; loss.backward(); optimizer.step()
+    """
+    from memfit.runtime.ranks import agreement_group
+
+    planner = backend(budget, strategy, hardware, compiler, optimizer, model=model, **params)
+    agreement_group()  # in a distributed job: made here, where every rank calls fit, not mid-step
+    _watch_optimizers(planner)
+    compiled = torch.compile(model, backend=planner, dynamic=False)
+    compiled.__class__ = _fitted_class()
+    compiled._memfit_backend = planner  # type: ignore[assignment]
+    compiled._memfit_traces_rnns = _traces_rnns(model, compiler)  # type: ignore[assignment]
+    return compiled
+
+
+def _watch_optimizers(planner: Backend) -> None:
+    """Find the loop's optimizer by its first step, when ``optimizer=`` was not given, so that
+    its state counts from the next iteration on (a global post-step hook, held weakly); after a
+    step, the watch of eager code leaves the mode stack once measuring has ended
+    (``Backend.end_eager_watch``)."""
+    import weakref
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    reference = weakref.ref(planner)
+
+    def adopt(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        found = reference()  # a dead backend leaves a hook that does nothing: torch iterates
+        if found is not None:  # the hooks while calling them, so it cannot remove itself here
+            found.adopt(optimizer)
+            found.end_eager_watch()  # off the stack once measuring ended (not inside a backward)
+
+    register_optimizer_step_post_hook(adopt)
+
+
+def _fitted_class() -> type:
+    """``torch.compile``'s module type, raising memfit's own errors as they are.
+
+    Dynamo wraps an error of a backend in ``BackendCompilerFailed``; a ``BudgetError`` (with its
+    ``minimum_bytes``) or a ``CaptureError`` is what the user can act on, so it comes out whole.
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from memfit.data.errors import BudgetError, CaptureError
+    from memfit.model.schedule import PlanError
+
+    class FittedModule(OptimizedModule):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            planner = self._memfit_backend
+            planner.end_eager_watch()
+            planner.watch_first_call(self._orig_mod)
+            try:
+                with _rnn_traced(self._memfit_traces_rnns):
+                    result = super().__call__(*args, **kwargs)
+            except BackendCompilerFailed as failed:
+                inner = failed.inner_exception
+                if isinstance(inner, (BudgetError, CaptureError, PlanError)):
+                    raise inner.with_traceback(None) from None
+                raise
+            if planner.compiler == "aot_eager":  # its backward modules take None (inductor's do not)
+                _lazy_output_gradients(result)
+            planner.watch_eager()  # what the loop holds beside the regions (memfit.runtime.outside)
+            return result
+
+    return FittedModule
+
+
+def _rnn_traced(traced: bool) -> contextlib.AbstractContextManager:
+    """While the model runs, Dynamo traces its RNNs where ``_traces_rnns`` said so; the flag is
+    put back after."""
+    return torch._dynamo.config.patch(allow_rnn=True) if traced else contextlib.nullcontext()
+
+
+def _traces_rnns(model: torch.nn.Module, compiler: str) -> bool:
+    """Whether Dynamo should trace ``model``'s RNN modules (it skips the frames that call one
+    otherwise, and they run eagerly, outside any plan): with ``aot_eager`` on a CPU, where memfit
+    traces ``nn.LSTM`` as eager runs it (``memfit.graph.rnn``), and not for a model with an
+    ``nn.GRU``, whose traced gradients are not eager's bit for bit. Warns where RNNs stay
+    outside the plans.
+    """
+    rnns = [module for module in model.modules() if isinstance(module, torch.nn.RNNBase)]
+    if not rnns or torch._dynamo.config.allow_rnn:  # none, or the user lets Dynamo trace them
+        return False
+    on_cpu = all(p.device.type == "cpu" for rnn in rnns for p in rnn.parameters())
+    has_gru = any(isinstance(rnn, torch.nn.GRU) for rnn in rnns)
+    if compiler == "aot_eager" and on_cpu and not has_gru:
+        return True
+    if compiler != "aot_eager":
+        why = "memfit traces RNNs with compiler='aot_eager' only"
+    elif not on_cpu:
+        why = "memfit traces RNNs on a CPU only: cuDNN's RNN kernels are not checked"
+    else:
+        why = "nn.GRU traced is not bit for bit eager's"
+    kinds = sorted({type(rnn).__name__ for rnn in rnns})
+    warnings.warn(f"memfit: the model's {', '.join(kinds)} run eagerly, outside any plan ({why}); "
+                  "Dynamo skips the code that calls them, so that memory is not planned and a "
+                  "measured peak may exceed the budget", BudgetWarning, stacklevel=3)
+    return False
+
+
+def _lazy_output_gradients(result: Any) -> None:
+    """Let the backward of each compiled region that produced ``result`` receive ``None`` for
+    outputs nothing used, instead of zeros autograd makes before it starts (see
+    ``memfit.compiler.backend._zeros_at_first_use``). All outputs of a region share one backward node."""
+    from torch.utils._pytree import tree_leaves
+
+    for leaf in tree_leaves(result):
+        node = getattr(leaf, "grad_fn", None) if isinstance(leaf, torch.Tensor) else None
+        if node is not None and type(node).__name__ == "CompiledFunctionBackward":
+            node.set_materialize_grads(False)
+
+
+def report(model_or_backend: torch.nn.Module | Backend) -> str:
+    """What memfit planned for a model from ``memfit.fit`` (or a ``memfit.backend``)."""
+    planner = model_or_backend
+    if not isinstance(planner, Backend):
+        planner = getattr(model_or_backend, "_memfit_backend", None)
+    if not isinstance(planner, Backend):
+        raise ValueError("memfit.report takes a model returned by memfit.fit or a memfit.backend")
+    return planner.report()

@@ -1,0 +1,187 @@
+"""Compiled regions split by graph breaks: planned jointly once all are known, and the regions
+Dynamo stops compiling (its recompile limit) named.
+
+A model with a graph break runs as several compiled regions, each planned when Dynamo compiles
+it. The first region is planned before the later ones exist, so it may keep more saved values
+than the later regions can afford to have alive while they run (a region's forward and backward
+both run while every earlier region's saves wait for their backward). Once an iteration has run
+every region and one of them could not fit, ``saves_caps`` gives each earlier region a share of
+what the short region leaves for them, and each region is planned anew before its next run
+(``Backend.replan_regions``, ``memfit.compiler.replanning``), each earlier one saving at most its share:
+from the next iteration on the whole iteration fits.
+
+Example:
+    >>> caps = saves_caps(latest_regions(backend.regions))  # {site: most bytes it may save}
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from memfit.compiler.backend import Backend, Region
+    from memfit.data.plan import Plan
+
+
+def compiling_site() -> Any:
+    """Where the region Dynamo is compiling now runs in one iteration: its code object, the
+    module whose method it is (by id) where it is one, and its place among the regions of one
+    Dynamo compile. A model whose blocks Dynamo compiles one by one (FSDP2's per-block
+    ``fully_shard``: its hooks are skipped, so each block is a region between graph breaks)
+    runs one code object as several regions per iteration, and DDP's ``DDPOptimizer`` splits one
+    frame's graph into a region per gradient bucket; keyed by the code alone, they would replace
+    one another in ``latest_regions`` and share one saves cap. A new shape of the same block is
+    the same site, and replaces its older region. ``None`` outside Dynamo."""
+    import torch
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        translator = InstructionTranslator.current_tx()
+    except AttributeError:  # no translation running (a backend called by hand)
+        return None
+    code = getattr(translator, "f_code", None)
+    owner = getattr(translator, "f_locals", {}).get("self")
+    place = _REGIONS_COMPILED.get(translator, 0)
+    _REGIONS_COMPILED[translator] = place + 1
+    if not isinstance(owner, torch.nn.Module) and not place:
+        return code
+    return code, id(owner) if isinstance(owner, torch.nn.Module) else None, place
+
+
+_REGIONS_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per Dynamo compile
+
+
+def latest_regions(regions: Sequence[Region]) -> list[Region]:
+    """The newest region of each site (``compiling_site``), in the order they were first
+    compiled: the regions one iteration runs now (a re-planned site replaces its older ones)."""
+    newest: dict[Any, Region] = {}
+    for region in regions:
+        if not region.replaced:
+            newest[region.site if region.site is not None else region.index] = region
+    return sorted(newest.values(), key=lambda region: region.index)
+
+
+def saves_caps(regions: Sequence[Region], grown_bytes: Mapping[int, int] | None = None
+               ) -> dict[Any, int]:
+    """The most device bytes each earlier region may save so that every region that ran short
+    fits its budget: what a short region has for the saves before it (its budget less its
+    smallest peak without them) split among the earlier regions in proportion to what they
+    saved. Regions whose smallest peak is over the budget even alone get nothing from this.
+    ``grown_bytes``: region index -> bytes its next plan counts beyond this one's (eager code's,
+    ``Backend.make_room_for_eager``), which raise its smallest peak by at most as much.
+    """
+    caps: dict[Any, int] = {}
+    for position, short in enumerate(regions):
+        if short.minimum_bytes is None or short.budget_bytes is None:
+            continue
+        grown = (grown_bytes or {}).get(short.index, 0)
+        room = short.budget_bytes - (short.minimum_bytes + grown - short.pending_bytes)
+        earlier = [region for region in regions[:position]
+                   if region.site is not None and region.saved_bytes]
+        total = sum(region.saved_bytes for region in earlier)
+        if room <= 0 or not total:
+            continue
+        for region in earlier:
+            share = room * region.saved_bytes // total
+            caps[region.site] = min(caps.get(region.site, share), share)
+    return caps
+
+
+SAVES_BISECTION_STEPS = 6  # budgets tried for a region whose saves are capped (1/64 resolution)
+
+
+def save_at_most(plan_at: Callable[[int], Plan], lower: Callable[[Plan], tuple],
+                 cap_bytes: int, budget_bytes: int) -> tuple[Plan, tuple]:
+    """The plan whose forward saves at most ``cap_bytes``, at the largest budget a bisection
+    between the region's smallest peak and ``budget_bytes`` finds (a larger budget re-runs
+    less); the smallest-peak plan where even that saves more.
+
+    Args:
+        plan_at: the region's plan at a whole-device budget in bytes (raises ``BudgetError``
+            below the strategy's smallest peak).
+        lower: a plan's forward and backward modules and the device bytes the forward saves.
+        cap_bytes: the most the forward may save.
+        budget_bytes: the region's budget, the top of the bisection.
+
+    Returns:
+        The plan and ``lower(plan)``.
+    """
+    from memfit.data.errors import BudgetError
+
+    try:
+        plan_at(1)
+        raise AssertionError("no plan fits a budget of one byte")
+    except BudgetError as error:
+        low = error.minimum_bytes
+    smallest = plan_at(low)  # a strategy's smallest peak is the peak of a plan it built
+    best = (smallest, lower(smallest))
+    high = budget_bytes
+    for _ in range(SAVES_BISECTION_STEPS):
+        middle = (low + high) // 2
+        try:
+            made = plan_at(middle)
+        except BudgetError:
+            low = middle
+            continue
+        lowered = lower(made)
+        if lowered[-1] <= cap_bytes:
+            best, low = (made, lowered), middle
+        else:
+            high = middle
+    return best
+
+
+class RecompileLimitWatch(logging.Handler):
+    """Tells each live backend when Dynamo gives up compiling a code object (its recompile
+    limit): that code then runs eagerly, outside any plan. Dynamo reports it only in a warning
+    of its log, so this handler reads that log."""
+
+    MESSAGE = "torch._dynamo hit config."
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.backends: weakref.WeakSet[Backend] = weakref.WeakSet()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not str(record.msg).startswith(self.MESSAGE):
+            return
+        arguments = record.args if isinstance(record.args, tuple) else ()
+        where = str(arguments[2]) if len(arguments) > 2 else "a compiled function"
+        backend = _backend_being_compiled()
+        if backend is not None and backend in self.backends:
+            backend.recompile_limit_hit(where)
+
+
+def _backend_being_compiled() -> Any:
+    """The backend of the frame Dynamo is converting now (its ``_compile``'s ``compiler_fn``,
+    unwrapped): the code Dynamo names is often a wrapper every compiled module shares, so the
+    backend, not the code, tells whose region it is."""
+    import sys
+
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_name == "_compile" and "compiler_fn" in frame.f_locals:
+            found = frame.f_locals["compiler_fn"]
+            for _ in range(8):  # WrapBackendDebug, _TorchCompileWrapper, ... around it
+                inner = (getattr(found, "_torchdynamo_orig_backend", None)
+                         or getattr(found, "compiler_fn", None))
+                if inner is None:
+                    break
+                found = inner
+            return found
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+_WATCH = RecompileLimitWatch()
+
+
+def watch_recompile_limit(backend: Backend) -> None:
+    """Have ``backend.recompile_limit_hit(where)`` called when Dynamo stops compiling a code."""
+    logger = logging.getLogger("torch._dynamo.convert_frame")
+    if _WATCH not in logger.handlers:
+        logger.addHandler(_WATCH)
+    _WATCH.backends.add(backend)

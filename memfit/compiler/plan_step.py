@@ -1,0 +1,156 @@
+"""One planning pipeline: a step's ``CostGraph`` planned under a whole-device budget.
+
+``plan_step`` is what ``memfit.backend`` (so ``fit`` and ``compile``), ``memfit.plan``,
+``max_batch_size`` and the CLI call: it resolves the budget once into a ``DeviceBudget`` (the
+whole device's bytes and the bytes outside the graph), plans with the strategy, explains the plan
+and simulates it. The strategies see graph bytes; everything a user reads is whole-device bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from memfit.data.costgraph import CostGraph
+from memfit.data.errors import BudgetError
+from memfit.data.hardware import Hardware, get_hardware
+from memfit.data.plan import Plan, topology_hash
+from memfit.data.timeline import Timeline
+from memfit.data.units import Budget
+from memfit.graph.analyze import analyze
+from memfit.graph.capture import Captured
+from memfit.graph.rewrite import reorder
+from memfit.model.explain import explain
+from memfit.model.linearize import linearize as as_late_as_possible
+from memfit.model.simulate import simulate
+from memfit.planning.strategies import get_strategy
+from memfit.planning.strategies._fit import require_host
+
+
+class BudgetWarning(UserWarning):
+    """A step runs over the budget: a measured peak re-planning could not bring back under, or a
+    region planned at its smallest peak because earlier regions still hold their saves."""
+
+
+@dataclass(frozen=True)
+class DeviceBudget:
+    """A budget resolved once: the whole device's bytes and the bytes outside the graph.
+
+    Args:
+        device_bytes: the whole device's budget (``None``: no limit).
+        outside_bytes: device bytes alive outside the graph while it runs (gradients kept from
+            an earlier step, optimizer state, parameters of other regions).
+    """
+
+    device_bytes: int | None
+    outside_bytes: int = 0
+
+    @property
+    def graph_bytes(self) -> int | None:
+        """What the strategies plan for: the device budget less the bytes outside the graph."""
+        if self.device_bytes is None:
+            return None
+        return max(self.device_bytes - self.outside_bytes, 1)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A planned step: its graph, plan, the unplanned and planned timelines, and its budget.
+
+    The timelines are the graph's own; ``*_peak_bytes`` add the bytes outside it."""
+
+    graph: CostGraph
+    plan: Plan
+    baseline: Timeline
+    predicted: Timeline
+    budget: DeviceBudget
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        """The whole device's predicted peak."""
+        return self.predicted.peak_bytes + self.budget.outside_bytes
+
+    @property
+    def baseline_peak_bytes(self) -> int:
+        return self.baseline.peak_bytes + self.budget.outside_bytes
+
+
+def plan_step(graph: CostGraph, hardware: Hardware, budget: Budget | None, strategy: str,
+              params: Mapping[str, Any], outside_bytes: int = 0, fixed: Plan | None = None,
+              what_ifs: bool = False) -> Planned:
+    """Plan ``graph`` under ``budget`` (whole device; ``outside_bytes`` come off it).
+
+    A fraction is of the unplanned whole-device peak. The plan carries its ``Explanation``: rows
+    per decision and, with ``what_ifs``, the plans at the budget x0.9 and x1.1 (two more plan
+    calls: ``memfit.plan`` and ``memfit plan`` explain, so they ask; steps on their way to running
+    do not). A ``fixed`` plan (``compile(plan=...)``) is checked and used as is.
+
+    Raises:
+        BudgetError: if the strategy cannot fit the budget (whole-device bytes in its message).
+        PlanError: if ``fixed`` was made for another graph, input shape or hardware.
+    """
+    baseline = simulate(graph, get_strategy("keep")(graph, hardware), hardware)
+    if fixed is not None:
+        fixed.check_for(graph, hardware.name)
+        made_for = fixed.explanation.budget_bytes if fixed.explanation else fixed.budget_bytes
+        resolved = DeviceBudget(made_for, outside_bytes)
+        return Planned(graph, fixed, baseline, simulate(graph, fixed, hardware), resolved)
+    device_bytes = None if budget is None else budget.to_bytes(baseline.peak_bytes + outside_bytes)
+    resolved = DeviceBudget(device_bytes, outside_bytes)
+    chosen = get_strategy(strategy)
+
+    def replan(graph_budget_bytes: int | None) -> Plan:  # no strategy swaps past host_bytes
+        return require_host(graph, chosen(graph, hardware, graph_budget_bytes, **params),
+                            hardware.host_bytes, graph_budget_bytes)
+
+    try:
+        made = replan(resolved.graph_bytes)
+    except BudgetError as error:
+        if device_bytes is None:
+            raise
+        # reported for the whole device, the bytes outside the graph included
+        raise BudgetError(device_bytes, error.minimum_bytes + outside_bytes, error.dominant,
+                          error.strategy, error.note, host_bytes=error.host_bytes) from None
+    explanation = explain(graph, made, hardware, baseline, device_bytes, outside_bytes,
+                          replan if what_ifs else None)
+    made = replace(made, topology_hash=topology_hash(graph), explanation=explanation)
+    return Planned(graph, made, baseline, simulate(graph, made, hardware), resolved)
+
+
+def resolve_hardware(hardware: Hardware | str | None, device: torch.device) -> Hardware:
+    """The profile to plan with: given, or the built-in ``cpu`` profile on a CPU, else measured."""
+    if hardware is not None:
+        return get_hardware(hardware)
+    if device.type in ("cpu", "meta"):
+        return get_hardware("cpu")
+    from memfit.runtime.probe import measure_hardware
+
+    return measure_hardware(device)
+
+
+def analyzed(captured: Captured, hardware: Hardware, name: str, linearize: bool,
+             kernel_temporaries: bool = False, owners: dict | None = None
+             ) -> tuple[Captured, CostGraph]:
+    """The step's CostGraph; with ``linearize``, the step reordered as late as possible first.
+
+    The fx node order is the program order, so the captured graph itself is reordered and
+    analyzed again: what is planned, rewritten and run is one order (``memfit.model.linearize``
+    keeps random ops in their order and never raises the unplanned peak). ``owners`` is filled
+    as ``analyze`` fills it (reordering keeps each node's fake values, so their storages).
+    """
+    graph = analyze(captured, hardware, name=name, kernel_temporaries=kernel_temporaries,
+                    owners=owners)
+    if not linearize:
+        return captured, graph
+    linear = as_late_as_possible(graph)
+    if linear is graph:
+        return captured, graph
+    order = [op.name for op in linear.ops]
+    captured = replace(captured, graph_module=reorder(captured.graph_module, order))
+    if owners is not None:  # filled again for the reordered graph, whose first writers differ
+        owners.clear()
+    return captured, analyze(captured, hardware, name=name, kernel_temporaries=kernel_temporaries,
+                             owners=owners)

@@ -1,0 +1,105 @@
+"""Plans made again, before a compiled region runs, when more stays resident than they left room
+for: optimizer state found by its first ``step`` (no ``optimizer=``), gradients kept across
+micro-batches, bytes eager code held beside the region (``eager_room_needed``: the loop's loss,
+code at a graph break), or a newer plan asked for by joint planning after a graph break.
+
+The re-plan lives in the callable the backend gives Dynamo for each region, not in a Dynamo
+guard: a guard is traced only where the frame Dynamo compiles reads the value it guards, and where
+that frame starts depends on the model (for a Hugging Face model it is the decorator wrapper
+around ``forward``, which ``memfit.fit``'s pre-hook never runs in). Resetting the compiled code
+instead would reach every model sharing that code object (the same decorator wrapper). So the
+region's callable compiles its own Dynamo graph again with memfit as the partitioner: exactly
+this region is planned again, and Dynamo traces nothing again.
+
+Example:
+    >>> compiled = plan_again_when_stale(planner, graph_module, device, site, compiled, regions)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    import torch.fx as fx
+
+    from memfit.compiler.backend import Backend, Region
+
+
+def plan_again_when_stale(planner: Backend, graph_module: fx.GraphModule, device: torch.device,
+                          site: Any, compiled: Callable[..., Any],
+                          regions: list[Region]) -> Callable[..., Any]:
+    """``compiled`` (the region planned as ``regions``), compiled again from ``graph_module``
+    with the arguments of the first run that ``planner.must_plan_again`` says needs a new plan.
+
+    Planning uses fake tensors only (AOTAutograd fakes the arguments); the random generators
+    are put back after it, so a re-planned step draws what eager draws.
+    """
+    current: list[Any] = [compiled, regions]
+
+    def run(*args: Any) -> Any:
+        if planner.must_plan_again(current[1], device):
+            first = len(planner.regions)
+            with _generators_kept(device), planner.eager_watch_off():
+                current[0] = planner.compile_region(graph_module, list(args), device, site)
+            current[1] = planner.regions[first:] or current[1]
+        return current[0](*args)
+
+    return torch._dynamo.disable(run, reason="memfit: a planned region's callable")
+
+
+def _generators_kept(device: torch.device) -> Any:
+    """The CPU's random generator (and ``device``'s, on CUDA) as they were, after the block."""
+    devices = [device.index or 0] if device.type == "cuda" else []
+    return torch.random.fork_rng(devices=devices)
+
+
+def eager_room_needed(regions: list[Region]) -> list[tuple[Region, int]]:
+    """The regions whose plans leave no room for what eager code was seen to hold at the start
+    of their measured forwards or backwards (measured by ``memfit.runtime.region_peak``), each
+    with the bytes its next plan counts (``eager_bytes_to_plan``). A region whose checked peak
+    has room for them is left as it is.
+    """
+    needed = []
+    for region in regions:
+        if region.budget_bytes is None:
+            continue
+        held = eager_bytes_to_plan(region)
+        checked = (region.bound or region.predicted).peak_bytes + region.outside_bytes
+        if (held > region.planned_eager_bytes
+                and checked + held - region.planned_eager_bytes > region.budget_bytes):
+            needed.append((region, held))
+    return needed
+
+
+def count_eager_in_prediction(regions: list[Region]) -> None:
+    """Count what eager code was seen to hold beside each region planned without a budget in
+    its predicted (and unplanned) peak, as a re-plan counts it for a region with one
+    (``outside_bytes``).
+
+    Without a budget a plan does not depend on the room left beside it, so it is not made
+    again; but its peak is the whole device's, and a loss computed outside the model holds its
+    bytes there while the region's backward runs (a CPU ``mse_loss``'s input-sized buffer under
+    the 0-dim loss, the target). Left out, ``keep`` on ``examples.unet3d()`` (32^3 volumes,
+    batch 2, loss outside) predicted 524,292 B (that buffer and the loss) below the measured
+    peak, which is eager's.
+    """
+    for region in regions:
+        held = eager_bytes_to_plan(region)
+        if region.budget_bytes is None and held > region.planned_eager_bytes:
+            region.outside_bytes += held - region.planned_eager_bytes
+            region.planned_eager_bytes = held
+
+
+def eager_bytes_to_plan(region: Region) -> int:
+    """The eager bytes a plan of ``region`` counts, alive over the whole region: those seen at
+    its forwards' start, and those at its backwards' start less its outputs freed by then (a
+    plan is checked with every output held to the end: room those bytes take in fact; an eager
+    loss's buffer is the size of the output it read). What the loop holds at one backward's
+    start (the loss and its buffers, the labels) it mostly still holds at the next forward's
+    (``loss`` lives until reassigned), so one re-plan covers both.
+    """
+    backward = region.eager_backward_bytes - (region.freed_output_bytes or 0)
+    return max(region.eager_forward_bytes, backward, 0)

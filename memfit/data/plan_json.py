@@ -1,0 +1,255 @@
+"""The JSON form of a ``Plan``, and the schema a saved plan is checked against when read.
+
+A saved plan is checked whole before a ``Plan`` is built from it: the type of every field, the
+strategy against the registered names (passed in: the registry is a layer up), a positive budget, a non-blank graph hash, no field this memfit
+does not know. The first problem raises ``ValueError`` naming the field (``budget_bytes``,
+``decisions['h1'].swap_ins[0].after``) and what it should hold, so a hand-edited or truncated
+file fails at ``Plan.load``, before any model is touched, never as a ``KeyError`` mid-step.
+"""
+
+from __future__ import annotations
+
+import reprlib
+import types
+import typing
+from collections.abc import Collection, Mapping
+from dataclasses import MISSING, asdict, fields, is_dataclass
+from typing import TYPE_CHECKING, Any
+
+from memfit.data.plan import FORMAT_VERSION, Decision, Keep, Plan, Recompute, Rerun, Swap, SwapIn
+
+if TYPE_CHECKING:
+    from memfit.data.explanation import Explanation
+
+FORMAT = "memfit.plan"
+REQUIRED = ("format", "version", "strategy", "graph_hash", "decisions")
+OPTIONAL = ("topology_hash", "params", "budget_bytes", "hardware", "reruns", "explanation")
+DECISION_FIELDS = {"Keep": {"type", "reason"}, "Recompute": {"type", "reason"},
+                   "Swap": {"type", "swap_ins", "reason"}}
+FIX = "fix the file, or plan again and save it with plan.save(path)"
+
+
+class PlanFileError(ValueError):
+    """A saved plan that does not follow the schema; the message names the field."""
+
+
+def plan_to_json(plan: Plan) -> dict:
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "topology_hash": plan.topology_hash,
+        "explanation": plan.explanation.to_json() if plan.explanation else None,
+        "strategy": plan.strategy,
+        "graph_hash": plan.graph_hash,
+        "params": _jsonable(dict(plan.params)),
+        "budget_bytes": plan.budget_bytes,
+        "hardware": plan.hardware,
+        "decisions": {name: {"type": type(d).__name__, **asdict(d)}
+                      for name, d in plan.decisions.items()},
+        "reruns": [[r.op, r.before] for r in plan.reruns],
+    }
+
+
+def plan_from_json(data: object, strategy_names: Collection[str],
+                   source: str = "the saved plan") -> Plan:
+    """Check ``data`` against the schema, then build the ``Plan``.
+
+    Args:
+        strategy_names: the registered strategies (``memfit.planning.strategies.strategy_names()``): a
+            step re-plans with the plan's strategy when a measured peak is over, so an unknown
+            one is refused here. Passed in because the registry is a layer above the data.
+
+    Raises:
+        PlanFileError: (a ``ValueError``) naming the first field that is missing, unknown or of
+            the wrong type or value; for a file of another format version, which memfit made it.
+    """
+    _check_header(data, source)
+    assert isinstance(data, Mapping)
+    unknown = sorted(set(data) - set(REQUIRED) - set(OPTIONAL))
+    if unknown:
+        raise PlanFileError(f"{source} has unknown field(s) {unknown}: a plan has "
+                            f"{list(REQUIRED + OPTIONAL)}; {FIX}")
+    missing = [name for name in REQUIRED if name not in data]
+    if missing:
+        raise PlanFileError(f"{source} lacks the field(s) {missing}; {FIX}")
+    read = _Reader(source, tuple(strategy_names))
+    decisions = read.mapping(data["decisions"], "decisions")
+    return Plan(
+        strategy=read.strategy(data["strategy"]),
+        graph_hash=read.text(data["graph_hash"], "graph_hash", blank=False),
+        params=read.mapping(data.get("params", {}), "params"),
+        budget_bytes=read.budget(data.get("budget_bytes")),
+        hardware=read.text(data.get("hardware", ""), "hardware"),
+        decisions={name: read.decision(d, f"decisions[{name!r}]") for name, d in decisions.items()},
+        reruns=tuple(read.rerun(r, f"reruns[{i}]")
+                     for i, r in enumerate(read.array(data.get("reruns", []), "reruns"))),
+        topology_hash=read.text(data.get("topology_hash", ""), "topology_hash"),
+        explanation=read.explanation(data.get("explanation")),
+    )
+
+
+def _check_header(data: object, source: str) -> None:
+    """A JSON object that says it is a memfit plan, of this memfit's format version."""
+    if not isinstance(data, Mapping) or ("format" not in data and "decisions" not in data):
+        raise PlanFileError(f"{source} is not a memfit plan (no 'format': {FORMAT!r}); save one "
+                            "with plan.save(path)")
+    if data.get("format") != FORMAT:
+        raise PlanFileError(f"{source}: field 'format' must be {FORMAT!r}, got "
+                            f"{_short(data.get('format'))}; {FIX}")
+    version = data.get("version")
+    if type(version) is not int or version != FORMAT_VERSION:
+        older = version is None or (type(version) is int and version < FORMAT_VERSION)
+        raise PlanFileError(
+            f"{source} has format version {_short(version)}, this memfit reads version "
+            f"{FORMAT_VERSION}: it was made by {'an older' if older else 'a newer'} memfit; plan "
+            "again with memfit.plan(...) and save it with this version")
+
+
+class _Reader:
+    """Typed reads of one saved plan's fields; each failure names the field and its type."""
+
+    def __init__(self, source: str, strategy_names: tuple[str, ...]) -> None:
+        self.source = source
+        self.strategy_names = strategy_names
+
+    def fail(self, where: str, expected: str, value: object) -> PlanFileError:
+        return PlanFileError(f"{self.source}: field '{where}' must be {expected}, got "
+                             f"{_short(value)}; {FIX}")
+
+    def text(self, value: object, where: str, blank: bool = True) -> str:
+        if not isinstance(value, str) or (not blank and not value.strip()):
+            raise self.fail(where, "a string" if blank else "a non-blank string", value)
+        return value
+
+    def mapping(self, value: object, where: str) -> dict:
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise self.fail(where, "an object with string keys", value)
+        return dict(value)
+
+    def array(self, value: object, where: str) -> list:
+        if not isinstance(value, list | tuple):
+            raise self.fail(where, "a list", value)
+        return list(value)
+
+    def budget(self, value: object) -> int | None:
+        if value is not None and (type(value) is not int or value <= 0):
+            raise self.fail("budget_bytes", "a positive integer of bytes or null", value)
+        return value
+
+    def strategy(self, value: object) -> str:
+        """A registered strategy name: a step re-plans with it when a measured peak is over."""
+        name = self.text(value, "strategy", blank=False)
+        if name not in self.strategy_names:
+            raise self.fail("strategy", f"a registered strategy, one of {list(self.strategy_names)}",
+                            name)
+        return name
+
+    def decision(self, value: object, where: str) -> Decision:
+        data = self.mapping(value, where)
+        kind = data.get("type")
+        if kind not in DECISION_FIELDS:
+            raise PlanFileError(f"{self.source}: unknown decision type {_short(kind)} in field "
+                                f"'{where}.type': expected 'Keep', 'Swap' or 'Recompute'; {FIX}")
+        self.known(data, DECISION_FIELDS[kind], where)
+        reason = self.text(data.get("reason", ""), f"{where}.reason")
+        if kind == "Keep":
+            return Keep(reason)
+        if kind == "Recompute":
+            return Recompute(reason)
+        swap_ins = self.array(data.get("swap_ins"), f"{where}.swap_ins")
+        if not swap_ins:
+            raise self.fail(f"{where}.swap_ins", "a non-empty list (use Keep for no swap)", [])
+        return Swap(tuple(self.swap_in(s, f"{where}.swap_ins[{i}]")
+                          for i, s in enumerate(swap_ins)), reason)
+
+    def swap_in(self, value: object, where: str) -> SwapIn:
+        data = self.mapping(value, where)
+        self.known(data, {"after", "consumers"}, where)
+        consumers = self.array(data.get("consumers"), f"{where}.consumers")
+        return SwapIn(self.text(data.get("after"), f"{where}.after", blank=False),
+                      tuple(self.text(c, f"{where}.consumers[{i}]", blank=False)
+                            for i, c in enumerate(consumers)))
+
+    def rerun(self, value: object, where: str) -> Rerun:
+        pair = self.array(value, where)
+        if len(pair) != 2:
+            raise self.fail(where, "a pair [op, before]", value)
+        return Rerun(self.text(pair[0], f"{where}[0]", blank=False),
+                     self.text(pair[1], f"{where}[1]", blank=False))
+
+    def known(self, data: Mapping, allowed: set[str], where: str) -> None:
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise PlanFileError(f"{self.source}: unknown field(s) {unknown} in '{where}': it "
+                                f"has {sorted(allowed)}; {FIX}")
+
+    def explanation(self, value: object) -> Explanation | None:
+        """The explanation, its fields checked against their declared types."""
+        from memfit.data.explanation import Explanation, Tally, TensorRow, WhatIf
+
+        if value is None:
+            return None
+        data = self.mapping(value, "explanation")
+        nested = {"rows": TensorRow, "what_if": WhatIf}
+        self.dataclass_fields(Explanation, data, "explanation", skip={*nested, "tally"})
+        for name, kind in nested.items():
+            for i, row in enumerate(self.array(data.get(name, []), f"explanation.{name}")):
+                self.dataclass_fields(kind, self.mapping(row, f"explanation.{name}[{i}]"),
+                                      f"explanation.{name}[{i}]")
+        if data.get("tally") is not None:
+            self.dataclass_fields(Tally, self.mapping(data["tally"], "explanation.tally"),
+                                  "explanation.tally")
+        return Explanation.from_json(data)
+
+    def dataclass_fields(self, kind: type, data: Mapping, where: str,
+                         skip: Collection[str] = ()) -> None:
+        """Each field of dataclass ``kind`` in ``data``: present unless defaulted, of its type."""
+        assert is_dataclass(kind)
+        hints = typing.get_type_hints(kind)
+        declared = {f.name: f for f in fields(kind)}
+        self.known(data, set(declared), where)
+        for name, field in declared.items():
+            if name in skip:
+                continue
+            if name not in data:
+                if field.default is MISSING and field.default_factory is MISSING:
+                    raise PlanFileError(f"{self.source}: field '{where}.{name}' is missing; {FIX}")
+                continue
+            if not _is_instance(data[name], hints[name]):
+                raise self.fail(f"{where}.{name}", _type_name(hints[name]), data[name])
+
+
+def _is_instance(value: Any, hint: Any) -> bool:
+    """Whether a JSON value fits a field's declared type (a JSON list stands for a tuple)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_instance(value, arg) for arg in args)
+    if origin is typing.Literal:
+        return value in args
+    if origin is tuple:
+        return isinstance(value, list | tuple) and all(_is_instance(v, args[0]) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return type(value) in (int, float)
+    if hint is int:
+        return type(value) is int
+    return isinstance(value, hint)
+
+
+def _type_name(hint: Any) -> str:
+    return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
+def _short(value: object) -> str:
+    return reprlib.repr(value)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, str | int | float | bool) or value is None:
+        return value
+    return repr(value)
