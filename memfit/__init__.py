@@ -1,7 +1,7 @@
 """memfit: fit a PyTorch training step into a device-memory budget.
 
 The public API, nothing else. Names are imported lazily so that the torch-free layers
-(``memfit.core``, ``memfit.planning.strategies``, ``memfit.planning.solvers``) import without torch.
+(``memfit.data``, ``memfit.model``, ``memfit.planning``) import without torch.
 
 Example:
     >>> step = memfit.compile(model, loss_fn, budget="0.5", strategy="swap")

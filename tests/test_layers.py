@@ -5,7 +5,7 @@ count (a lazy import is still a dependency, only a later one), imports under
 ``if TYPE_CHECKING:`` do not (they never run): no two modules may import each other in a loop.
 A second graph with those type-only imports added must hold the layer rule too, and has no loop
 but the one ``KNOWN_LOOPS`` lists: a type named across a loop is a type in the wrong module. An import names the module it loads: ``from
-memfit.core import plan`` is an edge to ``memfit.data.plan``, ``from memfit.data.plan import
+memfit.data import plan`` is an edge to ``memfit.data.plan``, ``from memfit.data.plan import
 Plan`` one to ``memfit.data.plan``. The package ``__init__`` files Python runs on the way are not
 edges: every module would otherwise depend on ``memfit/__init__.py`` and through it on all others.
 """
@@ -23,33 +23,46 @@ import memfit
 
 ROOT = Path(memfit.__file__).resolve().parent.parent
 
-LAYER_OF_FOLDER = {  # folder (or top-level module) -> layer; another top-level module: "torch"
-    "core": "core",  # data and model: frozen types, lowering, simulation, explanation
-    "strategies": "planning",
-    "solvers": "planning",
-    "graph": "torch",  # capture, rewrite, the custom ops
-    "runtime": "torch",
-    "render": "render",
+LAYER_OF_FOLDER = {  # folder (or top-level module) -> layer, in the pipeline's order
+    "data": "data",  # the frozen types and units: no algorithms
+    "model": "model",  # what a plan does to a step: lowering, simulation, explanation, separators
+    "planning": "planning",  # strategies/, solvers/, the batch search
+    "graph": "torch",  # capture, analyze, rewrite, the custom ops
+    "runtime": "torch",  # run and measure
+    "compiler": "torch",  # memfit as a torch.compile backend
+    "render": "surface",  # text, plots, regions: what a user reads
     "": "surface",  # the package's own __init__: the public names
     "api": "surface",
     "cli": "surface",
+    "demo": "surface",
+    "examples": "surface",
+    "search": "surface",
+    "plan_methods": "surface",
+    "moved": "surface",
 }
 
-ALLOWED = {  # layer -> the layers its modules may import (its own included): the rule as it holds
-    "core": {"core"},
-    "planning": {"core", "planning"},
-    "render": {"core", "planning", "torch", "render"},
-    # Unconstrained today: backend -> render.regions (loop 3 of issue 15), search -> api.
-    "torch": {"core", "planning", "torch", "render", "surface"},
-    "surface": {"core", "planning", "torch", "render", "surface"},
+ALLOWED = {  # layer -> the layers its modules may import (its own included): only downward
+    "data": {"data"},
+    "model": {"data", "model"},
+    "planning": {"data", "model", "planning"},
+    "torch": {"data", "model", "planning", "torch"},
+    "surface": {"data", "model", "planning", "torch", "surface"},
 }
+
+KNOWN_UPWARD = [  # imports against ALLOWED that are known: delete each when it is gone
+    # issue 15, loop 3: the backend's region table is rendered by render.regions, which reads
+    # Region from backend.py (a branch moves Region out)
+    "memfit.compiler.backend -> memfit.render.regions (torch -> surface)",
+    # rank 0's plan read back with the strategy names checked (Plan.from_json's body)
+    "memfit.runtime.ranks -> memfit.plan_methods (torch -> surface)",
+]
 
 FORBIDDEN_PACKAGES = ("bench",)  # the source checkout's benchmarks: never installed with memfit
 
 KNOWN_LOOPS = [  # type-only imports: issue 15, loop 3 (Region and its helpers live in backend.py,
     # read for typing by the modules around it; a branch moves them out): delete when it is gone
-    {"memfit.compiler.backend", "memfit.graph.lifetimes", "memfit.compiler.graph_breaks", "memfit.render.regions",
-     "memfit.compiler.replanning", "memfit.runtime.region_peak"},
+    {"memfit.compiler.backend", "memfit.graph.lifetimes", "memfit.compiler.graph_breaks",
+     "memfit.render.regions", "memfit.compiler.replanning", "memfit.runtime.region_peak"},
 ]
 
 
@@ -124,8 +137,10 @@ def import_graph(root: Path, package: str, type_checking: bool = False) -> nx.Di
 
 
 def layer_of(module: str, package: str) -> str:
+    """The layer of a module: its folder's, or (a top-level module) its own entry; a module
+    the table does not place is its own layer, which no other layer may import."""
     parts = module.split(".")[1:]
-    return LAYER_OF_FOLDER.get(parts[0] if parts else "", "torch")
+    return LAYER_OF_FOLDER.get(parts[0] if parts else "", f"unplaced {module}")
 
 
 def upward_imports(graph: nx.DiGraph, package: str) -> list[str]:
@@ -135,7 +150,7 @@ def upward_imports(graph: nx.DiGraph, package: str) -> list[str]:
         if not imported.startswith(package + ".") and imported != package:
             continue
         source, target = layer_of(importer, package), layer_of(imported, package)
-        if target not in ALLOWED[source]:
+        if target not in ALLOWED.get(source, set()):
             found.append(f"{importer} -> {imported} ({source} -> {target})")
     return found
 
@@ -173,7 +188,14 @@ def test_type_only_imports_make_only_the_known_loops():
 
 
 def test_layers_import_only_downward(either_graph):
-    assert upward_imports(either_graph, "memfit") == []
+    assert [found for found in upward_imports(either_graph, "memfit")
+            if found not in KNOWN_UPWARD] == []
+
+
+def test_known_upward_imports_are_still_there(memfit_graph):
+    """A listed upward import that is gone (or moved) must leave the list."""
+    assert [known for known in KNOWN_UPWARD
+            if known not in upward_imports(memfit_graph, "memfit")] == []
 
 
 def test_memfit_never_imports_bench(either_graph):
@@ -181,8 +203,12 @@ def test_memfit_never_imports_bench(either_graph):
 
 
 def test_types_never_import_renderers(either_graph):
-    assert [f"{a} -> {b}" for a, b in either_graph.edges
-            if a.startswith("memfit.core") and b.startswith("memfit.render")] == []
+    """Data, model and planning never reach ``memfit.render``, directly or through others."""
+    below = [module for module in either_graph
+             if layer_of(module, "memfit") in ("data", "model", "planning")]
+    assert [f"{module} -> {reached}" for module in below
+            for reached in nx.descendants(either_graph, module)
+            if reached.startswith("memfit.render")] == []
 
 
 def test_graph_ops_stand_below_the_runtime(either_graph):
@@ -193,36 +219,36 @@ def test_graph_ops_stand_below_the_runtime(either_graph):
     assert sorted(module for module in reached if module.startswith("memfit.runtime")) == []
 
 
-def test_every_folder_has_a_layer(memfit_graph):
-    """A new folder is placed in the table on purpose, not by the top-level default."""
-    folders = {module.split(".")[1] for module in memfit_graph if module.count(".") >= 2}
-    assert folders <= set(LAYER_OF_FOLDER)
+def test_every_folder_and_top_level_module_has_a_layer(memfit_graph):
+    """A new folder or top-level module is placed in the table on purpose."""
+    names = {module.split(".")[1] for module in memfit_graph if module.startswith("memfit.")}
+    assert sorted(names - set(LAYER_OF_FOLDER)) == []
 
 
 def test_the_checker_finds_an_upward_import_a_loop_and_bench(tmp_path):
     """A small package with one of each mistake: the checks above would fail on it."""
     files = {
         "pkg/__init__.py": "",
-        "pkg/core/__init__.py": "",
-        "pkg/core/plan.py": "def explain():\n    from pkg.render import text\n",
-        "pkg/core/json.py": "from . import loop\n",
-        "pkg/core/loop.py": "import pkg.core.json\n",
-        "pkg/core/typed.py": "from typing import TYPE_CHECKING\n"
-                             "if TYPE_CHECKING:\n    from pkg.strategies import register\n",
+        "pkg/data/__init__.py": "",
+        "pkg/data/plan.py": "def explain():\n    from pkg.render import text\n",
+        "pkg/data/json.py": "from . import loop\n",
+        "pkg/data/loop.py": "import pkg.data.json\n",
+        "pkg/data/typed.py": "from typing import TYPE_CHECKING\n"
+                             "if TYPE_CHECKING:\n    from pkg.planning import register\n",
         "pkg/render/__init__.py": "",
-        "pkg/render/text.py": "from pkg.core.plan import explain\n",
-        "pkg/strategies/__init__.py": "",
+        "pkg/render/text.py": "from pkg.data.plan import explain\n",
+        "pkg/planning/__init__.py": "",
         "pkg/cli.py": "from bench.run import main\n",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     graph = import_graph(tmp_path, "pkg")
-    assert upward_imports(graph, "pkg") == ["pkg.core.plan -> pkg.render.text (core -> render)"]
-    assert import_loops(graph) == [{"pkg.core.json", "pkg.core.loop"},
-                                   {"pkg.core.plan", "pkg.render.text"}]
+    assert upward_imports(graph, "pkg") == ["pkg.data.plan -> pkg.render.text (data -> surface)"]
+    assert import_loops(graph) == [{"pkg.data.json", "pkg.data.loop"},
+                                   {"pkg.data.plan", "pkg.render.text"}]
     assert forbidden_imports(graph) == ["pkg.cli -> bench"]
     typed = import_graph(tmp_path, "pkg", type_checking=True)
     assert upward_imports(typed, "pkg") == [
-        "pkg.core.plan -> pkg.render.text (core -> render)",
-        "pkg.core.typed -> pkg.strategies (core -> planning)"]
+        "pkg.data.plan -> pkg.render.text (data -> surface)",
+        "pkg.data.typed -> pkg.planning (data -> planning)"]

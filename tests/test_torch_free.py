@@ -1,4 +1,5 @@
-"""The torch-free layers (data, strategies, solvers, simulator) import with torch blocked."""
+"""The torch-free layers (data, model, planning: the types, the simulator, strategies and
+solvers) import with torch blocked."""
 
 import subprocess
 import sys
@@ -11,8 +12,8 @@ class _Blocker:
             raise ImportError("torch is blocked in this test")
 sys.meta_path.insert(0, _Blocker())
 import importlib, pkgutil
-import memfit.core, memfit.planning.strategies, memfit.planning.solvers
-for package in (memfit.core, memfit.planning.strategies, memfit.planning.solvers):
+import memfit.data, memfit.model, memfit.planning
+for package in (memfit.data, memfit.model, memfit.planning):
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         importlib.import_module(info.name)
 from memfit.planning.strategies import strategy_names
