@@ -12,6 +12,7 @@ from memfit.model.schedule import check_plan
 from memfit.model.simulate import simulate
 from memfit.planning.strategies import get_strategy
 from memfit.planning.strategies._link_swap import free_swaps
+from memfit.planning.strategies.auto import block_stacks
 
 GRAPHS = {
     "chain": lambda: synthetic.chain(24),
@@ -20,13 +21,20 @@ GRAPHS = {
     "random_dag": lambda: synthetic.random_dag(40, seed=3),
 }
 # the acceptance's alternatives: swap only, recompute only (the optimal DP), the vDNN policies
+# and per-block checkpointing (torchtitan's default: torch.utils.checkpoint around every block)
 ALTERNATIVES = {"swap": {}, "optimal-recompute": {"method": "segments"}, "vdnn_all": {},
-                "vdnn_conv": {}, "vdnn_dyn": {}}
+                "vdnn_conv": {}, "vdnn_dyn": {}, "checkpoint": "per block"}
 
 
 def step_time_if_fits(graph, hardware, strategy, budget_bytes):
+    params = ALTERNATIVES[strategy]
+    if params == "per block":
+        stacks = block_stacks(graph)
+        if not stacks:
+            return None
+        params = {"checkpoints": [f"{stack}.*" for stack in stacks]}
     try:
-        made = get_strategy(strategy)(graph, hardware, budget_bytes, **ALTERNATIVES[strategy])
+        made = get_strategy(strategy)(graph, hardware, budget_bytes, **params)
     except BudgetError:
         return None
     timeline = simulate(graph, made, hardware, record_intervals=False)
@@ -61,6 +69,14 @@ def test_never_slower_than_any_single_technique(name, profile):
             assert other is None or timeline.step_time_s <= other * (1 + 1e-9), strategy
     below = minimum - 1
     assert all(step_time_if_fits(graph, hardware, s, below) is None for s in ALTERNATIVES)
+
+
+def test_block_stacks_are_the_numbered_children_of_a_module_path():
+    """GPT-2's ``transformer.h.0..11``, a ResNet's ``layer1.0..2`` each: stacks of two or more
+    numbered blocks; a module path numbered once, or a name ending in a digit, is not one."""
+    assert block_stacks(synthetic.chain(6)) == ["layers"]
+    assert block_stacks(synthetic.multi_tower(2, 3)) == ["tower0", "tower1"]
+    assert block_stacks(synthetic.random_dag(10, seed=3)) == []  # block0, block1: no children
 
 
 def test_without_a_budget_or_when_everything_fits_it_keeps():
