@@ -190,14 +190,18 @@ def _worker(rank: int, store_path: str, out_folder: str, name: str, engine: str,
                     raise
                 budget = error.minimum_bytes
                 result.setdefault("refused", []).append(budget)
+        else:  # refused at every attempt: the test names the budgets tried
+            raise memfit.BudgetError(budget, budget, note=f"refused at {result['refused']}")
         result["weights"] = [_local(p) for p in wrapped.parameters()]
         regions = fitted._memfit_backend.regions
         result["digests"] = [plan_digest(region.plan) for region in regions]
         result["predicted"] = max(region.predicted_peak_bytes for region in regions)
+        running = latest_regions(regions) or regions  # all replaced: a re-plan asked for
         result["predicted_latest"] = max(region.predicted_peak_bytes  # the plans running now
-                                         for region in latest_regions(regions))
+                                         for region in running)
     except memfit.BudgetError as error:
         result["budget_error"] = error.minimum_bytes
+        result["refused"] = result.get("refused")
     with open(os.path.join(out_folder, f"rank{rank}.pickle"), "wb") as file:
         pickle.dump(result, file)
     dist.destroy_process_group()

@@ -92,12 +92,18 @@ def agree_on_hardware(hardware: Any, measured: bool) -> Any:
 
 
 def raise_if_any_failed(error: BudgetError | None) -> None:
-    """Raise a ``BudgetError`` on every rank where any rank's planning raised one: this rank's
-    own where it failed, else the failing rank's numbers (the largest smallest peak)."""
+    """Raise a ``BudgetError`` on every rank where any rank's planning raised one, with the same
+    numbers on every rank (the largest smallest peak and budget over the failing ranks): a loop
+    that retries at the error's minimum then retries at one budget on every rank, and ranks
+    given different budgets would plan, and re-plan, at different points. A failing rank keeps
+    its own error's tensors and note."""
     failed, minimum_bytes, budget_bytes = agree_max(
         [0, 0, 0] if error is None else [1, error.minimum_bytes, error.budget_bytes])
     if error is not None:
-        raise error
+        if (error.minimum_bytes, error.budget_bytes) == (minimum_bytes, budget_bytes):
+            raise error
+        raise BudgetError(budget_bytes, minimum_bytes, error.dominant, error.strategy,
+                          error.note, host_bytes=error.host_bytes)
     if failed:
         raise BudgetError(budget_bytes, minimum_bytes, strategy="auto",
                           note="Another rank of this job could not fit its region; every rank "
