@@ -117,6 +117,17 @@ def test_plan_is_public():
     assert memfit.Plan is Plan and "Plan" in memfit.__all__
 
 
+def test_every_decision_and_the_explanation_are_public_together():
+    """A plan's decisions are Keep, Swap (with its SwapIns), Recompute, and its re-runs Rerun;
+    ``plan.explanation`` is an Explanation: all importable from ``memfit`` itself."""
+    from memfit.data import plan as plan_module
+    from memfit.data.explanation import Explanation
+
+    for name in ("Keep", "Swap", "SwapIn", "Recompute", "Rerun"):
+        assert getattr(memfit, name) is getattr(plan_module, name) and name in memfit.__all__
+    assert memfit.Explanation is Explanation
+
+
 # ---- a plan that loads but does not fit the step: refused before anything runs -------------------
 
 
