@@ -27,7 +27,7 @@ from memfit.model.explain import explain
 from memfit.model.linearize import linearize as as_late_as_possible
 from memfit.model.simulate import simulate
 from memfit.planning.strategies import get_strategy
-from memfit.planning.strategies._fit import require_host
+from memfit.planning.strategies._budget_checks import require_host
 
 
 class BudgetWarning(UserWarning):

@@ -29,7 +29,7 @@ from memfit.graph.rng import RNG_REPLAY_BEGIN, RNG_REPLAY_END, RNG_SAVE, is_rand
 from memfit.model.schedule import Action, PlanError, copy_buffer, lower
 
 
-def storage_owners(graph_module: fx.GraphModule) -> dict:
+def storage_names(graph_module: fx.GraphModule) -> dict:
     """Storage -> tensor name, named exactly as ``analyze`` names them."""
     owner: dict = {}
     for node in graph_module.graph.nodes:
@@ -58,7 +58,7 @@ class _Rewriter:
         self.old = {node.name: node for node in graph_module.graph.nodes}
         self.graph = fx.Graph()
         self.env: dict[fx.Node, fx.Node] = {}
-        self.owner = storage_owners(graph_module)
+        self.owner = storage_names(graph_module)
         swapped = sorted(plan.swapped, key=lambda name: graph.index[graph.tensors[name].producer])
         self.out_key = {name: key for key, name in enumerate(swapped)}
         self.roots: dict[str, fx.Node] = {}

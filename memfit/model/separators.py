@@ -102,7 +102,7 @@ def forward_graph(graph: CostGraph) -> nx.DiGraph:
     return dag
 
 
-def storage_owners(graph: CostGraph) -> dict[str, str | None]:
+def op_storage_owners(graph: CostGraph) -> dict[str, str | None]:
     """For each forward op, the forward op whose storage it stands for (``None``: resident only).
 
     An op that allocates stands for itself; a view for the op that allocated what it aliases; a
@@ -124,7 +124,7 @@ def _owner_dag(graph: CostGraph) -> nx.DiGraph:
     """``forward_graph`` with views merged into their owners, data-only ops dropped, and the
     virtual input and loss (see the module note)."""
     full = forward_graph(graph)
-    owners = storage_owners(graph)
+    owners = op_storage_owners(graph)
     dag = nx.DiGraph()
     dag.add_nodes_from((o, full.nodes[o]) for o in dict.fromkeys(owners.values()) if o is not None)
     for source, target in full.edges:

@@ -18,7 +18,7 @@ from memfit import examples
 from memfit.data.errors import BudgetError
 from memfit.data.plan import Plan, Swap, SwapIn
 from memfit.graph.analyze import storage_key
-from memfit.graph.rewrite import storage_owners
+from memfit.graph.rewrite import storage_names
 from memfit.model.recompute import planned_reruns
 from tests.measured_peaks import assert_within_budget, tolerance_bytes
 
@@ -57,7 +57,7 @@ def uncovered(step) -> set[str]:
     layout, as planned): the ones the rewriter used to refuse to swap or recompute."""
     found = set()
     for graph_module in (step.compiled.forward, step.compiled.backward):  # the planned region
-        owner = storage_owners(graph_module)
+        owner = storage_names(graph_module)
         for node in graph_module.graph.nodes:
             value = node.meta.get("val")
             if isinstance(value, torch.Tensor) and owner.get(storage_key(value)) == node.name:

@@ -100,7 +100,7 @@ def find_blocks(graph: CostGraph, max_blocks: int | None = None) -> Blocks:
     """
     undirected = separators.separation_graph(graph)
     nested, entered = _nested(undirected, separators.separator_sets(graph))
-    owners = separators.storage_owners(graph)
+    owners = separators.op_storage_owners(graph)
     block_of = _block_of_owner(undirected, entered, range(len(nested)))
     if max_blocks is not None and len(nested) + 1 > max_blocks:
         keep = _thinned(graph, nested, owners, block_of, max_blocks - 1)

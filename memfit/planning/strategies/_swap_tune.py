@@ -42,7 +42,7 @@ from memfit.data.plan import Plan, Swap
 from memfit.model.host_memory import host_prefix
 from memfit.model.schedule import live_buffers, lower, memory_profile
 from memfit.model.simulate import simulate
-from memfit.planning.strategies._fit import fits
+from memfit.planning.strategies._budget_checks import fits
 
 if TYPE_CHECKING:
     from memfit.planning.strategies._swap_config import SwapConfig
@@ -59,7 +59,7 @@ def tune(graph: CostGraph, hardware: Hardware, budget_bytes: int, config: SwapCo
     Raises:
         BudgetError: if nothing fits, with the smallest peak reached and what is live there.
     """
-    search = _Search(graph, hardware, budget_bytes, PeakModel(graph), decide, make_plan)
+    search = _TunerSearch(graph, hardware, budget_bytes, PeakModel(graph), decide, make_plan)
     tune_n = "n_tensors" not in given
     if tune_n and search.model.peak(search.model.events([]), 0) <= budget_bytes:
         unplanned = make_plan(replace(config, n_tensors=0), [])  # nothing needs swapping
@@ -92,7 +92,7 @@ def _lb_ladder(config: SwapConfig, given: frozenset[str], op_count: int) -> list
 
 
 @dataclass
-class _Search:
+class _TunerSearch:
     """The state of one tuning run: the plans that fit (each with its simulated time and peak)
     and the plan with the lowest peak seen."""
 

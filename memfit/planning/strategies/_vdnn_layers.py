@@ -37,7 +37,7 @@ from memfit.data.costgraph import CostGraph, Phase
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Decision, Plan, Swap, SwapIn
 from memfit.model.host_memory import within_host
-from memfit.planning.strategies._fit import host_params
+from memfit.planning.strategies._budget_checks import host_params
 
 ATTENTION_CHOICES = ("auto", "math", "fused")
 # Fused scaled-dot-product-attention kernels save only out and logsumexp for backward; the math

@@ -17,7 +17,7 @@ The candidates, each simulated exactly by ``simulate`` (memory is program-order 
    least memory a swap of the feature maps reaches, whatever a layer spans (one pass, one
    simulation);
 5. the hybrid: the separator-block DP's recomputation at a budget relaxed by up to what the
-   free swaps save, plus every swap the link carries with no stall (``_link_swap.free_swaps``:
+   free swaps save, plus every swap the link carries with no stall (``_free_swaps.free_swaps``:
    both copy queues replayed on the compute timeline, copies back just in time) of a tensor
    the recomputation does not touch; the fastest that fits, by exact simulation.
 6. per-block checkpoints (``block-checkpoints``): each numbered block of the model's stacks
@@ -62,8 +62,8 @@ from memfit.model.recompute import planned_reruns
 from memfit.model.simulate import simulate
 from memfit.planning.solvers import segments
 from memfit.planning.strategies import _just_in_time_swap, get_strategy, register, strategy_names
-from memfit.planning.strategies._fit import fits, live_at_peak
-from memfit.planning.strategies._link_swap import free_swaps
+from memfit.planning.strategies._budget_checks import fits, live_at_peak
+from memfit.planning.strategies._free_swaps import free_swaps
 from memfit.planning.strategies.optimal_recompute import MILP_MAX_OPS, priced_segments
 
 MIN_SWAP_BYTES = 1 << 16  # smaller copies are mostly link latency

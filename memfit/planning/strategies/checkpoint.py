@@ -31,14 +31,14 @@ from memfit.model import separators
 from memfit.model.rerun_profile import RerunProfiler
 from memfit.model.schedule import peak_bytes
 from memfit.planning.strategies import register
-from memfit.planning.strategies._checkpoint_counts import (
+from memfit.planning.strategies._budget_checks import require_fit
+from memfit.planning.strategies._forward_recompute import recompute_in_forward
+from memfit.planning.strategies._separator_count_search import (
     CountBounds,
     kept_tensors,
     least_recompute_fitting,
     lowest_peak,
 )
-from memfit.planning.strategies._fit import require_fit
-from memfit.planning.strategies._forward_recompute import recompute_in_forward
 
 EXPENSIVE_KINDS = frozenset({
     "aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten.matmul", "aten.linear",
@@ -199,7 +199,7 @@ def _memory_mode(graph: CostGraph, hardware: Hardware, budget_bytes: int | None,
     or the one with the lowest peak when none fits (the caller may still lower it).
 
     With a budget every count is a candidate, found by branch and bound on cheap lower bounds
-    (``_checkpoint_counts``): a graph with a thousand separators is priced a few times, not a
+    (``_separator_count_search``): a graph with a thousand separators is priced a few times, not a
     thousand.
     """
     points = separators.articulation_points(graph)

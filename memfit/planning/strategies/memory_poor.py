@@ -13,7 +13,7 @@ from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan, Rerun
 from memfit.model.recompute import memory_poor_reruns
 from memfit.planning.strategies import register
-from memfit.planning.strategies._fit import require_fit
+from memfit.planning.strategies._budget_checks import require_fit
 
 
 def check_params(**params) -> None:

@@ -45,7 +45,7 @@ from memfit.planning.solvers import segments
 from memfit.planning.solvers.block_chain import nested_reruns
 from memfit.planning.solvers.milp import NODE_LIMIT, solve_milp
 from memfit.planning.strategies import register
-from memfit.planning.strategies._fit import live_at_peak
+from memfit.planning.strategies._budget_checks import live_at_peak
 from memfit.planning.strategies._forward_recompute import recompute_in_forward
 
 METHODS = ("auto", "milp", "segments")

@@ -42,7 +42,7 @@ from memfit.data.plan import Plan
 from memfit.model.schedule import live_buffers, lower, memory_profile
 from memfit.model.simulate import simulate
 from memfit.planning.strategies import register
-from memfit.planning.strategies._fit import HOST_DROPPED, require_fit
+from memfit.planning.strategies._budget_checks import HOST_DROPPED, require_fit
 from memfit.planning.strategies._vdnn_layers import (
     FeatureMap,
     LayerView,
@@ -144,23 +144,23 @@ def plan_dyn(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = No
     budget_bytes = check_budget("vdnn_dyn", budget_bytes)
     view = LayerView(graph)
     backend = resolve_attention(graph, attention, "vdnn_dyn")
-    return _Search(view, hardware, budget_bytes, backend).run()
+    return _ConfigurationSearch(view, hardware, budget_bytes, backend).run()
 
 
 @dataclass(frozen=True)
-class _Candidate:
+class _Configuration:
     plan: Plan
     peak_bytes: int
     step_time_s: float
 
 
-class _Search:
+class _ConfigurationSearch:
     def __init__(self, view: LayerView, hardware: Hardware, budget_bytes: int | None,
                  attention: str):
         self.view, self.hardware, self.budget_bytes = view, hardware, budget_bytes
         self.target = budget_bytes if budget_bytes is not None else hardware.device_bytes
         self.attention = attention
-        self.tried: list[_Candidate] = []
+        self.tried: list[_Configuration] = []
 
     def run(self) -> Plan:
         unplanned = self.evaluate("none", [], 0, 0)
@@ -203,13 +203,13 @@ class _Search:
             self.evaluate(policy, by_boundary(boundary), boundary, len(layers))
 
     def evaluate(self, policy: str, maps: Sequence[FeatureMap], boundary: int,
-                 layers: int) -> _Candidate:
+                 layers: int) -> _Configuration:
         """Simulate offloading ``maps``: the first ``boundary`` of the ``layers`` layers that hold
         the policy's feature maps (both recorded in the plan's params)."""
         params = {"attention": self.attention, "policy": policy, "boundary": boundary,
                   "policy_layers": layers, "layers": len(self.view.forward)}
         made = self.view.make_plan("vdnn_dyn", maps, self.hardware, self.budget_bytes, params)
         timeline = simulate(self.view.graph, made, self.hardware, record_intervals=False)
-        candidate = _Candidate(made, timeline.peak_bytes, timeline.step_time_s)
+        candidate = _Configuration(made, timeline.peak_bytes, timeline.step_time_s)
         self.tried.append(candidate)
         return candidate

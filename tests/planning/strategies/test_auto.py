@@ -11,7 +11,7 @@ from memfit.model.recompute import planned_reruns
 from memfit.model.schedule import check_plan
 from memfit.model.simulate import simulate
 from memfit.planning.strategies import get_strategy
-from memfit.planning.strategies._link_swap import free_swaps
+from memfit.planning.strategies._free_swaps import free_swaps
 from memfit.planning.strategies.auto import block_stacks
 
 GRAPHS = {

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from memfit.data.hardware import get_hardware
 from memfit.model import separators, synthetic
 from memfit.model.rerun_profile import RerunProfiler
-from memfit.planning.strategies._checkpoint_counts import (
+from memfit.planning.strategies._separator_count_search import (
     CountBounds,
     least_recompute_fitting,
     lowest_peak,

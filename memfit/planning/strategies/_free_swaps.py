@@ -32,7 +32,7 @@ from memfit.model.recompute import PlannedRerun
 
 
 @dataclass(frozen=True)
-class _Candidate:
+class _SwapCandidate:
     tensor: str
     size_bytes: int
     ready_s: float  # its producer's end
@@ -75,7 +75,7 @@ def free_swaps(graph: CostGraph, hardware: Hardware, exclude: Iterable[str] = ()
     return _within_host(graph, candidates, swaps, hardware.host_bytes)
 
 
-def _within_host(graph: CostGraph, candidates: list[_Candidate], swaps: dict[str, Swap],
+def _within_host(graph: CostGraph, candidates: list[_SwapCandidate], swaps: dict[str, Swap],
                  host_bytes: int | None) -> dict[str, Swap]:
     """``swaps`` less those that would take the host past ``host_bytes``, admitted in order of
     production (as the link queues them out); the order of issue kept. Dropping a swap frees
@@ -112,7 +112,7 @@ def _rerun_needs(graph: CostGraph, reruns: Mapping[str, Sequence[PlannedRerun]]
 
 
 def _candidates(graph: CostGraph, exclude: set[str], min_bytes: int, end_s: list[float],
-                rerun_needs: dict[str, int]) -> list[_Candidate]:
+                rerun_needs: dict[str, int]) -> list[_SwapCandidate]:
     """Forward values read by the backward pass or by re-runs, in order of production."""
     index = graph.index
     found = []
@@ -126,12 +126,12 @@ def _candidates(graph: CostGraph, exclude: set[str], min_bytes: int, end_s: list
         rerun = sorted((c for c in tensor.consumers if c in rerun_needs), key=index.__getitem__)
         needs = [index[c] for c in late[:1]] + [rerun_needs[c] for c in rerun]
         if needs:
-            found.append(_Candidate(name, tensor.size_bytes, end_s[index[tensor.producer]],
+            found.append(_SwapCandidate(name, tensor.size_bytes, end_s[index[tensor.producer]],
                                     min(needs), (*rerun, *late)))
     return sorted(found, key=lambda c: (c.ready_s, c.tensor))
 
 
-def _copies_out(candidates: list[_Candidate], hardware: Hardware, start_s: list[float],
+def _copies_out(candidates: list[_SwapCandidate], hardware: Hardware, start_s: list[float],
                 backward_s: float | None) -> dict[str, float]:
     """When each copy out lands, the device-to-host stream a FIFO in production order.
 
@@ -150,7 +150,7 @@ def _copies_out(candidates: list[_Candidate], hardware: Hardware, start_s: list[
     return landed
 
 
-def _copies_back(graph: CostGraph, candidates: list[_Candidate], copied_out: dict[str, float],
+def _copies_back(graph: CostGraph, candidates: list[_SwapCandidate], copied_out: dict[str, float],
                  hardware: Hardware, start_s: list[float], end_s: list[float]) -> dict[str, Swap]:
     """Just-in-time copies back, in order of need; a copy that would land late is not made."""
     swaps: dict[str, Swap] = {}
@@ -170,7 +170,7 @@ def _copies_back(graph: CostGraph, candidates: list[_Candidate], copied_out: dic
     return swaps
 
 
-def _copies_back_packed(graph: CostGraph, candidates: list[_Candidate],
+def _copies_back_packed(graph: CostGraph, candidates: list[_SwapCandidate],
                         copied_out: dict[str, float], hardware: Hardware, start_s: list[float],
                         end_s: list[float]) -> dict[str, Swap]:
     """Copies back packed as late as the link allows, latest need first: where the link is the
