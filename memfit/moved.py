@@ -23,7 +23,6 @@ MOVED = {  # old module -> new module
     'memfit.core.costgraph': 'memfit.data.costgraph',
     'memfit.core.errors': 'memfit.data.errors',
     'memfit.core.explain': 'memfit.model.explain',
-    'memfit.core.explanation': 'memfit.data.explanation',
     'memfit.core.files': 'memfit.data.files',
     'memfit.core.graphs': 'memfit.model.separators',
     'memfit.core.hardware': 'memfit.data.hardware',
@@ -45,6 +44,7 @@ MOVED = {  # old module -> new module
     'memfit.fitted': 'memfit.compiler.fitted',
     'memfit.graph_breaks': 'memfit.compiler.graph_breaks',
     'memfit.replanning': 'memfit.compiler.replanning',
+    'memfit.runtime.host': 'memfit.graph.host',
     'memfit.sharding': 'memfit.compiler.sharding',
     'memfit.traced': 'memfit.compiler.traced',
 }

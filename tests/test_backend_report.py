@@ -122,7 +122,7 @@ def test_graph_broken_regions_are_planned_jointly_and_fit_from_the_second_iterat
     assert len(short) == 1 and "jointly after this iteration" in str(short[0].message)
     assert planner.joint_rounds == 1 and first_alone.replaced and second_alone.replaced
     first, second = joint
-    assert first.code is first_alone.code and second.code is second_alone.code
+    assert first.site == first_alone.site and second.site == second_alone.site
     # capped below what it saved alone; it saves less, though not always within its cap: where
     # no plan saves that little, the smallest-peak plan is taken (``save_at_most``)
     assert first.saves_cap_bytes is not None and first.saves_cap_bytes < first_alone.saved_bytes
@@ -163,7 +163,7 @@ def test_a_found_optimizer_replans_every_region_of_a_graph_broken_model():
     assert planner.replans == 1
     before, after = planner.regions[:2], planner.regions[2:]
     assert all(region.replaced for region in before) and len(after) == 2
-    assert [region.code for region in after] == [region.code for region in before]
+    assert [region.site for region in after] == [region.site for region in before]
     assert all(region.resident_bytes > before[0].resident_bytes for region in after)
     assert max(peaks[1:]) <= budget, (peaks, budget)
 

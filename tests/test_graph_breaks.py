@@ -13,7 +13,7 @@ from memfit.data.errors import BudgetError
 
 def region(index, code, saved_bytes, budget_bytes=100, minimum_bytes=None, pending_bytes=0,
            replaced=False, site=None):
-    return SimpleNamespace(index=index, code=code, site=site or code, saved_bytes=saved_bytes,
+    return SimpleNamespace(index=index, site=site or code, saved_bytes=saved_bytes,
                            budget_bytes=budget_bytes, minimum_bytes=minimum_bytes,
                            pending_bytes=pending_bytes, replaced=replaced)
 

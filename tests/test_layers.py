@@ -53,8 +53,6 @@ KNOWN_UPWARD = [  # imports against ALLOWED that are known: delete each when it 
     # issue 15, loop 3: the backend's region table is rendered by render.regions, which reads
     # Region from backend.py (a branch moves Region out)
     "memfit.compiler.backend -> memfit.render.regions (torch -> surface)",
-    # rank 0's plan read back with the strategy names checked (Plan.from_json's body)
-    "memfit.runtime.ranks -> memfit.plan_methods (torch -> surface)",
 ]
 
 FORBIDDEN_PACKAGES = ("bench",)  # the source checkout's benchmarks: never installed with memfit

@@ -110,9 +110,8 @@ class Region:
     resident_bytes: int = 0  # model and optimizer bytes (reserved state included) it planned for
     saved_bytes: int = 0  # device bytes its forward saves for its backward
     open_forwards: int = 0  # forwards run whose backward has not run yet (their saves are alive)
-    code: Any = None  # the code object Dynamo compiled it from: its place in the user's program
-    site: Any = None  # its code and the module it runs for (``compiling_site``): one per region
-    # an iteration runs, which a newer plan of the same site replaces
+    site: Any = None  # where Dynamo compiled it from (``compiling_site``: its code object, and
+    # the module it runs for): one per region an iteration runs, which a newer plan replaces
     pending_bytes: int = 0  # saves of earlier regions (before a graph break) it planned around
     minimum_bytes: int | None = None  # its smallest peak, where it could not fit the budget
     saves_cap_bytes: int | None = None  # the most its forward may save, planned jointly
@@ -327,8 +326,7 @@ class Backend:
         forward.meta[REGION_KEY] = backward.meta[REGION_KEY] = index
         self.regions.append(Region(index, graph, made, planned.baseline, predicted,
                                    budget_bytes, outside, forward, backward, resident, saved,
-                                   code=site[0] if isinstance(site, tuple) else site, site=site,
-                                   pending_bytes=pending, minimum_bytes=minimum,
+                                   site=site, pending_bytes=pending, minimum_bytes=minimum,
                                    saves_cap_bytes=cap, hardware=hardware, bound=predicted,
                                    trainable_bytes=trainable, later_gradient_bytes=later,
                                    output_names=output_tensor_names(joint, num_fwd_outputs,

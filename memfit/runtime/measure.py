@@ -110,7 +110,7 @@ def measure_allocator_peak(fn: Callable[..., Any], *args: Any, track: Any = (),
 def _unique_bytes(tree: Any, device: torch.device) -> int:
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from memfit.runtime.host import is_host_storage
+    from memfit.graph.host import is_host_storage
     from memfit.runtime.resident import local_tensor
 
     sizes: dict[StorageWeakRef, int] = {}

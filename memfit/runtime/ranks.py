@@ -124,13 +124,15 @@ def agree_on_plan(plan: Any) -> tuple[Any, bool]:
     """Rank 0's plan where the ranks' digests differ (``plan`` itself where they agree), and
     whether it was taken from rank 0. The digests are compared by the largest and the smallest
     over the ranks (a fixed-size all-reduce; the plan itself travels only where they differ)."""
-    from memfit.plan_methods import from_json
+    from memfit.data.plan_json import plan_from_json, plan_to_json
+    from memfit.planning.strategies import strategy_names
 
     digest = int(plan_digest(plan), 16)
     largest, negated_smallest = agree_max([digest, -digest])
     if largest == -negated_smallest:
         return plan, False
-    return from_json(agree_on(plan.to_json()), "rank 0's plan"), True
+    rank_0s = agree_on(plan_to_json(plan))
+    return plan_from_json(rank_0s, strategy_names(), source="rank 0's plan"), True
 
 
 _NONE = -(2**62)  # a freed-output count not read yet, among the agreed numbers

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError
@@ -60,7 +61,7 @@ def check_params(strategy: str, **params) -> None:
     check_attention(strategy, params)
 
 
-@register("vdnn_all", check_params=lambda **params: check_params("vdnn_all", **params))
+@register("vdnn_all", check_params=partial(check_params, "vdnn_all"))
 def plan_all(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
              **params) -> Plan:
     """Offload every feature map after its forward use; prefetch it one backward layer ahead.
@@ -85,7 +86,7 @@ def plan_all(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = No
     return _static("vdnn_all", graph, hardware, budget_bytes, params, convolutions_only=False)
 
 
-@register("vdnn_conv", check_params=lambda **params: check_params("vdnn_conv", **params))
+@register("vdnn_conv", check_params=partial(check_params, "vdnn_conv"))
 def plan_conv(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
               **params) -> Plan:
     """Offload the feature maps that forward convolutions read; prefetch one layer ahead.
@@ -114,7 +115,7 @@ def _static(strategy: str, graph: CostGraph, hardware: Hardware, budget_bytes: i
     return require_fit(graph, result, budget_bytes, hardware.host_bytes)
 
 
-@register("vdnn_dyn", check_params=lambda **params: check_params("vdnn_dyn", **params))
+@register("vdnn_dyn", check_params=partial(check_params, "vdnn_dyn"))
 def plan_dyn(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
              **params) -> Plan:
     """The fastest simulated vDNN configuration whose peak fits ``budget_bytes``.
