@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from memfit.graph.host import is_host_storage
 from memfit.graph.ops import SWAP_IN, SWAP_OUT, WAIT
-from memfit.runtime.host import is_host_storage
 from memfit.runtime.streams import CopyEngine, active_engine
 
 CPU = torch.device("cpu")

@@ -5,9 +5,9 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from memfit.data.hardware import Hardware
+from memfit.graph.host import is_host_storage
 from memfit.graph.ops import SWAP_IN, SWAP_OUT, WAIT
 from memfit.runtime.executor import Executor
-from memfit.runtime.host import is_host_storage
 from memfit.runtime.measure import measure_peak
 from memfit.runtime.probe import measure_hardware
 from memfit.runtime.streams import CopyEngine, active_engine

@@ -12,10 +12,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from memfit.data.costgraph import CostGraph, Op, Tensor
 from memfit.data.plan import Plan, Swap, SwapIn
+from memfit.graph.host import host_storage_count
 from memfit.graph.ops import SWAP_IN, SWAP_OUT, WAIT
 from memfit.model.schedule import lower, memory_profile
 from memfit.runtime.executor import Executor, last_uses
-from memfit.runtime.host import host_storage_count
 from memfit.runtime.measure import measure_peak
 
 N = 1024  # elements per chain tensor
