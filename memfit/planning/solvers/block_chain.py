@@ -32,8 +32,16 @@ from memfit.data.costgraph import CostGraph
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan, Rerun
 from memfit.model.simulate import simulate
-from memfit.planning.solvers.chain import Backward, ChainCosts, Forward, Loss, solve_chain_costs
+from memfit.planning.solvers.chain import (
+    Backward,
+    ChainCosts,
+    ChainSchedule,
+    Forward,
+    Loss,
+    solve_chain_costs,
+)
 from memfit.planning.solvers.segments import Blocks
+from memfit.planning.tighten import tighten
 
 TIGHTEN_ROUNDS = 6  # chain budget cuts by the simulated excess before giving up
 MEMORY_UNITS = 200  # the chain DP's memory resolution (its time grows linearly with it)
@@ -54,9 +62,8 @@ def nested_reruns(graph: CostGraph, hardware: Hardware, blocks: Blocks,
     if blocks.count < 2:
         return None
     chain = BlockChain.from_blocks(graph, blocks)
-    chain_budget = budget_bytes - graph.resident_bytes - chain.largest_inner_bytes
-    previous_peak = -1
-    for _ in range(TIGHTEN_ROUNDS):
+
+    def planned_at(chain_budget: int) -> tuple[tuple[Plan, ChainSchedule], int] | None:
         if chain_budget <= 0:
             return None
         schedule = solve_chain_costs(chain.costs, chain_budget, memory_units=MEMORY_UNITS)
@@ -65,15 +72,20 @@ def nested_reruns(graph: CostGraph, hardware: Hardware, blocks: Blocks,
         made = Plan("optimal-recompute", graph_hash=graph.structure_hash,
                     budget_bytes=budget_bytes, hardware=hardware.name,
                     reruns=chain.reruns(schedule.operations))
-        peak = simulate(graph, made, hardware, record_intervals=False).peak_bytes
-        if peak <= budget_bytes:
-            return made
-        # cut by the excess; if the last cut found the same schedule, cut from what it uses
-        # (the DP gives it for every budget down to its own peak)
-        stuck = schedule.peak_bytes == previous_peak
-        previous_peak = schedule.peak_bytes
-        chain_budget = (schedule.peak_bytes if stuck else chain_budget) - (peak - budget_bytes)
-    return None
+        return (made, schedule), simulate(graph, made, hardware, record_intervals=False).peak_bytes
+
+    found = tighten(budget_bytes, planned_at, rounds=TIGHTEN_ROUNDS, next_target=_next_chain_budget,
+                    start_bytes=budget_bytes - graph.resident_bytes - chain.largest_inner_bytes)
+    return None if found is None else found[0]
+
+
+def _next_chain_budget(chain_budget: int, excess_bytes: int, planned: tuple[Plan, ChainSchedule],
+                       previous: tuple[Plan, ChainSchedule] | None) -> int:
+    """Cut by the excess; if the last cut found the same schedule, cut from what it uses (the DP
+    gives it for every budget down to its own peak)."""
+    used_bytes = planned[1].peak_bytes
+    stuck = previous is not None and previous[1].peak_bytes == used_bytes
+    return (used_bytes if stuck else chain_budget) - excess_bytes
 
 
 class BlockChain:

@@ -19,8 +19,9 @@ for every segment, ``need + sum(carried of the segments before it) <= budget``: 
 chain DP over (block, carried bytes) with Pareto fronts, no discretisation of the budget.
 
 The decomposition is exact when segments touch only their own positions; where a graph breaks
-that (a value read across a separator in the backward pass only), ``solve_segments`` checks the
-assembled plan with the exact profiler and tightens the budget by the excess until it fits.
+that (a value read across a separator in the backward pass only), the optimal-recompute strategy
+checks the assembled plan with the exact profiler and tightens the budget by the excess until it
+fits (``memfit.planning.tighten``).
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ from memfit.planning.solvers.milp import NODE_LIMIT, solve_milp
 from memfit.planning.strategies import register
 from memfit.planning.strategies._budget_checks import live_at_peak
 from memfit.planning.strategies._forward_recompute import recompute_in_forward
+from memfit.planning.tighten import tighten
 
 METHODS = ("auto", "milp", "segments")
 MILP_MAX_OPS = 100  # the default max_ops: the MILP's root takes seconds to a minute at this size
@@ -258,17 +259,15 @@ def _segment_recomputed(graph: CostGraph, profiler: RerunProfiler,
     """The DP's recomputed tensors, re-solved with a tighter budget while the assembled plan's
     exact peak is over (the decomposition is exact on the graphs we know; this is the net)."""
     blocks, table = priced_segments(graph)
-    target = budget_bytes
-    for _ in range(_TIGHTEN_ROUNDS):
-        chosen = segments.solve_segments(table, blocks.count, target)
+
+    def recomputed_at(target_bytes: int) -> tuple[frozenset[str], int] | None:
+        chosen = segments.solve_segments(table, blocks.count, target_bytes)
         if chosen is None:
             return None
         recomputed = frozenset().union(*(s.recomputed for s in chosen))
-        peak = profiler.profile(recomputed).peak_bytes
-        if peak <= budget_bytes:
-            return recomputed
-        target -= peak - budget_bytes
-    return None
+        return recomputed, profiler.profile(recomputed).peak_bytes
+
+    return tighten(budget_bytes, recomputed_at, rounds=_TIGHTEN_ROUNDS)
 
 
 def _least_fitting(graph: CostGraph, profiler: RerunProfiler, budget_bytes: int) -> int:
