@@ -22,8 +22,7 @@ import numpy as np
 from memfit.data.costgraph import CostGraph
 from memfit.data.hardware import Hardware
 from memfit.planning.solvers._milp_model import Key, MilpModel, StageProblem
-
-TIE_BREAK = 1e-4  # cost of one copy, in mean op times: no copy is made that the optimum does not need
+from memfit.planning.tuning import TUNING
 
 
 @dataclass(frozen=True)
@@ -93,12 +92,12 @@ class SwapMilpModel(MilpModel):
         for op in range(stages):
             if not facts.swappable[op]:
                 continue
-            self.column(("O", op), cost=TIE_BREAK)
+            self.column(("O", op), cost=TUNING.milp_swap_copy_cost)
             for stage in range(op + 2, stages):
                 if any(reader > stage for reader in facts.storage_readers[op]):
-                    self.column(("I", stage, op), cost=TIE_BREAK)
+                    self.column(("I", stage, op), cost=TUNING.milp_swap_copy_cost)
                 if stage in facts.storage_readers[op] and op in problem.reads[stage]:
-                    self.column(("J", stage, op), cost=TIE_BREAK)
+                    self.column(("J", stage, op), cost=TUNING.milp_swap_copy_cost)
         for stage in range(stages):
             self.column(("W", stage), cost=1.0, upper=math.inf, integer=False)
 

@@ -42,9 +42,7 @@ from memfit.planning.solvers.chain import (
 )
 from memfit.planning.solvers.segments import Blocks
 from memfit.planning.tighten import tighten
-
-TIGHTEN_ROUNDS = 6  # chain budget cuts by the simulated excess before giving up
-MEMORY_UNITS = 200  # the chain DP's memory resolution (its time grows linearly with it)
+from memfit.planning.tuning import TUNING
 
 
 def nested_reruns(graph: CostGraph, hardware: Hardware, blocks: Blocks,
@@ -66,7 +64,8 @@ def nested_reruns(graph: CostGraph, hardware: Hardware, blocks: Blocks,
     def planned_at(chain_budget: int) -> tuple[tuple[Plan, ChainSchedule], int] | None:
         if chain_budget <= 0:
             return None
-        schedule = solve_chain_costs(chain.costs, chain_budget, memory_units=MEMORY_UNITS)
+        schedule = solve_chain_costs(chain.costs, chain_budget,
+                                     memory_units=TUNING.chain_memory_units)
         if schedule is None:
             return None
         made = Plan("optimal-recompute", graph_hash=graph.structure_hash,
@@ -74,7 +73,8 @@ def nested_reruns(graph: CostGraph, hardware: Hardware, blocks: Blocks,
                     reruns=chain.reruns(schedule.operations))
         return (made, schedule), simulate(graph, made, hardware, record_intervals=False).peak_bytes
 
-    found = tighten(budget_bytes, planned_at, rounds=TIGHTEN_ROUNDS, next_target=_next_chain_budget,
+    found = tighten(budget_bytes, planned_at, rounds=TUNING.chain_tighten_rounds,
+                    next_target=_next_chain_budget,
                     start_bytes=budget_bytes - graph.resident_bytes - chain.largest_inner_bytes)
     return None if found is None else found[0]
 

@@ -42,11 +42,11 @@ from dataclasses import dataclass
 
 from memfit.data.costgraph import CostGraph
 from memfit.planning.solvers._milp_model import MilpModel, MilpStatus, StageProblem
+from memfit.planning.tuning import TUNING
 
 __all__ = ["NODE_LIMIT", "MilpSolution", "MilpStatus", "solve_milp"]
 
-NODE_LIMIT = 200  # branch-and-bound nodes: the 96-op 6-layer MLP proves its optimum in 39-67;
-# each node of a 100-op model costs ~0.1-1 s on a shared 2-core CPU, so this bounds minutes
+NODE_LIMIT = TUNING.milp_node_limit  # the default node_limit (why 200: memfit.planning.tuning)
 
 
 @dataclass(frozen=True)

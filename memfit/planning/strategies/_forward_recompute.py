@@ -12,8 +12,9 @@ Note:
     The search is greedy and checked by simulation: while the peak is above the budget and in
     the forward pass, re-run the value live across the peak that frees the most bytes per second
     of re-run time, together with the producers of its inputs that would otherwise have to be
-    kept alive for it (a *segment*, at most ``MAX_SEGMENT_OPS`` ops). A move is taken only if it
-    lowers the peak (or the number of actions at it), so the result never has a higher peak.
+    kept alive for it (a *segment*, at most ``TUNING.forward_segment_max_ops`` ops). A move is
+    taken only if it lowers the peak (or the number of actions at it), so the result never has
+    a higher peak.
     A move that only shrank a plateau may turn out unneeded once the peak is lower, so at the
     end each added re-run is dropped again if the peak stays as low without it.
 """
@@ -34,10 +35,7 @@ from memfit.model.schedule import (
     lower,
     memory_profile,
 )
-
-MAX_SEGMENT_OPS = 16  # a longer segment costs about a block's forward: checkpointing's business
-MAX_MOVES = 256  # each move adds a few re-runs; a bound on the search, not a tuning knob
-MAX_TRIES_PER_MOVE = 24  # candidates simulated per move, best score first
+from memfit.planning.tuning import TUNING
 
 
 @dataclass(frozen=True)
@@ -82,7 +80,7 @@ def recompute_in_forward(graph: CostGraph, plan: Plan, hardware: Hardware,
     del hardware  # the signature of a strategy step; times are the graph's
     schedule = lower(graph, plan)
     state = _State(plan, schedule, memory_profile(schedule))
-    for _ in range(MAX_MOVES):
+    for _ in range(TUNING.forward_max_moves):
         if budget_bytes is not None and state.profile.peak_bytes <= budget_bytes:
             break
         if _peak_phase(graph, state) != "forward":
@@ -130,7 +128,7 @@ def _peak_phase(graph: CostGraph, state: _State) -> str:
 def _best_move(graph: CostGraph, state: _State) -> _State | None:
     """The first candidate, best bytes per second first, whose re-runs improve the score."""
     ranked = sorted(_moves(graph, state), key=lambda move: -move[0])
-    for _, reruns in ranked[:MAX_TRIES_PER_MOVE]:
+    for _, reruns in ranked[:TUNING.forward_tries_per_move]:
         merged = _merged(graph, state.plan.reruns, reruns)
         tried = _state(graph, replace(state.plan, reruns=merged))
         if tried is not None and tried.score < state.score:
@@ -207,14 +205,15 @@ def _variants(graph: CostGraph, producer: str, position: int,
 
 
 def _segment(graph: CostGraph, producer: str, position: int, instances: _Instances) -> list[str]:
-    """``producer`` and, up to ``MAX_SEGMENT_OPS`` ops, the producers of inputs dead by ``position``.
+    """``producer`` and, up to ``TUNING.forward_segment_max_ops`` ops, the producers of inputs
+    dead by ``position``.
 
     An input is alive anyway when it is resident, returned by the step, or its newest buffer is
     read at or after ``position``; re-running from such inputs costs no memory for them.
     """
     chosen: set[str] = set()
     pending = [producer]
-    while pending and len(chosen) < MAX_SEGMENT_OPS:
+    while pending and len(chosen) < TUNING.forward_segment_max_ops:
         name = pending.pop()
         if name in chosen:
             continue

@@ -29,8 +29,8 @@ The candidates, each simulated exactly by ``simulate`` (memory is program-order 
    its re-runs, checkpoints included: a value that re-runs read leaves the device during the
    forward pass and comes back just before the first re-run that reads it (a ``SwapIn`` that
    feeds re-runs). What those swaps save relaxes the DP's budget, and the two steps repeat to
-   a fixed point (``CHECKPOINT_ROUNDS`` at most: a DP call, a linear swap pass and one
-   simulation each, once the DP's tables are built).
+   a fixed point (``TUNING.auto_checkpoint_rounds`` at most: a DP call, a linear swap pass and
+   one simulation each, once the DP's tables are built).
 
 A candidate fits when its simulated device peak fits the budget and what it holds on the host
 at once fits ``hardware.host_bytes`` (``memfit.model.host_memory``); the swapping candidates
@@ -65,10 +65,8 @@ from memfit.planning.strategies import _just_in_time_swap, get_strategy, registe
 from memfit.planning.strategies._budget_checks import fits, live_at_peak
 from memfit.planning.strategies._free_swaps import free_swaps
 from memfit.planning.strategies.optimal_recompute import MILP_MAX_OPS, priced_segments
+from memfit.planning.tuning import TUNING
 
-MIN_SWAP_BYTES = 1 << 16  # smaller copies are mostly link latency
-HYBRID_SHARES = (1.25, 1.0, 0.75, 0.5, 0.25, 0.0)  # budget relaxations, shares of what free swaps save
-CHECKPOINT_ROUNDS = 6  # recompute-then-swap rounds; GPT-2 settles (or cycles) within five
 VDNN_POLICIES = ("vdnn_all", "vdnn_conv", "vdnn_dyn")
 LAST_RESORT = "optimal-recompute"  # with its defaults: the MILP on small graphs, minutes at worst
 
@@ -187,14 +185,14 @@ def _hybrid(graph: CostGraph, hardware: Hardware, budget_bytes: int,
     of every tensor it does not touch, for a few ``x`` up to what all free swaps save at the
     unplanned peak; the fastest combination that fits, by exact simulation, wins.
     """
-    swaps = free_swaps(graph, hardware, min_bytes=MIN_SWAP_BYTES)
+    swaps = free_swaps(graph, hardware, min_bytes=TUNING.auto_min_swap_bytes)
     if not swaps:
         return None
     only_swaps = Plan("free swaps", swaps, graph_hash=graph.structure_hash)
     freed = keep_peak - simulate(graph, only_swaps, hardware, record_intervals=False).peak_bytes
     best: tuple[float, Plan] | None = None
     tried: set[frozenset[tuple[str, bool]]] = set()  # neighbouring relaxations often agree
-    for share in HYBRID_SHARES:
+    for share in TUNING.auto_hybrid_shares:
         made = _recompute_then_swap(graph, hardware, budget_bytes, int(freed * share), swaps)
         if made is None:
             continue
@@ -242,13 +240,14 @@ def _swapped_checkpoints(graph: CostGraph, hardware: Hardware, budget_bytes: int
     Each round's DP budget is the last one plus how far the last plan's peak fell under the
     budget (minus how far it rose over), so the recomputation shrinks while the swaps keep the
     peak in: the fixed point of "recompute to fit what the swaps leave". Rounds stop at a
-    repeat (an oscillation between two neighbouring DP budgets) or after ``CHECKPOINT_ROUNDS``.
+    repeat (an oscillation between two neighbouring DP budgets) or after
+    ``TUNING.auto_checkpoint_rounds``.
     """
     if not hardware.async_copies:
         return None  # no swap is free: this is the recompute candidate again
     best: tuple[float, Plan] | None = None
     relaxed_bytes, seen = 0, set()
-    for _ in range(CHECKPOINT_ROUNDS):
+    for _ in range(TUNING.auto_checkpoint_rounds):
         found = _dp_recomputation(graph, budget_bytes + relaxed_bytes)
         if found is None or found[0] in seen:
             break
@@ -267,7 +266,8 @@ def _feed_checkpoints(graph: CostGraph, hardware: Hardware, budget_bytes: int,
     """``recomputed`` plus the free swaps of everything else, checkpoints fed to re-runs."""
     decisions: dict[str, Decision] = {t: Recompute("cheaper than the link") for t in sorted(recomputed)}
     reruns = planned_reruns(graph, Plan("recompute", decisions))
-    decisions.update(free_swaps(graph, hardware, exclude=recomputed, min_bytes=MIN_SWAP_BYTES,
+    decisions.update(free_swaps(graph, hardware, exclude=recomputed,
+                                min_bytes=TUNING.auto_min_swap_bytes,
                                 reruns=reruns, packed=True))
     return Plan("swapped-checkpoints", decisions, graph_hash=graph.structure_hash,
                 budget_bytes=budget_bytes, hardware=hardware.name,

@@ -48,12 +48,11 @@ from memfit.planning.strategies import register
 from memfit.planning.strategies._budget_checks import live_at_peak
 from memfit.planning.strategies._forward_recompute import recompute_in_forward
 from memfit.planning.tighten import tighten
+from memfit.planning.tuning import TUNING
 
 METHODS = ("auto", "milp", "segments")
-MILP_MAX_OPS = 100  # the default max_ops: the MILP's root takes seconds to a minute at this size
-MAX_BLOCKS = 48  # blocks beyond this are merged: the table grows with their square (see below)
-POOR_MAX_FORWARD_OPS = 2000  # memory-poor re-runs O(n^2) ops: beyond this, never worth a plan
-_TIGHTEN_ROUNDS = 6  # re-solves with a budget lowered by the assembled plan's excess
+MILP_MAX_OPS = TUNING.milp_max_ops  # the default max_ops (auto and the benchmarks read it)
+POOR_MAX_FORWARD_OPS = TUNING.memory_poor_max_forward_ops  # read here, so a test may lower it
 _TABLES: dict[tuple, tuple[segments.Blocks, list[segments.Segment]]] = {}  # small cache
 
 
@@ -267,7 +266,7 @@ def _segment_recomputed(graph: CostGraph, profiler: RerunProfiler,
         recomputed = frozenset().union(*(s.recomputed for s in chosen))
         return recomputed, profiler.profile(recomputed).peak_bytes
 
-    return tighten(budget_bytes, recomputed_at, rounds=_TIGHTEN_ROUNDS)
+    return tighten(budget_bytes, recomputed_at, rounds=TUNING.segment_tighten_rounds)
 
 
 def _least_fitting(graph: CostGraph, profiler: RerunProfiler, budget_bytes: int) -> int:
@@ -292,7 +291,7 @@ def priced_segments(graph: CostGraph) -> tuple[segments.Blocks, list[segments.Se
     if cached is None:
         from memfit.planning.strategies.checkpoint import _speed_checkpoints
 
-        blocks = segments.find_blocks(graph, max_blocks=MAX_BLOCKS)
+        blocks = segments.find_blocks(graph, max_blocks=TUNING.segment_max_blocks)
         cached = (blocks, segments.segment_table(graph, blocks, _speed_checkpoints(graph, 4)))
         _TABLES.clear()
         _TABLES[key] = cached

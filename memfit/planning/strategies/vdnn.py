@@ -51,9 +51,9 @@ from memfit.planning.strategies._vdnn_layers import (
     check_budget,
     resolve_attention,
 )
+from memfit.planning.tuning import TUNING
 
 POLICIES = ("conv", "all")  # vdnn_dyn tries the paper's order: the cheaper policy first
-EXTRA_BOUNDARIES = 4  # boundaries tried past the smallest that fits: time is not monotone in it
 
 
 def check_params(strategy: str, **params) -> None:
@@ -200,7 +200,7 @@ class _ConfigurationSearch:
                 high = middle
             else:
                 low = middle + 1
-        for boundary in range(high + 1, min(high + EXTRA_BOUNDARIES, len(layers))):
+        for boundary in range(high + 1, min(high + TUNING.vdnn_extra_boundaries, len(layers))):
             self.evaluate(policy, by_boundary(boundary), boundary, len(layers))
 
     def evaluate(self, policy: str, maps: Sequence[FeatureMap], boundary: int,
