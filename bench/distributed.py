@@ -43,7 +43,7 @@ import torch
 
 import memfit
 from bench.fit import RECOMPILE_LIMIT
-from bench.recompute import block_paths, wrap_blocks
+from bench.recompute_methods import block_paths, wrap_blocks
 from memfit import examples
 from memfit.data.units import format_bytes
 from memfit.render.text import table

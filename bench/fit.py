@@ -29,7 +29,7 @@ import torch
 
 import memfit
 from bench.common import interleaved_medians_s, mib, ms
-from bench.recompute import SINGLE_THREAD_NOTE, block_paths, wrap_blocks
+from bench.recompute_methods import SINGLE_THREAD_NOTE, block_paths, wrap_blocks
 from memfit import examples
 from memfit.runtime.measure import measure_allocator_peak
 
@@ -75,7 +75,7 @@ class Method:
 class FitModel:
     """A model at its bench size and what a user checkpoints as "a block" of it: transformers'
     own switch where the model has one, else ``torch.utils.checkpoint`` around each module whose
-    class is in ``block_types`` (outermost matches, as bench/recompute.py wraps them)."""
+    class is in ``block_types`` (outermost matches, as bench/recompute_methods.py wraps them)."""
 
     build: Callable[[], examples.Example]  # picklable (a function or a partial): see isolated_rows
     block_types: tuple[str, ...] = ()

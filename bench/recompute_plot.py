@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.recompute import ModelResult, Row
+from bench.recompute_methods import ModelResult, Row
 from memfit.data.files import replacing
 
 STYLES = {  # family: (colour, marker, joined by a line)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.recompute import RecomputeModel, measure_model, render_rows, verdict
+from bench.recompute import render_rows, verdict
+from bench.recompute_measure import measure_model
+from bench.recompute_methods import RecomputeModel
 from memfit import examples
 from tests.measured_peaks import tolerance_bytes
 
