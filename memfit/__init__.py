@@ -23,8 +23,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "fit": "memfit.compiler.fitted",
-    "backend": "memfit.compiler.backend",
-    "report": "memfit.compiler.fitted",
+    "backend": "memfit.compiler.fitted",
+    "report": "memfit.api",
     "Backend": "memfit.compiler.backend",
     "compile": "memfit.api",
     "plan": "memfit.api",

@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
-from memfit.compiler.backend import Backend, Region, device_of
+from memfit.compiler.backend import Backend, device_of
 from memfit.compiler.closed_loop import CLOSED_LOOP, Loop, Round
 from memfit.compiler.plan_step import BudgetWarning, Planned, analyzed, plan_step, resolve_hardware
+from memfit.compiler.region import Region
 from memfit.compiler.sharding import FsdpBlock, resolve_sharding
 from memfit.compiler.traced import as_planned, loss_module, memfit_error, trace_plan
 from memfit.data.costgraph import CostGraph
@@ -357,3 +358,19 @@ def measure_peak(fn: Callable, *args: Any, **kwargs: Any) -> int:
     For the full result use ``memfit.runtime.measure.measure_peak``.
     """
     return _measure_peak(fn, *args, **kwargs).peak_bytes
+
+
+def report(model_or_backend: torch.nn.Module | Backend) -> str:
+    """What memfit planned for a model from ``memfit.fit`` (or a ``memfit.backend``): per
+    compiled region its budget, unplanned, predicted and measured peak (and the gap), what was
+    swapped and recomputed; then how often plans were remade, and which code ran outside any
+    plan (``memfit.render.regions``). A surface function: the backend (torch side) never
+    imports a renderer."""
+    from memfit.render.regions import regions_report
+
+    planner = model_or_backend
+    if not isinstance(planner, Backend):
+        planner = getattr(model_or_backend, "_memfit_backend", None)
+    if not isinstance(planner, Backend):
+        raise ValueError("memfit.report takes a model returned by memfit.fit or a memfit.backend")
+    return regions_report(planner)

@@ -395,18 +395,18 @@ def _measured_region(measured: int, eager: int = 0, predicted: int = 100, budget
 
 
 def test_a_plan_measured_over_its_budget_and_prediction_is_said_once():
-    from memfit.compiler.backend import _warn_if_over_its_prediction
+    from memfit.compiler.region_run import warn_if_over_its_prediction
 
     region = _measured_region(measured=300)
     with pytest.warns(memfit.BudgetWarning, match="does not run as simulated"):
-        _warn_if_over_its_prediction(region)
+        warn_if_over_its_prediction(region)
     assert region.warned_over
     with warnings.catch_warnings():
         warnings.simplefilter("error", memfit.BudgetWarning)
-        _warn_if_over_its_prediction(region)  # once
+        warn_if_over_its_prediction(region)  # once
         for quiet in (_measured_region(measured=105),  # within the budget
                       _measured_region(measured=300, eager=200),  # eager code's: a re-plan's
                       _measured_region(measured=101, budget=100),  # within 1% of the prediction
                       _measured_region(measured=300, budget=None)):
-            _warn_if_over_its_prediction(quiet)
+            warn_if_over_its_prediction(quiet)
             assert not quiet.warned_over

@@ -12,10 +12,11 @@ from memfit.data.errors import BudgetError
 
 
 def region(index, code, saved_bytes, budget_bytes=100, minimum_bytes=None, pending_bytes=0,
-           replaced=False, site=None):
+           replaced=False, site=None, copies=1):
     return SimpleNamespace(index=index, site=site or code, saved_bytes=saved_bytes,
                            budget_bytes=budget_bytes, minimum_bytes=minimum_bytes,
-                           pending_bytes=pending_bytes, replaced=replaced)
+                           pending_bytes=pending_bytes, replaced=replaced,
+                           most_open_forwards=copies)
 
 
 def test_a_short_region_splits_its_room_among_the_earlier_regions_by_what_they_saved():
@@ -37,6 +38,18 @@ def test_the_tighter_of_two_short_regions_caps_a_shared_earlier_region():
                region(1, "b", 50, minimum_bytes=120, pending_bytes=50),   # room 30 for "a"
                region(2, "c", 0, minimum_bytes=150, pending_bytes=100)]   # room 50 for a and b
     assert saves_caps(regions) == {"a": 25, "b": 25}
+
+
+def test_a_region_run_for_several_blocks_shares_the_room_among_its_copies():
+    # one compiled code ran for 4 blocks (20 saved each: 80 alive), then the tail ran short:
+    # it needs 70 alone (150 - 80), so 30 is left for 4 copies of the same saves
+    regions = [region(0, "block", 20, copies=4),
+               region(1, "tail", 5, minimum_bytes=150, pending_bytes=80)]
+    assert saves_caps(regions) == {"block": 7}
+    # and beside another region, each copy counts in the proportion
+    regions = [region(0, "embed", 20), region(1, "block", 20, copies=3),
+               region(2, "tail", 5, minimum_bytes=150, pending_bytes=80)]
+    assert saves_caps(regions) == {"embed": 7, "block": 7}
 
 
 def test_the_latest_region_of_each_code_is_the_current_one():

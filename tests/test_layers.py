@@ -4,7 +4,8 @@ The import graph is built with ``ast`` from every file of the package: imports i
 count (a lazy import is still a dependency, only a later one), imports under
 ``if TYPE_CHECKING:`` do not (they never run): no two modules may import each other in a loop.
 A second graph with those type-only imports added must hold the layer rule too, and has no loop
-but the one ``KNOWN_LOOPS`` lists: a type named across a loop is a type in the wrong module. An import names the module it loads: ``from
+but those ``KNOWN_LOOPS`` lists (none): a type named across a loop is a type in the wrong
+module. An import names the module it loads: ``from
 memfit.data import plan`` is an edge to ``memfit.data.plan``, ``from memfit.data.plan import
 Plan`` one to ``memfit.data.plan``. The package ``__init__`` files Python runs on the way are not
 edges: every module would otherwise depend on ``memfit/__init__.py`` and through it on all others.
@@ -49,19 +50,11 @@ ALLOWED = {  # layer -> the layers its modules may import (its own included): on
     "surface": {"data", "model", "planning", "torch", "surface"},
 }
 
-KNOWN_UPWARD = [  # imports against ALLOWED that are known: delete each when it is gone
-    # issue 15, loop 3: the backend's region table is rendered by render.regions, which reads
-    # Region from backend.py (a branch moves Region out)
-    "memfit.compiler.backend -> memfit.render.regions (torch -> surface)",
-]
+KNOWN_UPWARD: list[str] = []  # imports against ALLOWED that are known: delete each when gone
 
 FORBIDDEN_PACKAGES = ("bench",)  # the source checkout's benchmarks: never installed with memfit
 
-KNOWN_LOOPS = [  # type-only imports: issue 15, loop 3 (Region and its helpers live in backend.py,
-    # read for typing by the modules around it; a branch moves them out): delete when it is gone
-    {"memfit.compiler.backend", "memfit.graph.lifetimes", "memfit.compiler.graph_breaks",
-     "memfit.render.regions", "memfit.compiler.replanning", "memfit.runtime.region_peak"},
-]
+KNOWN_LOOPS: list[set[str]] = []  # type-only loops that are known: none (issue 15 broke the last)
 
 
 def module_files(root: Path, package: str) -> dict[str, Path]:

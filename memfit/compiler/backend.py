@@ -21,24 +21,26 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from memfit.compiler.eager_watching import EagerWatching
 from memfit.compiler.graph_breaks import (
     compiling_site,
+    copies_held,
     latest_regions,
     save_at_most,
     saves_caps,
     watch_recompile_limit,
 )
 from memfit.compiler.plan_step import BudgetWarning, Planned, analyzed, plan_step, resolve_hardware
+from memfit.compiler.region import REGION_KEY, Region, saved_device_bytes
+from memfit.compiler.region_run import aot_eager_runner, inductor_runner
 from memfit.compiler.replanning import (
     count_eager_in_prediction,
     eager_room_needed,
@@ -48,7 +50,6 @@ from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan
-from memfit.data.timeline import Timeline
 from memfit.data.units import Budget, format_bytes
 from memfit.graph.capture import DECOMPOSE
 from memfit.graph.joint import (
@@ -59,16 +60,13 @@ from memfit.graph.joint import (
     split,
 )
 from memfit.graph.lifetimes import (
-    observe_loop,
     output_tangents,
     output_tensor_names,
-    remember_outputs,
-    tangents_given,
     trainable_parameter_bytes,
     with_later_gradients,
 )
 from memfit.graph.rewrite import rewrite
-from memfit.graph.rnn import eager_lstm_kernels, run_rnn_layers_for_training, size_lstm_buffers
+from memfit.graph.rnn import eager_lstm_kernels, size_lstm_buffers
 from memfit.graph.target import host_code, retargeted
 from memfit.model.simulate import simulate
 from memfit.runtime.outside import EagerWatch
@@ -79,85 +77,15 @@ from memfit.runtime.ranks import (
     agree_on_plan,
     raise_if_any_failed,
 )
-from memfit.runtime.region_peak import measure_region_run
 from memfit.runtime.resident import fsdp_in_flight_bytes, local_tensor, resident_bytes
-from memfit.runtime.streams import CopyEngine, active_engine
+from memfit.runtime.streams import CopyEngine
 
 COMPILERS = ("aot_eager", "inductor")
 MAX_JOINT_ROUNDS = 2  # joint re-plans of a graph-broken model; each costs a trace of every region
 MAX_EAGER_REPLANS = 3  # re-plans for what eager code holds beside the regions (it may keep growing)
 
 
-@dataclass
-class Region:
-    """One compiled region memfit planned: its graph, plan, prediction and the two modules.
-
-    Args:
-        budget_bytes: the whole-device budget the region was planned for (``None``: no budget).
-        outside_bytes: device bytes alive outside the region while it runs (parameters of other
-            regions, gradients kept across micro-batches, optimizer state, reserved or real).
-    """
-
-    index: int
-    graph: CostGraph
-    plan: Plan
-    baseline: Timeline
-    predicted: Timeline
-    budget_bytes: int | None
-    outside_bytes: int
-    forward: fx.GraphModule
-    backward: fx.GraphModule
-    resident_bytes: int = 0  # model and optimizer bytes (reserved state included) it planned for
-    saved_bytes: int = 0  # device bytes its forward saves for its backward
-    open_forwards: int = 0  # forwards run whose backward has not run yet (their saves are alive)
-    site: Any = None  # where Dynamo compiled it from (``compiling_site``: its code object, and
-    # the module it runs for): one per region an iteration runs, which a newer plan replaces
-    pending_bytes: int = 0  # saves of earlier regions (before a graph break) it planned around
-    minimum_bytes: int | None = None  # its smallest peak, where it could not fit the budget
-    saves_cap_bytes: int | None = None  # the most its forward may save, planned jointly
-    replaced: bool = False  # a newer plan of its code replaces it (joint or resident re-plan)
-    measured_forward_bytes: int | None = None  # device peak of its forward's latest measured run
-    measured_backward_bytes: int | None = None  # ... and of its backward's
-    measured_runs: int = 0  # runs of its modules measured so far
-    measured_by: str = ""  # "allocator" or "ops" (see memfit.runtime.region_peak.run_measured)
-    forward_values: tuple = field(default=(), repr=False)  # its forward's inputs and outputs,
-    # weakly: those still alive when its backward runs are measured with it (the loop holds them)
-    hardware: Hardware | None = None  # the profile it was planned with
-    bound: Timeline | None = None  # the timeline its plan was checked with: outputs held to the
-    # step's end, tangents resident from its start (``predicted`` once a backward has shown more)
-    trainable_bytes: int = 0  # bytes of its parameters that get gradients
-    later_gradient_bytes: int = 0  # gradients of other regions' parameters during its backward
-    output_names: tuple[str | None, ...] = ()  # its graph's tensor of each user-visible output
-    output_tangents: tuple[str | None, ...] = ()  # each output's tangent, if not a loss's seed
-    output_storages: tuple = field(default=(), repr=False)  # weakly, of its latest forward
-    saved_storages: tuple = field(default=(), repr=False)  # weakly, what its forwards saved
-    backward_input_names: tuple[str, ...] = ()  # its backward module's placeholders, in order
-    observed: tuple | None = None  # what the loop held and passed at its latest backward
-    eager_forward_bytes: int = 0  # most bytes eager code held at its measured forwards' start
-    eager_backward_bytes: int = 0  # ... and at its measured backwards' start (the loop's loss)
-    planned_eager_bytes: int = 0  # eager code's bytes its plan counts, alive over all of it
-    freed_output_bytes: int | None = None  # its outputs freed by its backward's start (fewest)
-    eager_read: bool = False  # eager code's bytes were read at a measured backward's start
-    warned_over: bool = False  # said that a measured run of its plan exceeded budget and prediction
-
-    @property
-    def predicted_peak_bytes(self) -> int:
-        """The whole device's predicted peak while this region runs."""
-        return self.predicted.peak_bytes + self.outside_bytes
-
-    @property
-    def baseline_peak_bytes(self) -> int:
-        return self.baseline.peak_bytes + self.outside_bytes
-
-    @property
-    def measured_peak_bytes(self) -> int | None:
-        """The whole device's measured peak over the latest measured forward and backward."""
-        measured = [b for b in (self.measured_forward_bytes, self.measured_backward_bytes)
-                    if b is not None]
-        return max(measured) if measured else None
-
-
-class Backend:
+class Backend(EagerWatching):
     """A ``torch.compile`` backend whose partitioner is memfit's planner. Build with
     ``memfit.backend``; ``regions`` lists what it planned, ``report()`` shows it."""
 
@@ -245,8 +173,8 @@ class Backend:
 
             return compile_with_inductor(graph_module, example_inputs,
                                          self._partition(device, site), engine,
-                                         _inductor_runner(engine, self))
-        compile_module = _runner(engine, self)
+                                         inductor_runner(engine, self))
+        compile_module = aot_eager_runner(engine, self)
         with eager_lstm_kernels():  # nn.LSTM traced as eager runs it (memfit.graph.rnn)
             return aot_autograd(fw_compiler=compile_module, bw_compiler=compile_module,
                                 partition_fn=self._partition(device, site),
@@ -300,6 +228,8 @@ class Backend:
         graph = with_later_gradients(graph, later)
         # the region's parameters are among the resident or, under FSDP2, the gathered bytes
         outside = max(0, resident + gathered - inside) + pending + eager
+        cap = self.saves_caps.get(site)
+        outside += self._own_copies_bytes(site, cap)
 
         def lower(plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule, int]:
             forward, backward = split(rewrite(captured.graph_module, graph, plan),
@@ -314,7 +244,6 @@ class Backend:
         raise_if_any_failed(None)
         made, predicted = planned.plan, planned.predicted
         forward, backward, saved = lower(made)
-        cap = self.saves_caps.get(site)
         if cap is not None and budget_bytes is not None and saved > cap:
             made, (forward, backward, saved) = self._save_at_most(cap, graph, hardware, outside,
                                                                   budget_bytes, lower)
@@ -334,6 +263,24 @@ class Backend:
                                    output_tangents=output_tangents(joint, num_fwd_outputs),
                                    planned_eager_bytes=eager))
         return forward, backward
+
+    def _own_copies_bytes(self, site: Any, cap_bytes: int | None) -> int:
+        """Bytes of this region's own saves alive at its last run in an iteration, beside it:
+        where one compiled code runs for several blocks (``Region.most_open_forwards`` of its
+        site's earlier region), each earlier run holds its saves, at most ``cap_bytes`` each
+        once joint planning capped them. Before a cap there is no bound to count (the first
+        plan of a site does not know its copies yet; joint planning then finds them short).
+
+        Measured on GPT-2 (4 blocks, width 128, sequence 256, batch 4, ``use_cache=False``)
+        under FSDP2 on 2 ranks at 62,723,228 B: one region ran all four blocks (23,871,488 B
+        saved each time); with its copies neither in the caps nor here, joint planning found
+        nothing to cap and every iteration measured 108,538,072 B; with both, 26,510,564 B
+        from the second iteration."""
+        if cap_bytes is None or site is None:
+            return 0
+        copies = max((copies_held(region) for region in self.regions if region.site == site),
+                     default=1)
+        return (copies - 1) * cap_bytes
 
     def _later_gradient_bytes(self, device: torch.device, trainable: int) -> int:
         """Gradients that exist while this region's backward runs though its graph does not
@@ -481,73 +428,6 @@ class Backend:
                 region.replaced = True
         return {region.index: held - region.planned_eager_bytes for region, held in needed}
 
-    def watching_eager(self) -> bool:
-        """Whether what eager code holds is still watched: over the iterations whose region
-        runs are measured (from the first call on, ``watch_first_call``), until planning for it
-        gave up. Without a budget too: nothing is planned again, but a region's predicted peak
-        is the whole device's, and the loop's loss and target are on the device beside it
-        (``count_eager_in_prediction``)."""
-        return (not self.eager_gave_up and self.measure_runs > 0
-                and (not self.regions or any(
-                    region.measured_runs < 2 * self.measure_runs
-                    for region in latest_regions(self.regions))))
-
-    def eager_watch(self) -> EagerWatch | None:
-        """This thread's ``EagerWatch`` (a CPU's), if one is on."""
-        watch = self._eager_watch
-        return watch if watch is not None and watch.thread == threading.get_ident() else None
-
-    def watch_eager(self) -> None:
-        """After the compiled model returns on a CPU, while runs are measured: watch the eager
-        code that follows (the loop's loss and its backward, the optimizer, code at the graph
-        breaks of the next call) until runs are no longer measured. ``memfit.fit``'s module
-        calls it around the model's call: a mode pushed or popped inside Dynamo's compiled call
-        is undone by its dispatch-key guard when the call returns."""
-        device = self.device
-        if device is None or device.type != "cpu" or not self.watching_eager():
-            return
-        if self._eager_watch is None:
-            self._eager_watch = EagerWatch(device)
-        watch = self.eager_watch()
-        if watch is not None:
-            watch.recording = True
-            watch.start()
-
-    def watch_first_call(self, model: torch.nn.Module) -> None:
-        """Before the compiled model's first call, on a CPU: watch it already, so that what eager
-        code makes in the first forward (code at graph breaks: an embedding before FSDP2's first
-        block, the blocks' inputs that their backward reads) is read at the regions' runs of the
-        first iteration, and the plans made after it count it (measured on GPT-2 under FSDP2,
-        2 ranks: without it, the last block's plan after the first iteration counted 68,872 B
-        of eager code where 505,344 B were held at its forward's start, and the second and third
-        iterations ran 45,756 B over the budget, 15,844,312 B at 15,798,556 B)."""
-        if self.regions or self.device is not None:
-            return
-        device = next((local_tensor(p).device for p in model.parameters()), None)
-        if device is not None and device.type == "cpu":
-            self.device = device
-            self.watch_eager()
-
-    def end_eager_watch(self) -> None:
-        """Before the compiled model's call: the watch off the mode stack and dropped once no
-        run is measured any more."""
-        watch = self.eager_watch()
-        if watch is None or self.watching_eager():
-            return
-        watch.stop()
-        if not watch.on_stack():
-            self._eager_watch = None
-
-    def eager_watch_off(self) -> contextlib.AbstractContextManager:
-        """No watch on the mode stack inside the block (memfit's own tracing of a region, which
-        Dynamo does not do for it), balanced, so Dynamo's guard sees the stack it saved."""
-        from torch.utils._python_dispatch import _pop_mode_temporarily
-
-        watch = self.eager_watch()
-        if watch is None or not watch.on_stack():
-            return contextlib.nullcontext()
-        return _pop_mode_temporarily()
-
     def recompile_limit_hit(self, where: str) -> None:
         """Dynamo stopped compiling ``where`` for this backend (its recompile limit): that code
         now runs eagerly, outside any plan; say so once."""
@@ -612,34 +492,6 @@ class Backend:
             region.replaced = True
         return True
 
-    def report(self) -> str:
-        """Per compiled region: budget, unplanned, predicted and measured peak (and the gap),
-        what was swapped and recomputed; then how often plans were remade, and which code ran
-        outside any plan (``memfit.render.regions``)."""
-        from memfit.render.regions import regions_report
-
-        return regions_report(self)
-
-
-REGION_KEY = "memfit_region"  # GraphModule.meta: which region a forward / backward module is
-
-
-def saved_device_bytes(forward: fx.GraphModule, num_fwd_outputs: int) -> int:
-    """Device bytes of the values ``forward`` returns for its backward: not its inputs (the
-    caller holds those anyway), not memfit's host copies and random states."""
-    from memfit.graph.analyze import storage_key, tensors_in
-
-    output = forward.graph.find_nodes(op="output")[0]
-    sizes: dict = {}
-    for node in output.args[0][num_fwd_outputs:]:
-        if not isinstance(node, fx.Node) or node.op == "placeholder":
-            continue
-        if node.meta.get("memfit", {}).get("kind") in ("swap_out", "rng_save"):
-            continue
-        for tensor in tensors_in(node.meta.get("val")):
-            sizes.setdefault(storage_key(tensor), tensor.untyped_storage().nbytes())
-    return sum(sizes.values())
-
 
 def with_eager_note(error: BudgetError, eager_bytes: int) -> BudgetError:
     """``error``, saying that ``eager_bytes`` of the peak are eager code's (where any are)."""
@@ -658,214 +510,8 @@ def binding_bytes(node: fx.Node) -> int:
     return value.untyped_storage().nbytes() if isinstance(value, torch.Tensor) else 0
 
 
-def _runner(engine: CopyEngine, planner: Backend):
-    """AOTAutograd's module compiler for ``aot_eager``: the module's own generated code, boxed
-    (it frees its inputs as it goes), run with the region's copy engine current; a region's
-    forward opens it and its backward closes it (see ``Region.open_forwards``). The first
-    ``planner.measure_runs`` runs of each region's modules are measured (``run_measured``)."""
-    from torch.fx.graph import _BoxedCodeGen
-
-    def compile_module(module: fx.GraphModule, example_inputs) -> Any:
-        index = module.meta.get(REGION_KEY)
-        region = planner.regions[index] if index is not None else None
-        is_backward = any(node.meta.get("autograd_backward") for node in module.graph.nodes)
-        if is_backward:
-            _zeros_at_first_use(module.graph)
-        if region is not None:  # a training region's module: eager runs under autograd
-            run_rnn_layers_for_training(module.graph)
-            if is_backward:
-                region.backward_input_names = tuple(
-                    node.name for node in module.graph.find_nodes(op="placeholder"))
-        module.graph.set_codegen(_BoxedCodeGen())
-        module.recompile()
-        return _region_run(planner, region, is_backward, module.forward, engine)
-
-    return compile_module
-
-
-def _inductor_runner(engine: CopyEngine, planner: Backend):
-    """What wraps each module inductor compiled for a region (``compile_with_inductor``): the
-    same runs as ``aot_eager``'s (``_region_run``: measured first runs, the eager code beside
-    them read and planned for, open forwards, the iteration closed), without re-simulating the
-    plan with the loop's lifetimes (inductor's kernels are bounded by the plan, not predicted
-    from them). Before, inductor regions ran none of it: a loss outside the model was never
-    planned for (``examples.unet3d()``'s CPU ``mse_loss`` buffer: auto at 8,198,548 B measured
-    8,508,468 B every iteration, 524,292 B above its prediction)."""
-
-    def wrap(module: fx.GraphModule, compiled: Callable[[list], Any], is_backward: bool) -> Any:
-        index = module.meta.get(REGION_KEY)
-        region = planner.regions[index] if index is not None else None
-        return _region_run(planner, region, is_backward, compiled, engine, follow_loop=False)
-
-    return wrap
-
-
-def _region_run(planner: Backend, region: Region | None, is_backward: bool,
-                forward: Callable[[list], Any], engine: CopyEngine, follow_loop: bool = True):
-    """``forward`` (a region's compiled forward or backward, boxed) run with the region's copy
-    engine current and the eager watch paused; its first ``planner.measure_runs`` runs measured
-    (``measure_region_run``); a forward opens the region and its backward closes it (see
-    ``Region.open_forwards``), then ``planner.iteration_closed``. ``follow_loop``: re-simulate
-    the plan with the outputs the loop held and the tangents it passed (``observe_loop``)."""
-
-    def run(args: list) -> Any:
-        given = (tangents_given(region, args)
-                 if follow_loop and region is not None and is_backward else ())
-        watch = planner.eager_watch()
-        with active_engine(engine), watch.paused() if watch else contextlib.nullcontext():
-            if region is not None and region.measured_runs < 2 * planner.measure_runs:
-                result = measure_region_run(planner, region, forward, args, is_backward)
-                if planner.warn_over_prediction:
-                    _warn_if_over_its_prediction(region)
-            else:
-                result = forward(args)
-        if region is not None:
-            if not is_backward:
-                remember_outputs(region, result)
-            elif follow_loop:
-                observe_loop(region, given)
-            region.open_forwards += -1 if is_backward else 1
-            region.open_forwards = max(region.open_forwards, 0)
-            if is_backward:
-                planner.iteration_closed()
-        return result
-
-    run._boxed_call = True  # type: ignore[attr-defined]
-    return run
-
-
-OVER_PREDICTION_FRACTION = 0.01  # the memory model's stated accuracy (issue 12: within 1%)
-
-
-def _warn_if_over_its_prediction(region: Region) -> None:
-    """Say once when a measured run of ``region``'s plan, eager code's bytes set aside (a re-plan
-    makes room for those), is over both its budget and its prediction by more than the model's
-    accuracy: the plan does not do what the planner simulated, and no re-plan will fix that.
-
-    Why: measured on GPT-2 (4 layers, width 128, batch 8) at 0.3 of eager's peak with
-    ``compiler="inductor"``: auto's ``vdnn_dyn`` plan predicted 69.82 MiB and measured 193.57
-    MiB against a 71.11 MiB budget (with aot_eager, and with ``vdnn_all`` under inductor, the
-    plans measure within it). The step's gradients are right; its memory is not what was asked.
-    """
-    measured = region.measured_peak_bytes
-    if region.warned_over or measured is None or region.budget_bytes is None:
-        return
-    own = measured - max(region.eager_forward_bytes, region.eager_backward_bytes)
-    limit = (1 + OVER_PREDICTION_FRACTION) * region.predicted_peak_bytes
-    if own <= region.budget_bytes or own <= limit:
-        return
-    region.warned_over = True
-    warnings.warn(
-        f"memfit: region {region.index} measured {format_bytes(measured)} against its budget "
-        f"{format_bytes(region.budget_bytes)} and its predicted peak "
-        f"{format_bytes(region.predicted_peak_bytes)} (strategy {region.plan.strategy}, "
-        f"{region.plan.params.get('solver', '')}): this plan does not run as simulated. Try "
-        "compiler='aot_eager' or another strategy; memfit.report(model) shows the gap.",
-        BudgetWarning, stacklevel=3)
-
-
-def _zeros_at_first_use(graph: fx.Graph) -> None:
-    """Let a backward module take ``None`` for the gradient of an output nothing used: zeros of
-    the traced layout are made where the gradient is first read.
-
-    Autograd otherwise materializes these zeros before the backward starts (a Llama's unused
-    key/value cache and logits: 256 KB at a peak that eager does not have, since in eager no one
-    asks for them), and they live until the backward reads them, for a cached key or value in the
-    last layer the backward reaches. ``memfit.compiler.fitted`` turns materialization off for its regions.
-    """
-    for placeholder in graph.find_nodes(op="placeholder"):
-        value = placeholder.meta.get("val")
-        if not placeholder.name.startswith("tangents") or not isinstance(value, torch.Tensor):
-            continue
-        if not placeholder.users:
-            continue
-        first = min(placeholder.users, key=_position(graph).__getitem__)
-        with graph.inserting_before(first):
-            zeros = graph.call_function(_zeros_if_none, (placeholder, tuple(value.shape),
-                                                         tuple(value.stride()), value.dtype,
-                                                         value.device))
-        placeholder.replace_all_uses_with(zeros, delete_user_cb=lambda user, made=zeros: user is not made)
-
-
-def _position(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {node: index for index, node in enumerate(graph.nodes)}
-
-
-def _zeros_if_none(gradient: torch.Tensor | None, shape: tuple[int, ...],
-                   stride: tuple[int, ...], dtype: torch.dtype,
-                   device: torch.device) -> torch.Tensor:
-    """``gradient``, or zeros in the layout it was traced with (what autograd would have made)."""
-    if gradient is not None:
-        return gradient
-    return torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
-
-
 def device_of(values) -> torch.device:
     for value in values:
         if isinstance(value, torch.Tensor):
             return value.device
     return torch.device("cpu")
-
-
-def backend(budget: str | int | float | None = None, strategy: str | None = None,
-            hardware: Hardware | str | None = None, compiler: str = "aot_eager",
-            optimizer: torch.optim.Optimizer | None = None, *,
-            model: torch.nn.Module | None = None, measure_runs: int = 2,
-            **params: Any) -> Backend:
-    """A ``torch.compile`` backend that plans every compiled region under ``budget``.
-
-    Args:
-        budget: device bytes of the whole iteration's peak (parameters, gradients, optimizer
-            state, inputs, activations, temporaries): an int of bytes, a size string
-            (``"20GiB"``) or a fraction in (0, 1] of the unplanned peak. ``None``: no limit.
-        strategy: as ``memfit.compile`` (default ``"auto"`` with a budget, ``"keep"`` without).
-        hardware: the profile for the cost model (default: ``cpu`` on a CPU, measured on a GPU).
-        compiler: how the planned modules run: ``"aot_eager"`` (their generated Python code;
-            gradients bit for bit eager's with deterministic algorithms on) or ``"inductor"``
-            (inductor compiles them, fused kernels and all; memfit replaces only its
-            partitioner, so results are ``torch.compile(model)``'s, see ``memfit.graph.inductor``).
-        optimizer: the optimizer of the loop, so that its state is reserved in the budget before
-            its first ``step()`` creates it. Without it, state that exists when a region is
-            planned still counts, but on the first iteration none exists yet.
-        model: the model, so that its parameters outside a region count (``memfit.fit`` passes it).
-        measure_runs: how many forward and backward runs of each planned region are measured
-            for ``report``'s measured column (the first ones after each plan; 2 covers the first
-            iteration, whose optimizer state is only reserved, and one with it real). A measured
-            run starts a profiler (on a CPU) or a dispatch mode, which costs time, so not every
-            run is measured; 0 turns measuring off, a large number measures every run. The
-            bytes eager code holds beside a region are read on these runs only.
-        **params: the strategy's parameters.
-
-    Raises:
-        ValueError: for a malformed budget, an unknown strategy, parameter or compiler.
-        BudgetError: when a region is compiled or planned again and no plan fits.
-
-    Note:
-        What is planned again, and when: before each run of a training region, if more device
-        bytes are resident than its plan left room for, every current region is planned again
-        from the graph Dynamo captured (``memfit.compiler.replanning``); Dynamo traces nothing again.
-        "Resident" is what this backend knows of: ``model``'s parameters, gradients and buffers
-        and ``optimizer``'s parameters, gradients and state. So used directly in
-        ``torch.compile`` without ``model=`` and ``optimizer=``, nothing resident is counted:
-        optimizer state and gradients kept across micro-batches are planned for by no one, and
-        the budget covers the regions' own tensors only. With ``optimizer=`` but no ``model=``,
-        its parameters' gradients and state count; an optimizer it was not given is not found
-        (``memfit.fit`` finds it by its first ``step``). Graph-broken regions are planned
-        jointly after the first iteration either way. Dynamo's own guards (a frozen layer, a
-        new shape) trace and plan anew as ``torch.compile`` does. Bytes eager code holds while
-        a region runs (a loss computed in the loop, code at a graph break) are read at its
-        measured runs' start (``memfit.runtime.outside``: on CUDA from the allocator; on a CPU
-        only under ``memfit.fit``, whose module watches the eager code) and a region whose plan
-        had no room for them is planned again with them, before its next run.
-
-    Example:
-        >>> compiled = torch.compile(model, backend=memfit.backend(budget=0.5), dynamic=False)
-    """
-    from memfit.planning.strategies import resolve_budget_and_strategy
-
-    if measure_runs < 0:
-        raise ValueError(f"measure_runs must be 0 or more, got {measure_runs}")
-    if compiler not in COMPILERS:
-        raise ValueError(f"unknown compiler {compiler!r}: use one of {COMPILERS}")
-    parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
-    return Backend(parsed, chosen, hardware, compiler, optimizer, model, params, measure_runs)

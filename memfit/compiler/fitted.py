@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from memfit.compiler.backend import Backend, backend
+from memfit.compiler.backend import COMPILERS, Backend
 from memfit.compiler.plan_step import BudgetWarning
 from memfit.data.hardware import Hardware
 
@@ -142,7 +142,7 @@ def _traces_rnns(model: torch.nn.Module, compiler: str) -> bool:
 def _lazy_output_gradients(result: Any) -> None:
     """Let the backward of each compiled region that produced ``result`` receive ``None`` for
     outputs nothing used, instead of zeros autograd makes before it starts (see
-    ``memfit.compiler.backend._zeros_at_first_use``). All outputs of a region share one backward node."""
+    ``memfit.compiler.region_run.zeros_at_first_use``). All outputs of a region share one backward node."""
     from torch.utils._pytree import tree_leaves
 
     for leaf in tree_leaves(result):
@@ -151,11 +151,65 @@ def _lazy_output_gradients(result: Any) -> None:
             node.set_materialize_grads(False)
 
 
-def report(model_or_backend: torch.nn.Module | Backend) -> str:
-    """What memfit planned for a model from ``memfit.fit`` (or a ``memfit.backend``)."""
-    planner = model_or_backend
-    if not isinstance(planner, Backend):
-        planner = getattr(model_or_backend, "_memfit_backend", None)
-    if not isinstance(planner, Backend):
-        raise ValueError("memfit.report takes a model returned by memfit.fit or a memfit.backend")
-    return planner.report()
+def backend(budget: str | int | float | None = None, strategy: str | None = None,
+            hardware: Hardware | str | None = None, compiler: str = "aot_eager",
+            optimizer: torch.optim.Optimizer | None = None, *,
+            model: torch.nn.Module | None = None, measure_runs: int = 2,
+            **params: Any) -> Backend:
+    """A ``torch.compile`` backend that plans every compiled region under ``budget``.
+
+    Args:
+        budget: device bytes of the whole iteration's peak (parameters, gradients, optimizer
+            state, inputs, activations, temporaries): an int of bytes, a size string
+            (``"20GiB"``) or a fraction in (0, 1] of the unplanned peak. ``None``: no limit.
+        strategy: as ``memfit.compile`` (default ``"auto"`` with a budget, ``"keep"`` without).
+        hardware: the profile for the cost model (default: ``cpu`` on a CPU, measured on a GPU).
+        compiler: how the planned modules run: ``"aot_eager"`` (their generated Python code;
+            gradients bit for bit eager's with deterministic algorithms on) or ``"inductor"``
+            (inductor compiles them, fused kernels and all; memfit replaces only its
+            partitioner, so results are ``torch.compile(model)``'s, see ``memfit.graph.inductor``).
+        optimizer: the optimizer of the loop, so that its state is reserved in the budget before
+            its first ``step()`` creates it. Without it, state that exists when a region is
+            planned still counts, but on the first iteration none exists yet.
+        model: the model, so that its parameters outside a region count (``memfit.fit`` passes it).
+        measure_runs: how many forward and backward runs of each planned region are measured
+            for ``report``'s measured column (the first ones after each plan; 2 covers the first
+            iteration, whose optimizer state is only reserved, and one with it real). A measured
+            run starts a profiler (on a CPU) or a dispatch mode, which costs time, so not every
+            run is measured; 0 turns measuring off, a large number measures every run. The
+            bytes eager code holds beside a region are read on these runs only.
+        **params: the strategy's parameters.
+
+    Raises:
+        ValueError: for a malformed budget, an unknown strategy, parameter or compiler.
+        BudgetError: when a region is compiled or planned again and no plan fits.
+
+    Note:
+        What is planned again, and when: before each run of a training region, if more device
+        bytes are resident than its plan left room for, every current region is planned again
+        from the graph Dynamo captured (``memfit.compiler.replanning``); Dynamo traces nothing again.
+        "Resident" is what this backend knows of: ``model``'s parameters, gradients and buffers
+        and ``optimizer``'s parameters, gradients and state. So used directly in
+        ``torch.compile`` without ``model=`` and ``optimizer=``, nothing resident is counted:
+        optimizer state and gradients kept across micro-batches are planned for by no one, and
+        the budget covers the regions' own tensors only. With ``optimizer=`` but no ``model=``,
+        its parameters' gradients and state count; an optimizer it was not given is not found
+        (``memfit.fit`` finds it by its first ``step``). Graph-broken regions are planned
+        jointly after the first iteration either way. Dynamo's own guards (a frozen layer, a
+        new shape) trace and plan anew as ``torch.compile`` does. Bytes eager code holds while
+        a region runs (a loss computed in the loop, code at a graph break) are read at its
+        measured runs' start (``memfit.runtime.outside``: on CUDA from the allocator; on a CPU
+        only under ``memfit.fit``, whose module watches the eager code) and a region whose plan
+        had no room for them is planned again with them, before its next run.
+
+    Example:
+        >>> compiled = torch.compile(model, backend=memfit.backend(budget=0.5), dynamic=False)
+    """
+    from memfit.planning.strategies import resolve_budget_and_strategy
+
+    if measure_runs < 0:
+        raise ValueError(f"measure_runs must be 0 or more, got {measure_runs}")
+    if compiler not in COMPILERS:
+        raise ValueError(f"unknown compiler {compiler!r}: use one of {COMPILERS}")
+    parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
+    return Backend(parsed, chosen, hardware, compiler, optimizer, model, params, measure_runs)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from memfit.compiler.backend import Backend, Region
+    from memfit.compiler.region import Planner, Region
     from memfit.data.plan import Plan
 
 
@@ -69,9 +69,12 @@ def saves_caps(regions: Sequence[Region], grown_bytes: Mapping[int, int] | None 
     """The most device bytes each earlier region may save so that every region that ran short
     fits its budget: what a short region has for the saves before it (its budget less its
     smallest peak without them) split among the earlier regions in proportion to what they
-    saved. Regions whose smallest peak is over the budget even alone get nothing from this.
-    ``grown_bytes``: region index -> bytes its next plan counts beyond this one's (eager code's,
-    ``Backend.make_room_for_eager``), which raise its smallest peak by at most as much.
+    saved. A region run several times before the short one (blocks sharing one compiled code,
+    ``Region.most_open_forwards``) holds that many copies of its saves, so its cap is its share
+    of the room divided among its copies. Regions whose smallest peak is over the budget even
+    alone get nothing from this. ``grown_bytes``: region index -> bytes its next plan counts
+    beyond this one's (eager code's, ``Backend.make_room_for_eager``), which raise its smallest
+    peak by at most as much.
     """
     caps: dict[Any, int] = {}
     for position, short in enumerate(regions):
@@ -81,13 +84,18 @@ def saves_caps(regions: Sequence[Region], grown_bytes: Mapping[int, int] | None 
         room = short.budget_bytes - (short.minimum_bytes + grown - short.pending_bytes)
         earlier = [region for region in regions[:position]
                    if region.site is not None and region.saved_bytes]
-        total = sum(region.saved_bytes for region in earlier)
+        total = sum(region.saved_bytes * copies_held(region) for region in earlier)
         if room <= 0 or not total:
             continue
         for region in earlier:
-            share = room * region.saved_bytes // total
+            share = room * region.saved_bytes // total  # of each of its copies
             caps[region.site] = min(caps.get(region.site, share), share)
     return caps
+
+
+def copies_held(region: Region) -> int:
+    """How many copies of ``region``'s saves an iteration holds at once (one, until it ran)."""
+    return max(1, region.most_open_forwards)
 
 
 SAVES_BISECTION_STEPS = 6  # budgets tried for a region whose saves are capped (1/64 resolution)
@@ -143,7 +151,7 @@ class RecompileLimitWatch(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
-        self.backends: weakref.WeakSet[Backend] = weakref.WeakSet()
+        self.backends: weakref.WeakSet[Planner] = weakref.WeakSet()
 
     def emit(self, record: logging.LogRecord) -> None:
         if not str(record.msg).startswith(self.MESSAGE):
@@ -179,7 +187,7 @@ def _backend_being_compiled() -> Any:
 _WATCH = RecompileLimitWatch()
 
 
-def watch_recompile_limit(backend: Backend) -> None:
+def watch_recompile_limit(backend: Planner) -> None:
     """Have ``backend.recompile_limit_hit(where)`` called when Dynamo stops compiling a code."""
     logger = logging.getLogger("torch._dynamo.convert_frame")
     if _WATCH not in logger.handlers:

@@ -25,10 +25,10 @@ import torch
 if TYPE_CHECKING:
     import torch.fx as fx
 
-    from memfit.compiler.backend import Backend, Region
+    from memfit.compiler.region import Planner, Region
 
 
-def plan_again_when_stale(planner: Backend, graph_module: fx.GraphModule, device: torch.device,
+def plan_again_when_stale(planner: Planner, graph_module: fx.GraphModule, device: torch.device,
                           site: Any, compiled: Callable[..., Any],
                           regions: list[Region]) -> Callable[..., Any]:
     """``compiled`` (the region planned as ``regions``), compiled again from ``graph_module``

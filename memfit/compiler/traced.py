@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from memfit.compiler.backend import Backend, Region, device_of
+from memfit.compiler.backend import Backend, device_of
 from memfit.compiler.plan_step import DeviceBudget, Planned, plan_step
+from memfit.compiler.region import Region
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError, CaptureError
 from memfit.data.hardware import Hardware

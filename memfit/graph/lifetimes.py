@@ -28,7 +28,7 @@ from memfit.model.lifetimes import with_loop_lifetimes, with_storage_from
 from memfit.model.simulate import simulate
 
 if TYPE_CHECKING:
-    from memfit.compiler.backend import Region
+    from memfit.compiler.region import Region
 
 LATER_GRADIENTS = "memfit.later_gradients"  # the storage standing for other regions' gradients
 EAGER_AT_BACKWARD = "memfit.eager_at_backward"  # eager code's bytes seen at the backward's start
@@ -197,7 +197,7 @@ def loop_graph(graph: CostGraph, output_alive: dict[str | None, bool],
     after their last reader, for those its backward reads),
     tangents it passed made when the backward starts and freed after their last reader (held
     until it returns: those in ``tangent_kept``), the others made as zeros before their first
-    reader (``memfit.compiler.backend._zeros_at_first_use``) or never."""
+    reader (``memfit.compiler.region_run.zeros_at_first_use``) or never."""
     forward = [op.name for op in graph.ops if op.phase == "forward"]
     first_backward = next((i for i, op in enumerate(graph.ops) if op.phase == "backward"), None)
     if not forward or first_backward is None or first_backward == 0:

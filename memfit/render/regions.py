@@ -12,10 +12,10 @@ from memfit.data.units import format_bytes
 from memfit.render.text import table
 
 if TYPE_CHECKING:
-    from memfit.compiler.backend import Backend, Region
+    from memfit.compiler.region import Planner, Region
 
 
-def regions_report(planner: Backend) -> str:
+def regions_report(planner: Planner) -> str:
     """Per compiled region: budget, unplanned, predicted and measured peak and their gap, how
     many of its saved tensors were swapped and recomputed, its re-runs (the bytes they rebuild
     and their predicted time), the predicted step; then how often plans were remade and which
@@ -29,7 +29,7 @@ def regions_report(planner: Backend) -> str:
     return "\n".join([text, *_notes(planner)])
 
 
-def _notes(planner: Backend) -> list[str]:
+def _notes(planner: Planner) -> list[str]:
     notes = []
     if any(region.measured_peak_bytes is not None for region in planner.regions):
         notes.append("measured: the device's peak while the region's forward or backward ran "

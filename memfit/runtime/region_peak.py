@@ -29,7 +29,7 @@ import torch
 from memfit.runtime.tracker import DeviceMemoryTracker
 
 if TYPE_CHECKING:
-    from memfit.compiler.backend import Backend, Region
+    from memfit.compiler.region import Planner, Region
 
 # One CPU profiler at a time in the process: two threads' profilers starting and stopping
 # together crash torch (tests/test_threads.py); a run that finds it taken is counted by ops.
@@ -117,7 +117,7 @@ def _run_measured_cuda(call: Callable[[list], Any], args: list, device: torch.de
     return result, start_bytes + (tracker.peak_bytes - tracked_start), "ops"
 
 
-def measure_region_run(planner: Backend, region: Region, call: Callable[[list], Any], args: list,
+def measure_region_run(planner: Planner, region: Region, call: Callable[[list], Any], args: list,
                        is_backward: bool) -> Any:
     """Run a region's module (boxed), recording the device's peak during it on the region.
 
@@ -166,7 +166,7 @@ def measure_region_run(planner: Backend, region: Region, call: Callable[[list], 
     return result
 
 
-def outside_plans_bytes(planner: Backend, device: torch.device, counted: list,
+def outside_plans_bytes(planner: Planner, device: torch.device, counted: list,
                         saves_bytes: int, saved: list | None = None) -> int:
     """Bytes alive on ``device`` that no plan counts (eager code's: the loop's loss and its
     buffers, tensors made at a graph break), beside ``counted`` tensors and ``saves_bytes`` of
@@ -183,7 +183,7 @@ def outside_plans_bytes(planner: Backend, device: torch.device, counted: list,
     return watch.held_bytes(counted, saved or ()) if watch is not None else 0
 
 
-def eager_is_read(planner: Backend, device: torch.device) -> bool:
+def eager_is_read(planner: Planner, device: torch.device) -> bool:
     """Whether ``outside_plans_bytes`` reads eager code's bytes on ``device`` (CUDA's allocator,
     a CPU's ``EagerWatch``) rather than giving 0 for want of a watch."""
     return device.type == "cuda" or planner.eager_watch() is not None

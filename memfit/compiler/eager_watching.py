@@ -1,0 +1,101 @@
+"""The backend's watch of eager code on a CPU: what the loop and the code at graph breaks hold
+beside the compiled regions, read at their measured runs (``memfit.runtime.outside.EagerWatch``,
+a dispatch mode), from the model's first call until runs are no longer measured.
+
+A mixin of ``memfit.compiler.backend.Backend``, its own file so the backend reads as planning;
+it uses the backend's ``device``, ``regions``, ``measure_runs``, ``eager_gave_up`` and
+``_eager_watch``.
+
+Example:
+    >>> watch = backend.eager_watch()  # this thread's watch, or None
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from memfit.compiler.graph_breaks import latest_regions
+from memfit.compiler.region import Region
+from memfit.runtime.outside import EagerWatch
+from memfit.runtime.resident import local_tensor
+
+
+class EagerWatching:
+    """The eager watch's life: started before the first call, paused inside memfit's own
+    tracing, dropped when no run is measured any more."""
+
+    device: torch.device | None
+    regions: list[Region]
+    measure_runs: int
+    eager_gave_up: bool
+    _eager_watch: EagerWatch | None
+
+    def watching_eager(self) -> bool:
+        """Whether what eager code holds is still watched: over the iterations whose region
+        runs are measured (from the first call on, ``watch_first_call``), until planning for it
+        gave up. Without a budget too: nothing is planned again, but a region's predicted peak
+        is the whole device's, and the loop's loss and target are on the device beside it
+        (``count_eager_in_prediction``)."""
+        return (not self.eager_gave_up and self.measure_runs > 0
+                and (not self.regions or any(
+                    region.measured_runs < 2 * self.measure_runs
+                    for region in latest_regions(self.regions))))
+
+    def eager_watch(self) -> EagerWatch | None:
+        """This thread's ``EagerWatch`` (a CPU's), if one is on."""
+        watch = self._eager_watch
+        return watch if watch is not None and watch.thread == threading.get_ident() else None
+
+    def watch_eager(self) -> None:
+        """After the compiled model returns on a CPU, while runs are measured: watch the eager
+        code that follows (the loop's loss and its backward, the optimizer, code at the graph
+        breaks of the next call) until runs are no longer measured. ``memfit.fit``'s module
+        calls it around the model's call: a mode pushed or popped inside Dynamo's compiled call
+        is undone by its dispatch-key guard when the call returns."""
+        device = self.device
+        if device is None or device.type != "cpu" or not self.watching_eager():
+            return
+        if self._eager_watch is None:
+            self._eager_watch = EagerWatch(device)
+        watch = self.eager_watch()
+        if watch is not None:
+            watch.recording = True
+            watch.start()
+
+    def watch_first_call(self, model: torch.nn.Module) -> None:
+        """Before the compiled model's first call, on a CPU: watch it already, so that what eager
+        code makes in the first forward (code at graph breaks: an embedding before FSDP2's first
+        block, the blocks' inputs that their backward reads) is read at the regions' runs of the
+        first iteration, and the plans made after it count it (measured on GPT-2 under FSDP2,
+        2 ranks: without it, the last block's plan after the first iteration counted 68,872 B
+        of eager code where 505,344 B were held at its forward's start, and the second and third
+        iterations ran 45,756 B over the budget, 15,844,312 B at 15,798,556 B)."""
+        if self.regions or self.device is not None:
+            return
+        device = next((local_tensor(p).device for p in model.parameters()), None)
+        if device is not None and device.type == "cpu":
+            self.device = device
+            self.watch_eager()
+
+    def end_eager_watch(self) -> None:
+        """Before the compiled model's call: the watch off the mode stack and dropped once no
+        run is measured any more."""
+        watch = self.eager_watch()
+        if watch is None or self.watching_eager():
+            return
+        watch.stop()
+        if not watch.on_stack():
+            self._eager_watch = None
+
+    def eager_watch_off(self) -> contextlib.AbstractContextManager:
+        """No watch on the mode stack inside the block (memfit's own tracing of a region, which
+        Dynamo does not do for it), balanced, so Dynamo's guard sees the stack it saved."""
+        from torch.utils._python_dispatch import _pop_mode_temporarily
+
+        watch = self.eager_watch()
+        if watch is None or not watch.on_stack():
+            return contextlib.nullcontext()
+        return _pop_mode_temporarily()

@@ -1,0 +1,137 @@
+"""A compiled region memfit planned, as the backend keeps it: its graph, plan, prediction, the
+forward and backward modules it runs, and what its measured runs found.
+
+Its own module so that the modules around the backend (``graph_breaks``, ``replanning``,
+``memfit.runtime.region_peak``, ``memfit.graph.lifetimes``, ``memfit.render.regions``) read it
+without importing the backend that imports them; they see the backend through ``Planner``, what
+they call of it.
+
+Example:
+    >>> region = backend.regions[0]; region.predicted_peak_bytes, region.measured_peak_bytes
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.fx as fx
+
+from memfit.data.costgraph import CostGraph
+from memfit.data.hardware import Hardware
+from memfit.data.plan import Plan
+from memfit.data.timeline import Timeline
+
+REGION_KEY = "memfit_region"  # GraphModule.meta: which region a forward / backward module is
+
+
+@dataclass
+class Region:
+    """One compiled region memfit planned: its graph, plan, prediction and the two modules.
+
+    Args:
+        budget_bytes: the whole-device budget the region was planned for (``None``: no budget).
+        outside_bytes: device bytes alive outside the region while it runs (parameters of other
+            regions, gradients kept across micro-batches, optimizer state, reserved or real).
+    """
+
+    index: int
+    graph: CostGraph
+    plan: Plan
+    baseline: Timeline
+    predicted: Timeline
+    budget_bytes: int | None
+    outside_bytes: int
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    resident_bytes: int = 0  # model and optimizer bytes (reserved state included) it planned for
+    saved_bytes: int = 0  # device bytes its forward saves for its backward
+    open_forwards: int = 0  # forwards run whose backward has not run yet (their saves are alive)
+    most_open_forwards: int = 0  # the most of its forwards open at once: how many copies of its
+    # saves an iteration holds together (blocks that run one compiled code: FSDP2's per-block
+    # regions where Dynamo does not guard on which block, GPT-2 with ``use_cache=False``)
+    site: Any = None  # where Dynamo compiled it from (``compiling_site``: its code object, and
+    # the module it runs for): one per region an iteration runs, which a newer plan replaces
+    pending_bytes: int = 0  # saves of earlier regions (before a graph break) it planned around
+    minimum_bytes: int | None = None  # its smallest peak, where it could not fit the budget
+    saves_cap_bytes: int | None = None  # the most its forward may save, planned jointly
+    replaced: bool = False  # a newer plan of its code replaces it (joint or resident re-plan)
+    measured_forward_bytes: int | None = None  # device peak of its forward's latest measured run
+    measured_backward_bytes: int | None = None  # ... and of its backward's
+    measured_runs: int = 0  # runs of its modules measured so far
+    measured_by: str = ""  # "allocator" or "ops" (see memfit.runtime.region_peak.run_measured)
+    forward_values: tuple = field(default=(), repr=False)  # its forward's inputs and outputs,
+    # weakly: those still alive when its backward runs are measured with it (the loop holds them)
+    hardware: Hardware | None = None  # the profile it was planned with
+    bound: Timeline | None = None  # the timeline its plan was checked with: outputs held to the
+    # step's end, tangents resident from its start (``predicted`` once a backward has shown more)
+    trainable_bytes: int = 0  # bytes of its parameters that get gradients
+    later_gradient_bytes: int = 0  # gradients of other regions' parameters during its backward
+    output_names: tuple[str | None, ...] = ()  # its graph's tensor of each user-visible output
+    output_tangents: tuple[str | None, ...] = ()  # each output's tangent, if not a loss's seed
+    output_storages: tuple = field(default=(), repr=False)  # weakly, of its latest forward
+    saved_storages: tuple = field(default=(), repr=False)  # weakly, what its forwards saved
+    backward_input_names: tuple[str, ...] = ()  # its backward module's placeholders, in order
+    observed: tuple | None = None  # what the loop held and passed at its latest backward
+    eager_forward_bytes: int = 0  # most bytes eager code held at its measured forwards' start
+    eager_backward_bytes: int = 0  # ... and at its measured backwards' start (the loop's loss)
+    planned_eager_bytes: int = 0  # eager code's bytes its plan counts, alive over all of it
+    freed_output_bytes: int | None = None  # its outputs freed by its backward's start (fewest)
+    eager_read: bool = False  # eager code's bytes were read at a measured backward's start
+    warned_over: bool = False  # said that a measured run of its plan exceeded budget and prediction
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        """The whole device's predicted peak while this region runs."""
+        return self.predicted.peak_bytes + self.outside_bytes
+
+    @property
+    def baseline_peak_bytes(self) -> int:
+        return self.baseline.peak_bytes + self.outside_bytes
+
+    @property
+    def measured_peak_bytes(self) -> int | None:
+        """The whole device's measured peak over the latest measured forward and backward."""
+        measured = [b for b in (self.measured_forward_bytes, self.measured_backward_bytes)
+                    if b is not None]
+        return max(measured) if measured else None
+
+
+class Planner(Protocol):
+    """What the region's neighbours use of ``memfit.compiler.backend.Backend``."""
+
+    regions: list[Region]
+    model: torch.nn.Module | None
+    optimizers: list
+    measure_runs: int
+    warn_over_prediction: bool
+
+    def eager_watch(self) -> Any: ...
+
+    def eager_watch_off(self) -> contextlib.AbstractContextManager: ...
+
+    def must_plan_again(self, regions: list[Region], device: torch.device) -> bool: ...
+
+    def compile_region(self, graph_module: fx.GraphModule, example_inputs: list,
+                       device: torch.device, site: Any) -> Any: ...
+
+    def iteration_closed(self) -> None: ...
+
+
+def saved_device_bytes(forward: fx.GraphModule, num_fwd_outputs: int) -> int:
+    """Device bytes of the values ``forward`` returns for its backward: not its inputs (the
+    caller holds those anyway), not memfit's host copies and random states."""
+    from memfit.graph.analyze import storage_key, tensors_in
+
+    output = forward.graph.find_nodes(op="output")[0]
+    sizes: dict = {}
+    for node in output.args[0][num_fwd_outputs:]:
+        if not isinstance(node, fx.Node) or node.op == "placeholder":
+            continue
+        if node.meta.get("memfit", {}).get("kind") in ("swap_out", "rng_save"):
+            continue
+        for tensor in tensors_in(node.meta.get("val")):
+            sizes.setdefault(storage_key(tensor), tensor.untyped_storage().nbytes())
+    return sum(sizes.values())
