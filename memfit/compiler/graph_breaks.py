@@ -8,7 +8,10 @@ both run while every earlier region's saves wait for their backward). Once an it
 every region and one of them could not fit, ``saves_caps`` gives each earlier region a share of
 what the short region leaves for them, and each region is planned anew before its next run
 (``Backend.replan_regions``, ``memfit.compiler.replanning``), each earlier one saving at most its share:
-from the next iteration on the whole iteration fits.
+from the next iteration on the whole iteration fits. Where the regions are FSDP2's units (a
+transformer's blocks), the first iteration need not wait for that: a unit's region is planned
+knowing how many units are still to run beside its saves, and saves at most its share of the
+room (``regions_ahead``, ``units_ahead_cap``).
 
 Example:
     >>> caps = saves_caps(latest_regions(backend.regions))  # {site: most bytes it may save}
@@ -88,6 +91,30 @@ def saves_caps(regions: Sequence[Region], grown_bytes: Mapping[int, int] | None 
             share = room * region.saved_bytes // total
             caps[region.site] = min(caps.get(region.site, share), share)
     return caps
+
+
+def regions_ahead(unit_ids: Sequence[int], site: Any, open_owner_ids: set[int]) -> int | None:
+    """How many regions will hold their saves beside this one's: the FSDP2 units
+    (``memfit.runtime.resident.fsdp_unit_modules``, by id) that have not run yet in this
+    iteration (none of their regions is open), this one aside, plus one for the root's code
+    after the last unit (a final norm, the head, the loss: counted as one more unit). ``None``
+    where the region is not a unit's (its ``compiling_site`` names another module, or none) or
+    its unit is open."""
+    owner = site[1] if isinstance(site, tuple) else None
+    if owner not in unit_ids or owner in open_owner_ids:
+        return None
+    ran = sum(1 for unit in unit_ids if unit in open_owner_ids)
+    return len(unit_ids) - ran
+
+
+def units_ahead_cap(room_bytes: int, transient_bytes: int, ahead: int) -> int:
+    """The most a unit's region may save when it is planned before the units after it have run
+    (the first iteration): ``room_bytes`` (its budget less what is outside it, earlier regions'
+    saves included) shared alike by it and the ``ahead`` regions after it, each holding its saves
+    until its backward, with room left for one region's ``transient_bytes`` (its peak beyond its
+    saves) on top. Assumes the units alike (a transformer's blocks): joint planning
+    (``saves_caps``) corrects the rest once every region has run."""
+    return max(0, room_bytes - transient_bytes) // (ahead + 1)
 
 
 SAVES_BISECTION_STEPS = 6  # budgets tried for a region whose saves are capped (1/64 resolution)

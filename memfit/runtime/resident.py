@@ -170,6 +170,16 @@ def fsdp_param_groups(model: torch.nn.Module | None) -> list:
 _FSDP_MODULE = _distributed_type("torch.distributed.fsdp", "FSDPModule")
 
 
+def fsdp_unit_modules(model: torch.nn.Module | None) -> list[torch.nn.Module]:
+    """The modules of ``model`` that FSDP2 shards one by one (``fully_shard``), in module order,
+    ``model`` itself (the root) aside: under ``memfit.fit`` each is its own compiled region
+    (FSDP2's hooks are skipped, a graph break at each unit)."""
+    if model is None or _FSDP_MODULE is None:
+        return []
+    return [module for module in model.modules()
+            if isinstance(module, _FSDP_MODULE) and module is not model]
+
+
 def fsdp_sharded_parameters(model: torch.nn.Module | None) -> dict[int, torch.Tensor]:
     """id of each FSDP2 parameter the model holds unsharded now -> its sharded parameter.
 
