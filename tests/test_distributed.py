@@ -58,12 +58,12 @@ TIMEOUT_S = int(os.environ.get("MEMFIT_RANK_TIMEOUT_S", 900))
 # while its rebuilt buckets counted twice, see the module docstring; counted once, 1,729,176 B
 # at 1,736,664 B). Under FSDP2, GPT-2's per-block regions are planned one by one in the first
 # iteration, each block saving at most its share of the room the blocks after it need beside
-# it (``Backend._units_ahead_cap``): 10,747,280 B in the first iteration and 11,093,208 B
-# after, at 15,698,588 B (before it, the first blocks saved what the last could not then fit
-# beside: 18,577,692 B, and the budget held from the second iteration, after joint planning).
-# The UNet under FSDP2 cannot
-# fit 0.5 (987,174 B): its peak is inside one ``convolution_backward`` of the last stage (its
-# Conv3d 2->2 at 16^3), which allocates 1,076,224 B within the op (measured on that stage
+# it (``Backend._units_ahead_cap``): over 10 runs, 10,747,240-10,747,408 B in the first
+# iteration and 11,093,208-11,288,792 B after, at 15,698,588 B (before it, the first blocks
+# saved what the last could not then fit beside: 18,577,692 B, and the budget held from the
+# second iteration, after joint planning). The UNet under FSDP2 cannot fit 0.5 (987,174 B):
+# its peak is inside one ``convolution_backward`` of the last stage (its Conv3d 2->2 at 16^3),
+# which allocates 1,076,224 B within the op (measured on that stage
 # alone, and as the rise of that region's backward above the 898,124 B alive at its start). No
 # region raises ``BudgetError`` (that region misses the budget beside earlier regions' saves,
 # so it runs at its smallest peak, with a ``BudgetWarning``); it measured 1,974,348 B, eager's
