@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from memfit.compiler.backend import Backend, device_of
+from memfit.compiler.backend import Backend
 from memfit.compiler.closed_loop import CLOSED_LOOP, Loop, Round
 from memfit.compiler.plan_step import BudgetWarning, Planned, analyzed, plan_step, resolve_hardware
 from memfit.compiler.region import Region
@@ -34,6 +34,7 @@ from memfit.model.sharding import DEFAULT_BUCKET_BYTES
 from memfit.planning.strategies import resolve_budget_and_strategy
 from memfit.runtime.measure import measure_allocator_peak
 from memfit.runtime.measure import measure_peak as _measure_peak
+from memfit.runtime.resident import device_of
 
 __all__ = ["Step", "Round", "BudgetWarning", "CLOSED_LOOP", "compile", "plan", "measure_peak",
            "analyzed", "resolve_hardware"]

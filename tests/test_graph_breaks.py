@@ -7,7 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from memfit.compiler.graph_breaks import latest_regions, save_at_most, saves_caps
+from memfit.compiler.graph_breaks import (
+    latest_regions,
+    regions_ahead,
+    save_at_most,
+    saves_caps,
+    units_ahead_cap,
+)
 from memfit.data.errors import BudgetError
 
 
@@ -62,6 +68,30 @@ def test_one_code_run_for_several_modules_is_a_region_each():
     # FSDP2's per-block regions: one block's forward code, one site per block module
     blocks = [region(index, "block", 1, site=("block", index)) for index in range(3)]
     assert [r.index for r in latest_regions(blocks)] == [0, 1, 2]
+
+
+def test_a_unit_counts_the_units_not_yet_run_and_the_roots_code_after_them():
+    # FSDP2 units 10, 11, 12, 13 (module ids); a region's site is (code, owner id, place)
+    units = [10, 11, 12, 13]
+    assert regions_ahead(units, ("block", 10, 0), set()) == 4  # 11, 12, 13 and the root's tail
+    assert regions_ahead(units, ("block", 12, 0), {10, 11}) == 2  # 13 and the tail
+    assert regions_ahead(units, ("block", 13, 0), {10, 11, 12}) == 1  # the tail only
+    assert regions_ahead(units, ("block", 11, 0), {10, 99}) == 3  # 99 is not a unit
+
+
+def test_regions_not_of_a_unit_or_of_an_open_unit_get_no_share():
+    units = [10, 11]
+    assert regions_ahead(units, ("head", 99, 0), set()) is None  # the root's code
+    assert regions_ahead(units, "code", set()) is None  # no module owns it
+    assert regions_ahead(units, ("block", 10, 1), {10}) is None  # its unit already ran
+    assert regions_ahead([], ("block", 10, 0), set()) is None  # no FSDP2
+
+
+def test_a_unit_keeps_its_share_of_the_room_beyond_one_regions_transient():
+    # 100 of room, 20 for one region's peak beyond its saves, 4 regions after it: 80 / 5
+    assert units_ahead_cap(100, 20, 4) == 16
+    assert units_ahead_cap(100, 20, 0) == 80  # alone: all the room beyond its transient
+    assert units_ahead_cap(10, 20, 3) == 0  # no room: save nothing it can re-run
 
 
 def plan_at(budget_bytes):

@@ -32,13 +32,21 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from memfit.compiler.eager_watching import EagerWatching
 from memfit.compiler.graph_breaks import (
     compiling_site,
-    copies_held,
+    first_iteration_cap,
     latest_regions,
+    own_copies_bytes,
     save_at_most,
     saves_caps,
     watch_recompile_limit,
 )
-from memfit.compiler.plan_step import BudgetWarning, Planned, analyzed, plan_step, resolve_hardware
+from memfit.compiler.plan_step import (
+    BudgetWarning,
+    Planned,
+    analyzed,
+    plan_step,
+    resolve_hardware,
+    with_eager_note,
+)
 from memfit.compiler.region import REGION_KEY, Region, saved_device_bytes
 from memfit.compiler.region_run import aot_eager_runner, inductor_runner
 from memfit.compiler.replanning import (
@@ -77,7 +85,7 @@ from memfit.runtime.ranks import (
     agree_on_plan,
     raise_if_any_failed,
 )
-from memfit.runtime.resident import fsdp_in_flight_bytes, local_tensor, resident_bytes
+from memfit.runtime.resident import device_of, fsdp_in_flight_bytes, local_tensor, resident_bytes
 from memfit.runtime.streams import CopyEngine
 
 COMPILERS = ("aot_eager", "inductor")
@@ -229,7 +237,7 @@ class Backend(EagerWatching):
         # the region's parameters are among the resident or, under FSDP2, the gathered bytes
         outside = max(0, resident + gathered - inside) + pending + eager
         cap = self.saves_caps.get(site)
-        outside += self._own_copies_bytes(site, cap)
+        outside += own_copies_bytes(self.regions, site, cap)
 
         def lower(plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule, int]:
             forward, backward = split(rewrite(captured.graph_module, graph, plan),
@@ -244,6 +252,9 @@ class Backend(EagerWatching):
         raise_if_any_failed(None)
         made, predicted = planned.plan, planned.predicted
         forward, backward, saved = lower(made)
+        if cap is None and minimum is None and budget_bytes is not None:
+            cap = first_iteration_cap(self.model, self.regions, site, budget_bytes - outside,
+                                      predicted.peak_bytes - saved)
         if cap is not None and budget_bytes is not None and saved > cap:
             made, (forward, backward, saved) = self._save_at_most(cap, graph, hardware, outside,
                                                                   budget_bytes, lower)
@@ -263,24 +274,6 @@ class Backend(EagerWatching):
                                    output_tangents=output_tangents(joint, num_fwd_outputs),
                                    planned_eager_bytes=eager))
         return forward, backward
-
-    def _own_copies_bytes(self, site: Any, cap_bytes: int | None) -> int:
-        """Bytes of this region's own saves alive at its last run in an iteration, beside it:
-        where one compiled code runs for several blocks (``Region.most_open_forwards`` of its
-        site's earlier region), each earlier run holds its saves, at most ``cap_bytes`` each
-        once joint planning capped them. Before a cap there is no bound to count (the first
-        plan of a site does not know its copies yet; joint planning then finds them short).
-
-        Measured on GPT-2 (4 blocks, width 128, sequence 256, batch 4, ``use_cache=False``)
-        under FSDP2 on 2 ranks at 62,723,228 B: one region ran all four blocks (23,871,488 B
-        saved each time); with its copies neither in the caps nor here, joint planning found
-        nothing to cap and every iteration measured 108,538,072 B; with both, 26,510,564 B
-        from the second iteration."""
-        if cap_bytes is None or site is None:
-            return 0
-        copies = max((copies_held(region) for region in self.regions if region.site == site),
-                     default=1)
-        return (copies - 1) * cap_bytes
 
     def _later_gradient_bytes(self, device: torch.device, trainable: int) -> int:
         """Gradients that exist while this region's backward runs though its graph does not
@@ -493,25 +486,6 @@ class Backend(EagerWatching):
         return True
 
 
-def with_eager_note(error: BudgetError, eager_bytes: int) -> BudgetError:
-    """``error``, saying that ``eager_bytes`` of the peak are eager code's (where any are)."""
-    if not eager_bytes:
-        return error
-    note = (f"{format_bytes(eager_bytes)} of it is held by eager code outside the compiled "
-            "regions while this one runs (the loss computed in the loop and its buffers, code at "
-            "a graph break; memfit.report shows where): compute the loss inside the model, or "
-            "raise the budget.")
-    return BudgetError(error.budget_bytes, error.minimum_bytes, error.dominant, error.strategy,
-                       f"{error.note} {note}".strip(), host_bytes=error.host_bytes)
-
-
 def binding_bytes(node: fx.Node) -> int:
     value = node.meta.get("val")
     return value.untyped_storage().nbytes() if isinstance(value, torch.Tensor) else 0
-
-
-def device_of(values) -> torch.device:
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            return value.device
-    return torch.device("cpu")

@@ -19,7 +19,7 @@ from memfit.data.errors import BudgetError
 from memfit.data.hardware import Hardware, get_hardware
 from memfit.data.plan import Plan, topology_hash
 from memfit.data.timeline import Timeline
-from memfit.data.units import Budget
+from memfit.data.units import Budget, format_bytes
 from memfit.graph.analyze import analyze
 from memfit.graph.capture import Captured
 from memfit.graph.rewrite import reorder
@@ -154,3 +154,15 @@ def analyzed(captured: Captured, hardware: Hardware, name: str, linearize: bool,
         owners.clear()
     return captured, analyze(captured, hardware, name=name, kernel_temporaries=kernel_temporaries,
                              owners=owners)
+
+
+def with_eager_note(error: BudgetError, eager_bytes: int) -> BudgetError:
+    """``error``, saying that ``eager_bytes`` of the peak are eager code's (where any are)."""
+    if not eager_bytes:
+        return error
+    note = (f"{format_bytes(eager_bytes)} of it is held by eager code outside the compiled "
+            "regions while this one runs (the loss computed in the loop and its buffers, code at "
+            "a graph break; memfit.report shows where): compute the loss inside the model, or "
+            "raise the budget.")
+    return BudgetError(error.budget_bytes, error.minimum_bytes, error.dominant, error.strategy,
+                       f"{error.note} {note}".strip(), host_bytes=error.host_bytes)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from memfit.compiler.backend import Backend, device_of
+from memfit.compiler.backend import Backend
 from memfit.compiler.plan_step import DeviceBudget, Planned, plan_step
 from memfit.compiler.region import Region
 from memfit.data.costgraph import CostGraph
@@ -26,7 +26,7 @@ from memfit.graph.capture import refuse_meta_parameters
 from memfit.graph.target import check_autocast
 from memfit.model.schedule import PlanError
 from memfit.model.sharding import Sharding, shard_graph
-from memfit.runtime.resident import reserved_state_bytes
+from memfit.runtime.resident import device_of, reserved_state_bytes
 
 MEMFIT_ERRORS = (BudgetError, CaptureError, PlanError)
 

@@ -21,8 +21,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -46,13 +48,22 @@ def agreement_group() -> Any:
     return _GROUPS[key]
 
 
-def real_tensors() -> Any:
+@contextlib.contextmanager
+def real_tensors() -> Iterator[None]:
     """No mode on the dispatch stack inside the block: planning runs under AOTAutograd's fake
     mode (and on a CPU beside memfit's watch of eager code), where the tensors a collective
-    sends would be fake."""
+    sends would be fake. And no Python dispatcher, which AOTAutograd turns on around the
+    partitioner: through it a collective is called with the GIL held, and gloo's worker thread,
+    which frees the previous collective's tensors (their Python objects: it needs the GIL) while
+    holding the work queue's lock, deadlocked with it. Seen on GPT-2 under FSDP2, 2 ranks: one
+    rank's main thread waiting for that lock in ``ProcessGroupGloo::enqueue`` (holding the GIL,
+    in ``raise_if_any_failed``), its worker waiting for the GIL in ``~AsyncAllreduceWork``, the
+    other rank waiting for the first in the same all-reduce."""
+    from torch._dispatch.python import no_python_dispatcher
     from torch.utils._python_dispatch import _disable_current_modes
 
-    return _disable_current_modes()
+    with _disable_current_modes(), no_python_dispatcher():
+        yield
 
 
 def agree_max(values: list[int]) -> list[int]:

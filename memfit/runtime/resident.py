@@ -170,6 +170,16 @@ def fsdp_param_groups(model: torch.nn.Module | None) -> list:
 _FSDP_MODULE = _distributed_type("torch.distributed.fsdp", "FSDPModule")
 
 
+def fsdp_unit_modules(model: torch.nn.Module | None) -> list[torch.nn.Module]:
+    """The modules of ``model`` that FSDP2 shards one by one (``fully_shard``), in module order,
+    ``model`` itself (the root) aside: under ``memfit.fit`` each is its own compiled region
+    (FSDP2's hooks are skipped, a graph break at each unit)."""
+    if model is None or _FSDP_MODULE is None:
+        return []
+    return [module for module in model.modules()
+            if isinstance(module, _FSDP_MODULE) and module is not model]
+
+
 def fsdp_sharded_parameters(model: torch.nn.Module | None) -> dict[int, torch.Tensor]:
     """id of each FSDP2 parameter the model holds unsharded now -> its sharded parameter.
 
@@ -227,3 +237,11 @@ def _unsharded_size_bytes(group, device: torch.device) -> int:
             world = fsdp_param.mesh_info.shard_mesh_size
             total += fsdp_param.padded_sharded_param_size.numel() * world * shard.element_size()
     return total
+
+
+def device_of(values) -> torch.device:
+    """The device of the first tensor among ``values`` (the CPU where there is none)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")

@@ -5,10 +5,17 @@ ranks)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from memfit.data.errors import BudgetError
 from memfit.data.plan import Keep, Plan, Recompute
-from memfit.runtime.ranks import agree_max, agree_on, plan_digest, raise_if_any_failed
+from memfit.runtime.ranks import (
+    agree_max,
+    agree_on,
+    plan_digest,
+    raise_if_any_failed,
+    real_tensors,
+)
 
 
 def _plan(decision) -> Plan:
@@ -33,3 +40,19 @@ def test_plan_digest_follows_the_decisions_not_the_explanation():
     kept, recomputed = _plan(Keep(reason="small")), _plan(Recompute("cheap"))
     assert plan_digest(kept) == plan_digest(_plan(Keep(reason="small")))
     assert plan_digest(kept) != plan_digest(recomputed)
+
+
+def _python_dispatcher_on() -> bool:
+    return torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher)
+
+
+def test_collectives_run_without_the_python_dispatcher_that_the_partitioner_runs_under():
+    # through it, a gloo collective was called holding the GIL and deadlocked with gloo's worker
+    # thread (tests/test_distributed.py's GPT-2 under FSDP2 hung in raise_if_any_failed)
+    from torch._dispatch.python import enable_python_dispatcher
+
+    with enable_python_dispatcher():
+        assert _python_dispatcher_on()
+        with real_tensors():
+            assert not _python_dispatcher_on()
+        assert _python_dispatcher_on()  # put back after the block
