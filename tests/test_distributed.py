@@ -50,16 +50,17 @@ ATTEMPTS = 4  # where the fraction does not fit: at auto's smallest peak, as a u
 # A rank that runs longer is stuck: it dumps its stack and exits, and the test fails instead of
 # hanging CI. Generous, because planning is CPU-bound: beside other work at a load of 9 on two
 # cores, unet3d-fsdp's first step took 99 s and the five tests 15 min (idle: 87 s in all); the
-# 240 s this was before fired on such runs, which looked like hangs (both ranks seen waiting in
-# one agreement) but completed here each time the watchdog let them (4 of 4 and 1 of 1).
+# 240 s this was before fired on such runs. The real hang (both ranks seen waiting in one
+# agreement) was a deadlock of gloo's worker thread with the GIL, which memfit's agreements now
+# avoid (``memfit.runtime.ranks.real_tensors``: the Python dispatcher off).
 TIMEOUT_S = int(os.environ.get("MEMFIT_RANK_TIMEOUT_S", 900))
 # (model, engine) -> the iteration from which the measured peak is within the budget (None:
 # not claimed). Under DDP both hold from the first (the UNet's second measured 65,564 B over
 # while its rebuilt buckets counted twice, see the module docstring; counted once, 1,729,176 B
 # at 1,736,664 B). Under FSDP2, GPT-2's per-block regions are planned one by one in the first
 # iteration, each block saving at most its share of the room the blocks after it need beside
-# it (``memfit.compiler.graph_breaks.first_iteration_cap``): over 10 runs, 10,747,240-10,747,408 B in the first
-# iteration and 11,093,208-11,288,792 B after, at 15,698,588 B (before it, the first blocks
+# it (``memfit.compiler.graph_breaks.first_iteration_cap``): over 10 runs, 10,747,240-10,747,408
+# B in the first iteration and 11,093,208-11,288,792 B after, at 15,698,588 B (before it, the first blocks
 # saved what the last could not then fit beside: 18,577,692 B, and the budget held from the
 # second iteration, after joint planning). The UNet under FSDP2 cannot fit 0.5 (987,174 B):
 # its peak is inside one ``convolution_backward`` of the last stage (its Conv3d 2->2 at 16^3),
