@@ -355,19 +355,25 @@ class Backend(EagerWatching):
         caps = saves_caps(current, grown)
         if self.joint_rounds >= MAX_JOINT_ROUNDS or all(
                 self.saves_caps.get(site) == cap for site, cap in caps.items()):
-            self._joint_failed(short[0])  # nothing new to plan for: no caps, or the same again
-            return
+            self._joint_failed(short[0], grown.get(short[0].index, 0))  # nothing new to plan
+            return  # for: no caps, or the same again
         self.joint_rounds += 1
         self.saves_caps.update(caps)
         self.replan_regions()
 
-    def _joint_failed(self, short: Region) -> None:
+    def _joint_failed(self, short: Region, eager_bytes: int = 0) -> None:
         """Say once that planning jointly cannot make ``short`` fit: it keeps running at its
-        smallest peak, over the budget, on every iteration."""
+        smallest peak, over the budget, on every iteration. ``eager_bytes``: what eager code was
+        seen to hold beside it beyond what its plan counted (the loop's loss and its buffers)."""
         self.joint_failed = True
         alone = (short.minimum_bytes or 0) - short.pending_bytes
+        eager = (f" and the {format_bytes(eager_bytes)} eager code holds beside it (the loss "
+                 "computed in the loop and its buffers)" if eager_bytes > 0 else "")
         why = (f"it needs {format_bytes(alone)} even without the saves of the regions before its "
                "graph break" if alone > (short.budget_bytes or 0) else
+               f"it needs {format_bytes(alone)}{eager}, which leaves no room for the "
+               f"{format_bytes(short.pending_bytes)} of saves of the regions before its graph "
+               "break" if alone + eager_bytes >= (short.budget_bytes or 0) else
                f"the regions before its graph break cannot save less than the "
                f"{format_bytes(short.pending_bytes)} it ran beside")
         warnings.warn(
