@@ -1,4 +1,8 @@
-"""Strategies: one file each, one entry point ``plan(graph, hardware, budget_bytes=None, **params)``.
+"""Strategies: one entry point each, ``plan(graph, hardware, budget_bytes=None, **params)``.
+
+Grouped by technique: ``swapping/`` (TFLMS in ``tflms``, the vDNN policies in ``vdnn``),
+``recomputing/`` (``checkpoint``, ``optimal_recompute``, ``memory_poor``); at this level what is
+neither (``keep``, ``auto``, the shared ``_budget_checks``) and this registry.
 
 Each module registers its entry point by name, so ``memfit.compile(..., strategy="swap", lb=3)``
 and the command line reach it the same way.
@@ -146,9 +150,10 @@ def strategy_names() -> tuple[str, ...]:
 
 
 def _load_builtin() -> None:
-    """Import every module of this package once: each registers its strategy when imported."""
+    """Import every module of this package and its technique folders (``swapping/``,
+    ``recomputing/``) once: each registers its strategy when imported."""
     import importlib
     import pkgutil
 
-    for info in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{info.name}")
+    for info in pkgutil.walk_packages(__path__, prefix=f"{__name__}."):
+        importlib.import_module(info.name)

@@ -16,7 +16,7 @@ right before the first backward op that needs it (``Recompute``).
 When the peak is in the forward pass (skip connections, a value read by an early and a late
 branch), recomputing for the backward pass cannot lower it; ``forward_recompute`` then also
 frees forward values across that peak and re-runs them before their late forward reader
-(``memfit.planning.strategies._forward_recompute``).
+(``memfit.planning.strategies.recomputing._forward_recompute``).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from memfit.model.rerun_profile import RerunProfiler
 from memfit.model.schedule import peak_bytes
 from memfit.planning.strategies import register
 from memfit.planning.strategies._budget_checks import require_fit
-from memfit.planning.strategies._forward_recompute import recompute_in_forward
-from memfit.planning.strategies._separator_count_search import (
+from memfit.planning.strategies.recomputing._forward_recompute import recompute_in_forward
+from memfit.planning.strategies.recomputing._separator_count_search import (
     CountBounds,
     kept_tensors,
     least_recompute_fitting,

@@ -46,7 +46,7 @@ from memfit.planning.solvers.block_chain import nested_reruns
 from memfit.planning.solvers.milp import NODE_LIMIT, solve_milp
 from memfit.planning.strategies import register
 from memfit.planning.strategies._budget_checks import live_at_peak
-from memfit.planning.strategies._forward_recompute import recompute_in_forward
+from memfit.planning.strategies.recomputing._forward_recompute import recompute_in_forward
 from memfit.planning.tighten import tighten
 from memfit.planning.tuning import TUNING
 
@@ -289,7 +289,7 @@ def priced_segments(graph: CostGraph) -> tuple[segments.Blocks, list[segments.Se
     key = (graph.structure_hash, tuple(op.time_s for op in graph.ops))
     cached = _TABLES.get(key)  # one read: another thread may clear the cache at any moment
     if cached is None:
-        from memfit.planning.strategies.checkpoint import _speed_checkpoints
+        from memfit.planning.strategies.recomputing.checkpoint import _speed_checkpoints
 
         blocks = segments.find_blocks(graph, max_blocks=TUNING.segment_max_blocks)
         cached = (blocks, segments.segment_table(graph, blocks, _speed_checkpoints(graph, 4)))
@@ -300,7 +300,7 @@ def priced_segments(graph: CostGraph) -> tuple[segments.Blocks, list[segments.Se
 
 def _checkpoint_recomputed(graph: CostGraph, hardware: Hardware, budget_bytes: int,
                            mode: str) -> frozenset[str] | None:
-    from memfit.planning.strategies.checkpoint import plan as checkpoint
+    from memfit.planning.strategies.recomputing.checkpoint import plan as checkpoint
 
     try:
         made = checkpoint(graph, hardware, budget_bytes, checkpoints=mode)
@@ -310,6 +310,6 @@ def _checkpoint_recomputed(graph: CostGraph, hardware: Hardware, budget_bytes: i
 
 
 def _memory_poor(graph: CostGraph) -> Plan:
-    from memfit.planning.strategies.memory_poor import plan as memory_poor
+    from memfit.planning.strategies.recomputing.memory_poor import plan as memory_poor
 
     return memory_poor(graph, Hardware("none", {"float32": 1.0}, 1.0, 1.0, 1.0))
