@@ -16,12 +16,15 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from memfit.data.costgraph import CostGraph
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan
 from memfit.data.units import Budget, parse_budget
+
+if TYPE_CHECKING:
+    from memfit.planning.strategies._strategy_config import StrategyConfig
 
 
 class Strategy(Protocol):
@@ -34,14 +37,19 @@ _REGISTRY: dict[str, Strategy] = {}
 _CHECKS: dict[str, Callable[..., None]] = {}  # strategy name -> its own parameter check
 
 
-def register(name: str, check_params: Callable[..., None] | None = None
-             ) -> Callable[[Strategy], Strategy]:
-    """Register a strategy's ``plan`` function under ``name``; ``check_params`` validates its
-    parameters without a graph (default: the module's own ``check_params``; a module that
-    registers several strategies, such as ``vdnn``, gives each its own)."""
+def register(name: str, check_params: Callable[..., None] | None = None,
+             config: type[StrategyConfig] | None = None) -> Callable[[Strategy], Strategy]:
+    """Register a strategy's ``plan`` function under ``name``.
+
+    Its parameters are checked without a graph by ``config`` (a frozen ``StrategyConfig`` that
+    checks itself when built from them), else by ``check_params`` (default: the module's own
+    ``check_params``; a module that registers several strategies, such as ``vdnn``, gives each
+    its own)."""
 
     def decorate(function: Strategy) -> Strategy:
-        if check_params is not None:
+        if config is not None:
+            _CHECKS[name] = functools.partial(_build_config, config)
+        elif check_params is not None:
             _CHECKS[name] = check_params
 
         @functools.wraps(function)
@@ -54,6 +62,12 @@ def register(name: str, check_params: Callable[..., None] | None = None
         return function
 
     return decorate
+
+
+def _build_config(config: type[StrategyConfig], /, **params: Any) -> None:
+    """Build ``config`` from ``params`` for its checks (positional-only: a user parameter named
+    ``config`` is an unknown one, not this argument)."""
+    config.from_params(params)
 
 
 class _CollectorPause:
@@ -122,10 +136,11 @@ def get_strategy(name: str) -> Strategy:
 def check_params(name: str, params: Mapping[str, Any]) -> None:
     """Validate a strategy's parameters without a graph, so bad ones fail before any capture.
 
-    Each strategy module defines ``check_params(**params)`` (or registers one per strategy),
-    raising ``ValueError`` that names the accepted values.
+    Each strategy registers a ``StrategyConfig`` or defines ``check_params(**params)`` (or
+    registers one per strategy), raising ``ValueError`` that names the accepted values.
     """
-    check = _CHECKS.get(name) or sys.modules[get_strategy(name).__module__].check_params
+    strategy = get_strategy(name)  # first: it loads the modules that fill ``_CHECKS``
+    check = _CHECKS.get(name) or sys.modules[strategy.__module__].check_params
     check(**params)
 
 
