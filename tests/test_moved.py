@@ -33,6 +33,44 @@ def test_an_old_path_is_the_module_at_its_new_one_and_warns():
         "memfit.solvers.milp_swap is now memfit.planning.solvers.milp_swap"]))
 
 
+GROUPED_PATHS = """
+import warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    import memfit.planning.strategies.swap
+    import memfit.strategies.optimal_recompute
+import memfit.planning.strategies.recomputing.optimal_recompute
+import memfit.planning.strategies.swapping.tflms as tflms
+assert memfit.planning.strategies.swap is tflms
+assert tflms.__spec__.name == "memfit.planning.strategies.swapping.tflms"
+assert (memfit.strategies.optimal_recompute
+        is memfit.planning.strategies.recomputing.optimal_recompute)
+print(sorted(str(warning.message) for warning in caught))
+"""
+
+
+def test_a_strategy_grouped_by_technique_imports_from_both_old_paths_and_warns():
+    """The TFLMS module was ``strategies.swap`` before and after the layer folders; the package
+    ``swapping/`` holds it as ``tflms``, so ``strategies.swap`` stays free for the alias."""
+    result = subprocess.run([sys.executable, "-c", GROUPED_PATHS], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(sorted([
+        "memfit.planning.strategies.swap is now memfit.planning.strategies.swapping.tflms",
+        "memfit.strategies is now memfit.planning.strategies",
+        "memfit.strategies.optimal_recompute is now "
+        "memfit.planning.strategies.recomputing.optimal_recompute"]))
+
+
+def test_grouping_by_technique_keeps_every_strategy_name():
+    """The names the registry held before the strategies were grouped: plans and commands name
+    them."""
+    from memfit.planning.strategies import strategy_names
+
+    assert strategy_names() == ("auto", "checkpoint", "keep", "memory-poor", "optimal-recompute",
+                                "swap", "vdnn_all", "vdnn_conv", "vdnn_dyn")
+
+
 @pytest.mark.parametrize("old", sorted(moved.MOVED))
 def test_every_moved_module_imports_from_its_old_path(old):
     with pytest.warns(DeprecationWarning) if old not in sys.modules else (

@@ -37,7 +37,7 @@ class Tuning:
     # chain budget cuts by the simulated excess before giving up
     chain_tighten_rounds: int = 6
 
-    # --- strategies: optimal-recompute (strategies/optimal_recompute.py)
+    # --- strategies: optimal-recompute (strategies/recomputing/optimal_recompute.py)
     # the default max_ops: the MILP's root takes seconds to a minute at this size
     milp_max_ops: int = 100
     # separator blocks beyond this are merged: the segment table grows with their square
@@ -48,7 +48,7 @@ class Tuning:
     # thousand forward passes or more, and lowering it alone takes seconds and gigabytes
     memory_poor_max_forward_ops: int = 2000
 
-    # --- strategies: recomputation in the forward pass (strategies/_forward_recompute.py)
+    # --- strategies: recomputation in the forward pass (strategies/recomputing/_forward_recompute.py)
     # a longer segment costs about a block's forward: checkpointing's business
     forward_segment_max_ops: int = 16
     # each move adds a few re-runs; a bound on the search, not a tuning knob
@@ -56,7 +56,7 @@ class Tuning:
     # candidates simulated per move, best score first
     forward_tries_per_move: int = 24
 
-    # --- strategies: vDNN (strategies/vdnn.py)
+    # --- strategies: vDNN (strategies/swapping/vdnn.py)
     # boundaries tried past the smallest that fits: time is not monotone in it
     vdnn_extra_boundaries: int = 4
 

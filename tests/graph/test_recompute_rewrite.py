@@ -88,7 +88,7 @@ def checkpoints_fed_from_host(graph, plan):
     from memfit.data.hardware import PROFILES
     from memfit.data.plan import Plan
     from memfit.model.recompute import planned_reruns
-    from memfit.planning.strategies._free_swaps import free_swaps
+    from memfit.planning.strategies.swapping._free_swaps import free_swaps
 
     instant = PROFILES["cpu"].with_(async_copies=True, d2h_bytes_per_s=1e18, h2d_bytes_per_s=1e18,
                                     copy_latency_s=0.0)

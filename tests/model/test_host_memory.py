@@ -20,8 +20,9 @@ from memfit.model import synthetic
 from memfit.model.host_memory import host_peak_bytes, host_prefix, within_host
 from memfit.model.schedule import lower, peak_bytes
 from memfit.model.simulate import simulate
-from memfit.planning.strategies import _just_in_time_swap, get_strategy
+from memfit.planning.strategies import get_strategy
 from memfit.planning.strategies.auto import _swapped_checkpoints
+from memfit.planning.strategies.swapping import _just_in_time_swap
 
 GRAPHS = {
     "chain": lambda: synthetic.chain(10),

@@ -14,7 +14,8 @@ from memfit.compiler.traced import trace_plan
 from memfit.data.hardware import get_hardware
 from memfit.data.plan import Plan
 from memfit.model.simulate import simulate
-from memfit.planning.strategies import _just_in_time_swap, get_strategy, strategy_names
+from memfit.planning.strategies import get_strategy, strategy_names
+from memfit.planning.strategies.swapping import _just_in_time_swap
 from tests.measured_peaks import assert_within_budget
 from tests.planning.strategies.test_strategy_guarantees import slow_clock, spy_on_highs
 

@@ -29,7 +29,7 @@ from memfit.graph.capture import capture
 from memfit.model.rerun_profile import RerunProfiler
 from memfit.model.simulate import simulate
 from memfit.planning.strategies import get_strategy
-from memfit.planning.strategies.optimal_recompute import _least_fitting
+from memfit.planning.strategies.recomputing.optimal_recompute import _least_fitting
 from memfit.runtime.executor import Executor
 from tests.measured_peaks import assert_measured_as_predicted, assert_within_budget
 

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from memfit.planning.solvers import milp
-from memfit.planning.strategies import optimal_recompute
+from memfit.planning.strategies.recomputing import optimal_recompute
 from memfit.planning.tuning import TUNING, Tuning
 
 

@@ -1,4 +1,8 @@
-"""Strategies: one file each, one entry point ``plan(graph, hardware, budget_bytes=None, **params)``.
+"""Strategies: one entry point each, ``plan(graph, hardware, budget_bytes=None, **params)``.
+
+Grouped by technique: ``swapping/`` (TFLMS in ``tflms``, the vDNN policies in ``vdnn``),
+``recomputing/`` (``checkpoint``, ``optimal_recompute``, ``memory_poor``); at this level what is
+neither (``keep``, ``auto``, the shared ``_budget_checks``) and this registry.
 
 Each module registers its entry point by name, so ``memfit.compile(..., strategy="swap", lb=3)``
 and the command line reach it the same way.
@@ -12,12 +16,15 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from memfit.data.costgraph import CostGraph
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan
 from memfit.data.units import Budget, parse_budget
+
+if TYPE_CHECKING:
+    from memfit.planning.strategies._strategy_config import StrategyConfig
 
 
 class Strategy(Protocol):
@@ -30,14 +37,19 @@ _REGISTRY: dict[str, Strategy] = {}
 _CHECKS: dict[str, Callable[..., None]] = {}  # strategy name -> its own parameter check
 
 
-def register(name: str, check_params: Callable[..., None] | None = None
-             ) -> Callable[[Strategy], Strategy]:
-    """Register a strategy's ``plan`` function under ``name``; ``check_params`` validates its
-    parameters without a graph (default: the module's own ``check_params``; a module that
-    registers several strategies, such as ``vdnn``, gives each its own)."""
+def register(name: str, check_params: Callable[..., None] | None = None,
+             config: type[StrategyConfig] | None = None) -> Callable[[Strategy], Strategy]:
+    """Register a strategy's ``plan`` function under ``name``.
+
+    Its parameters are checked without a graph by ``config`` (a frozen ``StrategyConfig`` that
+    checks itself when built from them), else by ``check_params`` (default: the module's own
+    ``check_params``; a module that registers several strategies, such as ``vdnn``, gives each
+    its own)."""
 
     def decorate(function: Strategy) -> Strategy:
-        if check_params is not None:
+        if config is not None:
+            _CHECKS[name] = functools.partial(_build_config, config)
+        elif check_params is not None:
             _CHECKS[name] = check_params
 
         @functools.wraps(function)
@@ -50,6 +62,12 @@ def register(name: str, check_params: Callable[..., None] | None = None
         return function
 
     return decorate
+
+
+def _build_config(config: type[StrategyConfig], /, **params: Any) -> None:
+    """Build ``config`` from ``params`` for its checks (positional-only: a user parameter named
+    ``config`` is an unknown one, not this argument)."""
+    config.from_params(params)
 
 
 class _CollectorPause:
@@ -118,10 +136,11 @@ def get_strategy(name: str) -> Strategy:
 def check_params(name: str, params: Mapping[str, Any]) -> None:
     """Validate a strategy's parameters without a graph, so bad ones fail before any capture.
 
-    Each strategy module defines ``check_params(**params)`` (or registers one per strategy),
-    raising ``ValueError`` that names the accepted values.
+    Each strategy registers a ``StrategyConfig`` or defines ``check_params(**params)`` (or
+    registers one per strategy), raising ``ValueError`` that names the accepted values.
     """
-    check = _CHECKS.get(name) or sys.modules[get_strategy(name).__module__].check_params
+    strategy = get_strategy(name)  # first: it loads the modules that fill ``_CHECKS``
+    check = _CHECKS.get(name) or sys.modules[strategy.__module__].check_params
     check(**params)
 
 
@@ -146,9 +165,10 @@ def strategy_names() -> tuple[str, ...]:
 
 
 def _load_builtin() -> None:
-    """Import every module of this package once: each registers its strategy when imported."""
+    """Import every module of this package and its technique folders (``swapping/``,
+    ``recomputing/``) once: each registers its strategy when imported."""
     import importlib
     import pkgutil
 
-    for info in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{info.name}")
+    for info in pkgutil.walk_packages(__path__, prefix=f"{__name__}."):
+        importlib.import_module(info.name)

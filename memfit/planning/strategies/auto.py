@@ -61,10 +61,11 @@ from memfit.data.plan import Decision, Plan, Recompute, Swap
 from memfit.model.recompute import planned_reruns
 from memfit.model.simulate import simulate
 from memfit.planning.solvers import segments
-from memfit.planning.strategies import _just_in_time_swap, get_strategy, register, strategy_names
+from memfit.planning.strategies import get_strategy, register, strategy_names
 from memfit.planning.strategies._budget_checks import fits, live_at_peak
-from memfit.planning.strategies._free_swaps import free_swaps
-from memfit.planning.strategies.optimal_recompute import MILP_MAX_OPS, priced_segments
+from memfit.planning.strategies.recomputing.optimal_recompute import MILP_MAX_OPS, priced_segments
+from memfit.planning.strategies.swapping import _just_in_time_swap
+from memfit.planning.strategies.swapping._free_swaps import free_swaps
 from memfit.planning.tuning import TUNING
 
 VDNN_POLICIES = ("vdnn_all", "vdnn_conv", "vdnn_dyn")

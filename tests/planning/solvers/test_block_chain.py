@@ -11,7 +11,7 @@ from memfit.model.simulate import simulate
 from memfit.planning.solvers.block_chain import BlockChain, nested_reruns
 from memfit.planning.solvers.chain import solve_chain_costs
 from memfit.planning.strategies import get_strategy
-from memfit.planning.strategies.optimal_recompute import _least_fitting, priced_segments
+from memfit.planning.strategies.recomputing.optimal_recompute import _least_fitting, priced_segments
 
 HARDWARE = get_hardware("h100-pcie")
 GRAPHS = {"chain30": lambda: synthetic.chain(30), "resnet12": lambda: synthetic.resnet_like(12)}

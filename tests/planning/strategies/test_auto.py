@@ -11,8 +11,8 @@ from memfit.model.recompute import planned_reruns
 from memfit.model.schedule import check_plan
 from memfit.model.simulate import simulate
 from memfit.planning.strategies import get_strategy
-from memfit.planning.strategies._free_swaps import free_swaps
 from memfit.planning.strategies.auto import block_stacks
+from memfit.planning.strategies.swapping._free_swaps import free_swaps
 
 GRAPHS = {
     "chain": lambda: synthetic.chain(24),

@@ -21,8 +21,9 @@ from memfit.model.schedule import peak_bytes
 from memfit.model.simulate import simulate
 from memfit.planning import strategies
 from memfit.planning.solvers.milp_swap import solve_swap_milp
-from memfit.planning.strategies import _just_in_time_swap, get_strategy
-from memfit.planning.strategies._free_swaps import free_swaps
+from memfit.planning.strategies import get_strategy
+from memfit.planning.strategies.swapping import _just_in_time_swap
+from memfit.planning.strategies.swapping._free_swaps import free_swaps
 
 UNLIMITED = get_hardware("h100-pcie").with_(host_bytes=None)
 GRAPHS = {"chain": lambda: synthetic.chain(12), "resnet_like": lambda: synthetic.resnet_like(5),

@@ -16,7 +16,8 @@ from memfit.data.plan import Plan
 from memfit.model import synthetic
 from memfit.model.simulate import simulate
 from memfit.planning.solvers.milp import MilpSolution
-from memfit.planning.strategies import get_strategy, optimal_recompute, strategy_names
+from memfit.planning.strategies import get_strategy, strategy_names
+from memfit.planning.strategies.recomputing import optimal_recompute
 
 HARDWARE = get_hardware("h100-pcie")
 SINGLE = tuple(name for name in strategy_names() if name != "auto")

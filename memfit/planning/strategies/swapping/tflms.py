@@ -41,9 +41,9 @@ from memfit.data.plan import Plan, Swap, SwapIn
 from memfit.model.host_memory import host_prefix
 from memfit.planning.strategies import register
 from memfit.planning.strategies._budget_checks import host_params
-from memfit.planning.strategies._swap_config import SwapConfig
-from memfit.planning.strategies._swap_control import OpGraph, control_op
-from memfit.planning.strategies._swap_tune import tune
+from memfit.planning.strategies.swapping._swap_config import SwapConfig
+from memfit.planning.strategies.swapping._swap_control import OpGraph, control_op
+from memfit.planning.strategies.swapping._swap_tune import tune
 
 
 def check_params(**params) -> None:

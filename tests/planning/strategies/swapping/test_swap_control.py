@@ -14,9 +14,9 @@ from memfit.data.costgraph import CostGraph, Op, Tensor
 from memfit.data.plan import Swap
 from memfit.model.schedule import peak_bytes
 from memfit.model.synthetic import chain, multi_tower, random_dag, resnet_like
-from memfit.planning.strategies._swap_control import OpGraph, _sorted_unique, chain_rule
-from memfit.planning.strategies.swap import plan as swap
-from tests.planning.strategies.swap_graphs import HW, MIB, control_ops, swapped, unet
+from memfit.planning.strategies.swapping._swap_control import OpGraph, _sorted_unique, chain_rule
+from memfit.planning.strategies.swapping.tflms import plan as swap
+from tests.planning.strategies.swapping.swap_graphs import HW, MIB, control_ops, swapped, unet
 
 # ---- control ops: direct order and chain rule within [lb, ub] --------------------------------------
 

@@ -22,8 +22,9 @@ from memfit.data.plan import Plan, Swap
 from memfit.model import synthetic
 from memfit.model.schedule import check_plan
 from memfit.model.simulate import simulate
-from memfit.planning.strategies import _just_in_time_swap, auto, get_strategy
-from memfit.planning.strategies._vdnn_layers import LayerView
+from memfit.planning.strategies import auto, get_strategy
+from memfit.planning.strategies.swapping import _just_in_time_swap
+from memfit.planning.strategies.swapping._vdnn_layers import LayerView
 from tests.model.tiny import tiny_graph
 
 HARDWARE = ("cpu", "h100-pcie")

@@ -1,7 +1,7 @@
 """``swap``'s parameters (TFLMS's Table 2) as a frozen config that checks itself.
 
-On its own so that the strategy (``memfit.planning.strategies.swap``) and its tuner
-(``memfit.planning.strategies._swap_tune``), which both read it, do not import each other.
+On its own so that the strategy (``memfit.planning.strategies.swapping.tflms``) and its tuner
+(``memfit.planning.strategies.swapping._swap_tune``), which both read it, do not import each other.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from memfit.planning.strategies._swap_control import CTRLD_STRATEGIES, CtrldStrategy
+from memfit.planning.strategies.swapping._swap_control import CTRLD_STRATEGIES, CtrldStrategy
 
 
 @dataclass(frozen=True)

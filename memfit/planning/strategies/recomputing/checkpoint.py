@@ -16,13 +16,15 @@ right before the first backward op that needs it (``Recompute``).
 When the peak is in the forward pass (skip connections, a value read by an early and a late
 branch), recomputing for the backward pass cannot lower it; ``forward_recompute`` then also
 frees forward values across that peak and re-runs them before their late forward reader
-(``memfit.planning.strategies._forward_recompute``).
+(``memfit.planning.strategies.recomputing._forward_recompute``).
 """
 
 from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 from memfit.data.costgraph import CostGraph, Op
 from memfit.data.hardware import Hardware
@@ -32,8 +34,9 @@ from memfit.model.rerun_profile import RerunProfiler
 from memfit.model.schedule import peak_bytes
 from memfit.planning.strategies import register
 from memfit.planning.strategies._budget_checks import require_fit
-from memfit.planning.strategies._forward_recompute import recompute_in_forward
-from memfit.planning.strategies._separator_count_search import (
+from memfit.planning.strategies._strategy_config import StrategyConfig, positive_int
+from memfit.planning.strategies.recomputing._forward_recompute import recompute_in_forward
+from memfit.planning.strategies.recomputing._separator_count_search import (
     CountBounds,
     kept_tensors,
     least_recompute_fitting,
@@ -49,24 +52,29 @@ EXPENSIVE_KINDS = frozenset({
 })
 
 
-def check_params(checkpoints: str | Sequence[str] = "memory", max_chain: int = 4,
-                 forward_recompute: bool | None = None, **unknown) -> None:
-    """Validate checkpoint's parameters without a graph."""
-    if unknown:
-        raise ValueError(f"strategy 'checkpoint' got unknown parameters {sorted(unknown)}; "
-                         "it accepts checkpoints=, max_chain= and forward_recompute=")
-    if forward_recompute not in (None, True, False):
-        raise ValueError(f"forward_recompute must be True, False or None (automatic), "
-                         f"got {forward_recompute!r}")
-    if not isinstance(max_chain, int) or isinstance(max_chain, bool) or max_chain < 1:
-        raise ValueError(f"max_chain must be a positive int, got {max_chain!r}")
-    is_list = isinstance(checkpoints, (list, tuple)) and all(isinstance(c, str) for c in checkpoints)
-    if checkpoints not in ("memory", "speed") and not (is_list and checkpoints):
-        raise ValueError(f"checkpoints must be 'memory', 'speed' or a non-empty list of module-path "
-                         f"globs or op names, got {checkpoints!r}")
+@dataclass(frozen=True)
+class CheckpointConfig(StrategyConfig):
+    """checkpoint's parameters (see ``plan``), checked when built."""
+
+    strategy: ClassVar[str] = "checkpoint"
+    checkpoints: str | Sequence[str] = "memory"  # "memory", "speed", or globs and op names
+    max_chain: int = 4  # "speed": the longest chain of cheap ops rebuilt from one kept value
+    forward_recompute: bool | None = None  # None: only when the backward-only plan does not fit
+
+    def __post_init__(self) -> None:
+        if self.forward_recompute not in (None, True, False):
+            raise ValueError(f"forward_recompute must be True, False or None (automatic), "
+                             f"got {self.forward_recompute!r}")
+        positive_int("max_chain", self.max_chain)
+        checkpoints = self.checkpoints
+        is_list = isinstance(checkpoints, (list, tuple)) and all(
+            isinstance(c, str) for c in checkpoints)
+        if checkpoints not in ("memory", "speed") and not (is_list and checkpoints):
+            raise ValueError(f"checkpoints must be 'memory', 'speed' or a non-empty list of "
+                             f"module-path globs or op names, got {checkpoints!r}")
 
 
-@register("checkpoint")
+@register("checkpoint", config=CheckpointConfig)
 def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, *,
          checkpoints: str | Sequence[str] = "memory", max_chain: int = 4,
          forward_recompute: bool | None = None, **unknown) -> Plan:
@@ -87,7 +95,8 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, 
         ValueError: for an unknown parameter or mode, or a list that matches nothing.
         BudgetError: if no choice of checkpoints of this mode fits ``budget_bytes``.
     """
-    check_params(checkpoints, max_chain, forward_recompute, **unknown)
+    CheckpointConfig.from_params({"checkpoints": checkpoints, "max_chain": max_chain,
+                                 "forward_recompute": forward_recompute, **unknown})
     params = {"checkpoints": checkpoints, "max_chain": max_chain,
               "forward_recompute": forward_recompute}
     if checkpoints == "memory":

@@ -44,7 +44,7 @@ from memfit.model.schedule import live_buffers, lower, memory_profile
 from memfit.model.simulate import simulate
 from memfit.planning.strategies import register
 from memfit.planning.strategies._budget_checks import HOST_DROPPED, require_fit
-from memfit.planning.strategies._vdnn_layers import (
+from memfit.planning.strategies.swapping._vdnn_layers import (
     FeatureMap,
     LayerView,
     check_attention,

@@ -8,21 +8,26 @@ many times (``Plan.reruns``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from memfit.data.costgraph import CostGraph
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan, Rerun
 from memfit.model.recompute import memory_poor_reruns
 from memfit.planning.strategies import register
 from memfit.planning.strategies._budget_checks import require_fit
+from memfit.planning.strategies._strategy_config import StrategyConfig
 
 
-def check_params(**params) -> None:
+@dataclass(frozen=True)
+class MemoryPoorConfig(StrategyConfig):
     """memory-poor takes no parameters."""
-    if params:
-        raise ValueError(f"strategy 'memory-poor' takes no parameters, got {sorted(params)}")
+
+    strategy: ClassVar[str] = "memory-poor"
 
 
-@register("memory-poor")
+@register("memory-poor", config=MemoryPoorConfig)
 def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, **params) -> Plan:
     """Rebuild every forward value from the inputs before each backward op that reads it.
 
@@ -30,7 +35,7 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, 
         ValueError: if any parameter is given.
         BudgetError: if even this does not fit ``budget_bytes``.
     """
-    check_params(**params)
+    MemoryPoorConfig.from_params(params)
     reruns = tuple(Rerun(op, before) for op, before in memory_poor_reruns(graph))
     made = Plan("memory-poor", {}, graph_hash=graph.structure_hash, budget_bytes=budget_bytes,
                 hardware=hardware.name, reruns=reruns)

@@ -12,8 +12,8 @@ from memfit.data.plan import Plan, Swap
 from memfit.model.schedule import lower, peak_bytes
 from memfit.model.synthetic import Node, chain, from_forward, multi_tower, resnet_like
 from memfit.planning.strategies import get_strategy, strategy_names
-from memfit.planning.strategies.swap import plan as swap
-from tests.planning.strategies.swap_graphs import HW, MIB, control_ops, swapped
+from memfit.planning.strategies.swapping.tflms import plan as swap
+from tests.planning.strategies.swapping.swap_graphs import HW, MIB, control_ops, swapped
 
 
 def with_module_types(graph: CostGraph, module_type: dict[str, str]) -> CostGraph:

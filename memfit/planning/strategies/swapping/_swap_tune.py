@@ -45,7 +45,7 @@ from memfit.model.simulate import simulate
 from memfit.planning.strategies._budget_checks import fits
 
 if TYPE_CHECKING:
-    from memfit.planning.strategies._swap_config import SwapConfig
+    from memfit.planning.strategies.swapping._swap_config import SwapConfig
 
 Decisions = Sequence[tuple[str, Swap]]
 Decide = Callable[["SwapConfig"], list[tuple[str, Swap]]]

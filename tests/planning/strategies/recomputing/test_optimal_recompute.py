@@ -8,7 +8,8 @@ from memfit.data.plan import Plan
 from memfit.model import synthetic
 from memfit.model.simulate import simulate
 from memfit.planning.solvers.milp import solve_milp
-from memfit.planning.strategies import get_strategy, optimal_recompute
+from memfit.planning.strategies import get_strategy
+from memfit.planning.strategies.recomputing import optimal_recompute
 
 HARDWARE = get_hardware("h100-pcie")
 

@@ -7,12 +7,12 @@ from hypothesis import strategies as st
 from memfit.data.hardware import get_hardware
 from memfit.model import separators, synthetic
 from memfit.model.rerun_profile import RerunProfiler
-from memfit.planning.strategies._separator_count_search import (
+from memfit.planning.strategies.recomputing._separator_count_search import (
     CountBounds,
     least_recompute_fitting,
     lowest_peak,
 )
-from memfit.planning.strategies.checkpoint import _separator_tensors, recompute_all_but
+from memfit.planning.strategies.recomputing.checkpoint import _separator_tensors, recompute_all_but
 
 HARDWARE = get_hardware("h100-pcie")
 

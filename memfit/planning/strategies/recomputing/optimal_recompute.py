@@ -31,7 +31,8 @@ bytes). ``plan.params["solver"]`` says which plan won.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError
@@ -46,7 +47,8 @@ from memfit.planning.solvers.block_chain import nested_reruns
 from memfit.planning.solvers.milp import NODE_LIMIT, solve_milp
 from memfit.planning.strategies import register
 from memfit.planning.strategies._budget_checks import live_at_peak
-from memfit.planning.strategies._forward_recompute import recompute_in_forward
+from memfit.planning.strategies._strategy_config import StrategyConfig, positive_int
+from memfit.planning.strategies.recomputing._forward_recompute import recompute_in_forward
 from memfit.planning.tighten import tighten
 from memfit.planning.tuning import TUNING
 
@@ -56,27 +58,34 @@ POOR_MAX_FORWARD_OPS = TUNING.memory_poor_max_forward_ops  # read here, so a tes
 _TABLES: dict[tuple, tuple[segments.Blocks, list[segments.Segment]]] = {}  # small cache
 
 
-def check_params(method: str = "auto", max_ops: int = MILP_MAX_OPS, node_limit: int = NODE_LIMIT,
-                 **unknown) -> None:
-    """Validate optimal-recompute's parameters without a graph."""
-    if "time_limit_s" in unknown:
-        raise ValueError("optimal-recompute no longer takes time_limit_s: a clock made the plan "
-                         "depend on the machine's load. Bound the MILP's work with node_limit= "
-                         f"(branch-and-bound nodes, default {NODE_LIMIT}) and its size with "
-                         "max_ops=, or use method='segments'")
-    if unknown:
-        raise ValueError(f"strategy 'optimal-recompute' got unknown parameters {sorted(unknown)}; "
-                         "it accepts method=, max_ops= and node_limit=")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if not isinstance(max_ops, int) or isinstance(max_ops, bool) or max_ops < 1:
-        raise ValueError(f"max_ops must be a positive int, got {max_ops!r}")
-    if not isinstance(node_limit, int) or isinstance(node_limit, bool) or node_limit < 1:
-        raise ValueError(f"node_limit must be a positive int (branch-and-bound nodes), "
-                         f"got {node_limit!r}")
+@dataclass(frozen=True)
+class OptimalRecomputeConfig(StrategyConfig):
+    """optimal-recompute's parameters (see ``plan``), checked when built."""
+
+    strategy: ClassVar[str] = "optimal-recompute"
+    method: str = "auto"  # "milp", "segments", or "auto": the MILP up to max_ops ops
+    max_ops: int = MILP_MAX_OPS  # the largest graph handed to the MILP
+    node_limit: int = NODE_LIMIT  # HiGHS's branch-and-bound nodes: a work limit, not a clock
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        positive_int("max_ops", self.max_ops)
+        positive_int("node_limit", self.node_limit, " (branch-and-bound nodes)")
+
+    @classmethod
+    def unknown_parameters(cls, unknown: list[str]) -> ValueError:
+        """``time_limit_s`` was a parameter once: say what replaced it."""
+        if "time_limit_s" in unknown:
+            return ValueError(
+                "optimal-recompute no longer takes time_limit_s: a clock made the plan depend on "
+                "the machine's load. Bound the MILP's work with node_limit= (branch-and-bound "
+                f"nodes, default {NODE_LIMIT}) and its size with max_ops=, or use "
+                "method='segments'")
+        return super().unknown_parameters(unknown)
 
 
-@register("optimal-recompute")
+@register("optimal-recompute", config=OptimalRecomputeConfig)
 def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, *,
          method: str = "auto", max_ops: int = MILP_MAX_OPS, node_limit: int = NODE_LIMIT,
          **unknown) -> Plan:
@@ -95,7 +104,8 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, 
         BudgetError: if no recomputation schedule fits the budget; planning again at its
             ``minimum_bytes`` fits.
     """
-    check_params(method, max_ops, node_limit, **unknown)
+    OptimalRecomputeConfig.from_params({"method": method, "max_ops": max_ops,
+                                       "node_limit": node_limit, **unknown})
     if budget_bytes is None:
         raise ValueError("optimal-recompute needs a budget: memfit.compile(..., budget='0.5')")
     params = {"method": method, "max_ops": max_ops, "node_limit": node_limit}
@@ -289,7 +299,7 @@ def priced_segments(graph: CostGraph) -> tuple[segments.Blocks, list[segments.Se
     key = (graph.structure_hash, tuple(op.time_s for op in graph.ops))
     cached = _TABLES.get(key)  # one read: another thread may clear the cache at any moment
     if cached is None:
-        from memfit.planning.strategies.checkpoint import _speed_checkpoints
+        from memfit.planning.strategies.recomputing.checkpoint import _speed_checkpoints
 
         blocks = segments.find_blocks(graph, max_blocks=TUNING.segment_max_blocks)
         cached = (blocks, segments.segment_table(graph, blocks, _speed_checkpoints(graph, 4)))
@@ -300,7 +310,7 @@ def priced_segments(graph: CostGraph) -> tuple[segments.Blocks, list[segments.Se
 
 def _checkpoint_recomputed(graph: CostGraph, hardware: Hardware, budget_bytes: int,
                            mode: str) -> frozenset[str] | None:
-    from memfit.planning.strategies.checkpoint import plan as checkpoint
+    from memfit.planning.strategies.recomputing.checkpoint import plan as checkpoint
 
     try:
         made = checkpoint(graph, hardware, budget_bytes, checkpoints=mode)
@@ -310,6 +320,6 @@ def _checkpoint_recomputed(graph: CostGraph, hardware: Hardware, budget_bytes: i
 
 
 def _memory_poor(graph: CostGraph) -> Plan:
-    from memfit.planning.strategies.memory_poor import plan as memory_poor
+    from memfit.planning.strategies.recomputing.memory_poor import plan as memory_poor
 
     return memory_poor(graph, Hardware("none", {"float32": 1.0}, 1.0, 1.0, 1.0))

@@ -18,7 +18,7 @@ from memfit.data.plan import Plan
 from memfit.model.schedule import lower, memory_profile
 from memfit.model.simulate import simulate
 from memfit.planning.strategies import get_strategy
-from memfit.planning.strategies._forward_recompute import recompute_in_forward
+from memfit.planning.strategies.recomputing._forward_recompute import recompute_in_forward
 from tests.measured_peaks import assert_measured_as_predicted, assert_within_budget
 
 MiB = 1 << 20

@@ -29,7 +29,7 @@ from memfit.data.hardware import Hardware
 from memfit.data.plan import Decision, Plan, Swap, SwapIn
 from memfit.model.host_memory import within_host
 from memfit.planning.strategies._budget_checks import host_params, require_fit
-from memfit.planning.strategies._vdnn_layers import FeatureMap, LayerView
+from memfit.planning.strategies.swapping._vdnn_layers import FeatureMap, LayerView
 
 NAME = "jit-swap"
 

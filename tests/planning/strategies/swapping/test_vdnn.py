@@ -24,7 +24,11 @@ from memfit.model.schedule import check_plan
 from memfit.model.simulate import simulate
 from memfit.model.synthetic import chain, multi_tower, random_dag, resnet_like
 from memfit.planning.strategies import check_params, get_strategy, strategy_names
-from memfit.planning.strategies._vdnn_layers import attention_backend, is_convolution, layer_runs
+from memfit.planning.strategies.swapping._vdnn_layers import (
+    attention_backend,
+    is_convolution,
+    layer_runs,
+)
 from tests.measured_peaks import assert_within_budget
 
 POLICIES = ("vdnn_all", "vdnn_conv", "vdnn_dyn")

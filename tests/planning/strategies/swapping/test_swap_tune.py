@@ -17,10 +17,10 @@ from memfit.model.schedule import check_plan, lower, memory_profile, peak_bytes
 from memfit.model.simulate import simulate
 from memfit.model.synthetic import chain, random_dag
 from memfit.planning.strategies import get_strategy
-from memfit.planning.strategies._swap_control import OpGraph
-from memfit.planning.strategies._swap_tune import PeakModel, step_time_s
-from memfit.planning.strategies.swap import plan as swap
-from tests.planning.strategies.swap_graphs import HW, MIB, unet
+from memfit.planning.strategies.swapping._swap_control import OpGraph
+from memfit.planning.strategies.swapping._swap_tune import PeakModel, step_time_s
+from memfit.planning.strategies.swapping.tflms import plan as swap
+from tests.planning.strategies.swapping.swap_graphs import HW, MIB, unet
 
 # ---- tuning to a budget ----------------------------------------------------------------------------
 
