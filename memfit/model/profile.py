@@ -1,0 +1,276 @@
+"""One memory model, incremental: the Keep plan's profile once per graph, and the change a set of
+decisions makes to it, priced in numpy without lowering the whole program.
+
+Why: ``lower`` + ``memory_profile`` (and ``simulate``) are the truth, but they build every action of
+the step, so the planners that price hundreds of plans grew their own fast copies of the model
+(``_swap_tune.PeakModel`` and ``step_time_s``, ``RerunProfiler``, ``_free_swaps``' queue replay,
+``_separator_count_search``'s bounds). This module is meant to replace them all (the plan:
+``docs/design/memory_model.md``). The prototype prices *swap* decisions (each copy serving ops
+that run after its control op): the questions ``_swap_tune`` asks. Re-runs come next.
+
+How: every action of ``lower(graph, plan)`` has an integer *key* that sorts in program order,
+found without building the action list: ``position * STRIDE + slot``, where an op's group of
+actions holds, in order, the re-runs placed before it (``slot`` = their rank), the waits before
+it (``WAIT``), its compute (``COMPUTE``), its swap-outs (``SWAP_OUT``) and the swap-ins issued
+after it (``SWAP_IN``). A buffer is live from the key of the action that allocates it to the key
+of its last reader, both included (``memory_profile`` frees right after the last read). A set
+of decisions is a list of changed lifetimes: ``(first key, last key, signed bytes)``. The bytes
+live while an action runs are the Keep plan's there (``BaseProfile``: per op, before its
+compute, while it runs, after it) plus the changes covering its key. The peak is at an action
+that allocates; for swaps, at an op's compute: the Keep plan's high bytes plus the change,
+maximised over each piece of the change's step function with a range-maximum table. So a query
+costs O(m log m) in the m changes, not O(ops). (Re-runs allocate between ops: their deltas will
+add the first action of each changed lifetime as a candidate, at the Keep plan's live bytes.)
+
+Example:
+    >>> from memfit.model import synthetic
+    >>> from memfit.model.schedule import peak_bytes
+    >>> graph = synthetic.chain(4)
+    >>> base = BaseProfile.of(graph)
+    >>> base.peak_bytes(base.swaps([])) == peak_bytes(graph, Plan("keep"))
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from memfit.data.costgraph import CostGraph
+from memfit.data.hardware import Hardware
+from memfit.data.plan import Plan, Swap
+from memfit.model.schedule import lower, memory_profile
+from memfit.model.sharding import COLLECTIVE_KINDS
+from memfit.model.sharding import WAIT as COMM_WAIT
+
+STRIDE = 1 << 22  # keys per op: room for a million re-runs before one op
+WAIT = (1 << 20) - 1  # waits come after the re-runs (slots 0..) and before the compute
+COMPUTE = 1 << 20
+SWAP_OUT = COMPUTE + 1
+SWAP_IN = COMPUTE + 2
+MISSING = np.iinfo(np.int64).min // 2  # the maximum of no values
+
+
+@dataclass(frozen=True)
+class SwapDelta:
+    """The change a list of swap decisions makes to the Keep plan, per decision in order.
+
+    Args:
+        first_key, last_key, size_bytes: changed lifetimes (a negative size removes bytes);
+            those of decision ``i`` are ``[ends[i], ends[i + 1])``.
+        ends: ``ends[k]``: how many changed lifetimes the first ``k`` decisions make.
+        copies: per decision, its copies for the clock: ``(key, tie, kind, tensor, copy, bytes)``
+            with kind ``"swap_out"``, ``"swap_in"`` or ``"wait"``.
+    """
+
+    first_key: np.ndarray
+    last_key: np.ndarray
+    size_bytes: np.ndarray
+    ends: tuple[int, ...]
+    copies: tuple[tuple[tuple[int, int, str, str, int, int], ...], ...]
+
+    def __len__(self) -> int:
+        return len(self.ends) - 1
+
+
+class BaseProfile:
+    """The Keep plan's memory profile and compute clock of one graph, and queries of the change
+    a set of decisions makes to them.
+
+    Built from ``memory_profile(lower(graph, Plan("keep")))`` itself (one compute action per op),
+    so the base cannot drift from the truth; ``BaseProfile.of`` builds it once per graph.
+    """
+
+    def __init__(self, graph: CostGraph) -> None:
+        profile = memory_profile(lower(graph, Plan("keep")))
+        self.graph, self.op_count = graph, len(graph.ops)
+        self.resident_bytes, self.keep_peak_bytes = graph.resident_bytes, profile.peak_bytes
+        self.high_bytes = np.asarray(profile.high_bytes, dtype=np.int64)  # while op k runs
+        self.live_after = np.asarray(profile.live_bytes, dtype=np.int64)  # after op k
+        self._range_max = _RangeMax(self.high_bytes)
+        index = graph.index
+        self.produced_at = {name: index[t.producer] for name, t in graph.tensors.items()
+                            if t.producer is not None}
+        self.last_key = {  # the Keep plan's lifetimes of the buffers it frees
+            name: _key(max([at, *(index[c] for c in graph.tensors[name].consumers)]), COMPUTE)
+            for name, at in self.produced_at.items() if not graph.tensors[name].is_output
+        }
+        times = np.asarray([op.time_s for op in graph.ops], dtype=float)
+        self.compute_end_s = np.cumsum(times)  # sequential, as the simulator's clock adds
+        self.compute_start_s = np.concatenate(([0.0], self.compute_end_s[:-1]))
+        self.has_collectives = any(op.kind in COLLECTIVE_KINDS or op.kind == COMM_WAIT
+                                   for op in graph.ops)
+
+    @classmethod
+    def of(cls, graph: CostGraph) -> BaseProfile:
+        """The graph's base profile, built once (a graph is frozen, so it never goes stale)."""
+        return graph.remembered("base profile", lambda: cls(graph))
+
+    def swaps(self, decisions: Sequence[tuple[str, Swap]]) -> SwapDelta:
+        """The changed lifetimes and copies of ``decisions``, in order (``lower``'s order of the
+        swap-ins issued after one op is the decisions' order).
+
+        Raises:
+            ValueError: for a swap-in that feeds re-runs (not modelled yet: the plan of
+                ``docs/design/memory_model.md``, step 3).
+        """
+        first: list[int] = []
+        last: list[int] = []
+        size: list[int] = []
+        ends = [0]
+        copies = []
+        for sequence, (name, swap) in enumerate(decisions):
+            found = self._swap(name, swap, sequence)
+            first += found[0]
+            last += found[1]
+            size += found[2]
+            ends.append(len(first))
+            copies.append(found[3])
+        return SwapDelta(np.asarray(first, dtype=np.int64), np.asarray(last, dtype=np.int64),
+                         np.asarray(size, dtype=np.int64), tuple(ends), tuple(copies))
+
+    def _swap(self, name: str, swap: Swap, sequence: int
+              ) -> tuple[list[int], list[int], list[int], tuple]:
+        """One swapped tensor: the original now lives to its swap-out or its last unserved
+        reader; each copy from its swap-in to its last reader."""
+        graph, index = self.graph, self.graph.index
+        tensor = graph.tensors[name]
+        produced_at, size_bytes = self.produced_at[name], tensor.size_bytes
+        output_rank = graph.ops[produced_at].outputs.index(name)
+        served = {c for swap_in in swap.swap_ins for c in swap_in.consumers}
+        unserved = [index[c] for c in tensor.consumers if c not in served]
+        kept_to = _key(max(unserved), COMPUTE) if unserved else _key(produced_at, SWAP_OUT)
+        start = _key(produced_at, COMPUTE)
+        first, last, size = [start, start], [self.last_key[name], kept_to], [-size_bytes, size_bytes]
+        copies = [(_key(produced_at, SWAP_OUT), output_rank, "swap_out", name, -1, size_bytes)]
+        for copy, swap_in in enumerate(swap.swap_ins):
+            issued_at = index[swap_in.after]
+            readers = [index[c] for c in swap_in.consumers]
+            if min(readers) <= issued_at:
+                raise ValueError(f"the swap-in of {name!r} after {swap_in.after!r} feeds re-runs, "
+                                 "which the incremental profile does not model yet")
+            first.append(_key(issued_at, SWAP_IN))
+            last.append(_key(max(readers), COMPUTE))
+            size.append(size_bytes)
+            tie = sequence * 1024 + copy  # lower's order of the swap-ins after one op
+            copies.append((_key(issued_at, SWAP_IN), tie, "swap_in", name, copy, size_bytes))
+            copies.append((_key(min(readers), WAIT), 0, "wait", name, copy, size_bytes))
+        return first, last, size, tuple(copies)
+
+    def peak_bytes(self, delta: SwapDelta, count: int | None = None, method: str = "auto") -> int:
+        """``memory_profile(lower(graph, plan)).peak_bytes`` of the plan of the first ``count``
+        decisions of ``delta`` (default: all).
+
+        Args:
+            method: ``"dense"`` adds the change to every op's high bytes (O(ops + m), the
+                fastest while the change is not much smaller than the graph); ``"sparse"``
+                maximises over the pieces of the change's step function (O(m log m), for a few
+                decisions on a long step); ``"auto"`` (default) picks by size. Same answer.
+        """
+        end = delta.ends[len(delta) if count is None else count]
+        if not end:
+            return self.keep_peak_bytes
+        first, last, size = delta.first_key[:end], delta.last_key[:end], delta.size_bytes[:end]
+        # for swaps the peak is at some op's compute: a copy swapped in after op c is live
+        # while op c + 1 runs, whose high bytes start from the bytes live after op c
+        if method == "dense" or (method == "auto" and not self._sparse_pays(end)):
+            return self._dense_peak(first, last, size)
+        points = np.concatenate((first, last + 1))
+        order = np.argsort(points, kind="stable")
+        points = points[order]
+        level = np.cumsum(np.concatenate((size, -size))[order])  # the change on [p_i, p_i+1)
+        # the ops whose compute lies in each piece (before the first point the change is 0)
+        ops = np.clip(-(-(points - COMPUTE) // STRIDE), 0, self.op_count)
+        low = np.concatenate(([0], ops))
+        high = np.concatenate((ops, [self.op_count]))
+        at_compute = self._range_max(low, high) + np.concatenate(([0], level))
+        return int(max(self.resident_bytes, at_compute.max()))
+
+    def _sparse_pays(self, changes: int) -> bool:
+        """Measured (``bench/profile_speed.py``): the sparse path's fixed cost (~40 us) loses to
+        the dense one's pass below ~10,000 ops; on 24,450 ops it won up to ~40 changes (10
+        swaps: 51 vs 90 us) and lost at ~400 (100 swaps: 168 vs 97 us)."""
+        return self.op_count > 8192 and 256 * changes < self.op_count
+
+    def _dense_peak(self, first: np.ndarray, last: np.ndarray, size: np.ndarray) -> int:
+        """The peak from the change at every op's compute: each changed lifetime covers the
+        computes from the first at or after its first key to the last at or before its last."""
+        covered_from = -(-(first - COMPUTE) // STRIDE)
+        covered_to = (last - COMPUTE) // STRIDE + 1
+        change = np.zeros(self.op_count + 1, dtype=np.int64)
+        np.add.at(change, covered_from, size)
+        np.add.at(change, covered_to, -size)
+        return int(max(self.resident_bytes, (self.high_bytes + np.cumsum(change[:-1])).max()))
+
+    def step_time_s(self, delta: SwapDelta, hardware: Hardware, count: int | None = None) -> float:
+        """``simulate(graph, plan, hardware).step_time_s`` of the first ``count`` decisions'
+        plan (default: all), to rounding: a stall is added to the Keep plan's compute clock
+        instead of re-adding every later op's time. Walks the copies, not the ops.
+
+        Raises:
+            ValueError: for a graph with collectives (their stream is not modelled yet).
+        """
+        if self.has_collectives:
+            raise ValueError("the incremental clock does not model collectives yet: simulate")
+        copies = [c for decision in delta.copies[:len(delta) if count is None else count]
+                  for c in decision]
+        if not hardware.async_copies:  # every copy runs on the compute thread
+            copy_s = sum(hardware.d2h_time_s(c[5]) if c[2] == "swap_out" else hardware.h2d_time_s(c[5])
+                         for c in copies if c[2] != "wait")
+            return float(self.compute_end_s[-1]) + copy_s if self.op_count else copy_s
+        return self._async_time_s(sorted(copies), hardware)
+
+    def _async_time_s(self, copies: list[tuple[int, int, str, str, int, int]],
+                      hardware: Hardware) -> float:
+        """The simulator's four-stream clock over the copies in program order: compute ends
+        are the Keep plan's plus the stalls so far."""
+        stall_s = d2h_free = h2d_free = 0.0
+        out_end: dict[str, float] = {}
+        in_end: dict[tuple[str, int], float] = {}
+        duplex, end_s = hardware.duplex, self.compute_end_s
+        for key, _, kind, tensor, copy, size_bytes in copies:
+            op = key // STRIDE
+            if kind == "wait":
+                landed = in_end[(tensor, copy)]
+                if landed > self.compute_start_s[op] + stall_s:
+                    stall_s = landed - self.compute_start_s[op]
+            elif kind == "swap_out":
+                start = max(end_s[op] + stall_s, d2h_free)
+                d2h_free = out_end[tensor] = start + hardware.d2h_time_s(size_bytes)
+                h2d_free = h2d_free if duplex else d2h_free
+            else:
+                start = max(end_s[op] + stall_s, out_end[tensor], h2d_free)
+                h2d_free = in_end[(tensor, copy)] = start + hardware.h2d_time_s(size_bytes)
+                d2h_free = d2h_free if duplex else h2d_free
+        compute_s = float(end_s[-1]) + stall_s if self.op_count else stall_s
+        return max(compute_s, d2h_free, h2d_free)
+
+
+def _key(position: int, slot: int) -> int:
+    return position * STRIDE + slot
+
+
+class _RangeMax:
+    """Maximum of ``values[low:high]`` for many ranges at once (a sparse table: log n arrays of
+    the maxima of power-of-two windows, built once)."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        levels = [values if len(values) else np.full(1, MISSING, dtype=np.int64)]
+        width = 1
+        while 2 * width <= len(levels[0]):
+            levels.append(np.maximum(levels[-1][:-width], levels[-1][width:]))
+            width *= 2
+        self.table = np.full((len(levels), len(levels[0])), MISSING, dtype=np.int64)
+        for level, maxima in enumerate(levels):
+            self.table[level, : len(maxima)] = maxima
+
+    def __call__(self, low: np.ndarray, high: np.ndarray) -> np.ndarray:
+        """Per range, its maximum; ``MISSING`` for an empty range."""
+        length = high - low
+        empty = length <= 0
+        level = np.floor(np.log2(np.maximum(length, 1))).astype(np.int64)
+        low = np.where(empty, 0, low)
+        right = np.where(empty, 0, high - (1 << level))
+        return np.where(empty, MISSING, np.maximum(self.table[level, low], self.table[level, right]))
