@@ -15,12 +15,13 @@ it (``WAIT``), its compute (``COMPUTE``), its swap-outs (``SWAP_OUT``) and the s
 after it (``SWAP_IN``). A buffer is live from the key of the action that allocates it to the key
 of its last reader, both included (``memory_profile`` frees right after the last read). A set
 of decisions is a list of changed lifetimes: ``(first key, last key, signed bytes)``. The bytes
-live while an action runs are the Keep plan's there (``BaseProfile``: per op, before its
-compute, while it runs, after it) plus the changes covering its key. The peak is at an action
-that allocates; for swaps, at an op's compute: the Keep plan's high bytes plus the change,
-maximised over each piece of the change's step function with a range-maximum table. So a query
-costs O(m log m) in the m changes, not O(ops). (Re-runs allocate between ops: their deltas will
-add the first action of each changed lifetime as a candidate, at the Keep plan's live bytes.)
+live while an action runs are the Keep plan's there (``BaseProfile``: per op, while it runs and
+after it) plus the changes covering its key. The peak is at an action that allocates; for swaps,
+at an op's compute. ``peak_bytes`` adds the change to every op's high bytes (dense, O(ops + m)
+for m changes), or maximises over each piece of the change's step function with a range-maximum
+table of the Keep plan's high bytes (sparse, O(m log m), whatever the step's length). (Re-runs
+allocate between ops: their changes will add the first action of each changed lifetime as a
+candidate, at the Keep plan's live bytes before the op plus the change.)
 
 Example:
     >>> from memfit.model import synthetic
