@@ -1,18 +1,23 @@
-"""Micro-benchmark: the incremental profile (``memfit.model.profile``) against the copy it would
-replace (``_swap_tune.PeakModel`` and ``step_time_s``) and the truth (``lower`` +
-``memory_profile``, ``simulate``), answering the TFLMS tuner's questions on one synthetic graph.
+"""Micro-benchmark: the incremental profile (``memfit.model.profile``) against the copy it
+replaced (``_swap_tune.PeakModel`` and ``step_time_s``, loaded from a file of an older tree) and
+the truth (``lower`` + ``memory_profile``, ``simulate``), answering the TFLMS tuner's questions on
+one synthetic graph.
 
-Run: ``python -m bench.profile_speed [ops_in_forward]`` (seconds). Prints medians of repeated
-timings; every answer is checked equal (peaks to the byte, times to 1e-12) before it is timed.
-Not part of ``bench/run.py``: the design's groundwork, see ``docs/design/memory_model.md``.
+Run: ``python -m bench.profile_speed OPS_IN_FORWARD OLD_SWAP_TUNE_PY`` (seconds), e.g. ``820``
+(2,007 ops) and a file made by
+``git show 2419219:memfit/planning/strategies/swapping/_swap_tune.py > /tmp/old_swap_tune.py``.
+Prints medians of repeated timings; every answer is checked equal (peaks to the byte, times to the
+bit) before it is timed. Not part of ``bench/run.py``: see ``docs/design/memory_model.md``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from types import ModuleType
 
 from memfit.data.hardware import get_hardware
 from memfit.data.plan import Plan
@@ -20,7 +25,6 @@ from memfit.model import synthetic
 from memfit.model.profile import BaseProfile
 from memfit.model.schedule import peak_bytes
 from memfit.model.simulate import simulate
-from memfit.planning.strategies.swapping._swap_tune import PeakModel, step_time_s
 from memfit.planning.strategies.swapping.tflms import plan as tflms
 
 HARDWARE = get_hardware("h100-pcie")
@@ -36,7 +40,19 @@ def median_s(run: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def main(forward_ops: int = 820, seed: int = 1) -> None:
+def load_copy(path: str) -> ModuleType:
+    """The old ``_swap_tune`` module (with ``PeakModel`` and ``step_time_s``) from ``path``."""
+    spec = importlib.util.spec_from_file_location("old_swap_tune", path)
+    assert spec and spec.loader, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["old_swap_tune"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(forward_ops: int, copy_path: str, seed: int = 1) -> None:
+    old = load_copy(copy_path)
+    PeakModel, step_time_s = old.PeakModel, old.step_time_s  # noqa: N806 (class from a module)
     graph = synthetic.random_dag(forward_ops, seed=seed)
     decisions = list(tflms(graph, HARDWARE, n_tensors=-1).decisions.items())
     print(f"graph {graph.name}: {len(graph.ops)} ops, {len(decisions)} swap candidates")
@@ -57,7 +73,7 @@ def main(forward_ops: int = 820, seed: int = 1) -> None:
     for count in sorted({10, len(decisions)}):
         plan = Plan("prefix", dict(decisions[:count]))
         truth_s = simulate(graph, plan, HARDWARE, record_intervals=False).step_time_s
-        assert abs(base.step_time_s(delta, HARDWARE, count) - truth_s) <= 1e-12 * truth_s
+        assert base.step_time_s(delta, HARDWARE, count) == truth_s
         rows.append((f"step time, first {count} decisions",
                      lambda p=plan: step_time_s(graph, p, HARDWARE),
                      lambda c=count: base.step_time_s(delta, HARDWARE, c),
@@ -71,4 +87,6 @@ def main(forward_ops: int = 820, seed: int = 1) -> None:
 
 
 if __name__ == "__main__":
-    main(*map(int, sys.argv[1:]))
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    main(int(sys.argv[1]), sys.argv[2])

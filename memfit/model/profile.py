@@ -3,10 +3,11 @@ decisions makes to it, priced in numpy without lowering the whole program.
 
 Why: ``lower`` + ``memory_profile`` (and ``simulate``) are the truth, but they build every action of
 the step, so the planners that price hundreds of plans grew their own fast copies of the model
-(``_swap_tune.PeakModel`` and ``step_time_s``, ``RerunProfiler``, ``_free_swaps``' queue replay,
-``_separator_count_search``'s bounds). This module is meant to replace them all (the plan:
-``docs/design/memory_model.md``). The prototype prices *swap* decisions (each copy serving ops
-that run after its control op): the questions ``_swap_tune`` asks. Re-runs come next.
+(``RerunProfiler``, ``_free_swaps``' queue replay, ``_separator_count_search``'s bounds, and
+``_swap_tune``'s ``PeakModel`` and ``step_time_s``, which this module replaced). It is meant to
+replace them all (the plan: ``docs/design/memory_model.md``). So far it prices *swap* decisions
+(each copy serving ops that run after its control op): the questions the TFLMS tuner asks.
+Re-runs come next.
 
 How: every action of ``lower(graph, plan)`` has an integer *key* that sorts in program order,
 found without building the action list: ``position * STRIDE + slot``, where an op's group of
@@ -34,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,6 +56,9 @@ SWAP_IN = COMPUTE + 2
 MISSING = np.iinfo(np.int64).min // 2  # the maximum of no values
 
 
+Copy = tuple[int, int, str, str, int, int]  # (key, tie, kind, tensor, copy number, bytes)
+
+
 @dataclass(frozen=True)
 class SwapDelta:
     """The change a list of swap decisions makes to the Keep plan, per decision in order.
@@ -62,15 +67,15 @@ class SwapDelta:
         first_key, last_key, size_bytes: changed lifetimes (a negative size removes bytes);
             those of decision ``i`` are ``[ends[i], ends[i + 1])``.
         ends: ``ends[k]``: how many changed lifetimes the first ``k`` decisions make.
-        copies: per decision, its copies for the clock: ``(key, tie, kind, tensor, copy, bytes)``
-            with kind ``"swap_out"``, ``"swap_in"`` or ``"wait"``.
+        decisions: the decisions (their copies are found when a step time is asked for: the
+            tuner asks for every prefix's peak but only a few plans' times).
     """
 
     first_key: np.ndarray
     last_key: np.ndarray
     size_bytes: np.ndarray
     ends: tuple[int, ...]
-    copies: tuple[tuple[tuple[int, int, str, str, int, int], ...], ...]
+    decisions: tuple[tuple[str, Swap], ...]
 
     def __len__(self) -> int:
         return len(self.ends) - 1
@@ -95,12 +100,12 @@ class BaseProfile:
         self.produced_at = {name: index[t.producer] for name, t in graph.tensors.items()
                             if t.producer is not None}
         self.last_key = {  # the Keep plan's lifetimes of the buffers it frees
-            name: _key(max([at, *(index[c] for c in graph.tensors[name].consumers)]), COMPUTE)
+            name: max([at, *(index[c] for c in graph.tensors[name].consumers)]) * STRIDE + COMPUTE
             for name, at in self.produced_at.items() if not graph.tensors[name].is_output
         }
-        times = np.asarray([op.time_s for op in graph.ops], dtype=float)
-        self.compute_end_s = np.cumsum(times)  # sequential, as the simulator's clock adds
-        self.compute_start_s = np.concatenate(([0.0], self.compute_end_s[:-1]))
+        self.op_time_s = np.asarray([op.time_s for op in graph.ops], dtype=float)
+        self.keep_end_s = np.cumsum(self.op_time_s)  # the Keep plan's compute clock
+        self.op_times = self.op_time_s.tolist()  # for additions one at a time
         self.has_collectives = any(op.kind in COLLECTIVE_KINDS or op.kind == COMM_WAIT
                                    for op in graph.ops)
 
@@ -110,8 +115,7 @@ class BaseProfile:
         return graph.remembered("base profile", lambda: cls(graph))
 
     def swaps(self, decisions: Sequence[tuple[str, Swap]]) -> SwapDelta:
-        """The changed lifetimes and copies of ``decisions``, in order (``lower``'s order of the
-        swap-ins issued after one op is the decisions' order).
+        """The changed lifetimes of ``decisions``, in order.
 
         Raises:
             ValueError: for a swap-in that feeds re-runs (not modelled yet: the plan of
@@ -121,44 +125,53 @@ class BaseProfile:
         last: list[int] = []
         size: list[int] = []
         ends = [0]
-        copies = []
-        for sequence, (name, swap) in enumerate(decisions):
-            found = self._swap(name, swap, sequence)
-            first += found[0]
-            last += found[1]
-            size += found[2]
+        for name, swap in decisions:
+            self._swap(name, swap, first, last, size)
             ends.append(len(first))
-            copies.append(found[3])
         return SwapDelta(np.asarray(first, dtype=np.int64), np.asarray(last, dtype=np.int64),
-                         np.asarray(size, dtype=np.int64), tuple(ends), tuple(copies))
+                         np.asarray(size, dtype=np.int64), tuple(ends), tuple(decisions))
 
-    def _swap(self, name: str, swap: Swap, sequence: int
-              ) -> tuple[list[int], list[int], list[int], tuple]:
-        """One swapped tensor: the original now lives to its swap-out or its last unserved
-        reader; each copy from its swap-in to its last reader."""
-        graph, index = self.graph, self.graph.index
-        tensor = graph.tensors[name]
+    def _swap(self, name: str, swap: Swap, first: list[int], last: list[int],
+              size: list[int]) -> None:
+        """One swapped tensor's changed lifetimes: the original now lives to its swap-out or its
+        last unserved reader; each copy from its swap-in to its last reader. (The tuner's
+        hot loop: keys are computed inline.)"""
+        index = self.graph.index
+        tensor = self.graph.tensors[name]
         produced_at, size_bytes = self.produced_at[name], tensor.size_bytes
-        output_rank = graph.ops[produced_at].outputs.index(name)
         served = {c for swap_in in swap.swap_ins for c in swap_in.consumers}
-        unserved = [index[c] for c in tensor.consumers if c not in served]
-        kept_to = _key(max(unserved), COMPUTE) if unserved else _key(produced_at, SWAP_OUT)
-        start = _key(produced_at, COMPUTE)
-        first, last, size = [start, start], [self.last_key[name], kept_to], [-size_bytes, size_bytes]
-        copies = [(_key(produced_at, SWAP_OUT), output_rank, "swap_out", name, -1, size_bytes)]
-        for copy, swap_in in enumerate(swap.swap_ins):
+        unserved = max((index[c] for c in tensor.consumers if c not in served), default=-1)
+        start = produced_at * STRIDE + COMPUTE
+        first += (start, start)
+        last += (self.last_key[name],
+                 unserved * STRIDE + COMPUTE if unserved >= 0 else produced_at * STRIDE + SWAP_OUT)
+        size += (-size_bytes, size_bytes)
+        for swap_in in swap.swap_ins:
             issued_at = index[swap_in.after]
             readers = [index[c] for c in swap_in.consumers]
             if min(readers) <= issued_at:
                 raise ValueError(f"the swap-in of {name!r} after {swap_in.after!r} feeds re-runs, "
                                  "which the incremental profile does not model yet")
-            first.append(_key(issued_at, SWAP_IN))
-            last.append(_key(max(readers), COMPUTE))
+            first.append(issued_at * STRIDE + SWAP_IN)
+            last.append(max(readers) * STRIDE + COMPUTE)
             size.append(size_bytes)
-            tie = sequence * 1024 + copy  # lower's order of the swap-ins after one op
-            copies.append((_key(issued_at, SWAP_IN), tie, "swap_in", name, copy, size_bytes))
-            copies.append((_key(min(readers), WAIT), 0, "wait", name, copy, size_bytes))
-        return first, last, size, tuple(copies)
+
+    def _copies(self, decisions: Sequence[tuple[str, Swap]]) -> list[Copy]:
+        """The copies and waits of ``decisions`` in ``lower``'s order: by key, swap-outs in the
+        order of their op's outputs, swap-ins issued after one op in the decisions' order."""
+        graph, index = self.graph, self.graph.index
+        copies: list[Copy] = []
+        for sequence, (name, swap) in enumerate(decisions):
+            produced_at, size_bytes = self.produced_at[name], graph.tensors[name].size_bytes
+            rank = graph.ops[produced_at].outputs.index(name)
+            copies.append((_key(produced_at, SWAP_OUT), rank, "swap_out", name, -1, size_bytes))
+            for copy, swap_in in enumerate(swap.swap_ins):
+                tie = sequence * 1024 + copy
+                copies.append((_key(index[swap_in.after], SWAP_IN), tie, "swap_in", name, copy,
+                               size_bytes))
+                first_reader = min(index[c] for c in swap_in.consumers)
+                copies.append((_key(first_reader, WAIT), 0, "wait", name, copy, size_bytes))
+        return sorted(copies)
 
     def peak_bytes(self, delta: SwapDelta, count: int | None = None, method: str = "auto") -> int:
         """``memory_profile(lower(graph, plan)).peak_bytes`` of the plan of the first ``count``
@@ -207,46 +220,102 @@ class BaseProfile:
 
     def step_time_s(self, delta: SwapDelta, hardware: Hardware, count: int | None = None) -> float:
         """``simulate(graph, plan, hardware).step_time_s`` of the first ``count`` decisions'
-        plan (default: all), to rounding: a stall is added to the Keep plan's compute clock
-        instead of re-adding every later op's time. Walks the copies, not the ops.
+        plan (default: all), to the bit: the same additions in the same order, the ops' in
+        numpy (the Keep plan's clock until a copy stalls compute, then a running sum restarted
+        at each stall) and the copies' in Python.
 
         Raises:
             ValueError: for a graph with collectives (their stream is not modelled yet).
         """
         if self.has_collectives:
             raise ValueError("the incremental clock does not model collectives yet: simulate")
-        copies = [c for decision in delta.copies[:len(delta) if count is None else count]
-                  for c in decision]
-        if not hardware.async_copies:  # every copy runs on the compute thread
-            copy_s = sum(hardware.d2h_time_s(c[5]) if c[2] == "swap_out" else hardware.h2d_time_s(c[5])
-                         for c in copies if c[2] != "wait")
-            return float(self.compute_end_s[-1]) + copy_s if self.op_count else copy_s
-        return self._async_time_s(sorted(copies), hardware)
+        copies = self._copies(delta.decisions[:len(delta) if count is None else count])
+        if not hardware.async_copies:
+            return self._sync_time_s(copies, hardware)
+        return self._async_time_s(copies, hardware)
 
-    def _async_time_s(self, copies: list[tuple[int, int, str, str, int, int]],
+    def _sync_time_s(self, copies: list[Copy],
+                     hardware: Hardware) -> float:
+        """Every copy runs on the compute thread: one running sum over the actions' durations
+        in program order (a copy right after the op it follows)."""
+        moved = [c for c in copies if c[2] != "wait"]
+        after = [c[0] // STRIDE + 1 for c in moved]
+        copy_s = [hardware.d2h_time_s(c[5]) if c[2] == "swap_out" else hardware.h2d_time_s(c[5])
+                  for c in moved]
+        durations = np.insert(self.op_time_s, after, copy_s) if moved else self.op_time_s
+        return float(np.cumsum(np.concatenate(([0.0], durations)))[-1])
+
+    def _async_time_s(self, copies: list[Copy],
                       hardware: Hardware) -> float:
-        """The simulator's four-stream clock over the copies in program order: compute ends
-        are the Keep plan's plus the stalls so far."""
-        stall_s = d2h_free = h2d_free = 0.0
+        """The simulator's four-stream clock over the copies in program order; the compute
+        stream's ends come from ``_ComputeClock``."""
+        d2h_free = h2d_free = 0.0
         out_end: dict[str, float] = {}
         in_end: dict[tuple[str, int], float] = {}
-        duplex, end_s = hardware.duplex, self.compute_end_s
+        wait_ops = sorted({c[0] // STRIDE for c in copies if c[2] == "wait"})
+        clock = _ComputeClock(self.op_times, self.keep_end_s, wait_ops)
+        duplex = hardware.duplex
         for key, _, kind, tensor, copy, size_bytes in copies:
             op = key // STRIDE
             if kind == "wait":
-                landed = in_end[(tensor, copy)]
-                if landed > self.compute_start_s[op] + stall_s:
-                    stall_s = landed - self.compute_start_s[op]
+                clock.wait(op, in_end[(tensor, copy)])
             elif kind == "swap_out":
-                start = max(end_s[op] + stall_s, d2h_free)
+                start = max(clock.end_s(op), d2h_free)
                 d2h_free = out_end[tensor] = start + hardware.d2h_time_s(size_bytes)
                 h2d_free = h2d_free if duplex else d2h_free
             else:
-                start = max(end_s[op] + stall_s, out_end[tensor], h2d_free)
+                start = max(clock.end_s(op), out_end[tensor], h2d_free)
                 h2d_free = in_end[(tensor, copy)] = start + hardware.h2d_time_s(size_bytes)
                 d2h_free = d2h_free if duplex else h2d_free
-        compute_s = float(end_s[-1]) + stall_s if self.op_count else stall_s
-        return max(compute_s, d2h_free, h2d_free)
+        return max(clock.end_s(self.op_count - 1) if self.op_count else 0.0, d2h_free, h2d_free)
+
+
+class _ComputeClock:
+    """The compute stream's clock, as the copies ask for it in program order.
+
+    Until the first stall it is the Keep plan's (``np.cumsum`` adds left to right, as the
+    simulator does). From a stall on it is a running sum restarted at the landing time, added
+    up in Python as far as the next op a copy may stall (the next wait) when an end is asked
+    for: each op's time once, as the simulator adds it. (Chunks average a few ops when many
+    copies stall, so a numpy call per chunk cost more than the additions: 7.4 vs 3.3 ms for 527
+    swaps on 2,007 ops.)
+    """
+
+    def __init__(self, op_time_s: list[float], keep_end_s: np.ndarray, wait_ops: list[int]) -> None:
+        self.op_time_s, self.keep_end_s, self.wait_ops = op_time_s, keep_end_s, wait_ops
+        self.stalled = False
+        self.ends: list[float] = []  # after the first stall: the ends of ops known - len .. known - 1
+        self.known = 0  # after the first stall: ops 0..known-1 have their end
+        self.free_s = 0.0  # after the first stall: when the stream is free after op known - 1
+        self.first = 0  # the op whose end is ``ends[0]``
+
+    def end_s(self, op: int) -> float:
+        """When op ``op``'s compute ends."""
+        if not self.stalled:
+            return float(self.keep_end_s[op])
+        self._advance(op + 1)
+        return self.ends[op - self.first]
+
+    def wait(self, op: int, landed_s: float) -> None:
+        """The stream waits, before op ``op``, for a copy landing at ``landed_s``."""
+        if not self.stalled:
+            free_s = float(self.keep_end_s[op - 1]) if op else 0.0
+            if landed_s > free_s:
+                self.stalled, self.known, self.first, self.free_s = True, op, op, landed_s
+            return
+        self._advance(op)
+        self.free_s = max(self.free_s, landed_s)
+
+    def _advance(self, through: int) -> None:
+        if through <= self.known:
+            return
+        next_wait = bisect.bisect_left(self.wait_ops, through)
+        stop = self.wait_ops[next_wait] if next_wait < len(self.wait_ops) else len(self.op_time_s)
+        free_s, ends, times = self.free_s, self.ends, self.op_time_s
+        for op in range(self.known, max(stop, through)):
+            free_s += times[op]
+            ends.append(free_s)
+        self.known, self.free_s = max(stop, through), free_s
 
 
 def _key(position: int, slot: int) -> int:

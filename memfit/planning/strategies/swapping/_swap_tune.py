@@ -19,27 +19,26 @@ candidates that the host holds at once (the host peak only grows with ``n_tensor
 whose given ``n_tensors`` swaps more does not fit, and the error then names ``host_bytes``.
 
 Note:
-    The binary searches need hundreds of peak evaluations on a 10,000-op graph; ``PeakModel``
-    computes the program-order peak of ``memory_profile(lower(graph, plan))`` from per-op arrays
-    in numpy instead of building the action list (tests check that the two agree to the byte).
-    Likewise ``step_time_s`` is the simulator's clock walked over ops (also checked against
-    ``memfit.model.simulate``). The plan returned is the fastest whose peak, simulated by
-    ``memfit.model.simulate`` itself, fits.
+    The binary searches need hundreds of peak evaluations on a 10,000-op graph, so they ask the
+    incremental profile (``memfit.model.profile.BaseProfile``: the Keep plan's profile plus each
+    swap's changed lifetimes, the peak of every prefix of the decisions to the byte) and rank
+    rungs by its step time (the simulator's clock, to the bit, walked over the copies with the
+    ops' times summed in numpy; ``simulate`` itself on a graph with collectives). The plan returned is the fastest whose peak, simulated
+    by ``memfit.model.simulate`` itself, fits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan, Swap
 from memfit.model.host_memory import host_prefix
+from memfit.model.profile import BaseProfile, SwapDelta
 from memfit.model.schedule import live_buffers, lower, memory_profile
 from memfit.model.simulate import simulate
 from memfit.planning.strategies._budget_checks import fits
@@ -47,7 +46,6 @@ from memfit.planning.strategies._budget_checks import fits
 if TYPE_CHECKING:
     from memfit.planning.strategies.swapping._swap_config import SwapConfig
 
-Decisions = Sequence[tuple[str, Swap]]
 Decide = Callable[["SwapConfig"], list[tuple[str, Swap]]]
 MakePlan = Callable[["SwapConfig", Iterable[tuple[str, Swap]]], Plan]
 
@@ -59,9 +57,9 @@ def tune(graph: CostGraph, hardware: Hardware, budget_bytes: int, config: SwapCo
     Raises:
         BudgetError: if nothing fits, with the smallest peak reached and what is live there.
     """
-    search = _TunerSearch(graph, hardware, budget_bytes, PeakModel(graph), decide, make_plan)
+    search = _TunerSearch(graph, hardware, budget_bytes, BaseProfile.of(graph), decide, make_plan)
     tune_n = "n_tensors" not in given
-    if tune_n and search.model.peak(search.model.events([]), 0) <= budget_bytes:
+    if tune_n and search.model.keep_peak_bytes <= budget_bytes:
         unplanned = make_plan(replace(config, n_tensors=0), [])  # nothing needs swapping
         if simulate(graph, unplanned, hardware, record_intervals=False).peak_bytes <= budget_bytes:
             return unplanned
@@ -99,7 +97,7 @@ class _TunerSearch:
     graph: CostGraph
     hardware: Hardware
     budget_bytes: int
-    model: PeakModel
+    model: BaseProfile
     decide: Decide
     make_plan: MakePlan
     fitting: list[tuple[float, int, Plan]] = field(default_factory=list)
@@ -131,8 +129,8 @@ class _TunerSearch:
             self.host_limited, decisions = True, decisions[:held]
             if not tune_n:
                 return None
-        events = self.model.events(decisions)
-        full_peak = self.model.peak(events, len(decisions))
+        events = self.model.swaps(decisions)
+        full_peak = self.model.peak_bytes(events, len(decisions))
         if self.smallest is None or full_peak < self.smallest[0]:
             count = len(decisions) if tune_n else config.n_tensors
             self.smallest = (full_peak, self.make_plan(replace(config, n_tensors=count), decisions))
@@ -143,15 +141,22 @@ class _TunerSearch:
             low = 0
             while count - low > 1:
                 middle = (low + count) // 2
-                if self.model.peak(events, middle) <= self.budget_bytes:
+                if self.model.peak_bytes(events, middle) <= self.budget_bytes:
                     count = middle
                 else:
                     low = middle
         used = replace(config, n_tensors=count) if tune_n else config
         plan = self.make_plan(used, decisions[:count])
-        time_s = step_time_s(self.graph, plan, self.hardware)
-        self.fitting.append((time_s, self.model.peak(events, count), plan))
+        time_s = self.step_time_s(events, count, plan)
+        self.fitting.append((time_s, self.model.peak_bytes(events, count), plan))
         return time_s
+
+    def step_time_s(self, events: SwapDelta, count: int, plan: Plan) -> float:
+        """The step time of ``plan``, the first ``count`` decisions of ``events``: from the
+        profile's clock, or the simulator's on a graph with collectives (not in that clock)."""
+        if self.model.has_collectives:
+            return simulate(self.graph, plan, self.hardware, record_intervals=False).step_time_s
+        return self.model.step_time_s(events, self.hardware, count)
 
     def budget_error(self) -> BudgetError:
         if self.smallest is None:  # unreachable: every search evaluates at least one rung
@@ -161,107 +166,3 @@ class _TunerSearch:
         return BudgetError(self.budget_bytes, profile.peak_bytes,
                            live_buffers(schedule, profile.peak_index), strategy="swap",
                            host_bytes=self.hardware.host_bytes if self.host_limited else None)
-
-
-@dataclass(frozen=True)
-class _Events:
-    """Changes to the per-op free / swap-in arrays made by each decision, in decision order."""
-
-    positions: np.ndarray
-    deltas: np.ndarray
-    ends: list[int]  # ends[k]: number of events of the first k decisions
-
-
-class PeakModel:
-    """The program-order peak of ``lower(graph, plan)``, from per-op arrays.
-
-    Per op ``k`` the rewritten program allocates the op's outputs (a possible peak), frees the
-    buffers last read by it or by the swap-outs after it, then allocates the copies swapped in
-    after it (another possible peak). A swap moves the original's free to its last unserved
-    reader (or its producer) and adds each copy: allocated after the control op, freed after its
-    last consumer.
-    """
-
-    def __init__(self, graph: CostGraph):
-        self.graph, self.index, self.size = graph, graph.index, len(graph.ops)
-        self.resident = graph.resident_bytes
-        self.alloc = np.zeros(self.size, np.int64)
-        self.free = np.zeros(self.size, np.int64)
-        self.last_read: dict[str, int] = {}
-        for position, op in enumerate(graph.ops):
-            self.alloc[position] = sum(graph.tensors[t].size_bytes for t in op.outputs)
-        for tensor in graph.tensors.values():
-            if tensor.producer is not None and not tensor.is_output:
-                last = max([self.index[tensor.producer], *map(self.index.__getitem__, tensor.consumers)])
-                self.free[last] += tensor.size_bytes
-                self.last_read[tensor.name] = last
-
-    def events(self, decisions: Decisions) -> _Events:
-        positions: list[int] = []
-        deltas: list[int] = []
-        ends = [0]
-        for name, swap in decisions:
-            tensor = self.graph.tensors[name]
-            served = {c for swap_in in swap.swap_ins for c in swap_in.consumers}
-            unserved = [self.index[c] for c in tensor.consumers if c not in served]
-            produced_at = self.index[str(tensor.producer)]  # swapped tensors have a producer
-            positions += [self.last_read[name], max(unserved, default=produced_at)]
-            deltas += [-tensor.size_bytes, tensor.size_bytes]
-            for swap_in in swap.swap_ins:
-                positions += [self.size + self.index[swap_in.after],
-                              max(self.index[c] for c in swap_in.consumers)]
-                deltas += [tensor.size_bytes, tensor.size_bytes]
-            ends.append(len(positions))
-        return _Events(np.array(positions, np.int64), np.array(deltas, np.int64), ends)
-
-    def peak(self, events: _Events, count: int) -> int:
-        """The peak with the first ``count`` decisions applied."""
-        change = np.zeros(2 * self.size, np.int64)
-        end = events.ends[count]
-        np.add.at(change, events.positions[:end], events.deltas[:end])
-        net = self.alloc - (self.free + change[: self.size]) + change[self.size:]
-        after = self.resident + np.cumsum(net)
-        during = after - net + self.alloc
-        return int(max(self.resident, during.max(initial=0), after.max(initial=0)))
-
-
-def step_time_s(graph: CostGraph, plan: Plan, hardware: Hardware) -> float:
-    """``simulate(graph, plan, hardware).step_time_s``, without building the action list.
-
-    The same clock as ``memfit.model.simulate`` walked over ops: compute back to back; a swap-out
-    on the D2H stream after its producer; a swap-in on the H2D stream (one shared FIFO without
-    ``duplex``) after its control op and its swap-out, in ``lower``'s order; the first consumer
-    waits for its copy; without ``async_copies`` every copy runs on the compute thread. The
-    tests check that it equals the simulator's figure.
-    """
-    index = graph.index
-    swapped: dict[str, int] = {}
-    ins: dict[int, list[tuple[str, int, int]]] = {}
-    waits: dict[int, list[tuple[str, int]]] = {}
-    for name, decision in plan.decisions.items():
-        if isinstance(decision, Swap):
-            swapped[name] = size = graph.tensors[name].size_bytes
-            for copy, swap_in in enumerate(decision.swap_ins):
-                ins.setdefault(index[swap_in.after], []).append((name, copy, size))
-                waits.setdefault(min(index[c] for c in swap_in.consumers), []).append((name, copy))
-    sync, duplex = not hardware.async_copies, hardware.duplex
-    compute = d2h = h2d = 0.0
-    out_end: dict[str, float] = {}
-    in_end: dict[tuple[str, int], float] = {}
-    for position, op in enumerate(graph.ops):
-        for key in waits.get(position, ()) if not sync else ():
-            compute = max(compute, in_end[key])
-        compute += op.time_s
-        for tensor in op.outputs if swapped else ():
-            if tensor in swapped and sync:
-                compute += hardware.d2h_time_s(swapped[tensor])
-            elif tensor in swapped:
-                d2h = out_end[tensor] = max(compute, d2h) + hardware.d2h_time_s(swapped[tensor])
-                h2d = h2d if duplex else d2h
-        for name, copy, size in ins.get(position, ()):
-            if sync:
-                compute += hardware.h2d_time_s(size)
-            else:
-                h2d = in_end[(name, copy)] = max(compute, out_end[name], h2d) + hardware.h2d_time_s(size)
-                d2h = d2h if duplex else h2d
-    return compute if sync else max(compute, d2h, h2d)

@@ -1,5 +1,5 @@
-"""The TFLMS swap strategy tuned to a budget, and its properties on random graphs (the tuner's fast
-models against the exact ones)."""
+"""The TFLMS swap strategy tuned to a budget, and its properties on random graphs (the tuner's
+incremental model against the exact one)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError
 from memfit.data.hardware import PROFILES
 from memfit.data.plan import Plan, Swap
+from memfit.model.profile import BaseProfile
 from memfit.model.schedule import check_plan, lower, memory_profile, peak_bytes
 from memfit.model.simulate import simulate
 from memfit.model.synthetic import chain, random_dag
 from memfit.planning.strategies import get_strategy
 from memfit.planning.strategies.swapping._swap_control import OpGraph
-from memfit.planning.strategies.swapping._swap_tune import PeakModel, step_time_s
 from memfit.planning.strategies.swapping.tflms import plan as swap
 from tests.planning.strategies.swapping.swap_graphs import HW, MIB, unet
 
@@ -129,12 +129,12 @@ def test_random_plans_are_valid_and_the_tuner_models_are_exact(size, seed, param
         params["ub"] = params["lb"] + seed % 4
     plan = swap(graph, HW, **params)
     check_swap_ins(graph, plan)
-    model = PeakModel(graph)
-    assert model.peak(model.events(list(plan.decisions.items())), len(plan.decisions)) == (
-        peak_bytes(graph, plan))
+    model = BaseProfile.of(graph)
+    delta = model.swaps(list(plan.decisions.items()))
+    assert model.peak_bytes(delta) == peak_bytes(graph, plan)
     slow_link = HW.with_(d2h_bytes_per_s=1e8, h2d_bytes_per_s=1e8)  # copies stall compute
     for hardware in (HW, PROFILES["cpu"], slow_link, slow_link.with_(duplex=False)):
-        assert step_time_s(graph, plan, hardware) == simulate(graph, plan, hardware).step_time_s
+        assert model.step_time_s(delta, hardware) == simulate(graph, plan, hardware).step_time_s
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
