@@ -220,9 +220,9 @@ class BaseProfile:
 
     def step_time_s(self, delta: SwapDelta, hardware: Hardware, count: int | None = None) -> float:
         """``simulate(graph, plan, hardware).step_time_s`` of the first ``count`` decisions'
-        plan (default: all), to the bit: the same additions in the same order, the ops' in
-        numpy (the Keep plan's clock until a copy stalls compute, then a running sum restarted
-        at each stall) and the copies' in Python.
+        plan (default: all), to the bit: the same additions in the same order (the Keep plan's
+        clock until a copy stalls compute, then a running sum restarted at each stall; see
+        ``_ComputeClock``). Walks the copies, and the ops after the first stall.
 
         Raises:
             ValueError: for a graph with collectives (their stream is not modelled yet).
@@ -234,8 +234,7 @@ class BaseProfile:
             return self._sync_time_s(copies, hardware)
         return self._async_time_s(copies, hardware)
 
-    def _sync_time_s(self, copies: list[Copy],
-                     hardware: Hardware) -> float:
+    def _sync_time_s(self, copies: list[Copy], hardware: Hardware) -> float:
         """Every copy runs on the compute thread: one running sum over the actions' durations
         in program order (a copy right after the op it follows)."""
         moved = [c for c in copies if c[2] != "wait"]
@@ -245,8 +244,7 @@ class BaseProfile:
         durations = np.insert(self.op_time_s, after, copy_s) if moved else self.op_time_s
         return float(np.cumsum(np.concatenate(([0.0], durations)))[-1])
 
-    def _async_time_s(self, copies: list[Copy],
-                      hardware: Hardware) -> float:
+    def _async_time_s(self, copies: list[Copy], hardware: Hardware) -> float:
         """The simulator's four-stream clock over the copies in program order; the compute
         stream's ends come from ``_ComputeClock``."""
         d2h_free = h2d_free = 0.0
