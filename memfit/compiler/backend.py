@@ -366,16 +366,18 @@ class Backend(EagerWatching):
         smallest peak, over the budget, on every iteration. ``eager_bytes``: what eager code was
         seen to hold beside it beyond what its plan counted (the loop's loss and its buffers)."""
         self.joint_failed = True
-        alone = (short.minimum_bytes or 0) - short.pending_bytes
-        eager = (f" and the {format_bytes(eager_bytes)} eager code holds beside it (the loss "
-                 "computed in the loop and its buffers)" if eager_bytes > 0 else "")
-        why = (f"it needs {format_bytes(alone)} even without the saves of the regions before its "
-               "graph break" if alone > (short.budget_bytes or 0) else
-               f"it needs {format_bytes(alone)}{eager}, which leaves no room for the "
-               f"{format_bytes(short.pending_bytes)} of saves of the regions before its graph "
-               "break" if alone + eager_bytes >= (short.budget_bytes or 0) else
-               f"the regions before its graph break cannot save less than the "
-               f"{format_bytes(short.pending_bytes)} it ran beside")
+        alone, budget = (short.minimum_bytes or 0) - short.pending_bytes, short.budget_bytes or 0
+        if alone > budget:
+            why = (f"it needs {format_bytes(alone)} even without the saves of the regions before "
+                   "its graph break")
+        elif eager_bytes > 0 and alone + eager_bytes >= budget:
+            why = (f"it needs {format_bytes(alone)} and the {format_bytes(eager_bytes)} eager code "
+                   "holds beside it (the loss computed in the loop and its buffers), which leaves "
+                   f"no room for the {format_bytes(short.pending_bytes)} of saves of the regions "
+                   "before its graph break")
+        else:
+            why = (f"the regions before its graph break cannot save less than the "
+                   f"{format_bytes(short.pending_bytes)} it ran beside")
         warnings.warn(
             f"memfit: planning the regions jointly cannot fit region {short.index} in "
             f"{format_bytes(short.budget_bytes or 0)}: {why}; every iteration runs over the "

@@ -119,6 +119,8 @@ class Planner(Protocol):
 
     def iteration_closed(self) -> None: ...
 
+    def recompile_limit_hit(self, where: str) -> None: ...
+
 
 def saved_device_bytes(forward: fx.GraphModule, num_fwd_outputs: int) -> int:
     """Device bytes of the values ``forward`` returns for its backward: not its inputs (the
