@@ -371,8 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--autocast", choices=AUTOCAST_CHOICES, default=None, help=AUTOCAST_HELP)
     plan.add_argument("--strategy", default=None,
                       help="auto | keep | swap | checkpoint | memory-poor | optimal-recompute | "
-                           "vdnn_all | vdnn_conv | vdnn_dyn (default: auto with a budget, "
-                           "else keep)")
+                           "vdnn_all | vdnn_conv | vdnn_dyn, '_' and '-' alike (default: auto "
+                           "with a budget, else keep)")
     plan.add_argument("--param", type=_key_value, action="append", default=[], metavar="K=V",
                       help="a strategy parameter, repeatable: --param lb=3")
     plan.add_argument("--model-arg", type=_key_value, action="append", default=[],

@@ -233,3 +233,16 @@ def test_max_batch_size_under_a_gpus_bf16_autocast_fits_more():
         assert found.verified is None  # a CPU step measures nothing of the GPU's
         largest[autocast] = found.batch_size
     assert largest[torch.bfloat16] > largest[None]
+
+
+def test_a_strategy_name_reads_with_underscore_or_hyphen_alike():
+    """``vdnn-all`` plans what ``vdnn_all`` plans (the same plan JSON, which names
+    ``vdnn_all``); compile and backend keep the registered spelling too."""
+    example = small()
+    inputs = tuple(t.to("meta") for t in example.inputs())
+    plans = [memfit.plan(example.model, example.loss_fn, *inputs, budget="0.7",
+                         hardware="h100-pcie", strategy=name) for name in ("vdnn-all", "vdnn_all")]
+    assert plans[0].strategy == "vdnn_all" and plans[0].to_json() == plans[1].to_json()
+    step = memfit.compile(example.model, example.loss_fn, budget="0.7", strategy="memory_poor")
+    assert step.strategy == "memory-poor"
+    assert memfit.backend(budget=0.5, strategy="optimal_recompute").strategy == "optimal-recompute"

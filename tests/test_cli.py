@@ -272,3 +272,16 @@ def test_the_model_args_read_from_source_are_the_builders_signatures():
     assert example_arguments() == {
         name: {key: p.default for key, p in inspect.signature(builder).parameters.items()}
         for name, builder in EXAMPLES.items()}
+
+
+def test_plan_reads_a_strategy_name_with_underscore_or_hyphen_alike(capsys, tmp_path):
+    """``--strategy vdnn-all`` saves the very file ``--strategy vdnn_all`` saves; an unknown
+    name lists the registered ones."""
+    saved = {name: tmp_path / f"{name}.json" for name in ("vdnn-all", "vdnn_all")}
+    for name, path in saved.items():
+        assert main(["plan", *MLP, "--budget", "0.6", "--strategy", name, "--save", str(path)]) == 0
+    assert "| vdnn_all (predicted)" in capsys.readouterr().out
+    assert saved["vdnn-all"].read_bytes() == saved["vdnn_all"].read_bytes()
+    assert Plan.load(saved["vdnn-all"]).strategy == "vdnn_all"
+    assert main(["plan", *MLP, "--budget", "0.6", "--strategy", "vdnn-al"]) == 2
+    assert "unknown strategy 'vdnn-al': use one of [" in capsys.readouterr().err

@@ -118,12 +118,13 @@ def test_plan_is_public():
 
 
 def test_every_decision_and_the_explanation_are_public_together():
-    """A plan's decisions are Keep, Swap (with its SwapIns), Recompute, and its re-runs Rerun;
-    ``plan.explanation`` is an Explanation: all importable from ``memfit`` itself."""
+    """A plan's decisions are Keep, Swap (with its SwapIns), Recompute (any of them a
+    Decision), and its re-runs Rerun; ``plan.explanation`` is an Explanation: all importable
+    from ``memfit`` itself."""
     from memfit.data import plan as plan_module
     from memfit.data.explanation import Explanation
 
-    for name in ("Keep", "Swap", "SwapIn", "Recompute", "Rerun"):
+    for name in ("Keep", "Swap", "SwapIn", "Recompute", "Rerun", "Decision"):
         assert getattr(memfit, name) is getattr(plan_module, name) and name in memfit.__all__
     assert memfit.Explanation is Explanation
 

@@ -101,17 +101,17 @@ def find_blocks(graph: CostGraph, max_blocks: int | None = None) -> Blocks:
     """
     undirected = separators.separation_graph(graph)
     nested, entered = _nested(undirected, separators.separator_sets(graph))
-    owners = separators.op_storage_owners(graph)
-    block_of = _block_of_owner(undirected, entered, range(len(nested)))
+    storage_owner = separators.op_storage_owners(graph)
+    block_of = _block_of_storage_owner(undirected, entered, range(len(nested)))
     if max_blocks is not None and len(nested) + 1 > max_blocks:
-        keep = _thinned(graph, nested, owners, block_of, max_blocks - 1)
+        keep = _thinned(graph, nested, storage_owner, block_of, max_blocks - 1)
         nested = [nested[i] for i in keep]
-        block_of = _block_of_owner(undirected, entered, keep)
+        block_of = _block_of_storage_owner(undirected, entered, keep)
     count = len(nested) + 1
     op_block = {
         op.name: block_of[owner]
         for op in graph.forward_ops
-        if (owner := owners[op.name]) is not None and owner in block_of
+        if (owner := storage_owner[op.name]) is not None and owner in block_of
     }
     droppable: list[set[str]] = [set() for _ in range(count)]
     closing: list[set[str]] = [set() for _ in range(count)]
@@ -193,10 +193,11 @@ def _grown(undirected: nx.Graph, interior: set[str], previous: Sequence[str],
     return added, False
 
 
-def _block_of_owner(undirected: nx.Graph, entered: Mapping[str, int],
-                    cuts: Sequence[int]) -> dict[str, int]:
-    """Owner op -> the first block whose closure holds it (the last block otherwise), when the
-    forward pass is cut at ``cuts`` (indices of ``_nested``'s cuts, in order)."""
+def _block_of_storage_owner(undirected: nx.Graph, entered: Mapping[str, int],
+                            cuts: Sequence[int]) -> dict[str, int]:
+    """Storage owner op (``separators.op_storage_owners``) -> the first block whose closure holds
+    it (the last block otherwise), when the forward pass is cut at ``cuts`` (indices of
+    ``_nested``'s cuts, in order)."""
     last = len(cuts)
     return {
         node: bisect.bisect_left(cuts, entered[node]) if node in entered else last
@@ -204,8 +205,9 @@ def _block_of_owner(undirected: nx.Graph, entered: Mapping[str, int],
     }
 
 
-def _thinned(graph: CostGraph, nested: Sequence[tuple[str, ...]], owners: Mapping[str, str | None],
-             block_of: Mapping[str, int], cuts: int) -> list[int]:
+def _thinned(graph: CostGraph, nested: Sequence[tuple[str, ...]],
+             storage_owner: Mapping[str, str | None], block_of: Mapping[str, int],
+             cuts: int) -> list[int]:
     """Indices of ``cuts`` separators to keep: merge the lightest neighbouring blocks first.
 
     Blocks are merged in order of the bytes of the pair (ties: the pair nearer the input),
@@ -213,7 +215,7 @@ def _thinned(graph: CostGraph, nested: Sequence[tuple[str, ...]], owners: Mappin
     """
     span_bytes = [0] * (len(nested) + 1)  # span (named by its first block) -> its bytes
     for op in graph.forward_ops:
-        owner = owners[op.name]
+        owner = storage_owner[op.name]
         if owner is not None and owner in block_of:
             span_bytes[block_of[owner]] += sum(graph.tensors[t].size_bytes for t in op.outputs)
     following = {span: span + 1 for span in range(len(nested))}  # span -> the span after it

@@ -5,14 +5,15 @@ Grouped by technique: ``swapping/`` (TFLMS in ``tflms``, the vDNN policies in ``
 neither (``keep``, ``auto``, the shared ``_budget_checks``) and this registry.
 
 Each module registers its entry point by name, so ``memfit.compile(..., strategy="swap", lb=3)``
-and the command line reach it the same way.
+and the command line reach it the same way. A user may spell a name with ``_`` or ``-`` alike
+(``vdnn-all``, ``optimal_recompute``): input is read as the registered name, and everything
+written (the plan's ``strategy``, reports) keeps the registered spelling.
 """
 
 from __future__ import annotations
 
 import functools
 import gc
-import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -34,23 +35,24 @@ class Strategy(Protocol):
 
 
 _REGISTRY: dict[str, Strategy] = {}
-_CHECKS: dict[str, Callable[..., None]] = {}  # strategy name -> its own parameter check
+_CONFIGS: dict[str, type[StrategyConfig]] = {}  # strategy name -> its parameters' config
 
 
-def register(name: str, check_params: Callable[..., None] | None = None,
-             config: type[StrategyConfig] | None = None) -> Callable[[Strategy], Strategy]:
-    """Register a strategy's ``plan`` function under ``name``.
+def register(name: str, config: type[StrategyConfig]) -> Callable[[Strategy], Strategy]:
+    """Register a strategy's ``plan`` function under ``name``; ``config`` (a frozen
+    ``StrategyConfig`` that checks itself when built) checks its parameters without a graph.
 
-    Its parameters are checked without a graph by ``config`` (a frozen ``StrategyConfig`` that
-    checks itself when built from them), else by ``check_params`` (default: the module's own
-    ``check_params``; a module that registers several strategies, such as ``vdnn``, gives each
-    its own)."""
+    Raises:
+        ValueError: if ``name`` differs from a registered name only in ``_`` against ``-``
+            (users may spell either, so the two would be one name).
+    """
+    taken = _by_spelling().get(_spelling(name), name)
+    if taken != name:
+        raise ValueError(f"strategy {name!r} would shadow {taken!r}: names that differ only in "
+                         "'_' against '-' are one name")
 
     def decorate(function: Strategy) -> Strategy:
-        if config is not None:
-            _CHECKS[name] = functools.partial(_build_config, config)
-        elif check_params is not None:
-            _CHECKS[name] = check_params
+        _CONFIGS[name] = config
 
         @functools.wraps(function)
         def planned(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
@@ -62,12 +64,6 @@ def register(name: str, check_params: Callable[..., None] | None = None,
         return function
 
     return decorate
-
-
-def _build_config(config: type[StrategyConfig], /, **params: Any) -> None:
-    """Build ``config`` from ``params`` for its checks (positional-only: a user parameter named
-    ``config`` is an unknown one, not this argument)."""
-    config.from_params(params)
 
 
 class _CollectorPause:
@@ -121,40 +117,66 @@ def collector_paused() -> Iterator[None]:
 
 
 def get_strategy(name: str) -> Strategy:
-    """The strategy registered as ``name``.
+    """The strategy registered as ``name`` (``_`` and ``-`` alike).
+
+    Raises:
+        ValueError: for an unknown name, listing the registered ones.
+    """
+    return _REGISTRY[canonical_name(name)]
+
+
+def canonical_name(name: str) -> str:
+    """The registered name that ``name`` spells, ``_`` and ``-`` alike: ``"vdnn-all"`` is
+    ``"vdnn_all"``, ``"optimal_recompute"`` is ``"optimal-recompute"``.
+
+    Why: the registered names mix the two (``"optimal-recompute"``, ``"vdnn_all"``), and a user
+    should not have to remember which; the registered spelling stays the one written out (plan
+    JSON, reports), so saved plans do not change.
 
     Raises:
         ValueError: for an unknown name, listing the registered ones.
     """
     _load_builtin()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown strategy {name!r}: use one of {sorted(_REGISTRY)}") from None
+    if name in _REGISTRY:
+        return name
+    by_spelling = _by_spelling()
+    if isinstance(name, str) and _spelling(name) in by_spelling:
+        return by_spelling[_spelling(name)]
+    raise ValueError(f"unknown strategy {name!r}: use one of {sorted(_REGISTRY)} "
+                     "('_' and '-' alike)")
+
+
+def _spelling(name: str) -> str:
+    """The form two spellings of one strategy name share."""
+    return name.replace("-", "_")
+
+
+def _by_spelling() -> dict[str, str]:
+    """Each registered name by its spelling (``_spelling``)."""
+    return {_spelling(registered): registered for registered in _REGISTRY}
 
 
 def check_params(name: str, params: Mapping[str, Any]) -> None:
     """Validate a strategy's parameters without a graph, so bad ones fail before any capture.
 
-    Each strategy registers a ``StrategyConfig`` or defines ``check_params(**params)`` (or
-    registers one per strategy), raising ``ValueError`` that names the accepted values.
+    Builds the strategy's registered ``StrategyConfig``, which raises ``ValueError`` naming the
+    accepted values.
     """
-    strategy = get_strategy(name)  # first: it loads the modules that fill ``_CHECKS``
-    check = _CHECKS.get(name) or sys.modules[strategy.__module__].check_params
-    check(**params)
+    _CONFIGS[canonical_name(name)].from_params(params)
 
 
 def resolve_budget_and_strategy(budget: str | int | float | Budget | None, strategy: str | None,
                                 params: Mapping[str, Any]) -> tuple[Budget | None, str]:
-    """Parse the budget and pick the strategy (``auto`` with a budget, ``keep`` without); check
-    its parameters now, so a mistake fails at ``compile``, not at the first step.
+    """Parse the budget and pick the strategy (``auto`` with a budget, ``keep`` without) by its
+    registered name (``canonical_name``); check its parameters now, so a mistake fails at
+    ``compile``, not at the first step.
 
     Torch-free, so the command line checks its arguments with it before importing torch.
 
     ``auto`` is the default because a user who names only a budget wants the fastest step that
     fits it, whatever mix of swapping and recomputation that takes on their hardware."""
     parsed = parse_budget(budget)
-    chosen = strategy or ("auto" if parsed is not None else "keep")
+    chosen = canonical_name(strategy or ("auto" if parsed is not None else "keep"))
     check_params(chosen, params)
     return parsed, chosen
 

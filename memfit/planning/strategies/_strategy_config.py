@@ -3,7 +3,8 @@
 Why: a hand-written ``check_params(**params)`` beside ``plan`` repeated each default twice and
 checked the values in a second place from the code that reads them; a config is the one list of
 parameters, their defaults and their checks, and the registry builds it to check parameters
-without a graph (``register(name, config=...)``). ``SwapConfig`` was the first such config.
+without a graph (``register(name, config=...)``). ``SwapConfig`` was the first such config; every
+registered strategy has one now.
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ class StrategyConfig:
         unknown = sorted(set(params) - {field.name for field in fields(cls)})
         if unknown:
             raise cls.unknown_parameters(unknown)
-        return cls(**params)
+        return cls(**cls.normalised(params))
+
+    @classmethod
+    def normalised(cls, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The known parameters in the form the fields hold (default: as given); a subclass
+        that accepts several forms of a value (a string for a list of one) converts them here,
+        before its ``__post_init__`` checks them."""
+        return dict(params)
 
     @classmethod
     def unknown_parameters(cls, unknown: list[str]) -> ValueError:

@@ -51,8 +51,9 @@ load), its root alone takes seconds to tens of seconds on a 50-op chain near its
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError
@@ -63,6 +64,7 @@ from memfit.model.simulate import simulate
 from memfit.planning.solvers import segments
 from memfit.planning.strategies import get_strategy, register, strategy_names
 from memfit.planning.strategies._budget_checks import fits, live_at_peak
+from memfit.planning.strategies._strategy_config import StrategyConfig
 from memfit.planning.strategies.recomputing.optimal_recompute import MILP_MAX_OPS, priced_segments
 from memfit.planning.strategies.swapping import _just_in_time_swap
 from memfit.planning.strategies.swapping._free_swaps import free_swaps
@@ -72,14 +74,20 @@ VDNN_POLICIES = ("vdnn_all", "vdnn_conv", "vdnn_dyn")
 LAST_RESORT = "optimal-recompute"  # with its defaults: the MILP on small graphs, minutes at worst
 
 
-def check_params(**unknown) -> None:
-    """Validate auto's parameters without a graph (it takes none)."""
-    if unknown:
-        raise ValueError(f"strategy 'auto' got unknown parameters {sorted(unknown)}; it takes "
-                         "none: name a strategy (swap, checkpoint, ...) to set its parameters")
+@dataclass(frozen=True)
+class AutoConfig(StrategyConfig):
+    """auto takes no parameters: each candidate runs with its own defaults."""
+
+    strategy: ClassVar[str] = "auto"
+
+    @classmethod
+    def unknown_parameters(cls, unknown: list[str]) -> ValueError:
+        """Say where parameters go instead: to a strategy named explicitly."""
+        return ValueError(f"strategy 'auto' got unknown parameters {unknown}; it takes none: "
+                          "name a strategy (swap, checkpoint, ...) to set its parameters")
 
 
-@register("auto")
+@register("auto", config=AutoConfig)
 def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
          **unknown) -> Plan:
     """The fastest simulated plan whose peak fits ``budget_bytes`` (Keep without a budget).
@@ -88,7 +96,7 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
         BudgetError: if no candidate and no other registered strategy fits; its minimum is the
             smallest any of them reported, so auto fits at it.
     """
-    check_params(**unknown)
+    AutoConfig.from_params(unknown)
     keep = Plan("auto", graph_hash=graph.structure_hash, hardware=hardware.name,
                 budget_bytes=budget_bytes, params={"solver": "keep"})
     keep_timeline = simulate(graph, keep, hardware, record_intervals=False)

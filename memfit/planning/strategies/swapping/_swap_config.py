@@ -7,16 +7,20 @@ On its own so that the strategy (``memfit.planning.strategies.swapping.tflms``) 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
 
+from memfit.planning.strategies._strategy_config import StrategyConfig
 from memfit.planning.strategies.swapping._swap_control import CTRLD_STRATEGIES, CtrldStrategy
+
+NAME_LISTS = ("starting_op_names", "incl_scopes", "excl_scopes", "incl_types", "excl_types")
 
 
 @dataclass(frozen=True)
-class SwapConfig:
+class SwapConfig(StrategyConfig):
     """The parameters of TFLMS's Table 2 (those that apply to a captured step), checked when built."""
 
+    strategy: ClassVar[str] = "swap"
     threshold: int = 1  # rewrite producer -> consumer only if the consumer runs > this many ops later
     n_tensors: int = -1  # how many tensors to swap, in BFS order from the start; -1: all, 0: none
     starting_scope: str | None = None  # module-path glob of the BFS start; None: the graph entry
@@ -51,22 +55,15 @@ class SwapConfig:
             raise ValueError(f"swap: starting_scope must be a glob string or None, "
                              f"got {self.starting_scope!r}")
 
-    @staticmethod
-    def from_params(params: Mapping[str, Any]) -> SwapConfig:
-        """Check and normalise user parameters (a single string counts as a list of one).
+    @classmethod
+    def normalised(cls, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The name lists as tuples: a single string counts as a list of one.
 
         Raises:
-            ValueError: for an unknown parameter or a bad value, naming the accepted ones.
+            ValueError: for a name list that is neither a string nor a list of strings.
         """
-        known = [f.name for f in fields(SwapConfig)]
-        unknown = sorted(set(params) - set(known))
-        if unknown:
-            raise ValueError(f"swap: unknown parameter(s) {unknown}; accepted: {known}")
-        values = dict(params)
-        for name in ("starting_op_names", "incl_scopes", "excl_scopes", "incl_types", "excl_types"):
-            if name in values:
-                values[name] = _names(name, values[name])
-        return SwapConfig(**values)
+        return {name: _names(name, value) if name in NAME_LISTS else value
+                for name, value in params.items()}
 
     def params(self) -> dict[str, Any]:
         return asdict(self)

@@ -31,13 +31,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from numbers import Integral
-from typing import Any
+from typing import Any, ClassVar
 
 from memfit.data.costgraph import CostGraph, Phase
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Decision, Plan, Swap, SwapIn
 from memfit.model.host_memory import within_host
 from memfit.planning.strategies._budget_checks import host_params
+from memfit.planning.strategies._strategy_config import StrategyConfig
 
 ATTENTION_CHOICES = ("auto", "math", "fused")
 # Fused scaled-dot-product-attention kernels save only out and logsumexp for backward; the math
@@ -154,21 +155,18 @@ class LayerView:
 # ---- parameters shared by the three policies ----------------------------------------------------
 
 
-def check_attention(strategy: str, params: Mapping[str, Any], extra: Iterable[str] = ()) -> str:
-    """Validate ``attention`` (the only parameter of vdnn_all / vdnn_conv); returns it.
+@dataclass(frozen=True)
+class VdnnConfig(StrategyConfig):
+    """A vDNN policy's parameters, checked when built: the attention backend only (each policy
+    registers a subclass that names it, for the messages)."""
 
-    Raises:
-        ValueError: for an unknown parameter or an attention choice not in ``ATTENTION_CHOICES``.
-    """
-    known = {"attention", *extra}
-    unknown = sorted(set(params) - known)
-    if unknown:
-        raise ValueError(f"{strategy}: unknown parameter(s) {unknown}; accepted: {sorted(known)}")
-    attention = params.get("attention", "auto")
-    if attention not in ATTENTION_CHOICES:
-        raise ValueError(f"{strategy}: attention must be one of {list(ATTENTION_CHOICES)}, "
-                         f"got {attention!r}")
-    return attention
+    strategy: ClassVar[str] = "vdnn"
+    attention: str = "auto"  # "auto": the captured backend; "math" or "fused" insist on one
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"{self.strategy}: attention must be one of "
+                             f"{list(ATTENTION_CHOICES)}, got {self.attention!r}")
 
 
 def check_budget(strategy: str, budget_bytes: object) -> int | None:

@@ -46,12 +46,7 @@ from memfit.planning.strategies.swapping._swap_control import OpGraph, control_o
 from memfit.planning.strategies.swapping._swap_tune import tune
 
 
-def check_params(**params) -> None:
-    """Validate swap's parameters (TFLMS's Table 2) without a graph."""
-    SwapConfig.from_params(params)
-
-
-@register("swap")
+@register("swap", config=SwapConfig)
 def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, **params) -> Plan:
     """Swap activations to host memory as TFLMS does; with a budget, tune it to fit.
 

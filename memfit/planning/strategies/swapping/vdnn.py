@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
+from typing import ClassVar
 
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError
@@ -47,7 +47,7 @@ from memfit.planning.strategies._budget_checks import HOST_DROPPED, require_fit
 from memfit.planning.strategies.swapping._vdnn_layers import (
     FeatureMap,
     LayerView,
-    check_attention,
+    VdnnConfig,
     check_budget,
     resolve_attention,
 )
@@ -56,12 +56,22 @@ from memfit.planning.tuning import TUNING
 POLICIES = ("conv", "all")  # vdnn_dyn tries the paper's order: the cheaper policy first
 
 
-def check_params(strategy: str, **params) -> None:
-    """Each vDNN policy takes ``attention`` ('auto', 'math' or 'fused') only."""
-    check_attention(strategy, params)
+@dataclass(frozen=True)
+class VdnnAllConfig(VdnnConfig):
+    strategy: ClassVar[str] = "vdnn_all"
 
 
-@register("vdnn_all", check_params=partial(check_params, "vdnn_all"))
+@dataclass(frozen=True)
+class VdnnConvConfig(VdnnConfig):
+    strategy: ClassVar[str] = "vdnn_conv"
+
+
+@dataclass(frozen=True)
+class VdnnDynConfig(VdnnConfig):
+    strategy: ClassVar[str] = "vdnn_dyn"
+
+
+@register("vdnn_all", config=VdnnAllConfig)
 def plan_all(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
              **params) -> Plan:
     """Offload every feature map after its forward use; prefetch it one backward layer ahead.
@@ -83,10 +93,10 @@ def plan_all(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = No
         >>> sorted(plan_all(chain(4), get_hardware("h100-pcie")).swapped)
         ['f0', 'f1', 'f2']
     """
-    return _static("vdnn_all", graph, hardware, budget_bytes, params, convolutions_only=False)
+    return _static(VdnnAllConfig, graph, hardware, budget_bytes, params, convolutions_only=False)
 
 
-@register("vdnn_conv", check_params=partial(check_params, "vdnn_conv"))
+@register("vdnn_conv", config=VdnnConvConfig)
 def plan_conv(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
               **params) -> Plan:
     """Offload the feature maps that forward convolutions read; prefetch one layer ahead.
@@ -99,13 +109,13 @@ def plan_conv(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = N
         >>> sorted(plan_conv(resnet_like(1), get_hardware("h100-pcie")).swapped)
         ['b0_relu', 'stem']
     """
-    return _static("vdnn_conv", graph, hardware, budget_bytes, params, convolutions_only=True)
+    return _static(VdnnConvConfig, graph, hardware, budget_bytes, params, convolutions_only=True)
 
 
-def _static(strategy: str, graph: CostGraph, hardware: Hardware, budget_bytes: int | None,
-            params: dict, convolutions_only: bool) -> Plan:
+def _static(config: type[VdnnConfig], graph: CostGraph, hardware: Hardware,
+            budget_bytes: int | None, params: dict, convolutions_only: bool) -> Plan:
     """A static policy's plan: its feature maps offloaded, checked against ``budget_bytes``."""
-    attention = check_attention(strategy, params)
+    strategy, attention = config.strategy, config.from_params(params).attention
     budget_bytes = check_budget(strategy, budget_bytes)
     view = LayerView(graph)
     used = {"attention": resolve_attention(graph, attention, strategy),
@@ -115,7 +125,7 @@ def _static(strategy: str, graph: CostGraph, hardware: Hardware, budget_bytes: i
     return require_fit(graph, result, budget_bytes, hardware.host_bytes)
 
 
-@register("vdnn_dyn", check_params=partial(check_params, "vdnn_dyn"))
+@register("vdnn_dyn", config=VdnnDynConfig)
 def plan_dyn(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
              **params) -> Plan:
     """The fastest simulated vDNN configuration whose peak fits ``budget_bytes``.
@@ -141,7 +151,7 @@ def plan_dyn(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = No
         >>> result.params["policy"], result.params["boundary"]
         ('all', 3)
     """
-    attention = check_attention("vdnn_dyn", params)
+    attention = VdnnDynConfig.from_params(params).attention
     budget_bytes = check_budget("vdnn_dyn", budget_bytes)
     view = LayerView(graph)
     backend = resolve_attention(graph, attention, "vdnn_dyn")

@@ -1,5 +1,7 @@
-"""The recomputing strategies' parameters as frozen configs: the same checks and messages as the
-hand-written ``check_params`` they replace, from the registry and from ``plan`` alike."""
+"""Every registered strategy checks its parameters with a frozen config (``StrategyConfig``):
+each refuses a bad parameter with the message the hand-written ``check_params`` it replaces
+gave (swap's unknown-parameter message now reads as the others do), from the registry and from
+``plan`` alike, and every config's defaults pass its own checks."""
 
 import dataclasses
 
@@ -8,12 +10,23 @@ import pytest
 from memfit.data.hardware import get_hardware
 from memfit.model import synthetic
 from memfit.planning.solvers.milp import NODE_LIMIT
-from memfit.planning.strategies import check_params, get_strategy
-from memfit.planning.strategies.recomputing.checkpoint import CheckpointConfig
-from memfit.planning.strategies.recomputing.memory_poor import MemoryPoorConfig
-from memfit.planning.strategies.recomputing.optimal_recompute import OptimalRecomputeConfig
+from memfit.planning.strategies import (
+    _CONFIGS,
+    check_params,
+    get_strategy,
+    register,
+    strategy_names,
+)
+from memfit.planning.strategies._strategy_config import StrategyConfig
 
 HARDWARE = get_hardware("h100-pcie")
+SWAP_UNKNOWN = ("strategy 'swap' got unknown parameters ['optimizer_scopes']; it accepts "
+                "threshold=, n_tensors=, starting_scope=, starting_op_names=, incl_scopes=, "
+                "excl_scopes=, incl_types=, excl_types=, lb=, ub=, ctrld_strategy=, fuse_swapins=, "
+                "fuse_distance=, swap_branches= and branch_threshold=")
+AUTO_UNKNOWN = ("strategy 'auto' got unknown parameters ['a', 'speed']; it takes none: name a "
+                "strategy (swap, checkpoint, ...) to set its parameters")
+
 CHECKPOINT_UNKNOWN = ("strategy 'checkpoint' got unknown parameters {}; it accepts checkpoints=, "
                       "max_chain= and forward_recompute=")
 CHECKPOINTS_MODES = ("checkpoints must be 'memory', 'speed' or a non-empty list of module-path "
@@ -22,7 +35,7 @@ TIME_LIMIT = ("optimal-recompute no longer takes time_limit_s: a clock made the 
               "the machine's load. Bound the MILP's work with node_limit= (branch-and-bound "
               f"nodes, default {NODE_LIMIT}) and its size with max_ops=, or use method='segments'")
 
-REFUSED = [  # (strategy, params, the message the hand-written check_params gave)
+REFUSED = [  # (strategy, params, the message)
     ("checkpoint", {"bogus": 1}, CHECKPOINT_UNKNOWN.format(["bogus"])),
     ("checkpoint", {"config": 1}, CHECKPOINT_UNKNOWN.format(["config"])),
     ("checkpoint", {"forward_recompute": "yes"},
@@ -41,12 +54,23 @@ REFUSED = [  # (strategy, params, the message the hand-written check_params gave
     ("optimal-recompute", {"node_limit": False},
      "node_limit must be a positive int (branch-and-bound nodes), got False"),
     ("memory-poor", {"b": 2, "a": 1}, "strategy 'memory-poor' takes no parameters, got ['a', 'b']"),
+    ("swap", {"optimizer_scopes": ["adam"]}, SWAP_UNKNOWN),
+    ("swap", {"lb": 5, "ub": 3}, "swap: lb (5) must not exceed ub (3)"),
+    ("swap", {"threshold": True}, "swap: threshold must be an int >= 0, got True"),
+    ("swap", {"incl_scopes": 5}, "swap: incl_scopes must be a string or a list of strings, got 5"),
+    ("keep", {"b": 1, "a": 2}, "strategy 'keep' takes no parameters, got ['a', 'b']"),
+    ("auto", {"speed": True, "a": 1}, AUTO_UNKNOWN),
+    *[(policy, {"attention": "flash"},
+       f"{policy}: attention must be one of ['auto', 'math', 'fused'], got 'flash'")
+      for policy in ("vdnn_all", "vdnn_conv", "vdnn_dyn")],
+    *[(policy, {"lb": 3}, f"strategy {policy!r} got unknown parameters ['lb']; it accepts attention=")
+      for policy in ("vdnn_all", "vdnn_conv", "vdnn_dyn")],
 ]
 
 
 @pytest.mark.parametrize(("name", "params", "message"), REFUSED,
                          ids=[f"{name}-{sorted(params)}" for name, params, _ in REFUSED])
-def test_a_bad_parameter_is_refused_with_the_message_it_had(name, params, message):
+def test_a_bad_parameter_is_refused_from_the_registry_and_the_plan_alike(name, params, message):
     with pytest.raises(ValueError) as checked:
         check_params(name, params)
     assert str(checked.value) == message
@@ -55,10 +79,13 @@ def test_a_bad_parameter_is_refused_with_the_message_it_had(name, params, messag
     assert str(planned.value) == message
 
 
-@pytest.mark.parametrize("config", [CheckpointConfig, OptimalRecomputeConfig, MemoryPoorConfig])
-def test_a_config_is_frozen_and_its_defaults_pass_its_checks(config):
+@pytest.mark.parametrize("name", strategy_names())
+def test_every_strategy_has_a_frozen_config_whose_defaults_pass(name):
+    config = _CONFIGS[name]
+    assert issubclass(config, StrategyConfig) and config.strategy == name
     built = config.from_params({})
     assert built == config()
+    check_params(name, {})
     for field in dataclasses.fields(config):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(built, field.name, getattr(built, field.name))
@@ -69,3 +96,15 @@ def test_the_plan_keeps_the_parameters_as_given():
     graph = synthetic.chain(4)
     made = get_strategy("checkpoint")(graph, HARDWARE, checkpoints=["f1"], max_chain=2)
     assert made.params == {"checkpoints": ["f1"], "max_chain": 2, "forward_recompute": None}
+
+
+def test_swap_reads_a_single_string_as_a_list_of_one():
+    config = _CONFIGS["swap"].from_params({"incl_scopes": "h.1", "excl_types": ["mm", "bmm"]})
+    assert config.incl_scopes == ("h.1",) and config.excl_types == ("mm", "bmm")
+
+
+def test_a_name_that_differs_only_in_underscore_against_hyphen_is_refused():
+    """Users may spell either, so ``vdnn-all`` beside ``vdnn_all`` would be one name twice."""
+    with pytest.raises(ValueError, match="'vdnn-all' would shadow 'vdnn_all'"):
+        register("vdnn-all", config=_CONFIGS["vdnn_all"])
+    assert "vdnn-all" not in strategy_names()
