@@ -36,7 +36,7 @@ Example:
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,6 +113,13 @@ class BaseProfile:
     def of(cls, graph: CostGraph) -> BaseProfile:
         """The graph's base profile, built once (a graph is frozen, so it never goes stale)."""
         return graph.remembered("base profile", lambda: cls(graph))
+
+    def live_across(self, tensors: Iterable[str], op: int) -> set[str]:
+        """The tensors of ``tensors`` the Keep plan holds across op ``op``'s end: allocated at or
+        before its compute and read after it (so counted in ``live_after[op]``). For bounds that
+        take some of them out of that figure (``CountBounds``' boundary)."""
+        return {t for t in tensors
+                if t in self.last_key and self.produced_at[t] <= op < self.last_key[t] // STRIDE}
 
     def swaps(self, decisions: Sequence[tuple[str, Swap]]) -> SwapDelta:
         """The changed lifetimes of ``decisions``, in order.

@@ -86,6 +86,19 @@ def test_the_checks_see_plans_that_move_the_peak():
     assert moved > total // 2
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph=GRAPHS)
+def test_the_tensors_live_across_an_op_are_its_live_bytes(graph):
+    """``live_across`` (``CountBounds``' boundary) accounts for the truth's ``live_after`` of
+    every op: resident bytes, the outputs made so far, and the freed buffers held across it."""
+    base = BaseProfile.of(graph)
+    for op in range(len(graph.ops)):
+        outputs = sum(t.size_bytes for name, t in graph.tensors.items()
+                      if t.is_output and base.produced_at.get(name, len(graph.ops)) <= op)
+        held = sum(graph.tensors[t].size_bytes for t in base.live_across(graph.tensors, op))
+        assert base.live_after[op] == graph.resident_bytes + outputs + held, f"after op {op}"
+
+
 def test_nothing_swapped_is_the_keep_plan():
     graph = synthetic.resnet_like(4)
     base = BaseProfile.of(graph)
