@@ -4,20 +4,19 @@ links, packed or just in time, alone or feeding a recompute plan's re-runs."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from memfit.data.costgraph import CostGraph
 from memfit.data.hardware import Hardware, get_hardware
-from memfit.data.plan import Plan, Recompute
+from memfit.data.plan import Plan
 from memfit.model import synthetic
 from memfit.model.recompute import planned_reruns
 from memfit.model.schedule import check_plan
 from memfit.model.simulate import simulate
 from memfit.planning.strategies.swapping._free_swaps import free_swaps
+from tests.model.plans import random_recompute_plan
 
 PCIE = get_hardware("h100-pcie")
 LINKS = (PCIE, get_hardware("gh200"), PCIE.with_(duplex=False),
@@ -35,16 +34,6 @@ GRAPHS = st.one_of(
     st.builds(synthetic.resnet_like, st.integers(1, 10)),
     st.builds(synthetic.multi_tower, st.integers(1, 4), st.integers(1, 8)),
 )
-
-
-def random_recompute(graph: CostGraph, seed: int) -> Plan:
-    """Recompute a random half of the forward tensors (a valid plan: ``lower`` re-runs what
-    each rebuild needs)."""
-    forward = sorted(name for name, tensor in graph.tensors.items()
-                     if tensor.producer is not None and not tensor.is_output
-                     and graph.op(tensor.producer).phase == "forward")
-    chosen = random.Random(seed).sample(forward, len(forward) // 2)
-    return Plan("recompute", {name: Recompute("random") for name in sorted(chosen)})
 
 
 def stalls_nothing(graph: CostGraph, hardware: Hardware, base: Plan, packed: bool) -> int:
@@ -65,7 +54,7 @@ def stalls_nothing(graph: CostGraph, hardware: Hardware, base: Plan, packed: boo
 @given(graph=GRAPHS, link=st.sampled_from(LINKS), packed=st.booleans(),
        recompute_seed=st.none() | st.integers(0, 10_000))
 def test_every_free_swap_stalls_nothing(graph, link, packed, recompute_seed):
-    base = Plan("keep") if recompute_seed is None else random_recompute(graph, recompute_seed)
+    base = Plan("keep") if recompute_seed is None else random_recompute_plan(graph, recompute_seed)
     stalls_nothing(graph, link, base, packed)
 
 
@@ -85,5 +74,5 @@ def test_slow_half_duplex_links_stall_nothing(blocks, recompute_seed, packed):
     them on a half-duplex link. The planner that replayed two independent queues stalled 22 of
     these 72 cases (exposed transfer up to 11 ms)."""
     graph = synthetic.resnet_like(blocks)
-    base = Plan("keep") if recompute_seed is None else random_recompute(graph, recompute_seed)
+    base = Plan("keep") if recompute_seed is None else random_recompute_plan(graph, recompute_seed)
     stalls_nothing(graph, SLOW_HALF_DUPLEX, base, packed)
