@@ -36,7 +36,7 @@ Example:
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +44,7 @@ import numpy as np
 from memfit.data.costgraph import CostGraph
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan, Swap
+from memfit.model.recompute import PlannedRerun
 from memfit.model.schedule import lower, memory_profile
 from memfit.model.sharding import COLLECTIVE_KINDS
 from memfit.model.sharding import WAIT as COMM_WAIT
@@ -113,6 +114,13 @@ class BaseProfile:
     def of(cls, graph: CostGraph) -> BaseProfile:
         """The graph's base profile, built once (a graph is frozen, so it never goes stale)."""
         return graph.remembered("base profile", lambda: cls(graph))
+
+    def live_across(self, tensors: Iterable[str], op: int) -> set[str]:
+        """The tensors of ``tensors`` the Keep plan holds across op ``op``'s end: allocated at or
+        before its compute and read after it (so counted in ``live_after[op]``). For bounds that
+        take some of them out of that figure (``CountBounds``' boundary)."""
+        return {t for t in tensors
+                if t in self.last_key and self.produced_at[t] <= op < self.last_key[t] // STRIDE}
 
     def swaps(self, decisions: Sequence[tuple[str, Swap]]) -> SwapDelta:
         """The changed lifetimes of ``decisions``, in order.
@@ -246,26 +254,77 @@ class BaseProfile:
 
     def _async_time_s(self, copies: list[Copy], hardware: Hardware) -> float:
         """The simulator's four-stream clock over the copies in program order; the compute
-        stream's ends come from ``_ComputeClock``."""
-        d2h_free = h2d_free = 0.0
+        stream's ends come from ``_ComputeClock``, the copy streams' from ``CopyLink``."""
+        link = CopyLink(hardware)
         out_end: dict[str, float] = {}
         in_end: dict[tuple[str, int], float] = {}
         wait_ops = sorted({c[0] // STRIDE for c in copies if c[2] == "wait"})
         clock = _ComputeClock(self.op_times, self.keep_end_s, wait_ops)
-        duplex = hardware.duplex
         for key, _, kind, tensor, copy, size_bytes in copies:
             op = key // STRIDE
             if kind == "wait":
                 clock.wait(op, in_end[(tensor, copy)])
             elif kind == "swap_out":
-                start = max(clock.end_s(op), d2h_free)
-                d2h_free = out_end[tensor] = start + hardware.d2h_time_s(size_bytes)
-                h2d_free = h2d_free if duplex else d2h_free
+                out_end[tensor] = link.copy_out(clock.end_s(op), size_bytes)
             else:
-                start = max(clock.end_s(op), out_end[tensor], h2d_free)
-                h2d_free = in_end[(tensor, copy)] = start + hardware.h2d_time_s(size_bytes)
-                d2h_free = d2h_free if duplex else h2d_free
-        return max(clock.end_s(self.op_count - 1) if self.op_count else 0.0, d2h_free, h2d_free)
+                in_end[(tensor, copy)] = link.copy_in(max(clock.end_s(op), out_end[tensor]),
+                                                      size_bytes)
+        return max(clock.end_s(self.op_count - 1) if self.op_count else 0.0, link.out_free_s,
+                   link.in_free_s)
+
+    def compute_clock(self, reruns: Mapping[str, Sequence[PlannedRerun]] | None = None
+                      ) -> tuple[list[float], list[float]]:
+        """Each op's slot on the compute stream with ``reruns`` (op -> the re-runs placed
+        before it) and no stall: from the start of its re-runs to its own end. The simulator's
+        additions in its order (``np.cumsum`` adds left to right), so a time a copy is planned
+        against is the one ``simulate`` gives when nothing stalls. For ``free_swaps``."""
+        if not reruns:
+            ends = self.keep_end_s
+        else:
+            graph = self.graph
+            count = np.zeros(self.op_count, dtype=np.int64)
+            rerun_s: list[float] = []
+            for op in sorted(reruns, key=graph.index.__getitem__):
+                count[graph.index[op]] = len(reruns[op])
+                rerun_s += [graph.op(r.op).time_s for r in reruns[op]]
+            at = np.arange(self.op_count) + np.cumsum(count)  # each op after its re-runs
+            durations = np.zeros(self.op_count + len(rerun_s))
+            durations[at] = self.op_time_s
+            durations[np.setdiff1d(np.arange(len(durations)), at)] = rerun_s
+            ends = np.cumsum(durations)[at]
+        end_s = ends.tolist()
+        return [0.0, *end_s[:-1]] if end_s else [], end_s
+
+
+class CopyLink:
+    """The two copy streams of one link, each a FIFO, as ``simulate`` runs them: a copy starts
+    when it is ready and its stream is free; on a half-duplex link (``hardware.duplex`` false)
+    both directions share one stream. The one queue model of copies: ``step_time_s`` replays a
+    plan's copies on it, and ``free_swaps`` plans copies that fit on it."""
+
+    def __init__(self, hardware: Hardware) -> None:
+        self.hardware = hardware
+        self.out_free_s = 0.0  # when the device-to-host stream is next free
+        self.in_free_s = 0.0  # when the host-to-device stream is next free
+
+    def out_landing_s(self, ready_s: float, size_bytes: int) -> float:
+        """When a copy out ready at ``ready_s`` would land, were it queued now."""
+        return max(ready_s, self.out_free_s) + self.hardware.d2h_time_s(size_bytes)
+
+    def copy_out(self, ready_s: float, size_bytes: int) -> float:
+        """Queue a copy out; returns when it lands."""
+        self.out_free_s = self.out_landing_s(ready_s, size_bytes)
+        if not self.hardware.duplex:
+            self.in_free_s = self.out_free_s
+        return self.out_free_s
+
+    def copy_in(self, ready_s: float, size_bytes: int) -> float:
+        """Queue a copy back (``ready_s``: its issue and its copy out both done); returns when
+        it lands."""
+        self.in_free_s = max(ready_s, self.in_free_s) + self.hardware.h2d_time_s(size_bytes)
+        if not self.hardware.duplex:
+            self.out_free_s = self.in_free_s
+        return self.in_free_s
 
 
 class _ComputeClock:

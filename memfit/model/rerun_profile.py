@@ -20,6 +20,7 @@ import numpy as np
 
 from memfit.data.costgraph import CostGraph
 from memfit.data.plan import Plan
+from memfit.model.profile import BaseProfile
 from memfit.model.recompute import PlannedRerun, decided_reruns, first_late_readers, rerun_deadlines
 from memfit.model.schedule import lower, memory_profile
 
@@ -65,16 +66,10 @@ class RerunProfiler:
         self.graph = graph
         self.base = base
         self.swapped = frozenset(base.swapped)
-        schedule = lower(graph, base)
-        profile = memory_profile(schedule)
         self.resident_bytes = graph.resident_bytes
-        self._base_high = np.asarray(profile.high_bytes, dtype=np.int64)
-        self._base_live = np.asarray(profile.live_bytes, dtype=np.int64)
-        self._group_of = _groups(graph, schedule.actions)
+        self._base_high, self._base_live, self._group_of, self._compute = _base_actions(graph, base)
         self._group_start = np.searchsorted(self._group_of, np.arange(len(graph.ops)))
-        self._group_end = np.append(self._group_start[1:], len(schedule.actions)) - 1
-        self._compute = np.asarray(
-            [i for i, a in enumerate(schedule.actions) if a.kind == "compute"], dtype=np.int64)
+        self._group_end = np.append(self._group_start[1:], len(self._group_of)) - 1
         self.keep_high = np.maximum.reduceat(self._base_high, self._group_start)
         self.keep_live = self._base_live[self._group_end]
         self._live_before = np.concatenate(([self.resident_bytes], self._base_live))[self._group_start]
@@ -150,10 +145,6 @@ class RerunProfiler:
         deadline = rerun_deadlines(self.graph, set(recomputed), self._first_late_reader)
         return sum(op(producer).time_s for producer in deadline)
 
-    def readers(self, tensor: str) -> list[int]:
-        """Positions of ``tensor``'s readers in the graph, in order."""
-        return self._readers[tensor]
-
     def _grouped(self, recomputed: set[str]) -> dict[str, list[PlannedRerun]]:
         grouped: dict[str, list[PlannedRerun]] = {}
         for rerun in decided_reruns(self.graph, recomputed, self._first_late_reader):
@@ -178,6 +169,22 @@ class RerunProfiler:
         spread[slots] = np.repeat(self._live_before, count)
         spread[np.arange(len(self._base_high)) + offset[self._group_of]] = self._base_high
         return spread
+
+
+def _base_actions(graph: CostGraph, base: Plan) -> tuple[np.ndarray, ...]:
+    """The base plan's high and live bytes per action, each action's op (``_groups``) and the
+    compute actions' indices. The Keep plan's come from ``BaseProfile`` (one compute action per
+    op), so its lowering is shared with the other callers of the memory model, not redone."""
+    if not base.decisions:
+        keep = BaseProfile.of(graph)
+        ops = np.arange(len(graph.ops), dtype=np.int64)
+        return keep.high_bytes, keep.live_after, ops, ops
+    schedule = lower(graph, base)
+    profile = memory_profile(schedule)
+    compute = [i for i, a in enumerate(schedule.actions) if a.kind == "compute"]
+    return (np.asarray(profile.high_bytes, dtype=np.int64),
+            np.asarray(profile.live_bytes, dtype=np.int64),
+            _groups(graph, schedule.actions), np.asarray(compute, dtype=np.int64))
 
 
 def _groups(graph: CostGraph, actions) -> np.ndarray:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from memfit.data.costgraph import CostGraph, Tensor
-from memfit.data.plan import Plan, Swap, SwapIn
+from memfit.data.plan import Plan, Recompute, Swap, SwapIn
 
 
 def random_swap_plan(
@@ -80,3 +80,13 @@ def _contiguous_groups(consumers: list[str], rng: random.Random) -> list[list[st
             groups.append([])
         groups[-1].append(consumer)
     return groups
+
+
+def random_recompute_plan(graph: CostGraph, seed: int) -> Plan:
+    """Recompute a random half of the forward tensors (a valid plan: ``lower`` re-runs what
+    each rebuild needs)."""
+    forward = sorted(name for name, tensor in graph.tensors.items()
+                     if tensor.producer is not None and not tensor.is_output
+                     and graph.op(tensor.producer).phase == "forward")
+    chosen = random.Random(seed).sample(forward, len(forward) // 2)
+    return Plan("recompute", {name: Recompute("random") for name in sorted(chosen)})

@@ -17,11 +17,12 @@ from memfit.data.hardware import PROFILES, get_hardware
 from memfit.data.plan import Plan, Swap, SwapIn
 from memfit.model import synthetic
 from memfit.model.profile import BaseProfile, _RangeMax
+from memfit.model.recompute import planned_reruns
 from memfit.model.schedule import check_plan, peak_bytes
 from memfit.model.sharding import shard_graph
 from memfit.model.simulate import simulate
 from memfit.planning.strategies.swapping.tflms import plan as tflms
-from tests.model.plans import random_swap_plan
+from tests.model.plans import random_recompute_plan, random_swap_plan
 from tests.model.test_sharding import fsdp, layered
 
 HARDWARE = get_hardware("h100-pcie")
@@ -84,6 +85,32 @@ def test_the_checks_see_plans_that_move_the_peak():
         moved += check_against_the_truth(graph, plan)
         total += len(plan.decisions) + 1
     assert moved > total // 2
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph=GRAPHS)
+def test_the_tensors_live_across_an_op_are_its_live_bytes(graph):
+    """``live_across`` (``CountBounds``' boundary) accounts for the truth's ``live_after`` of
+    every op: resident bytes, the outputs made so far, and the freed buffers held across it."""
+    base = BaseProfile.of(graph)
+    for op in range(len(graph.ops)):
+        outputs = sum(t.size_bytes for name, t in graph.tensors.items()
+                      if t.is_output and base.produced_at.get(name, len(graph.ops)) <= op)
+        held = sum(graph.tensors[t].size_bytes for t in base.live_across(graph.tensors, op))
+        assert base.live_after[op] == graph.resident_bytes + outputs + held, f"after op {op}"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph=GRAPHS, seed=st.integers(0, 10_000))
+def test_the_compute_clock_with_reruns_is_the_simulators(graph, seed):
+    """``compute_clock`` (``free_swaps``' timeline) ends where ``simulate`` ends a recompute
+    plan, to the bit; each op's slot starts where the previous one ended; no re-runs: Keep."""
+    base = BaseProfile.of(graph)
+    plan = random_recompute_plan(graph, seed)
+    start_s, end_s = base.compute_clock(planned_reruns(graph, plan))
+    assert end_s[-1] == simulate(graph, plan, HARDWARE, record_intervals=False).step_time_s
+    assert start_s == [0.0, *end_s[:-1]]
+    assert base.compute_clock()[1] == base.keep_end_s.tolist()
 
 
 def test_nothing_swapped_is_the_keep_plan():

@@ -11,7 +11,8 @@ lower bounds per count make it a branch and bound, with the same answer as prici
   come on top);
 - peak: right after the last forward op a recomputed tensor is already freed and a kept one is
   still live, so the Keep plan's live bytes there, less the recomputed ones live there, is at
-  most the plan's peak.
+  most the plan's peak. Both figures are the incremental memory model's
+  (``memfit.model.profile.BaseProfile``: ``live_after`` and the Keep lifetimes), not a copy.
 
 Counts are priced in order of their time bound, skipping those whose peak bound is over the
 budget, until the bound passes the best time that fits. Once one fits, a count is priced only if
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from memfit.model import separators
+from memfit.model.profile import BaseProfile
 from memfit.model.recompute import first_late_readers
 from memfit.model.rerun_profile import RerunProfiler
 
@@ -59,12 +61,10 @@ class CountBounds:
             for op in graph.forward_ops
         }
         self._all_time_s = sum(graph.op(p).time_s for p, o in self._late_outputs.items() if o)
+        base = BaseProfile.of(graph)
         boundary = max(graph.index[op.name] for op in graph.forward_ops)
-        self._live_at_boundary = {
-            t for t in droppable
-            if (readers := profiler.readers(t)) and readers[-1] > boundary
-        }
-        self._all_peak_bytes = int(profiler.keep_live[boundary]) - self._bytes(self._live_at_boundary)
+        self._live_at_boundary = base.live_across(droppable, boundary)
+        self._all_peak_bytes = int(base.live_after[boundary]) - self._bytes(self._live_at_boundary)
         self._shares = self._separable_shares()
 
     def kept(self, count: int) -> set[str]:
