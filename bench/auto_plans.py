@@ -134,16 +134,16 @@ def plan_outcome(graph: CostGraph, hardware: Hardware, budget_bytes: int, strate
 
 
 def milp_outcome(graph: CostGraph, hardware: Hardware, budget_bytes: int) -> Outcome | None:
-    """POET's swap + recompute MILP (``solve_swap_milp``) on graphs of up to ``MILP_MAX_OPS``
+    """POET's swap + recompute MILP (``plan_swap_milp``) on graphs of up to ``MILP_MAX_OPS``
     ops; ``None`` above, where the model is too large to build, let alone solve."""
     if len(graph.ops) > MILP_MAX_OPS:
         return None
-    from memfit.planning.solvers.milp_swap import solve_swap_milp
+    from memfit.planning.strategies.milp_swap_plan import plan_swap_milp
 
-    solution = solve_swap_milp(graph, hardware, budget_bytes)
-    fits = solution.plan is not None and 0 <= solution.peak_bytes <= budget_bytes
-    return Outcome(solution.simulated_step_time_s if fits else None, solution.solve_time_s,
-                   solution.status)
+    reference = plan_swap_milp(graph, hardware, budget_bytes)
+    fits = reference.plan is not None and 0 <= reference.peak_bytes <= budget_bytes
+    return Outcome(reference.simulated_step_time_s if fits else None,
+                   reference.solution.solve_time_s, reference.solution.status)
 
 
 def budget_rows(graph: CostGraph, hardware: Hardware, keep_peak_bytes: int,

@@ -56,6 +56,9 @@ FORBIDDEN_PACKAGES = ("bench",)  # the source checkout's benchmarks: never insta
 
 KNOWN_LOOPS: list[set[str]] = []  # type-only loops that are known: none (issue 15 broke the last)
 
+SOLVERS = "planning.solvers"  # solvers take problems and return schedules of their own types ...
+PLAN_MAKERS = ("data.plan", "model.simulate")  # ... so they never import the plan or its pricing
+
 
 def module_files(root: Path, package: str) -> dict[str, Path]:
     """Dotted module name -> file, for every ``.py`` file of ``package`` under ``root``."""
@@ -156,6 +159,15 @@ def forbidden_imports(graph: nx.DiGraph) -> list[str]:
     return [f"{a} -> {b}" for a, b in sorted(graph.edges) if b in FORBIDDEN_PACKAGES]
 
 
+def solver_plan_imports(graph: nx.DiGraph, package: str) -> list[str]:
+    """``a -> b`` for each solver module importing ``Plan``'s module or ``simulate``'s: building
+    and pricing plans (and tightening by the simulated excess) is the strategies' job."""
+    solvers = f"{package}.{SOLVERS}"
+    forbidden = {f"{package}.{module}" for module in PLAN_MAKERS}
+    return [f"{a} -> {b}" for a, b in sorted(graph.edges)
+            if (a == solvers or a.startswith(solvers + ".")) and b in forbidden]
+
+
 @pytest.fixture(scope="module")
 def memfit_graph() -> nx.DiGraph:
     return import_graph(ROOT, "memfit")
@@ -193,6 +205,10 @@ def test_memfit_never_imports_bench(either_graph):
     assert forbidden_imports(either_graph) == []
 
 
+def test_solvers_never_build_or_simulate_plans(either_graph):
+    assert solver_plan_imports(either_graph, "memfit") == []
+
+
 def test_types_never_import_renderers(either_graph):
     """Data, model and planning never reach ``memfit.render``, directly or through others."""
     below = [module for module in either_graph
@@ -216,7 +232,7 @@ def test_every_folder_and_top_level_module_has_a_layer(memfit_graph):
     assert sorted(names - set(LAYER_OF_FOLDER)) == []
 
 
-def test_the_checker_finds_an_upward_import_a_loop_and_bench(tmp_path):
+def test_the_checker_finds_an_upward_import_a_loop_bench_and_a_solver_making_plans(tmp_path):
     """A small package with one of each mistake: the checks above would fail on it."""
     files = {
         "pkg/__init__.py": "",
@@ -229,6 +245,13 @@ def test_the_checker_finds_an_upward_import_a_loop_and_bench(tmp_path):
         "pkg/render/__init__.py": "",
         "pkg/render/text.py": "from pkg.data.plan import explain\n",
         "pkg/planning/__init__.py": "",
+        "pkg/planning/solvers/__init__.py": "",
+        "pkg/planning/solvers/dp.py": "from pkg.data.plan import explain\n",
+        "pkg/planning/solvers/milp.py": "from pkg.model import simulate\n"
+                                        "from pkg.data import json\n",
+        "pkg/planning/strategies.py": "from pkg.model.simulate import simulate\n",
+        "pkg/model/__init__.py": "",
+        "pkg/model/simulate.py": "",
         "pkg/cli.py": "from bench.run import main\n",
     }
     for name, text in files.items():
@@ -239,6 +262,8 @@ def test_the_checker_finds_an_upward_import_a_loop_and_bench(tmp_path):
     assert import_loops(graph) == [{"pkg.data.json", "pkg.data.loop"},
                                    {"pkg.data.plan", "pkg.render.text"}]
     assert forbidden_imports(graph) == ["pkg.cli -> bench"]
+    assert solver_plan_imports(graph, "pkg") == ["pkg.planning.solvers.dp -> pkg.data.plan",
+                                                 "pkg.planning.solvers.milp -> pkg.model.simulate"]
     typed = import_graph(tmp_path, "pkg", type_checking=True)
     assert upward_imports(typed, "pkg") == [
         "pkg.data.plan -> pkg.render.text (data -> surface)",

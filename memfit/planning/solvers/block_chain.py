@@ -19,73 +19,66 @@ first backward op of the next block the schedule reverses.
 
 Correct whatever the placement: a reader reads the newest instance made before it, and every
 instance lives until its last reader, so a re-run placed too late costs memory, never a wrong
-value. ``simulate`` prices the plan exactly and the chain's budget is cut by any excess.
+value. The chain's accounting is not the step's exact peak: the optimal-recompute strategy prices
+each schedule with ``simulate`` and cuts the chain's budget by any excess (``next_chain_budget``
+says by how much).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 
 from memfit.data.costgraph import CostGraph
-from memfit.data.hardware import Hardware
-from memfit.data.plan import Plan, Rerun
-from memfit.model.simulate import simulate
 from memfit.planning.solvers.chain import (
     Backward,
     ChainCosts,
-    ChainSchedule,
     Forward,
     Loss,
     solve_chain_costs,
 )
 from memfit.planning.solvers.segments import Blocks
-from memfit.planning.tighten import tighten
 from memfit.planning.tuning import TUNING
 
 
-def nested_reruns(graph: CostGraph, hardware: Hardware, blocks: Blocks,
-                  budget_bytes: int) -> Plan | None:
-    """The revolve-like plan of least recompute over ``blocks`` whose simulated peak fits
-    ``budget_bytes``, as explicit re-runs; ``None`` when the chain DP finds none that fits.
+@dataclass(frozen=True)
+class NestedSchedule:
+    """The chain DP's schedule over the blocks, lowered to re-runs.
 
     Args:
-        graph: the step.
-        hardware: prices the plan (``simulate``).
-        blocks: the forward pass cut at separators (``segments.find_blocks``); needs at least
-            two blocks (one chain step and the loss).
-        budget_bytes: the whole step's device budget.
+        reruns: ``(op, before)`` pairs, in order: forward op ``op`` runs again right before op
+            ``before`` (``Rerun``'s fields; the strategy builds the plan).
+        chain_peak_bytes: the peak the chain DP counts for it (its own accounting: no resident
+            bytes, no block's inner values), which the next target of the tightening reads.
     """
-    if blocks.count < 2:
+
+    reruns: tuple[tuple[str, str], ...]
+    chain_peak_bytes: int
+
+
+def nested_schedule(chain: BlockChain, chain_budget_bytes: int) -> NestedSchedule | None:
+    """The schedule of least recompute over ``chain`` within ``chain_budget_bytes`` of the chain's
+    own accounting (``BlockChain.chain_budget_bytes`` converts a step's budget), as re-runs;
+    ``None`` when the DP finds none, or the budget is not positive."""
+    if chain_budget_bytes <= 0:
         return None
-    chain = BlockChain.from_blocks(graph, blocks)
-
-    def planned_at(chain_budget: int) -> tuple[tuple[Plan, ChainSchedule], int] | None:
-        if chain_budget <= 0:
-            return None
-        schedule = solve_chain_costs(chain.costs, chain_budget,
-                                     memory_units=TUNING.chain_memory_units)
-        if schedule is None:
-            return None
-        made = Plan("optimal-recompute", graph_hash=graph.structure_hash,
-                    budget_bytes=budget_bytes, hardware=hardware.name,
-                    reruns=chain.reruns(schedule.operations))
-        return (made, schedule), simulate(graph, made, hardware, record_intervals=False).peak_bytes
-
-    found = tighten(budget_bytes, planned_at, rounds=TUNING.chain_tighten_rounds,
-                    next_target=_next_chain_budget,
-                    start_bytes=budget_bytes - graph.resident_bytes - chain.largest_inner_bytes)
-    return None if found is None else found[0]
+    schedule = solve_chain_costs(chain.costs, chain_budget_bytes,
+                                 memory_units=TUNING.chain_memory_units)
+    if schedule is None:
+        return None
+    return NestedSchedule(chain.reruns(schedule.operations), schedule.peak_bytes)
 
 
-def _next_chain_budget(chain_budget: int, excess_bytes: int, planned: tuple[Plan, ChainSchedule],
-                       previous: tuple[Plan, ChainSchedule] | None) -> int:
-    """Cut by the excess; if the last cut found the same schedule, cut from what it uses (the DP
-    gives it for every budget down to its own peak)."""
-    used_bytes = planned[1].peak_bytes
-    stuck = previous is not None and previous[1].peak_bytes == used_bytes
-    return (used_bytes if stuck else chain_budget) - excess_bytes
+def next_chain_budget(chain_budget_bytes: int, excess_bytes: int, planned: NestedSchedule,
+                      previous: NestedSchedule | None) -> int:
+    """The chain budget to try after ``planned`` came out ``excess_bytes`` over: cut by the
+    excess; if the last cut found the same schedule, cut from what it uses (the DP gives it for
+    every budget down to its own peak)."""
+    used_bytes = planned.chain_peak_bytes
+    stuck = previous is not None and previous.chain_peak_bytes == used_bytes
+    return (used_bytes if stuck else chain_budget_bytes) - excess_bytes
 
 
 class BlockChain:
@@ -101,6 +94,11 @@ class BlockChain:
         self.backward_start = backward_start  # per chain step: its first backward op
         self.costs = costs
         self.largest_inner_bytes = largest_inner_bytes
+
+    def chain_budget_bytes(self, budget_bytes: int) -> int:
+        """The chain's budget for a whole step's ``budget_bytes``: the chain counts neither the
+        resident bytes nor the blocks' inner values, so both are set aside (the largest block's)."""
+        return budget_bytes - self.graph.resident_bytes - self.largest_inner_bytes
 
     @classmethod
     def from_blocks(cls, graph: CostGraph, blocks: Blocks) -> BlockChain:
@@ -126,10 +124,11 @@ class BlockChain:
                            gradient_bytes=tuple(activation), output_bytes=tuple(output))
         return cls(graph, blocks, advance, inner, starts, costs, max(inner_bytes, default=0))
 
-    def reruns(self, operations: Iterable[object]) -> tuple[Rerun, ...]:
-        """The schedule's backward phase as re-runs: the advances before each ``Backward``, then
-        the reversed block's inner values, all right before that block's first backward op."""
-        found: list[Rerun] = []
+    def reruns(self, operations: Iterable[object]) -> tuple[tuple[str, str], ...]:
+        """The schedule's backward phase as ``(op, before)`` re-runs: the advances before each
+        ``Backward``, then the reversed block's inner values, all right before that block's first
+        backward op."""
+        found: list[tuple[str, str]] = []
         pending: list[str] = []
         last_step = len(self.advance)
         backward_phase = False
@@ -142,7 +141,7 @@ class BlockChain:
                 if operation.step != last_step:  # the last block's inner values are still live
                     pending += self.inner[block]
                 before = self.backward_start[block]
-                found += [Rerun(op, before) for op in pending if self.graph.op(op).outputs]
+                found += [(op, before) for op in pending if self.graph.op(op).outputs]
                 pending = []
             elif isinstance(operation, Loss):
                 backward_phase = True

@@ -19,17 +19,20 @@ program-order accounting (``memfit.model.schedule``), with each swap-in's buffer
 issue, as ``memory_profile`` does. A swapped value's producer is never re-run, and no re-run reads
 a swapped value (a restriction of this model, not of memfit's plans; see ``MISMATCHES``).
 
-The solution is decoded into a ``Plan`` (``Swap`` decisions with their ``SwapIn``s, ``Rerun``s as
-``optimal-recompute``'s MILP plan makes them), checked with ``check_plan`` and simulated.
+The solution is decoded into a schedule in the terms of memfit's plans: ``(op, before)`` re-runs
+as ``optimal-recompute``'s MILP plan makes them, and per swapped tensor the swap-ins that serve
+its readers (``SwappedTensor``), in the order they queue. The ``Plan`` is built from it, and
+simulated, by ``memfit.planning.strategies.milp_swap_plan``.
 
 Example:
     >>> from memfit.model import synthetic
     >>> from memfit.data.hardware import get_hardware
+    >>> from memfit.data.plan import Plan
     >>> from memfit.model.schedule import peak_bytes
     >>> graph = synthetic.chain(6)
     >>> budget_bytes = int(0.7 * peak_bytes(graph, Plan("keep")))
     >>> solution = solve_swap_milp(graph, get_hardware("h100-pcie"), budget_bytes)
-    >>> solution.status, solution.plan.swapped != (), solution.plan.reruns
+    >>> solution.status, solution.swapped != (), solution.reruns
     ('optimal', True, ())
 """
 
@@ -42,8 +45,6 @@ import numpy as np
 
 from memfit.data.costgraph import CostGraph
 from memfit.data.hardware import Hardware
-from memfit.data.plan import Decision, Plan, Rerun, Swap, SwapIn
-from memfit.model.simulate import simulate
 from memfit.planning.solvers._milp_model import StageProblem
 from memfit.planning.solvers._milp_swap_model import SwapFacts, SwapMilpModel
 from memfit.planning.solvers.milp import NODE_LIMIT, MilpStatus
@@ -66,28 +67,45 @@ On every graph tested the simulated step time equals the MILP's objective.
 
 
 @dataclass(frozen=True)
+class SwappedTensor:
+    """One tensor the MILP swaps out after its producer, and the copies that bring it back.
+
+    Args:
+        tensor: the swapped tensor.
+        swap_ins: per copy, ``(after, readers)``: issued right after op ``after``, read by
+            ``readers`` (``SwapIn``'s fields), in the order of issue.
+        waited: whether an op waits for one of its copies (the MILP's ``J``): such tensors
+            queue first among the swap-ins issued after one op.
+    """
+
+    tensor: str
+    swap_ins: tuple[tuple[str, tuple[str, ...]], ...]
+    waited: bool
+
+
+@dataclass(frozen=True)
 class SwapMilpSolution:
-    """What HiGHS found, and the plan it decodes to.
+    """What HiGHS found, as a schedule.
 
     Args:
         status: as ``MilpSolution.status``.
         step_time_s: the MILP's objective: op times + re-runs + stalls (inf when none found).
         recompute_time_s: time of the re-runs.
         stall_s: the stalls the MILP pays for copies that outlast their stage.
-        plan: the decoded plan (``None`` when none was found).
         solve_time_s: wall time of building and solving the model.
-        simulated_step_time_s: ``simulate``'s step time of ``plan`` (inf when none).
-        peak_bytes: ``simulate``'s peak of ``plan`` (-1 when none).
+        reruns: ``(op, before)`` pairs: forward op ``op`` runs again right before op ``before``
+            (views left out: they allocate nothing); empty when none was found.
+        swapped: the swapped tensors in the order their swap-ins queue (those an op waits for
+            first, then by name); empty when none was found.
     """
 
     status: MilpStatus
     step_time_s: float
     recompute_time_s: float
     stall_s: float
-    plan: Plan | None
     solve_time_s: float
-    simulated_step_time_s: float = float("inf")
-    peak_bytes: int = -1
+    reruns: tuple[tuple[str, str], ...] = ()
+    swapped: tuple[SwappedTensor, ...] = ()
 
     @property
     def found(self) -> bool:
@@ -118,31 +136,27 @@ def solve_swap_milp(graph: CostGraph, hardware: Hardware, budget_bytes: int, *,
     elapsed = time.perf_counter() - started
     if x is None:
         inf = float("inf")
-        return SwapMilpSolution(status, inf, inf, inf, None, elapsed)
+        return SwapMilpSolution(status, inf, inf, inf, elapsed)
     computed, _ = model.decode(x)
     recompute_time_s = sum(problem.time_s[op] for stage, ops in enumerate(computed)
                            for op in ops if op != stage)
     stall_s = sum(model.value(x, ("W", t)) for t in range(problem.stages)) * model.time_unit_s
-    plan = decode_plan(graph, hardware, budget_bytes, model, x,
-                       {"node_limit": node_limit, "mip_rel_gap": mip_rel_gap})
-    timeline = simulate(graph, plan, hardware, record_intervals=False)
+    names = [op.name for op in graph.ops]
+    reruns = tuple((names[op], names[stage]) for stage, ops in enumerate(computed)
+                   for op in ops if op != stage and graph.ops[op].outputs)
     return SwapMilpSolution(
-        status=status,
-        step_time_s=graph.step_time_s + recompute_time_s + stall_s,
-        recompute_time_s=recompute_time_s, stall_s=stall_s, plan=plan, solve_time_s=elapsed,
-        simulated_step_time_s=timeline.step_time_s, peak_bytes=timeline.peak_bytes,
+        status=status, step_time_s=graph.step_time_s + recompute_time_s + stall_s,
+        recompute_time_s=recompute_time_s, stall_s=stall_s, solve_time_s=elapsed,
+        reruns=reruns, swapped=decode_swaps(graph, model, x),
     )
 
 
-def decode_plan(graph: CostGraph, hardware: Hardware, budget_bytes: int, model: SwapMilpModel,
-                x: np.ndarray, params: dict) -> Plan:
-    """The MILP's schedule in memfit's plan language: re-runs before each stage's op, and per
-    swapped storage one ``SwapIn`` for each copy that some reader reads."""
-    computed, _ = model.decode(x)
+def decode_swaps(graph: CostGraph, model: SwapMilpModel,
+                 x: np.ndarray) -> tuple[SwappedTensor, ...]:
+    """Per swapped tensor that some reader reads, one swap-in for each copy read; in the order
+    the swap-ins issued after one control op queue: those an op waits for first."""
     names = [op.name for op in graph.ops]
-    reruns = tuple(Rerun(names[op], names[stage]) for stage, ops in enumerate(computed)
-                   for op in ops if op != stage and graph.ops[op].outputs)
-    swaps: list[tuple[bool, str, Swap]] = []
+    swapped: list[SwappedTensor] = []
     for (_, op) in model.chosen(x, "O"):
         copies = _copies(model, x, op)
         for tensor in graph.ops[op].outputs:
@@ -157,13 +171,10 @@ def decode_plan(graph: CostGraph, hardware: Hardware, budget_bytes: int, model: 
                     served.setdefault(copies[stage], []).append(reader)
             if served:
                 waited = any(model.value(x, ("J", stage, op)) > 0.5 for stage in served)
-                swap_ins = tuple(SwapIn(names[stage - 1], tuple(readers))
+                swap_ins = tuple((names[stage - 1], tuple(readers))
                                  for stage, readers in sorted(served.items()))
-                swaps.append((not waited, tensor, Swap(swap_ins, reason="swap+recompute MILP")))
-    # swap-ins after one control op queue in decision order: those an op waits for go first
-    decisions: dict[str, Decision] = {tensor: swap for _, tensor, swap in sorted(swaps)}
-    return Plan("milp-swap", decisions, graph_hash=graph.structure_hash, params=params,
-                budget_bytes=budget_bytes, hardware=hardware.name, reruns=reruns)
+                swapped.append(SwappedTensor(tensor, swap_ins, waited))
+    return tuple(sorted(swapped, key=lambda swap: (not swap.waited, swap.tensor)))
 
 
 def _copies(model: SwapMilpModel, x: np.ndarray, op: int) -> dict[int, int]:

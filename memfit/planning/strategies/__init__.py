@@ -2,7 +2,10 @@
 
 Grouped by technique: ``swapping/`` (TFLMS in ``tflms``, the vDNN policies in ``vdnn``),
 ``recomputing/`` (``checkpoint``, ``optimal_recompute``, ``memory_poor``); at this level what is
-neither (``keep``, ``auto``, the shared ``_budget_checks``) and this registry.
+neither (``keep``, ``auto``, the shared ``_budget_checks``, ``milp_swap_plan``: the swap +
+recompute MILP's plan, the reference ``auto`` is measured against, not registered) and this
+registry. Solvers (``memfit.planning.solvers``) return schedules; the strategies here turn them
+into plans and price them.
 
 Each module registers its entry point by name, so ``memfit.compile(..., strategy="swap", lb=3)``
 and the command line reach it the same way. A user may spell a name with ``_`` or ``-`` alike

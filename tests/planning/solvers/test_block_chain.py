@@ -3,15 +3,19 @@
 import pytest
 
 from memfit.data.hardware import get_hardware
-from memfit.data.plan import Plan
+from memfit.data.plan import Plan, Rerun
 from memfit.model import synthetic
 from memfit.model.rerun_profile import RerunProfiler
 from memfit.model.schedule import check_plan
 from memfit.model.simulate import simulate
-from memfit.planning.solvers.block_chain import BlockChain, nested_reruns
+from memfit.planning.solvers.block_chain import BlockChain, NestedSchedule, next_chain_budget
 from memfit.planning.solvers.chain import solve_chain_costs
 from memfit.planning.strategies import get_strategy
-from memfit.planning.strategies.recomputing.optimal_recompute import _least_fitting, priced_segments
+from memfit.planning.strategies.recomputing.optimal_recompute import (
+    _least_fitting,
+    nested_reruns,
+    priced_segments,
+)
 
 HARDWARE = get_hardware("h100-pcie")
 GRAPHS = {"chain30": lambda: synthetic.chain(30), "resnet12": lambda: synthetic.resnet_like(12)}
@@ -53,8 +57,8 @@ def test_the_lowering_is_the_chain_schedule():
     for chain_budget in (4 * largest, 6 * largest, 9 * largest):
         schedule = solve_chain_costs(chain.costs, chain_budget, memory_units=200)
         assert schedule is not None
-        made = Plan("nested", graph_hash=graph.structure_hash,
-                    reruns=chain.reruns(schedule.operations))
+        reruns = tuple(Rerun(op, before) for op, before in chain.reruns(schedule.operations))
+        made = Plan("nested", graph_hash=graph.structure_hash, reruns=reruns)
         timeline = simulate(graph, made, HARDWARE)
         assert timeline.recompute_s == pytest.approx(schedule.recompute_time_s)
         extra = timeline.peak_bytes - graph.resident_bytes - schedule.peak_bytes
@@ -65,3 +69,12 @@ def test_no_plan_below_what_the_chain_can_reach():
     graph = synthetic.chain(30)
     blocks, _ = priced_segments(graph)
     assert nested_reruns(graph, HARDWARE, blocks, graph.resident_bytes + 1) is None
+
+
+def test_a_repeated_schedule_is_cut_from_what_it_uses():
+    """The tightening's next chain budget: lowered by the excess, but from the schedule's own
+    peak when the last cut found the same schedule (the DP returns it down to that peak)."""
+    first, same = NestedSchedule((), chain_peak_bytes=700), NestedSchedule((), chain_peak_bytes=700)
+    assert next_chain_budget(1000, 50, first, None) == 950
+    assert next_chain_budget(950, 50, same, first) == 650
+    assert next_chain_budget(950, 50, NestedSchedule((), 690), first) == 900

@@ -1,4 +1,4 @@
-"""auto against the reference optimum: the swap + recompute MILP (``solve_swap_milp``).
+"""auto against the reference optimum: the swap + recompute MILP (``plan_swap_milp``).
 
 The acceptance: wherever the MILP solves, auto's simulated step time is within 5% of it, at every
 budget from 90% of the unplanned peak down to the feasible minimum. The graphs are small enough
@@ -16,6 +16,7 @@ from memfit.model import synthetic
 from memfit.model.simulate import simulate
 from memfit.planning.solvers.milp_swap import solve_swap_milp
 from memfit.planning.strategies import get_strategy
+from memfit.planning.strategies.milp_swap_plan import plan_swap_milp
 
 WITHIN = 0.05
 GRAPHS = {
@@ -47,10 +48,10 @@ def test_auto_is_within_five_percent_of_the_milp(name, profile):
         made = get_strategy("auto")(graph, hardware, budget_bytes)
         timeline = simulate(graph, made, hardware, record_intervals=False)
         assert timeline.peak_bytes <= budget_bytes
-        optimum = solve_swap_milp(graph, hardware, budget_bytes)
-        if optimum.status == "infeasible":
+        optimum = plan_swap_milp(graph, hardware, budget_bytes)
+        if optimum.solution.status == "infeasible":
             continue  # the MILP counts memory per op, not per storage: auto reaches lower
-        assert optimum.status == "optimal", (budget_bytes, optimum.status)
+        assert optimum.solution.status == "optimal", (budget_bytes, optimum.solution.status)
         compared += 1
         assert timeline.step_time_s <= optimum.simulated_step_time_s * (1 + WITHIN), (
             budget_bytes, made.params["solver"], timeline.step_time_s,

@@ -20,8 +20,8 @@ from memfit.model import synthetic
 from memfit.model.schedule import peak_bytes
 from memfit.model.simulate import simulate
 from memfit.planning import strategies
-from memfit.planning.solvers.milp_swap import solve_swap_milp
 from memfit.planning.strategies import get_strategy
+from memfit.planning.strategies.milp_swap_plan import plan_swap_milp
 from memfit.planning.strategies.swapping import _just_in_time_swap
 from memfit.planning.strategies.swapping._free_swaps import free_swaps
 
@@ -115,16 +115,16 @@ def test_the_free_swaps_stay_within_the_host():
 def test_the_milp_reference_respects_the_host():
     graph = synthetic.chain(6)
     budget_bytes = int(0.7 * keep_peak(graph))
-    free = solve_swap_milp(graph, UNLIMITED, budget_bytes)
+    free = plan_swap_milp(graph, UNLIMITED, budget_bytes)
     assert free.plan is not None and free.plan.swapped
     free_host = simulate(graph, free.plan, UNLIMITED).host_peak_bytes
     limited = UNLIMITED.with_(host_bytes=free_host // 2)
-    solution = solve_swap_milp(graph, limited, budget_bytes)
-    assert solution.plan is not None, solution.status
-    timeline = simulate(graph, solution.plan, limited)
+    reference = plan_swap_milp(graph, limited, budget_bytes)
+    assert reference.plan is not None, reference.solution.status
+    timeline = simulate(graph, reference.plan, limited)
     assert timeline.host_peak_bytes <= free_host // 2
     assert timeline.peak_bytes <= budget_bytes
-    assert solution.step_time_s >= free.step_time_s * (1 - 1e-9)
+    assert reference.solution.step_time_s >= free.solution.step_time_s * (1 - 1e-9)
 
 
 def _swaps_everything(graph, hardware, budget_bytes=None, **params):

@@ -43,8 +43,14 @@ from memfit.model.rerun_profile import RerunProfiler
 from memfit.model.schedule import PlanError
 from memfit.model.simulate import simulate
 from memfit.planning.solvers import segments
-from memfit.planning.solvers.block_chain import nested_reruns
+from memfit.planning.solvers.block_chain import (
+    BlockChain,
+    NestedSchedule,
+    nested_schedule,
+    next_chain_budget,
+)
 from memfit.planning.solvers.milp import NODE_LIMIT, solve_milp
+from memfit.planning.solvers.segments import Blocks
 from memfit.planning.strategies import register
 from memfit.planning.strategies._budget_checks import live_at_peak
 from memfit.planning.strategies._strategy_config import StrategyConfig, positive_int
@@ -235,6 +241,46 @@ def _nested_fit(graph: CostGraph, hardware: Hardware, budget_bytes: int, params:
     if poor is not None and poor.peak_bytes <= budget_bytes and poor.recompute_s < nested_s:
         return None
     return replace(made, params={**params, "solver": "nested blocks"})
+
+
+def nested_reruns(graph: CostGraph, hardware: Hardware, blocks: Blocks,
+                  budget_bytes: int) -> Plan | None:
+    """The revolve-like plan of least recompute over ``blocks`` (``block_chain``) whose simulated
+    peak fits ``budget_bytes``, as explicit re-runs; ``None`` when the chain DP finds none that
+    fits.
+
+    The chain DP's accounting is not the step's exact peak, so each of its schedules is simulated
+    and the chain's budget cut by the excess (``block_chain.next_chain_budget``).
+
+    Args:
+        graph: the step.
+        hardware: prices the plan (``simulate``).
+        blocks: the forward pass cut at separators (``segments.find_blocks``); needs at least
+            two blocks (one chain step and the loss).
+        budget_bytes: the whole step's device budget.
+    """
+    if blocks.count < 2:
+        return None
+    chain = BlockChain.from_blocks(graph, blocks)
+
+    def planned_at(chain_budget_bytes: int) -> tuple[tuple[Plan, NestedSchedule], int] | None:
+        schedule = nested_schedule(chain, chain_budget_bytes)
+        if schedule is None:
+            return None
+        made = Plan("optimal-recompute", graph_hash=graph.structure_hash,
+                    budget_bytes=budget_bytes, hardware=hardware.name,
+                    reruns=tuple(Rerun(op, before) for op, before in schedule.reruns))
+        return (made, schedule), simulate(graph, made, hardware, record_intervals=False).peak_bytes
+
+    def next_target(chain_budget_bytes: int, excess_bytes: int,
+                    planned: tuple[Plan, NestedSchedule],
+                    previous: tuple[Plan, NestedSchedule] | None) -> int:
+        return next_chain_budget(chain_budget_bytes, excess_bytes, planned[1],
+                                 None if previous is None else previous[1])
+
+    found = tighten(budget_bytes, planned_at, rounds=TUNING.chain_tighten_rounds,
+                    next_target=next_target, start_bytes=chain.chain_budget_bytes(budget_bytes))
+    return None if found is None else found[0]
 
 
 def _memory_poor_fit(graph: CostGraph, hardware: Hardware, profiler: RerunProfiler,
