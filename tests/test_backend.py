@@ -349,11 +349,12 @@ def test_a_graph_break_region_plans_around_the_saves_of_the_region_before_it():
     fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
     losses, peaks = train(fitted, optimizer, data)
     assert_same_training(model, reference, losses, reference_losses)
-    first, second = fitted._memfit_backend.regions
+    first, second = fitted._memfit_backend.regions[-2:]  # the plans of the last iteration
     assert first.saved_bytes > 0
     assert second.outside_bytes >= first.saved_bytes  # the first region's saves were open
     assert max(peaks) <= budget, (peaks, budget)
-    assert first.open_forwards == second.open_forwards == 0  # every backward closed its region
+    assert all(region.open_forwards == 0  # every backward closed its region
+               for region in fitted._memfit_backend.regions)
 
 
 def _cnn() -> nn.Module:

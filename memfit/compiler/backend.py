@@ -239,10 +239,17 @@ class Backend(EagerWatching):
         cap = self.saves_caps.get(site)
         outside += own_copies_bytes(self.regions, site, cap)
 
+        # after a graph break a region's inputs are the earlier region's outputs: held by its
+        # saves alone, once eager code drops them (``saved_device_bytes``)
+        held_inputs = frozenset(
+            node.name for node, binding in zip(joint.graph.find_nodes(op="placeholder"),
+                                               captured.inputs, strict=True)
+            if binding.kind == "input") if self._after_a_break() else frozenset()
+
         def lower(plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule, int]:
             forward, backward = split(rewrite(captured.graph_module, graph, plan),
                                       num_fwd_outputs, static_lifetime_input_indices)
-            return forward, backward, saved_device_bytes(forward, num_fwd_outputs)
+            return forward, backward, saved_device_bytes(forward, num_fwd_outputs, held_inputs)
 
         try:
             planned, budget_bytes, minimum = self._choose(graph, hardware, outside, pending,
@@ -275,6 +282,11 @@ class Backend(EagerWatching):
                                    planned_eager_bytes=eager))
         return forward, backward
 
+    def _after_a_break(self) -> bool:
+        """Whether a region compiled now runs after another region's forward in this iteration
+        (a graph break before it): some region is open."""
+        return any(region.open_forwards for region in self.regions)
+
     def _later_gradient_bytes(self, device: torch.device, trainable: int) -> int:
         """Gradients that exist while this region's backward runs though its graph does not
         make them: those of the model's other trainable parameters, except the parameters of
@@ -304,9 +316,25 @@ class Backend(EagerWatching):
         except BudgetError as error:
             if not pending:
                 raise with_eager_note(error, eager) from None
+            if error.minimum_bytes - pending > error.budget_bytes:
+                raise self._short_even_alone(error, pending, eager) from None
             planned = self._over_budget(graph, hardware, error, pending, outside)
             return planned, error.budget_bytes, error.minimum_bytes
         return planned, planned.budget.device_bytes, None
+
+    @staticmethod
+    def _short_even_alone(error: BudgetError, pending: int, eager: int) -> BudgetError:
+        """The error for a region that misses the budget even without the saves of the regions
+        before its graph break: no joint plan can make it fit (so none is tried, and every rank
+        stops here). Its minimum is the region's smallest peak beside those saves as the earlier
+        regions' plans made them at this budget; at a larger budget they may save more, and
+        joint planning caps them (``memfit.compiler.graph_breaks``)."""
+        note = (f"It cannot fit even without the {format_bytes(pending)} of saved values the "
+                "regions before its graph break hold.")
+        return with_eager_note(BudgetError(error.budget_bytes, error.minimum_bytes,
+                                           error.dominant, error.strategy,
+                                           f"{error.note} {note}".strip(),
+                                           host_bytes=error.host_bytes), eager)
 
     def _over_budget(self, graph: CostGraph, hardware: Hardware, error: BudgetError,
                      pending: int, outside: int) -> Planned:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Any
 
 import torch
 
@@ -64,6 +65,17 @@ class EagerWatching:
         if watch is not None:
             watch.recording = True
             watch.start()
+
+    def note_call_arguments(self, values: Any) -> None:
+        """Note the tensors the loop passes to the compiled model as eager code's, on a CPU:
+        the loop holds its batch over the whole iteration, beside every region, but no eager op
+        reads it when the model's first op is a compiled region's (a CUDA allocator counts it
+        anyway). The region given it counts it as its argument, the others as eager bytes.
+        Measured: the U-Net under FSDP2 (2 ranks, channels 4-16, 16^3) ran 32,368 B over its
+        last stage's plan, the 32,768 B input volume that no plan counted."""
+        watch = self.eager_watch()
+        if watch is not None and watch.recording:
+            watch.note_call_arguments(values)
 
     def watch_first_call(self, model: torch.nn.Module) -> None:
         """Before the compiled model's first call, on a CPU: watch it already, so that what eager

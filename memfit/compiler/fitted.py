@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from typing import Any
 
@@ -90,8 +91,9 @@ def _fitted_class() -> type:
             planner = self._memfit_backend
             planner.end_eager_watch()
             planner.watch_first_call(self._orig_mod)
+            planner.note_call_arguments((args, kwargs))
             try:
-                with _rnn_traced(self._memfit_traces_rnns):
+                with _rnn_traced(self._memfit_traces_rnns), _units_compiled(self):
                     result = super().__call__(*args, **kwargs)
             except BackendCompilerFailed as failed:
                 inner = failed.inner_exception
@@ -104,6 +106,47 @@ def _fitted_class() -> type:
             return result
 
     return FittedModule
+
+
+@contextlib.contextmanager
+def _units_compiled(fitted: Any) -> Any:
+    """While the fitted model runs, each FSDP2 unit whose ``forward`` Dynamo would not compile
+    runs it compiled with memfit's backend (the user's modules are as they were outside).
+
+    Why: FSDP2's hooks are ``torch._dynamo.disable``d, so Dynamo breaks the graph at every
+    unit's call and the unit runs from eager code; Dynamo then compiles the frames it meets
+    inside, but not those of files it skips, such as ``torch.nn``'s containers and layers. A
+    unit that is an ``nn.Sequential`` (MONAI's U-Net stages, a plain ``Sequential`` of blocks)
+    ran its convolutions, norms and activations eagerly, outside any plan: on the U-Net (2
+    ranks, channels 4-16, 16^3) its last stage's transposed convolution, norm and activation
+    held 196,608 B of activations no plan could drop, and memfit measured eager's peak at
+    every budget.
+    """
+    from torch._dynamo import trace_rules
+
+    from memfit.runtime.resident import fsdp_unit_modules
+
+    compiled = fitted.__dict__.setdefault("_memfit_unit_forwards", {})
+    installed = []
+    for unit in fsdp_unit_modules(fitted._orig_mod):
+        if "forward" in unit.__dict__ or not trace_rules.check(type(unit).forward):
+            continue  # a forward of its own (the user's), or one Dynamo compiles itself
+        if id(unit) not in compiled:
+            compiled[id(unit)] = functools.partial(torch.compile(
+                _unit_forward, backend=fitted._memfit_backend, dynamic=False), unit)
+        unit.forward = compiled[id(unit)]
+        installed.append(unit)
+    try:
+        yield
+    finally:
+        for unit in installed:
+            del unit.forward
+
+
+def _unit_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A unit's own ``forward``, in a frame Dynamo compiles whose ``self`` is the unit (where
+    ``memfit.compiler.graph_breaks.compiling_site`` finds which unit a region is)."""
+    return type(self).forward(self, *args, **kwargs)
 
 
 def _rnn_traced(traced: bool) -> contextlib.AbstractContextManager:

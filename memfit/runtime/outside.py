@@ -48,6 +48,7 @@ class EagerWatch(TorchDispatchMode):
         self.recording = True
         self.thread = threading.get_ident()  # a mode stack is per thread: only this one's ops
         self._storages: dict[StorageWeakRef, int] = {}
+        self._loop_storages: dict[StorageWeakRef, int] = {}  # the model's call arguments
         self._pruned_at = 0  # entries after the last pruning of dead storages
 
     @classmethod
@@ -58,10 +59,25 @@ class EagerWatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
         if self.recording:
-            self._note((args, kwargs, result))
+            self.note((args, kwargs, result))
         return result
 
-    def _note(self, values: Any) -> None:
+    def note_call_arguments(self, values: Any) -> None:
+        """Note the tensors the loop passed to the model in this call, weakly, in place of the
+        last call's: held by the loop beside every region but the ones given them, even where an
+        earlier region saved them for its backward (that region's saves leave its inputs out:
+        ``memfit.compiler.region.saved_device_bytes``). Earlier batches are the loop's to keep
+        or drop: where it keeps them (a list of batches), eager ops that read them count them.
+        """
+        before = self._storages
+        self._storages = self._loop_storages = {}
+        try:
+            self.note(values)
+        finally:
+            self._storages = before
+
+    def note(self, values: Any) -> None:
+        """Note the device storages of the tensors in ``values``, weakly."""
         for leaf in tree_leaves(values):
             if (not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided
                     or leaf.device != self.device or leaf.is_meta
@@ -75,18 +91,26 @@ class EagerWatch(TorchDispatchMode):
 
     def _prune(self) -> None:
         self._storages = {ref: size for ref, size in self._storages.items() if not ref.expired()}
+        self._loop_storages = {ref: size for ref, size in self._loop_storages.items()
+                               if not ref.expired()}
         self._pruned_at = len(self._storages)
 
-    def held_bytes(self, counted: Iterable[Any], storages: Iterable[StorageWeakRef] = ()) -> int:
+    def held_bytes(self, counted: Iterable[Any], storages: Iterable[StorageWeakRef] = (),
+                   own_storages: Iterable[StorageWeakRef] = ()) -> int:
         """Bytes of the noted storages alive now, less those of the tensors in ``counted`` and
         of ``storages`` (what memfit counts already: the model, optimizer state, the region's
-        arguments, the saves of open regions)."""
+        arguments, the saves of open regions). The model's call arguments are less only those
+        in ``counted`` and ``own_storages`` (the saves of the region measured): another
+        region's saves leave its inputs out."""
         self._prune()
         known = {StorageWeakRef(local_tensor(leaf).untyped_storage()) for leaf in tree_leaves(list(counted))
                  if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided
                  and not leaf.is_meta}
+        known.update(own_storages)
+        loop = {ref: size for ref, size in self._loop_storages.items() if ref not in known}
         known.update(storages)
-        return sum(size for ref, size in self._storages.items() if ref not in known)
+        held = {ref: size for ref, size in self._storages.items() if ref not in known}
+        return sum({**held, **loop}.values())
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

@@ -130,21 +130,26 @@ def measure_region_run(planner: Planner, region: Region, call: Callable[[list], 
     """
     import weakref
 
-    from memfit.runtime.resident import fsdp_unsharded_tensors, resident_tensors
+    from memfit.runtime.resident import (
+        fsdp_gather_buffers,
+        fsdp_unsharded_tensors,
+        resident_tensors,
+    )
 
     device = next((value.device for value in args if isinstance(value, torch.Tensor)),
                   torch.device("cpu"))
     others = sum(other.saved_bytes * other.open_forwards for other in planner.regions
                  if other is not region)
     own = region.saved_bytes * (region.open_forwards - (1 if is_backward else 0))
-    alive = [*resident_tensors(planner.model, planner.optimizers),
-             *fsdp_unsharded_tensors(planner.model)]  # planned for as FSDP2's, not eager code's
+    alive = [*resident_tensors(planner.model, planner.optimizers),  # FSDP2's planned as its own:
+             *fsdp_unsharded_tensors(planner.model), *fsdp_gather_buffers(planner.model)]
     inputs = [weakref.ref(value) for value in args if isinstance(value, torch.Tensor)]
     if is_backward:
         alive += [value for value in (ref() for ref in region.forward_values) if value is not None]
     saved = [reference for other in planner.regions if other.open_forwards
              for reference in other.saved_storages]  # counted as others' (and own) saves
-    eager = outside_plans_bytes(planner, device, [*alive, *args], others + max(own, 0), saved)
+    eager = outside_plans_bytes(planner, device, [*alive, *args], others + max(own, 0), saved,
+                                region.saved_storages)
     if is_backward:
         region.eager_backward_bytes = max(region.eager_backward_bytes, eager)
         region.eager_read = region.eager_read or eager_is_read(planner, device)
@@ -167,20 +172,21 @@ def measure_region_run(planner: Planner, region: Region, call: Callable[[list], 
 
 
 def outside_plans_bytes(planner: Planner, device: torch.device, counted: list,
-                        saves_bytes: int, saved: list | None = None) -> int:
+                        saves_bytes: int, saved: list | None = None, own_saved: tuple = ()) -> int:
     """Bytes alive on ``device`` that no plan counts (eager code's: the loop's loss and its
     buffers, tensors made at a graph break), beside ``counted`` tensors and ``saves_bytes`` of
     open regions' saves: from CUDA's allocator, or on a CPU from the backend's ``EagerWatch``
     (0 where this thread has none), less the storages of those saves (``saved``, weakly) that
-    eager code touched. Measured: FSDP2's hooks between GPT-2's per-block regions pass each
-    block's input (saved by that block) through eager ops, which counted 4.4 MiB of saves a
-    second time, as eager code's."""
+    eager code touched (``own_saved``: the measured region's own, see
+    ``EagerWatch.held_bytes``). Measured: FSDP2's hooks between GPT-2's per-block regions pass
+    each block's input (saved by that block) through eager ops, which counted 4.4 MiB of saves
+    a second time, as eager code's."""
     from memfit.runtime.outside import cuda_outside_bytes
 
     if device.type == "cuda":
         return cuda_outside_bytes(device, counted, saves_bytes)
     watch = planner.eager_watch()
-    return watch.held_bytes(counted, saved or ()) if watch is not None else 0
+    return watch.held_bytes(counted, saved or (), own_saved) if watch is not None else 0
 
 
 def eager_is_read(planner: Planner, device: torch.device) -> bool:
