@@ -33,6 +33,7 @@ from memfit.compiler.eager_watching import EagerWatching
 from memfit.compiler.graph_breaks import (
     compiling_site,
     first_iteration_cap,
+    joint_failure_reason,
     latest_regions,
     own_copies_bytes,
     save_at_most,
@@ -45,9 +46,10 @@ from memfit.compiler.plan_step import (
     analyzed,
     plan_step,
     resolve_hardware,
+    short_even_alone,
     with_eager_note,
 )
-from memfit.compiler.region import REGION_KEY, Region, saved_device_bytes
+from memfit.compiler.region import REGION_KEY, Region, saved_device_bytes, user_input_names
 from memfit.compiler.region_run import aot_eager_runner, inductor_runner
 from memfit.compiler.replanning import (
     count_eager_in_prediction,
@@ -239,12 +241,8 @@ class Backend(EagerWatching):
         cap = self.saves_caps.get(site)
         outside += own_copies_bytes(self.regions, site, cap)
 
-        # after a graph break a region's inputs are the earlier region's outputs: held by its
-        # saves alone, once eager code drops them (``saved_device_bytes``)
-        held_inputs = frozenset(
-            node.name for node, binding in zip(joint.graph.find_nodes(op="placeholder"),
-                                               captured.inputs, strict=True)
-            if binding.kind == "input") if self._after_a_break() else frozenset()
+        after_a_break = any(region.open_forwards for region in self.regions)
+        held_inputs = user_input_names(joint, captured.inputs) if after_a_break else frozenset()
 
         def lower(plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule, int]:
             forward, backward = split(rewrite(captured.graph_module, graph, plan),
@@ -282,11 +280,6 @@ class Backend(EagerWatching):
                                    planned_eager_bytes=eager))
         return forward, backward
 
-    def _after_a_break(self) -> bool:
-        """Whether a region compiled now runs after another region's forward in this iteration
-        (a graph break before it): some region is open."""
-        return any(region.open_forwards for region in self.regions)
-
     def _later_gradient_bytes(self, device: torch.device, trainable: int) -> int:
         """Gradients that exist while this region's backward runs though its graph does not
         make them: those of the model's other trainable parameters, except the parameters of
@@ -317,24 +310,10 @@ class Backend(EagerWatching):
             if not pending:
                 raise with_eager_note(error, eager) from None
             if error.minimum_bytes - pending > error.budget_bytes:
-                raise self._short_even_alone(error, pending, eager) from None
+                raise short_even_alone(error, pending, eager) from None
             planned = self._over_budget(graph, hardware, error, pending, outside)
             return planned, error.budget_bytes, error.minimum_bytes
         return planned, planned.budget.device_bytes, None
-
-    @staticmethod
-    def _short_even_alone(error: BudgetError, pending: int, eager: int) -> BudgetError:
-        """The error for a region that misses the budget even without the saves of the regions
-        before its graph break: no joint plan can make it fit (so none is tried, and every rank
-        stops here). Its minimum is the region's smallest peak beside those saves as the earlier
-        regions' plans made them at this budget; at a larger budget they may save more, and
-        joint planning caps them (``memfit.compiler.graph_breaks``)."""
-        note = (f"It cannot fit even without the {format_bytes(pending)} of saved values the "
-                "regions before its graph break hold.")
-        return with_eager_note(BudgetError(error.budget_bytes, error.minimum_bytes,
-                                           error.dominant, error.strategy,
-                                           f"{error.note} {note}".strip(),
-                                           host_bytes=error.host_bytes), eager)
 
     def _over_budget(self, graph: CostGraph, hardware: Hardware, error: BudgetError,
                      pending: int, outside: int) -> Planned:
@@ -394,18 +373,7 @@ class Backend(EagerWatching):
         smallest peak, over the budget, on every iteration. ``eager_bytes``: what eager code was
         seen to hold beside it beyond what its plan counted (the loop's loss and its buffers)."""
         self.joint_failed = True
-        alone, budget = (short.minimum_bytes or 0) - short.pending_bytes, short.budget_bytes or 0
-        if alone > budget:
-            why = (f"it needs {format_bytes(alone)} even without the saves of the regions before "
-                   "its graph break")
-        elif eager_bytes > 0 and alone + eager_bytes >= budget:
-            why = (f"it needs {format_bytes(alone)} and the {format_bytes(eager_bytes)} eager code "
-                   "holds beside it (the loss computed in the loop and its buffers), which leaves "
-                   f"no room for the {format_bytes(short.pending_bytes)} of saves of the regions "
-                   "before its graph break")
-        else:
-            why = (f"the regions before its graph break cannot save less than the "
-                   f"{format_bytes(short.pending_bytes)} it ran beside")
+        why = joint_failure_reason(short, eager_bytes)
         warnings.warn(
             f"memfit: planning the regions jointly cannot fit region {short.index} in "
             f"{format_bytes(short.budget_bytes or 0)}: {why}; every iteration runs over the "

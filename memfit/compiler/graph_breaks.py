@@ -159,6 +159,24 @@ def first_iteration_cap(model: Any, regions: Sequence[Region], site: Any, room_b
     return None if ahead is None else units_ahead_cap(room_bytes, transient_bytes, ahead)
 
 
+def joint_failure_reason(short: Region, eager_bytes: int) -> str:
+    """Why planning jointly cannot fit ``short``, for the warning: ``eager_bytes`` is what eager
+    code was seen to hold beside it beyond what its plan counted (the loop's loss, buffers)."""
+    from memfit.data.units import format_bytes
+
+    alone, budget = (short.minimum_bytes or 0) - short.pending_bytes, short.budget_bytes or 0
+    if alone > budget:
+        return (f"it needs {format_bytes(alone)} even without the saves of the regions before "
+                "its graph break")
+    if eager_bytes > 0 and alone + eager_bytes >= budget:
+        return (f"it needs {format_bytes(alone)} and the {format_bytes(eager_bytes)} eager code "
+                "holds beside it (the loss computed in the loop and its buffers), which leaves "
+                f"no room for the {format_bytes(short.pending_bytes)} of saves of the regions "
+                "before its graph break")
+    return (f"the regions before its graph break cannot save less than the "
+            f"{format_bytes(short.pending_bytes)} it ran beside")
+
+
 SAVES_BISECTION_STEPS = 6  # budgets tried for a region whose saves are capped (1/64 resolution)
 
 

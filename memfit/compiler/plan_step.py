@@ -166,3 +166,16 @@ def with_eager_note(error: BudgetError, eager_bytes: int) -> BudgetError:
             "raise the budget.")
     return BudgetError(error.budget_bytes, error.minimum_bytes, error.dominant, error.strategy,
                        f"{error.note} {note}".strip(), host_bytes=error.host_bytes)
+
+
+def short_even_alone(error: BudgetError, pending: int, eager: int) -> BudgetError:
+    """The error for a region that misses the budget even without the ``pending`` saves of the
+    regions before its graph break: no joint plan can make it fit (so none is tried, and every
+    rank stops here). Its minimum is the region's smallest peak beside those saves as the
+    earlier regions' plans made them at this budget; at a larger budget they may save more,
+    and joint planning caps them (``memfit.compiler.graph_breaks``)."""
+    note = (f"It cannot fit even without the {format_bytes(pending)} of saved values the "
+            "regions before its graph break hold.")
+    return with_eager_note(BudgetError(error.budget_bytes, error.minimum_bytes, error.dominant,
+                                       error.strategy, f"{error.note} {note}".strip(),
+                                       host_bytes=error.host_bytes), eager)

@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -120,6 +121,16 @@ class Planner(Protocol):
     def iteration_closed(self) -> None: ...
 
     def recompile_limit_hit(self, where: str) -> None: ...
+
+
+def user_input_names(joint: fx.GraphModule, inputs: Sequence) -> frozenset[str]:
+    """The placeholders of ``joint`` bound to the user's inputs (``Binding.kind == "input"``):
+    after a graph break (a region open when this one is compiled), the earlier region's
+    outputs, held by this region's saves alone once eager code drops them
+    (``saved_device_bytes``)."""
+    return frozenset(node.name for node, binding in
+                     zip(joint.graph.find_nodes(op="placeholder"), inputs, strict=True)
+                     if binding.kind == "input")
 
 
 def saved_device_bytes(forward: fx.GraphModule, num_fwd_outputs: int,
