@@ -126,20 +126,20 @@ def _units_compiled(fitted: Any) -> Any:
 
     from memfit.runtime.resident import fsdp_unit_modules
 
-    compiled = fitted.__dict__.setdefault("_memfit_unit_forwards", {})
-    installed = []
-    for unit in fsdp_unit_modules(fitted._orig_mod):
-        if "forward" in unit.__dict__ or not trace_rules.check(type(unit).forward):
-            continue  # a forward of its own (the user's), or one Dynamo compiles itself
-        if id(unit) not in compiled:
-            compiled[id(unit)] = functools.partial(torch.compile(
-                _unit_forward, backend=fitted._memfit_backend, dynamic=False), unit)
-        unit.forward = compiled[id(unit)]
-        installed.append(unit)
+    compiled = fitted.__dict__.get("_memfit_unit_forwards")
+    if compiled is None:  # found once: fully_shard comes before memfit.fit
+        compiled = fitted.__dict__["_memfit_unit_forwards"] = [
+            (unit, functools.partial(torch.compile(
+                _unit_forward, backend=fitted._memfit_backend, dynamic=False), unit))
+            for unit in fsdp_unit_modules(fitted._orig_mod)
+            # not one with a forward of its own (the user's), nor one Dynamo compiles itself
+            if "forward" not in unit.__dict__ and trace_rules.check(type(unit).forward)]
+    for unit, forward in compiled:
+        unit.forward = forward
     try:
         yield
     finally:
-        for unit in installed:
+        for unit, _ in compiled:
             del unit.forward
 
 

@@ -69,15 +69,16 @@ class EagerWatch(TorchDispatchMode):
         ``memfit.compiler.region.saved_device_bytes``). Earlier batches are the loop's to keep
         or drop: where it keeps them (a list of batches), eager ops that read them count them.
         """
-        before = self._storages
-        self._storages = self._loop_storages = {}
-        try:
-            self.note(values)
-        finally:
-            self._storages = before
+        self._loop_storages = {}
+        self._note_into(self._loop_storages, values)
 
     def note(self, values: Any) -> None:
         """Note the device storages of the tensors in ``values``, weakly."""
+        self._note_into(self._storages, values)
+        if len(self._storages) > 2 * self._pruned_at + 1024:  # drop the dead now and then
+            self._prune()
+
+    def _note_into(self, storages: dict[StorageWeakRef, int], values: Any) -> None:
         for leaf in tree_leaves(values):
             if (not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided
                     or leaf.device != self.device or leaf.is_meta
@@ -85,9 +86,7 @@ class EagerWatch(TorchDispatchMode):
                 continue
             storage = local_tensor(leaf).untyped_storage()  # a DTensor's shard
             if not is_host_storage(storage):
-                self._storages.setdefault(StorageWeakRef(storage), storage.nbytes())
-        if len(self._storages) > 2 * self._pruned_at + 1024:  # drop the dead now and then
-            self._prune()
+                storages.setdefault(StorageWeakRef(storage), storage.nbytes())
 
     def _prune(self) -> None:
         self._storages = {ref: size for ref, size in self._storages.items() if not ref.expired()}
