@@ -117,3 +117,15 @@ def test_the_bisection_never_returns_a_plan_over_the_cap_when_one_fits(cap):
     made, lowered = save_at_most(plan_at, lambda plan: (None, None, plan // 2), cap_bytes=cap,
                                  budget_bytes=104)
     assert lowered[-1] <= cap and made >= 40
+
+
+def test_where_no_bisected_plan_meets_the_cap_the_fewest_saves_plan_is_the_fallback():
+    """``fewest`` saves 5: with a cap of 10 (no bisected plan saves that little) it is taken, as
+    it saves less than the smallest-peak plan; with a cap of 30 the bisection's plan within it
+    is faster; without a fitting ``fewest``, the smallest-peak plan."""
+    def lower(plan):
+        return (None, None, 5 if plan == "fewest" else plan // 2)
+
+    assert save_at_most(plan_at, lower, 10, 104, lambda: "fewest")[0] == "fewest"
+    assert save_at_most(plan_at, lower, 30, 104, lambda: "fewest")[0] != "fewest"
+    assert save_at_most(plan_at, lower, 10, 104, lambda: None)[0] == 40

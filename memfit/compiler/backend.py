@@ -45,6 +45,7 @@ from memfit.compiler.plan_step import (
     Planned,
     analyzed,
     plan_step,
+    rerun_whole,
     resolve_hardware,
     short_even_alone,
     with_eager_note,
@@ -339,7 +340,8 @@ class Backend(EagerWatching):
             return plan_step(graph, hardware, Budget(bytes=at_bytes), self.strategy, self.params,
                              outside).plan
 
-        return save_at_most(plan_at, lower, cap_bytes, budget_bytes)
+        return save_at_most(plan_at, lower, cap_bytes, budget_bytes,
+                            lambda: rerun_whole(graph, hardware, budget_bytes, outside))
 
     # ---- planning the regions of a graph-broken model jointly -----------------------------------
 

@@ -181,10 +181,15 @@ SAVES_BISECTION_STEPS = 6  # budgets tried for a region whose saves are capped (
 
 
 def save_at_most(plan_at: Callable[[int], Plan], lower: Callable[[Plan], tuple],
-                 cap_bytes: int, budget_bytes: int) -> tuple[Plan, tuple]:
+                 cap_bytes: int, budget_bytes: int,
+                 fewest: Callable[[], Plan | None] | None = None) -> tuple[Plan, tuple]:
     """The plan whose forward saves at most ``cap_bytes``, at the largest budget a bisection
     between the region's smallest peak and ``budget_bytes`` finds (a larger budget re-runs
-    less); the smallest-peak plan where even that saves more.
+    less). Where even the smallest-peak plan saves more, ``fewest``'s plan (the region re-run
+    whole from its inputs in its backward, as per-block checkpointing does) where it saves less
+    than that: a region's smallest peak is not its fewest saves (a stage whose peak is one
+    large op keeps what re-running could drop, at no gain to its own peak), and an earlier
+    region's saves are what a later one lacks room for. Else the smallest-peak plan.
 
     Args:
         plan_at: the region's plan at a whole-device budget in bytes (raises ``BudgetError``
@@ -192,6 +197,7 @@ def save_at_most(plan_at: Callable[[int], Plan], lower: Callable[[Plan], tuple],
         lower: a plan's forward and backward modules and the device bytes the forward saves.
         cap_bytes: the most the forward may save.
         budget_bytes: the region's budget, the top of the bisection.
+        fewest: the plan saving the fewest bytes within ``budget_bytes`` (``None``: none fits).
 
     Returns:
         The plan and ``lower(plan)``.
@@ -218,7 +224,13 @@ def save_at_most(plan_at: Callable[[int], Plan], lower: Callable[[Plan], tuple],
             best, low = (made, lowered), middle
         else:
             high = middle
-    return best
+    if best[1][-1] <= cap_bytes or fewest is None:
+        return best
+    fallback = fewest()
+    if fallback is None:
+        return best
+    lowered = lower(fallback)
+    return (fallback, lowered) if lowered[-1] < best[1][-1] else best
 
 
 class RecompileLimitWatch(logging.Handler):

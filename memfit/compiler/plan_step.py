@@ -179,3 +179,15 @@ def short_even_alone(error: BudgetError, pending: int, eager: int) -> BudgetErro
     return with_eager_note(BudgetError(error.budget_bytes, error.minimum_bytes, error.dominant,
                                        error.strategy, f"{error.note} {note}".strip(),
                                        host_bytes=error.host_bytes), eager)
+
+
+def rerun_whole(graph: CostGraph, hardware: Hardware, budget_bytes: int, outside_bytes: int
+                ) -> Plan | None:
+    """The plan that saves the fewest bytes: every forward value re-run from the region's
+    inputs in its backward (per-block checkpointing's), or ``None`` where its peak and the
+    ``outside_bytes`` beside it miss ``budget_bytes``."""
+    from memfit.planning.strategies.recomputing.checkpoint import recompute_all_but
+
+    made = recompute_all_but(graph, (), hardware, budget_bytes - outside_bytes, {})
+    fits = simulate(graph, made, hardware).peak_bytes + outside_bytes <= budget_bytes
+    return made if fits else None

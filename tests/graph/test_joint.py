@@ -181,3 +181,46 @@ def test_compile_plans_module_path_checkpoints():
     backward = [op for op in step.graph.ops if op.phase == "backward" and op.scope]
     assert backward and all(op.scope.split(".")[0] in "0123" for op in backward)
     assert step.plan.recomputed  # blocks between the checkpoints are re-run
+
+
+class _Gated(nn.Module):
+    """``relu(a(x)) * tanh(b(x))``: the backward's first op reads the ReLU's output, which
+    ``checkpoint`` re-runs from the kept ``a(x)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 64), nn.Linear(16, 64)
+
+    def forward(self, x):
+        return torch.relu(self.a(x)) * torch.tanh(self.b(x))
+
+
+def _gated() -> nn.Module:
+    return _Gated()
+
+
+def test_a_value_re_run_for_the_first_backward_op_is_not_saved_by_the_forward():
+    """The rewrite re-runs an op right before its first backward reader; for the first backward
+    op that is before the first original backward node, where the cut between forward and
+    backward falls. The re-run goes to the backward side: the forward returns the checkpoint,
+    not the rebuilt value, so the rebuilt value is not alive between the two (across the loss
+    computed outside, and across later regions under FSDP2). Gradients are eager's."""
+    torch.manual_seed(0)
+    model, reference = _gated(), _gated()
+    reference.load_state_dict(model.state_dict())
+    inputs = torch.randn(32, 16)
+    fitted = memfit.fit(model, strategy="checkpoint", checkpoints=["a"])  # the rest re-run
+    for module in (fitted, reference):
+        module(inputs).square().sum().backward()
+    region = fitted._memfit_backend.regions[0]
+    assert region.plan.recomputed
+    returned = region.forward.graph.find_nodes(op="output")[0].args[0]
+    kinds = [node.meta.get("memfit", {}).get("kind") for node in returned
+             if isinstance(node, torch.fx.Node)]
+    assert "recompute" not in kinds and "view_replay" not in kinds, kinds
+    rebuilt = [node for node in region.backward.graph.nodes
+               if node.meta.get("memfit", {}).get("kind") == "recompute"]
+    assert rebuilt
+    for parameter, reference_parameter in zip(model.parameters(), reference.parameters(),
+                                              strict=True):
+        assert torch.equal(parameter.grad, reference_parameter.grad)
