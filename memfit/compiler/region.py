@@ -144,7 +144,7 @@ def saved_device_bytes(forward: fx.GraphModule, num_fwd_outputs: int,
     ranks, channels 4-16, 16^3) measured 48,288 B more than its plans: its middle and last
     stages save the stage outputs before them (16,384 B and 32,768 B), counted by no plan.
     """
-    from memfit.graph.analyze import storage_key, tensors_in
+    from memfit.graph.analyze import inserted_kind, storage_key, tensors_in
 
     output = forward.graph.find_nodes(op="output")[0]
     sizes: dict = {}
@@ -153,7 +153,7 @@ def saved_device_bytes(forward: fx.GraphModule, num_fwd_outputs: int,
             continue
         if node.op == "placeholder" and node.name not in held_inputs:
             continue
-        if node.meta.get("memfit", {}).get("kind") in ("swap_out", "rng_save"):
+        if inserted_kind(node) in ("swap_out", "rng_save"):
             continue
         for tensor in tensors_in(node.meta.get("val")):
             sizes.setdefault(storage_key(tensor), tensor.untyped_storage().nbytes())

@@ -39,6 +39,12 @@ def storage_key(tensor: torch.Tensor) -> StorageWeakRef:
     return StorageWeakRef(tensor.untyped_storage())
 
 
+def inserted_kind(node: torch.fx.Node) -> str | None:
+    """What memfit's rewrite inserted ``node`` as ("recompute", "swap_in", "view_replay", ...),
+    or ``None`` for a node of the captured program."""
+    return node.meta.get("memfit", {}).get("kind")
+
+
 def op_kind(node: torch.fx.Node) -> str:
     """``"aten.mm"`` for ``aten.mm.default``; ``"getitem"`` for tuple indexing."""
     if node.target is operator.getitem:

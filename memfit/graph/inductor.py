@@ -44,6 +44,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
+from memfit.graph.analyze import inserted_kind
 from memfit.runtime.streams import CopyEngine, active_engine
 
 # the backend's run of one compiled module: (module, inductor's compiled callable, is_backward)
@@ -129,7 +130,7 @@ def host_copies_in_saved_layout(module: fx.GraphModule) -> int:
     """
     from torch._inductor.graph import GraphLowering
 
-    swap_outs = [node for node in module.graph.nodes if _kind(node) == "swap_out"]
+    swap_outs = [node for node in module.graph.nodes if inserted_kind(node) == "swap_out"]
     channels_last: Any = ()
     if swap_outs and GraphLowering.decide_layout_opt(module, is_inference=False):
         channels_last = GraphLowering.find_nodes_prefer_channels_last(  # type: ignore[arg-type]
@@ -199,7 +200,7 @@ def pin_planned_order(module: fx.GraphModule) -> int:
         if node.op != "call_function":
             continue
         if _starts_pinned_work(node):
-            anchor = (realized or latest) if _kind(node) == "swap_in" else latest
+            anchor = (realized or latest) if inserted_kind(node) == "swap_in" else latest
             anchor = anchor or previous
             if anchor is not None:
                 dependencies[node] = OrderedSet([anchor])
@@ -219,14 +220,10 @@ def pin_planned_order(module: fx.GraphModule) -> int:
     return len(dependencies)
 
 
-def _kind(node: fx.Node) -> str | None:
-    return node.meta.get("memfit", {}).get("kind")
-
-
 def _starts_pinned_work(node: fx.Node) -> bool:
     """A swap-in, or a re-run that reads no other re-run or swap-in (its chain's first op)."""
-    return _kind(node) in PINNED_KINDS and not any(
-        _kind(source) in (*PINNED_KINDS, "view_replay") for source in node.all_input_nodes)
+    return inserted_kind(node) in PINNED_KINDS and not any(
+        inserted_kind(source) in (*PINNED_KINDS, "view_replay") for source in node.all_input_nodes)
 
 
 def _can_anchor(node: fx.Node) -> bool:

@@ -33,7 +33,7 @@ from torch.fx.experimental.proxy_tensor import is_sym_node
 from torch.utils._ordered_set import OrderedSet
 
 from memfit.data.errors import CaptureError
-from memfit.graph.analyze import storage_key, tensors_in
+from memfit.graph.analyze import inserted_kind, storage_key, tensors_in
 from memfit.graph.capture import SCOPE_KEY, TYPE_KEY, Binding, Captured
 
 _FORWARD, _BACKWARD = "must_be_in_forward", "must_be_in_backward"
@@ -278,14 +278,14 @@ def _defer_reruns(graph: fx.Graph, forward_nodes: set[fx.Node]) -> None:
     replay of its random state around it; what a node left in the forward reads stays there."""
     moved: set[fx.Node] = set()
     for node in reversed(graph.nodes):
-        if node not in forward_nodes or _kind(node) not in _RERUN_KINDS or not node.users:
+        if node not in forward_nodes or inserted_kind(node) not in _RERUN_KINDS or not node.users:
             continue
         if all(user.op != "output" and (user not in forward_nodes or user in moved
-                                        or _kind(user) in _REPLAY_KINDS) for user in node.users):
+                                        or inserted_kind(user) in _REPLAY_KINDS) for user in node.users):
             moved.add(node)
-    rerun_ops = {node.meta["memfit"]["tensor"] for node in moved if _kind(node) == "recompute"}
+    rerun_ops = {node.meta["memfit"]["tensor"] for node in moved if inserted_kind(node) == "recompute"}
     moved |= {node for node in forward_nodes
-              if _kind(node) in _REPLAY_KINDS and node.meta["memfit"]["tensor"] in rerun_ops}
+              if inserted_kind(node) in _REPLAY_KINDS and node.meta["memfit"]["tensor"] in rerun_ops}
     while _pull_back(graph, forward_nodes, moved):
         pass
     for node in moved:
@@ -297,11 +297,11 @@ def _pull_back(graph: fx.Graph, forward_nodes: set[fx.Node], moved: set[fx.Node]
     """Keep in the forward what a node staying there reads, an item of a tuple staying there
     (a tuple cannot be saved), and a random state's replay whose re-run stays; whether any."""
     staying = {node.meta["memfit"]["tensor"] for node in forward_nodes
-               if node not in moved and _kind(node) == "recompute"}
+               if node not in moved and inserted_kind(node) == "recompute"}
     back: set[fx.Node] = set()
     for node in graph.nodes:
         if node in moved:
-            if (_kind(node) in _REPLAY_KINDS and node.meta["memfit"]["tensor"] in staying) or any(
+            if (inserted_kind(node) in _REPLAY_KINDS and node.meta["memfit"]["tensor"] in staying) or any(
                     source in forward_nodes and source not in moved
                     and isinstance(source.meta.get("val"), (tuple, list))
                     for source in node.all_input_nodes):
@@ -310,10 +310,6 @@ def _pull_back(graph: fx.Graph, forward_nodes: set[fx.Node], moved: set[fx.Node]
             back.update(source for source in node.all_input_nodes if source in moved)
     moved -= back
     return bool(back)
-
-
-def _kind(node: fx.Node) -> str | None:
-    return node.meta.get("memfit", {}).get("kind")
 
 
 def _first_backward(graph: fx.Graph) -> fx.Node | None:

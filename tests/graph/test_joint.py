@@ -195,10 +195,6 @@ class _Gated(nn.Module):
         return torch.relu(self.a(x)) * torch.tanh(self.b(x))
 
 
-def _gated() -> nn.Module:
-    return _Gated()
-
-
 def test_a_value_re_run_for_the_first_backward_op_is_not_saved_by_the_forward():
     """The rewrite re-runs an op right before its first backward reader; for the first backward
     op that is before the first original backward node, where the cut between forward and
@@ -206,7 +202,7 @@ def test_a_value_re_run_for_the_first_backward_op_is_not_saved_by_the_forward():
     not the rebuilt value, so the rebuilt value is not alive between the two (across the loss
     computed outside, and across later regions under FSDP2). Gradients are eager's."""
     torch.manual_seed(0)
-    model, reference = _gated(), _gated()
+    model, reference = _Gated(), _Gated()
     reference.load_state_dict(model.state_dict())
     inputs = torch.randn(32, 16)
     fitted = memfit.fit(model, strategy="checkpoint", checkpoints=["a"])  # the rest re-run
