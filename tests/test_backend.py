@@ -383,15 +383,19 @@ def test_batchnorm_statistics_update_in_the_forward_as_in_eager(strategy):
     assert not [n for n in region.backward.graph.nodes if n.target is torch.ops.aten.copy_.default]
 
 
-def _measured_region(measured: int, eager: int = 0, predicted: int = 100, budget: int = 110):
-    """The fields ``_warn_if_over_its_prediction`` reads, of a region with one measured run."""
+def _measured_region(measured: int, eager: int = 0, predicted: int = 100, budget: int = 110,
+                     saved: int = 0, open_forwards: int = 0):
+    """The fields ``_warn_if_over_its_prediction`` reads, of a region with one measured forward
+    (``open_forwards`` of its earlier forwards open, each holding ``saved`` bytes)."""
     from types import SimpleNamespace
 
     from memfit.data.plan import Plan
 
-    return SimpleNamespace(index=0, warned_over=False, measured_peak_bytes=measured,
-                           budget_bytes=budget, predicted_peak_bytes=predicted,
-                           eager_forward_bytes=eager, eager_backward_bytes=0,
+    return SimpleNamespace(index=0, warned_over=False, measured_forward_bytes=measured,
+                           measured_backward_bytes=None, budget_bytes=budget,
+                           predicted_peak_bytes=predicted, eager_forward_bytes=eager,
+                           eager_backward_bytes=0, saves_cap_bytes=None, saved_bytes=saved,
+                           open_forwards=open_forwards,
                            plan=Plan("auto", params={"solver": "vdnn_dyn"}))
 
 
@@ -407,6 +411,8 @@ def test_a_plan_measured_over_its_budget_and_prediction_is_said_once():
         warn_if_over_its_prediction(region)  # once
         for quiet in (_measured_region(measured=105),  # within the budget
                       _measured_region(measured=300, eager=200),  # eager code's: a re-plan's
+                      # its own earlier forward's saves, which joint planning plans for
+                      _measured_region(measured=300, saved=200, open_forwards=1),
                       _measured_region(measured=101, budget=100),  # within 1% of the prediction
                       _measured_region(measured=300, budget=None)):
             warn_if_over_its_prediction(quiet)

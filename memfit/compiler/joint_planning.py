@@ -1,0 +1,172 @@
+"""Planning the compiled regions of one iteration together, after it has run: a region whose
+saves an iteration held in several copies (its forward ran again before its backward), and the
+regions of a graph-broken model whose earlier saves left a later one short (the rules are in
+``memfit.compiler.graph_breaks``).
+
+A mixin of ``memfit.compiler.backend.Backend``, its own file so the backend reads as planning
+one region; it uses the backend's ``regions``, ``strategy``, ``params``, ``hardware_spec``,
+``device``, ``fixed_plan``, ``saves_caps``, ``joint_rounds``, ``joint_failed`` and
+``make_room_for_eager``.
+
+Example:
+    >>> backend.iteration_closed()  # after a backward: plan the regions again where needed
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from memfit.compiler.graph_breaks import (
+    copies_held,
+    joint_failure_reason,
+    latest_regions,
+    own_copies_cap,
+    save_at_most,
+    saves_caps,
+    uncounted_copies,
+)
+from memfit.compiler.plan_step import (
+    BudgetWarning,
+    plan_step,
+    rerun_whole,
+    resolve_hardware,
+    smallest_peak_bytes,
+)
+from memfit.compiler.region import Region
+from memfit.data.costgraph import CostGraph
+from memfit.data.hardware import Hardware
+from memfit.data.plan import Plan
+from memfit.data.units import Budget, format_bytes
+from memfit.runtime.ranks import agree_on_eager_bytes
+
+MAX_JOINT_ROUNDS = 2  # joint re-plans of a graph-broken model; each costs a trace of every region
+
+
+class JointPlanning:
+    """The backend's planning of the regions of an iteration together, once it has run."""
+
+    regions: list[Region]
+    strategy: str
+    params: dict[str, Any]
+    hardware_spec: Any
+    device: torch.device | None
+    fixed_plan: Plan | None
+    saves_caps: dict[Any, int]
+    joint_rounds: int
+    joint_failed: bool
+    replanned_beside_copies: set[Any]
+
+    def make_room_for_eager(self, current: list[Region]) -> dict[int, int]:
+        raise NotImplementedError  # the backend's
+
+    def _save_at_most(self, cap_bytes: int, graph: CostGraph, hardware: Hardware, outside: int,
+                      budget_bytes: int, lower: Any) -> tuple[Plan, Any]:
+        """A plan of this region whose forward saves at most ``cap_bytes`` (``save_at_most``)."""
+        def plan_at(at_bytes: int) -> Plan:
+            return plan_step(graph, hardware, Budget(bytes=at_bytes), self.strategy, self.params,
+                             outside).plan
+
+        return save_at_most(plan_at, lower, cap_bytes, budget_bytes,
+                            lambda: rerun_whole(graph, hardware, budget_bytes, outside))
+
+    def iteration_closed(self) -> None:
+        """After a backward: once no region is open (the iteration's backward is done), plan
+        again the regions whose plans left no room for what eager code held beside them
+        (``make_room_for_eager``) or for the copies of their own saves the iteration held
+        (``plan_for_copies``); if a region could not fit because of earlier regions' saves, cap
+        those saves and plan every region again, so the next iteration fits (see
+        ``memfit.compiler.graph_breaks``)."""
+        current = latest_regions(self.regions)
+        if any(region.open_forwards for region in current):
+            return
+        self.replanned_beside_copies.clear()
+        agree_on_eager_bytes(current)
+        grown = self.make_room_for_eager(current)
+        if self.joint_failed or self.plan_for_copies(current, grown):
+            return
+        short = [region for region in current if region.minimum_bytes is not None]
+        if not short:
+            return
+        caps = saves_caps(current, grown)
+        if self.joint_rounds >= MAX_JOINT_ROUNDS or all(
+                self.saves_caps.get(site) == cap for site, cap in caps.items()):
+            self._joint_failed(short[0], grown.get(short[0].index, 0))  # nothing new to plan
+            return  # for: no caps, or the same again
+        self.joint_rounds += 1
+        self.saves_caps.update(caps)
+        self.replan_regions()
+
+    def beside_own_copies(self, regions: list[Region]) -> bool:
+        """Whether the compiled code planned as ``regions`` is planned again before its forward
+        runs, beside the saves of its own earlier forwards that are still alive and that its
+        plan did not count (the second call of a model called twice per step): once per code
+        and iteration, so that a siamese loss fits from the first iteration where the room is
+        there; where more calls follow, ``plan_for_copies`` plans for all of them after it."""
+        newest = regions[-1]
+        site = newest.site
+        if (site is None or newest.budget_bytes is None or newest.saves_cap_bytes is not None
+                or site in self.replanned_beside_copies or self.fixed_plan is not None):
+            return False
+        alive = sum(region.saved_bytes * region.open_forwards for region in self.regions
+                    if region.site == site)
+        if alive <= newest.own_pending_bytes:
+            return False
+        self.replanned_beside_copies.add(site)
+        for region in regions:
+            region.replaced = True
+        return True
+
+    def plan_for_copies(self, current: list[Region], grown: dict[int, int]) -> bool:
+        """Cap the saves of each region whose forward ran again before its backward, which its
+        plan did not count (``uncounted_copies``), so that all its copies fit beside its
+        smallest peak (``own_copies_cap``), and have every region planned again; whether any
+        was. Measured: six MLP blocks called twice per step (a siamese loss, batch 1024) at
+        0.6 of eager's peak, 103,316,366 B: every iteration measured 157,464,728 B, and a
+        warning blamed the simulator. ``grown_bytes`` as in ``saves_caps``."""
+        copied = [region for region in current
+                  if region.budget_bytes is not None and uncounted_copies(region)]
+        if not copied or self.fixed_plan is not None:
+            return False
+        for region in copied:
+            floor = self._floor_bytes(region) + grown.get(region.index, 0)
+            cap = own_copies_cap(region.budget_bytes or 0, floor, uncounted_copies(region))
+            self.saves_caps[region.site] = cap
+            warnings.warn(
+                f"memfit: the forward of region {region.index} ran {copies_held(region)} times "
+                f"before its backward (the model called that often per step, or one compiled "
+                f"block run for several layers) while its plan counted one copy of its "
+                f"{format_bytes(region.saved_bytes)} of saved values, so this iteration may "
+                f"have run over the budget; it is planned again, each copy saving at most "
+                f"{format_bytes(cap)}, to fit from the next iteration.", BudgetWarning,
+                stacklevel=2)
+        self.replan_regions()
+        return True
+
+    def _floor_bytes(self, region: Region) -> int:
+        """``region``'s smallest whole-device peak beside what was outside it but its own
+        earlier forwards' saves."""
+        hardware = region.hardware or resolve_hardware(self.hardware_spec,
+                                                       self.device or torch.device("cpu"))
+        return smallest_peak_bytes(region.graph, hardware, self.strategy, self.params,
+                                   region.outside_bytes - region.own_pending_bytes)
+
+    def _joint_failed(self, short: Region, eager_bytes: int = 0) -> None:
+        """Say once that planning jointly cannot make ``short`` fit: it keeps running at its
+        smallest peak, over the budget, on every iteration. ``eager_bytes``: what eager code was
+        seen to hold beside it beyond what its plan counted (the loop's loss and its buffers)."""
+        self.joint_failed = True
+        why = joint_failure_reason(short, eager_bytes)
+        warnings.warn(
+            f"memfit: planning the regions jointly cannot fit region {short.index} in "
+            f"{format_bytes(short.budget_bytes or 0)}: {why}; every iteration runs over the "
+            "budget. Raise the budget or remove the graph break (torch._dynamo.explain(model)"
+            "(...) shows it).", BudgetWarning, stacklevel=2)
+
+    def replan_regions(self) -> None:
+        """Have every current region planned again before its next run (each region's callable,
+        ``memfit.compiler.replanning``, does it without Dynamo tracing anything again)."""
+        for region in latest_regions(self.regions):
+            region.replaced = True
