@@ -9,11 +9,9 @@ import pytest
 
 from memfit.compiler.graph_breaks import (
     latest_regions,
-    own_copies_cap,
     regions_ahead,
     save_at_most,
     saves_caps,
-    uncounted_copies,
     units_ahead_cap,
 )
 from memfit.data.errors import BudgetError
@@ -24,8 +22,7 @@ def region(index, code, saved_bytes, budget_bytes=100, minimum_bytes=None, pendi
     return SimpleNamespace(index=index, site=site or code, saved_bytes=saved_bytes,
                            budget_bytes=budget_bytes, minimum_bytes=minimum_bytes,
                            pending_bytes=pending_bytes, replaced=replaced,
-                           most_open_forwards=copies, saves_cap_bytes=None,
-                           own_pending_bytes=0)
+                           most_open_forwards=copies)
 
 
 def test_a_short_region_splits_its_room_among_the_earlier_regions_by_what_they_saved():
@@ -59,29 +56,6 @@ def test_a_region_run_for_several_blocks_shares_the_room_among_its_copies():
     regions = [region(0, "embed", 20), region(1, "block", 20, copies=3),
                region(2, "tail", 5, minimum_bytes=150, pending_bytes=80)]
     assert saves_caps(regions) == {"embed": 7, "block": 7}
-
-
-def test_copies_of_its_own_saves_count_only_where_its_plan_did_not_plan_for_them():
-    assert uncounted_copies(region(0, "a", 20, copies=3)) == 2  # its forward ran 3 times
-    assert uncounted_copies(region(0, "a", 20)) == 0
-    assert uncounted_copies(region(0, "a", 0, copies=3)) == 0  # nothing saved: nothing to cap
-    capped = region(0, "a", 20, copies=3)
-    capped.saves_cap_bytes = 7  # planned with a cap: its copies counted beside it
-    assert uncounted_copies(capped) == 0
-    beside = region(0, "a", 20, copies=2)
-    beside.own_pending_bytes = 25  # planned again before its second call, beside the first's
-    assert uncounted_copies(beside) == 0
-    beside.most_open_forwards = 3  # a third call: one more copy than it planned beside
-    assert uncounted_copies(beside) == 2
-    short = region(0, "a", 20, copies=2, minimum_bytes=130)
-    short.own_pending_bytes = 25  # planned beside them, but could not fit there
-    assert uncounted_copies(short) == 1
-
-
-def test_a_regions_own_copies_share_what_its_smallest_peak_leaves_of_its_budget():
-    assert own_copies_cap(100, 70, 1) == 30
-    assert own_copies_cap(100, 70, 2) == 15  # three copies alive: two beside the running one
-    assert own_copies_cap(100, 120, 2) == 0  # over even alone: save nothing
 
 
 def test_the_latest_region_of_each_code_is_the_current_one():

@@ -1,6 +1,7 @@
-"""Planning the regions of an iteration together once it has run, on a real loop: a model whose
-compiled forward runs twice before its backward (a siamese loss) holds two copies of its saved
-values, which its first plan did not count; ``JointPlanning.plan_for_copies`` plans it again."""
+"""A model whose compiled forward runs twice before its backward (a siamese loss) holds two
+copies of its saved values, which its first plan did not count, on a real loop: planned again
+before its second call (``Backend.beside_own_copies``) and, where that is not enough, for both
+copies after the iteration (``JointPlanning.plan_for_copies``)."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def test_the_second_call_is_planned_beside_the_first_calls_saves_from_the_first_
 def test_a_model_called_twice_per_step_fits_its_budget_from_the_second_iteration():
     # the second call cannot fit beside the first call's saves (planned before it was known),
     # so the first iteration runs over, said; planned for both copies after it, the rest fit
-    # (measured: 6,772,232 B, then 4,023,632 B at 6,079,996 B)
+    # (measured: 6,772,232 B, then 5,406,544 B at 6,079,996 B)
     peaks, budget, said = _fitted_siamese(0.6)
     assert any("ran 2 times before its backward" in message for message in said), said
     assert peaks[0] > budget, (peaks, budget)

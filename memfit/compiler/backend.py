@@ -35,7 +35,6 @@ from memfit.compiler.graph_breaks import (
     extra_copies,
     first_iteration_cap,
     own_copies_bytes,
-    own_copies_cap,
     watch_recompile_limit,
 )
 from memfit.compiler.joint_planning import MAX_JOINT_ROUNDS, JointPlanning
@@ -115,6 +114,7 @@ class Backend(EagerWatching, JointPlanning):
         self.joint_rounds = 0  # times the regions were planned again jointly
         self.joint_failed = False  # planning jointly could not make a region fit (said once)
         self.replanned_beside_copies: set[Any] = set()  # sites, in this iteration
+        self.copies_sites: set[Any] = set()  # sites planned for copies of their saves
         self.eager_codes: list[str] = []  # code Dynamo stopped compiling (its recompile limit)
         self.eager_held: dict[Any, int] = {}  # site -> eager code's bytes its plan counts
         self.eager_replans = 0  # times regions were planned again for what eager code held
@@ -237,13 +237,19 @@ class Backend(EagerWatching, JointPlanning):
         # the region's parameters are among the resident or, under FSDP2, the gathered bytes
         outside = max(0, resident + gathered - inside) + pending + eager
         cap = self.saves_caps.get(site)
-        outside += own_copies_bytes(self.regions, site, cap)
+        # copies of its saves alive beside its last call, where its code runs again before its
+        # backward (memfit.compiler.repeated_calls): its plan is chosen for them below
+        repeated = extra_copies(self.regions, site) if site in self.copies_sites else 0
+        outside += 0 if repeated else own_copies_bytes(self.regions, site, cap)
         # the saves of its own code's open forwards (among the pending)
         own_open = sum(region.saved_bytes * region.open_forwards for region in self.regions
                        if site is not None and region.site == site)
 
+        # after a graph break, or where its code runs again before its backward (a cell called
+        # per time step: the earlier calls' outputs are held by the later calls' saves)
         after_a_break = any(region.open_forwards for region in self.regions)
-        held_inputs = user_input_names(joint, captured.inputs) if after_a_break else frozenset()
+        held_inputs = (user_input_names(joint, captured.inputs) if after_a_break or repeated
+                       else frozenset())
 
         def lower(plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule, int]:
             forward, backward = split(rewrite(captured.graph_module, graph, plan),
@@ -251,17 +257,22 @@ class Backend(EagerWatching, JointPlanning):
             return forward, backward, saved_device_bytes(forward, num_fwd_outputs, held_inputs)
 
         try:
-            (planned, budget_bytes, minimum), outside, cap = self._choose_beside_copies(
-                graph, hardware, outside, pending, eager, own_open, site, cap)
+            planned, budget_bytes, minimum = self._choose(graph, hardware, outside, pending,
+                                                          eager, own_open)
         except BudgetError as error:
             raise_if_any_failed(error)  # on every rank, so that none waits in a collective
         raise_if_any_failed(None)
         made, predicted = planned.plan, planned.predicted
         forward, backward, saved = lower(made)
-        if cap is None and minimum is None and budget_bytes is not None:
+        if repeated and budget_bytes is not None:
+            made, (forward, backward, saved) = self._fit_copies(repeated, graph, hardware,
+                                                                outside, budget_bytes, lower)
+            predicted = simulate(graph, made, hardware)
+            cap, outside = saved, outside + repeated * saved
+        elif cap is None and minimum is None and budget_bytes is not None:
             cap = first_iteration_cap(self.model, self.regions, site, budget_bytes - outside,
                                       predicted.peak_bytes - saved)
-        if cap is not None and budget_bytes is not None and saved > cap:
+        if not repeated and cap is not None and budget_bytes is not None and saved > cap:
             made, (forward, backward, saved) = self._save_at_most(cap, graph, hardware, outside,
                                                                   budget_bytes, lower)
             predicted = simulate(graph, made, hardware)
@@ -273,8 +284,9 @@ class Backend(EagerWatching, JointPlanning):
         self.regions.append(Region(index, graph, made, planned.baseline, predicted,
                                    budget_bytes, outside, forward, backward, resident, saved,
                                    site=site, pending_bytes=pending, minimum_bytes=minimum,
-                                   saves_cap_bytes=cap, own_pending_bytes=own_open
-                                   + own_copies_bytes(self.regions, site, cap),
+                                   saves_cap_bytes=cap, own_pending_bytes=own_open + (
+                                       repeated * saved if repeated else
+                                       own_copies_bytes(self.regions, site, cap)),
                                    hardware=hardware, bound=predicted,
                                    trainable_bytes=trainable, later_gradient_bytes=later,
                                    output_names=output_tensor_names(joint, num_fwd_outputs,
@@ -317,30 +329,6 @@ class Backend(EagerWatching, JointPlanning):
             planned = self._over_budget(graph, hardware, error, pending, outside, own_open)
             return planned, error.budget_bytes, error.minimum_bytes
         return planned, planned.budget.device_bytes, None
-
-    def _choose_beside_copies(self, graph: CostGraph, hardware: Hardware, outside: int,
-                              pending: int, eager: int, own_open: int, site: Any,
-                              cap: int | None
-                              ) -> tuple[tuple[Planned, int | None, int | None], int, int | None]:
-        """``_choose``; where only the copies of its own saves that its cap lets live beside
-        it miss the budget (eager code was found holding more after the cap was set), again
-        with the cap shrunk to what is left (``own_copies_cap``). Returns the choice, and the
-        outside bytes and cap it was made with.
-
-        Why: six MLP blocks called twice per step at 0.8 of eager's peak, capped for two copies
-        after the first iteration, raised ``BudgetError`` in the third, once the loop's loss
-        (256 KiB) was measured beside them."""
-        try:
-            return self._choose(graph, hardware, outside, pending, eager, own_open), outside, cap
-        except BudgetError as error:
-            extra = extra_copies(self.regions, site)
-            copies = extra * cap if cap is not None else 0
-            if not copies or error.minimum_bytes - copies > error.budget_bytes:
-                raise
-            cap = own_copies_cap(error.budget_bytes, error.minimum_bytes - copies, extra)
-            self.saves_caps[site] = cap
-            outside += extra * cap - copies
-            return self._choose(graph, hardware, outside, pending, eager, own_open), outside, cap
 
     def _over_budget(self, graph: CostGraph, hardware: Hardware, error: BudgetError,
                      pending: int, outside: int, own_open: int = 0) -> Planned:

@@ -148,29 +148,6 @@ def extra_copies(regions: Sequence[Region], site: Any) -> int:
     return max((copies_held(region) for region in regions if region.site == site), default=1) - 1
 
 
-def uncounted_copies(region: Region) -> int:
-    """How many copies of ``region``'s saves beyond one its iteration held (its forward ran that
-    many more times before its backward: a model called twice per step, as a siamese or
-    contrastive loss does; a cell called once per time step), where its plan did not fit beside
-    them: no cap planned for them (``saves_caps``, ``first_iteration_cap``), and it was not
-    planned beside as many (``Region.own_pending_bytes``, ``Backend.beside_own_copies``) or
-    could not fit there (``Region.minimum_bytes``); else 0."""
-    if region.saves_cap_bytes is not None or region.site is None or not region.saved_bytes:
-        return 0
-    extra = copies_held(region) - 1
-    fitted_beside = (region.minimum_bytes is None
-                     and region.saved_bytes * extra <= region.own_pending_bytes)
-    return 0 if extra <= 0 or fitted_beside else extra
-
-
-def own_copies_cap(budget_bytes: int, floor_bytes: int, extra_copies: int) -> int:
-    """The most a region may save when ``extra_copies`` more copies of its saves are alive
-    while it runs: its budget less its smallest peak (``floor_bytes``, beside what else is
-    outside it) shared among those copies. Planned with this cap (``own_copies_bytes`` counts
-    the copies as outside it), its smallest peak still fits beside them."""
-    return max(0, budget_bytes - floor_bytes) // max(1, extra_copies)
-
-
 def first_iteration_cap(model: Any, regions: Sequence[Region], site: Any, room_bytes: int,
                         transient_bytes: int) -> int | None:
     """The most an FSDP2 unit's region may save so that the units after it in this iteration

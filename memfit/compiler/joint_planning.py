@@ -23,23 +23,17 @@ from memfit.compiler.graph_breaks import (
     copies_held,
     joint_failure_reason,
     latest_regions,
-    own_copies_cap,
     save_at_most,
     saves_caps,
-    uncounted_copies,
 )
-from memfit.compiler.plan_step import (
-    BudgetWarning,
-    plan_step,
-    rerun_whole,
-    resolve_hardware,
-    smallest_peak_bytes,
-)
+from memfit.compiler.plan_step import BudgetWarning, plan_step, rerun_whole
 from memfit.compiler.region import Region
+from memfit.compiler.repeated_calls import fit_copies, uncounted_copies
 from memfit.data.costgraph import CostGraph
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan
 from memfit.data.units import Budget, format_bytes
+from memfit.model.simulate import simulate
 from memfit.runtime.ranks import agree_on_eager_bytes
 
 MAX_JOINT_ROUNDS = 2  # joint re-plans of a graph-broken model; each costs a trace of every region
@@ -58,6 +52,7 @@ class JointPlanning:
     joint_rounds: int
     joint_failed: bool
     replanned_beside_copies: set[Any]
+    copies_sites: set[Any]
 
     def make_room_for_eager(self, current: list[Region]) -> dict[int, int]:
         raise NotImplementedError  # the backend's
@@ -85,7 +80,7 @@ class JointPlanning:
         self.replanned_beside_copies.clear()
         agree_on_eager_bytes(current)
         grown = self.make_room_for_eager(current)
-        if self.joint_failed or self.plan_for_copies(current, grown):
+        if self.joint_failed or self.plan_for_copies(current):
             return
         short = [region for region in current if region.minimum_bytes is not None]
         if not short:
@@ -119,39 +114,53 @@ class JointPlanning:
             region.replaced = True
         return True
 
-    def plan_for_copies(self, current: list[Region], grown: dict[int, int]) -> bool:
-        """Cap the saves of each region whose forward ran again before its backward, which its
-        plan did not count (``uncounted_copies``), so that all its copies fit beside its
-        smallest peak (``own_copies_cap``), and have every region planned again; whether any
-        was. Measured: six MLP blocks called twice per step (a siamese loss, batch 1024) at
-        0.6 of eager's peak, 103,316,366 B: every iteration measured 157,464,728 B, and a
-        warning blamed the simulator. ``grown_bytes`` as in ``saves_caps``."""
+    def plan_for_copies(self, current: list[Region]) -> bool:
+        """Have each region whose forward ran again before its backward, where its plan did
+        not fit beside the copies of its saves that its iteration held (``uncounted_copies``),
+        planned for them (``fit_copies``), and every region planned again; whether any was.
+        Measured: six MLP blocks called twice per step (a siamese loss, batch 1024) at 0.6 of
+        eager's peak, 103,316,366 B: every iteration measured 157,464,728 B, and a warning
+        blamed the simulator."""
         copied = [region for region in current
                   if region.budget_bytes is not None and uncounted_copies(region)]
         if not copied or self.fixed_plan is not None:
             return False
         for region in copied:
-            floor = self._floor_bytes(region) + grown.get(region.index, 0)
-            cap = own_copies_cap(region.budget_bytes or 0, floor, uncounted_copies(region))
-            self.saves_caps[region.site] = cap
+            self.copies_sites.add(region.site)
             warnings.warn(
                 f"memfit: the forward of region {region.index} ran {copies_held(region)} times "
                 f"before its backward (the model called that often per step, or one compiled "
-                f"block run for several layers) while its plan counted one copy of its "
-                f"{format_bytes(region.saved_bytes)} of saved values, so this iteration may "
-                f"have run over the budget; it is planned again, each copy saving at most "
-                f"{format_bytes(cap)}, to fit from the next iteration.", BudgetWarning,
-                stacklevel=2)
+                f"block run for several layers) while its plan did not fit beside the copies of "
+                f"its {format_bytes(region.saved_bytes)} of saved values, so this iteration may "
+                f"have run over the budget; it is planned again for them, to fit from the next "
+                f"iteration.", BudgetWarning, stacklevel=2)
         self.replan_regions()
         return True
 
-    def _floor_bytes(self, region: Region) -> int:
-        """``region``'s smallest whole-device peak beside what was outside it but its own
-        earlier forwards' saves."""
-        hardware = region.hardware or resolve_hardware(self.hardware_spec,
-                                                       self.device or torch.device("cpu"))
-        return smallest_peak_bytes(region.graph, hardware, self.strategy, self.params,
-                                   region.outside_bytes - region.own_pending_bytes)
+    def _fit_copies(self, extra: int, graph: CostGraph, hardware: Hardware, outside: int,
+                    budget_bytes: int, lower: Any) -> tuple[Plan, Any]:
+        """A plan of this region that fits beside ``extra`` more copies of its saves
+        (``fit_copies``); where none does, the closest, said once."""
+        def plan_at(at_bytes: int) -> tuple[Plan, int]:
+            planned = plan_step(graph, hardware, Budget(bytes=at_bytes), self.strategy,
+                                self.params, outside)
+            return planned.plan, planned.predicted.peak_bytes + outside
+
+        def fewest() -> tuple[Plan, int] | None:
+            made = rerun_whole(graph, hardware, budget_bytes, outside)
+            if made is None:
+                return None
+            return made, simulate(graph, made, hardware).peak_bytes + outside
+
+        made, lowered, fits = fit_copies(plan_at, lower, extra, budget_bytes, fewest)
+        if not fits and not self.joint_failed:
+            self.joint_failed = True
+            warnings.warn(
+                f"memfit: no plan of a compiled region fits {format_bytes(budget_bytes)} beside "
+                f"the {extra} more copies of its saved values that its repeated calls hold "
+                f"before their backward; it runs the plan closest to it and may run over the budget. Raise the "
+                f"budget or call it fewer times per backward.", BudgetWarning, stacklevel=2)
+        return made, lowered
 
     def _joint_failed(self, short: Region, eager_bytes: int = 0) -> None:
         """Say once that planning jointly cannot make ``short`` fit: it keeps running at its

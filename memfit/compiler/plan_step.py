@@ -192,13 +192,3 @@ def rerun_whole(graph: CostGraph, hardware: Hardware, budget_bytes: int, outside
     fits = simulate(graph, made, hardware).peak_bytes + outside_bytes <= budget_bytes
     return made if fits else None
 
-
-def smallest_peak_bytes(graph: CostGraph, hardware: Hardware, strategy: str,
-                        params: Mapping[str, Any], outside_bytes: int) -> int:
-    """The smallest whole-device peak ``strategy`` reaches on ``graph`` beside
-    ``outside_bytes``: what its ``BudgetError`` names at a budget of one byte."""
-    try:
-        plan_step(graph, hardware, Budget(bytes=1), strategy, params, outside_bytes)
-    except BudgetError as error:
-        return error.minimum_bytes
-    raise AssertionError("no plan fits a budget of one byte")

@@ -1,0 +1,91 @@
+"""A compiled region whose forward runs again before its backward: a model called twice per step
+(a siamese or contrastive loss), a cell called once per time step. Each call's saved values live
+until its backward, so an iteration holds one copy of them per open call, beside the region's
+own peak. The first call is planned before the others are known; the backward's end shows how
+many copies there were (``Region.most_open_forwards``), and the region's next plan is the one
+whose peak beside that many more copies of its saves fits the budget (``fit_copies``).
+
+Example:
+    >>> uncounted_copies(region)  # copies of its saves its plan did not fit beside
+    2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from memfit.compiler.graph_breaks import SAVES_BISECTION_STEPS, copies_held
+
+if TYPE_CHECKING:
+    from memfit.compiler.region import Region
+    from memfit.data.plan import Plan
+
+
+def uncounted_copies(region: Region) -> int:
+    """How many copies of ``region``'s saves beyond one its iteration held where its plan did
+    not fit beside them: it was planned beside fewer (``Region.own_pending_bytes``: before its
+    second call, ``Backend.beside_own_copies``, or for the copies of an earlier iteration) or
+    could not fit there (``Region.minimum_bytes``); else 0. An FSDP2 unit capped in the first
+    iteration (``first_iteration_cap``) counts its copies its own way: 0."""
+    if region.site is None or not region.saved_bytes:
+        return 0
+    if region.saves_cap_bytes is not None and not region.own_pending_bytes:
+        return 0
+    extra = copies_held(region) - 1
+    fitted_beside = (region.minimum_bytes is None
+                     and region.saved_bytes * extra <= region.own_pending_bytes)
+    return 0 if extra <= 0 or fitted_beside else extra
+
+
+def fit_copies(plan_at: Callable[[int], tuple[Plan, int]], lower: Callable[[Plan], tuple],
+               extra: int, budget_bytes: int,
+               fewest: Callable[[], tuple[Plan, int] | None]) -> tuple[Plan, tuple, bool]:
+    """The plan whose whole-device peak beside ``extra`` more copies of its saves fits
+    ``budget_bytes``, at the largest budget a bisection between the region's smallest peak and
+    ``budget_bytes`` finds (a larger budget re-runs less; it also saves more, which the copies
+    multiply); where none does, the plan saving the fewest (the region re-run whole from its
+    inputs) if that fits; else the plan whose peak with its copies is least.
+
+    Args:
+        plan_at: the region's plan at a whole-device budget and its whole-device peak (raises
+            ``BudgetError`` below the strategy's smallest peak).
+        lower: a plan's forward and backward modules and the device bytes the forward saves.
+        extra: the copies of its saves alive beside its last call.
+        budget_bytes: the region's budget.
+        fewest: ``fewest()``: the plan saving the fewest bytes and its peak, or ``None``.
+
+    Returns:
+        The plan, ``lower(plan)``, and whether it fits with its copies.
+    """
+    from memfit.data.errors import BudgetError
+
+    tried: list[tuple[int, Plan, tuple]] = []
+
+    def with_copies(made: Plan, peak_bytes: int) -> bool:
+        lowered = lower(made)
+        tried.append((peak_bytes + extra * lowered[-1], made, lowered))
+        return tried[-1][0] <= budget_bytes
+
+    try:
+        plan_at(1)
+        raise AssertionError("no plan fits a budget of one byte")
+    except BudgetError as error:
+        low = error.minimum_bytes
+    best = None
+    if with_copies(*plan_at(low)):
+        best, high = tried[-1], budget_bytes
+        if with_copies(*plan_at(budget_bytes)):
+            return tried[-1][1], tried[-1][2], True
+        for _ in range(SAVES_BISECTION_STEPS):
+            middle = (low + high) // 2
+            if with_copies(*plan_at(middle)):
+                best, low = tried[-1], middle
+            else:
+                high = middle
+        return best[1], best[2], True
+    fallback = fewest()
+    if fallback is not None and with_copies(*fallback):
+        return tried[-1][1], tried[-1][2], True
+    least = min(tried, key=lambda candidate: candidate[0])
+    return least[1], least[2], False
