@@ -10,8 +10,9 @@ its control op: the TFLMS tuner's questions) and re-runs (``memfit.model.rerun_d
 recompute planners' questions), on the Keep plan or on a swap plan.
 
 How: every action of ``lower(graph, plan)`` has an integer *key* that sorts in program order,
-found without building the action list (``memfit.model.keys``). A buffer is live from the key of the action that allocates it to the key
-of its last reader, both included (``memory_profile`` frees right after the last read). A set
+found without building the action list (``memfit.model.keys``). A buffer is live from the key
+of the action that allocates it to the key of its last reader, both included (``memory_profile``
+frees right after the last read). A set
 of decisions is a list of changed lifetimes: ``(first key, last key, signed bytes)``. The bytes
 live while an action runs are the Keep plan's there (``BaseProfile``: per op, while it runs and
 after it) plus the changes covering its key. The peak is at an action that allocates; for swaps,
@@ -40,19 +41,9 @@ import numpy as np
 from memfit.data.costgraph import CostGraph
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan, Swap
-from memfit.model import rerun_delta
+from memfit.model import keys, rerun_delta
 from memfit.model.clock import ComputeClock, CopyLink
 from memfit.model.keep import KeepProfile
-from memfit.model.keys import (
-    STRIDE,
-    SWAP_IN,
-    SWAP_OUT,
-    WAIT,
-    StepFunction,
-    covered_computes,
-    first_compute_from,
-    key,
-)
 from memfit.model.recompute import PlannedRerun
 from memfit.model.rerun_delta import FoldedProfile, RerunDelta
 
@@ -139,18 +130,18 @@ class BaseProfile(KeepProfile):
     def _copies(self, decisions: Sequence[tuple[str, Swap]]) -> list[Copy]:
         """The copies and waits of ``decisions`` in ``lower``'s order: by key, swap-outs in the
         order of their op's outputs, swap-ins issued after one op in the decisions' order."""
-        graph, index = self.graph, self.graph.index
+        graph, index, key = self.graph, self.graph.index, keys.key
         copies: list[Copy] = []
         for sequence, (name, swap) in enumerate(decisions):
             produced_at, size_bytes = self.produced_at[name], graph.tensors[name].size_bytes
             rank = graph.ops[produced_at].outputs.index(name)
-            copies.append((key(produced_at, SWAP_OUT), rank, "swap_out", name, -1, size_bytes))
+            copies.append((key(produced_at, keys.SWAP_OUT), rank, "swap_out", name, -1, size_bytes))
             for copy, swap_in in enumerate(swap.swap_ins):
                 tie = sequence * 1024 + copy
-                copies.append((key(index[swap_in.after], SWAP_IN), tie, "swap_in", name, copy,
+                copies.append((key(index[swap_in.after], keys.SWAP_IN), tie, "swap_in", name, copy,
                                size_bytes))
                 first_reader = min(index[c] for c in swap_in.consumers)
-                copies.append((key(first_reader, WAIT), 0, "wait", name, copy, size_bytes))
+                copies.append((key(first_reader, keys.WAIT), 0, "wait", name, copy, size_bytes))
         return sorted(copies)
 
     def peak_bytes(self, delta: SwapDelta, count: int | None = None, method: str = "auto") -> int:
@@ -171,9 +162,9 @@ class BaseProfile(KeepProfile):
         # while op c + 1 runs, whose high bytes start from the bytes live after op c
         if method == "dense" or (method == "auto" and not self._sparse_pays(end)):
             return self._dense_peak(first, last, size)
-        step = StepFunction(first, last, size)
+        step = keys.StepFunction(first, last, size)
         # the ops whose compute lies in each piece (before the first point the change is 0)
-        ops = first_compute_from(step.points, self.op_count)
+        ops = keys.first_compute_from(step.points, self.op_count)
         low = np.concatenate(([0], ops))
         high = np.concatenate((ops, [self.op_count]))
         at_compute = self._range_max(low, high) + step.values
@@ -188,7 +179,7 @@ class BaseProfile(KeepProfile):
     def _dense_peak(self, first: np.ndarray, last: np.ndarray, size: np.ndarray) -> int:
         """The peak from the change at every op's compute: each changed lifetime covers the
         computes from the first at or after its first key to the last at or before its last."""
-        change = covered_computes(first, last, size, self.op_count)
+        change = keys.covered_computes(first, last, size, self.op_count)
         return int(max(self.resident_bytes, (self.high_bytes + change).max()))
 
     def step_time_s(self, delta: SwapDelta, hardware: Hardware, count: int | None = None) -> float:
@@ -211,7 +202,7 @@ class BaseProfile(KeepProfile):
         """Every copy runs on the compute thread: one running sum over the actions' durations
         in program order (a copy right after the op it follows)."""
         moved = [c for c in copies if c[2] != "wait"]
-        after = [c[0] // STRIDE + 1 for c in moved]
+        after = [c[0] // keys.STRIDE + 1 for c in moved]
         copy_s = [hardware.d2h_time_s(c[5]) if c[2] == "swap_out" else hardware.h2d_time_s(c[5])
                   for c in moved]
         durations = np.insert(self.op_time_s, after, copy_s) if moved else self.op_time_s
@@ -223,10 +214,10 @@ class BaseProfile(KeepProfile):
         link = CopyLink(hardware)
         out_end: dict[str, float] = {}
         in_end: dict[tuple[str, int], float] = {}
-        wait_ops = sorted({c[0] // STRIDE for c in copies if c[2] == "wait"})
+        wait_ops = sorted({c[0] // keys.STRIDE for c in copies if c[2] == "wait"})
         clock = ComputeClock(self.op_times, self.keep_end_s, wait_ops)
         for at_key, _, kind, tensor, copy, size_bytes in copies:
-            op = at_key // STRIDE
+            op = at_key // keys.STRIDE
             if kind == "wait":
                 clock.wait(op, in_end[(tensor, copy)])
             elif kind == "swap_out":

@@ -306,7 +306,8 @@ def most_change(base: KeepProfile, delta: RerunDelta, counted: np.ndarray) -> in
 
 
 def _between(base: KeepProfile, keys: np.ndarray) -> np.ndarray:
-    """The Keep plan's bytes live at keys between computes: those after the op before."""
+    """The Keep plan's bytes live at keys between computes: a key before op ``p``'s compute
+    (re-runs, waits) sees those live after op ``p - 1``; one after it (copies), after op ``p``."""
     ops = keys // STRIDE
     return np.where(keys % STRIDE < COMPUTE, base.live_before[ops], base.live_after[ops])
 
