@@ -182,8 +182,10 @@ def test_explicit_reruns_equal_lowering(name):
         chosen = rng.sample(recomputable(graph), rng.randint(0, 6)) if trial % 2 else []
         delta = model.plan(joint_plan(chosen, reruns=reruns))
         got = check_folded(model, delta, folded_profile(graph, chosen, reruns=reruns))
-        assert got.reruns == sum(a.kind == "recompute" for a in
-                                 lower(graph, joint_plan(chosen, reruns=reruns)).actions)
+        lowered = [a for a in lower(graph, joint_plan(chosen, reruns=reruns)).actions
+                   if a.kind == "recompute"]
+        assert got.reruns == len(lowered)
+        assert got.recompute_s == pytest.approx(sum(graph.op(a.op).time_s for a in lowered))
         check_delta(model, delta, got, None, picks)
 
 
