@@ -34,7 +34,6 @@ MOVED = {  # old module -> new module
     'memfit.core.plan': 'memfit.data.plan',
     'memfit.core.plan_json': 'memfit.data.plan_json',
     'memfit.core.recompute': 'memfit.model.recompute',
-    'memfit.core.rerun_profile': 'memfit.model.rerun_profile',
     'memfit.core.schedule': 'memfit.model.schedule',
     'memfit.core.sharding': 'memfit.model.sharding',
     'memfit.core.simulate': 'memfit.model.simulate',

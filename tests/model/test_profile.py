@@ -16,7 +16,8 @@ from memfit.data.costgraph import CostGraph
 from memfit.data.hardware import PROFILES, get_hardware
 from memfit.data.plan import Plan, Swap, SwapIn
 from memfit.model import synthetic
-from memfit.model.profile import BaseProfile, _RangeMax
+from memfit.model.keys import RangeMax
+from memfit.model.profile import BaseProfile
 from memfit.model.recompute import planned_reruns
 from memfit.model.schedule import check_plan, peak_bytes
 from memfit.model.sharding import shard_graph
@@ -146,7 +147,7 @@ def test_range_maximum_is_the_maximum_of_the_slice(values, ranges):
     array = np.asarray(values, dtype=np.int64)
     low = np.asarray([min(a, len(values)) for a, _ in ranges], dtype=np.int64)
     high = np.asarray([min(b, len(values)) for _, b in ranges], dtype=np.int64)
-    found = _RangeMax(array)(low, high)
+    found = RangeMax(array)(low, high)
     for at, (start, stop) in enumerate(zip(low, high, strict=True)):
         if start < stop:
             assert found[at] == array[start:stop].max()

@@ -26,7 +26,7 @@ from memfit.data.hardware import get_hardware
 from memfit.data.plan import Plan
 from memfit.graph.analyze import tensors_in
 from memfit.graph.capture import capture
-from memfit.model.rerun_profile import RerunProfiler
+from memfit.model.profile import BaseProfile
 from memfit.model.simulate import simulate
 from memfit.planning.strategies import get_strategy
 from memfit.planning.strategies.recomputing.optimal_recompute import _least_fitting
@@ -301,7 +301,7 @@ def test_below_the_segment_dp_nested_blocks_run_bit_for_bit(reference):
     example, keep = reference["example"], reference["keep"]
     graph, hardware = keep.graph, get_hardware("cpu")
     poor = simulate(graph, get_strategy("memory-poor")(graph, hardware), hardware)
-    smallest = _least_fitting(graph, RerunProfiler(graph), 1)
+    smallest = _least_fitting(graph, BaseProfile.of(graph), 1)
     assert poor.peak_bytes < smallest
     budget = (poor.peak_bytes + smallest) // 2
     made = get_strategy("optimal-recompute")(graph, hardware, budget)

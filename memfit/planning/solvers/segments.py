@@ -8,8 +8,8 @@ either kept whole, or rebuilt in one go from the kept separator before it, recom
 tensors (``"all"``: Chen's sqrt(n) segments) or only the cheap ones (``"cheap"``: matmul, conv
 and attention outputs inside stay kept, the openai package's "speed" mode inside one segment).
 
-Pricing. Every candidate segment is priced once, exactly, by ``RerunProfiler`` (the memory
-profile of the plan that recomputes that segment alone): its recompute time, its ``need`` (the
+Pricing. Every candidate segment is priced once, exactly, by the memory model
+(``BaseProfile``: the change to the Keep profile of the plan that recomputes that segment alone): its recompute time, its ``need`` (the
 highest live bytes at the positions its blocks own: their forward ops, and the backward ops and
 re-runs that read their tensors) and its ``carried`` change (the most it adds to memory while
 other blocks run; negative: the bytes it frees). Since a kept separator cuts every path, the
@@ -20,7 +20,7 @@ chain DP over (block, carried bytes) with Pareto fronts, no discretisation of th
 
 The decomposition is exact when segments touch only their own positions; where a graph breaks
 that (a value read across a separator in the backward pass only), the optimal-recompute strategy
-checks the assembled plan with the exact profiler and tightens the budget by the excess until it
+checks the assembled plan with the exact memory model and tightens the budget by the excess until it
 fits (``memfit.planning.tighten``).
 """
 
@@ -37,7 +37,7 @@ import numpy as np
 
 from memfit.data.costgraph import CostGraph
 from memfit.model import separators
-from memfit.model.rerun_profile import RerunProfiler
+from memfit.model.profile import BaseProfile
 
 OPTIONS = ("all", "cheap")
 
@@ -281,7 +281,7 @@ def segment_table(graph: CostGraph, blocks: Blocks, cheap_kept: Iterable[str],
             recomputed 0.15% more) and keeps the table near ``4 * blocks**1.5`` entries
             instead of ``blocks**2``.
     """
-    pricing = _Pricing(RerunProfiler(graph), blocks)
+    pricing = _Pricing(BaseProfile.of(graph), blocks)
     cheap_kept = frozenset(cheap_kept)
     longest = max_length or max(4, math.ceil(2 * math.sqrt(blocks.count)) + 1)
     table: list[Segment] = []
@@ -298,33 +298,34 @@ def segment_table(graph: CostGraph, blocks: Blocks, cheap_kept: Iterable[str],
 
 
 class _Pricing:
-    """Prices segments from ``RerunProfiler.delta``: only the ops a segment owns are read, and
-    the ops of later segments through the delta's steps, so a segment costs its own tensors'
+    """Prices segments from the memory model's sparse reads (``BaseProfile.change_at`` and
+    ``most_change`` of the segment's ``recomputes``): only the ops a segment owns are read, and
+    the ops of later segments through the change's steps, so a segment costs its own tensors'
     walk, not a pass over the whole step (the table has ~1,300 segments on a 48-layer GPT-2).
 
     Args:
-        profiler: the Keep plan's profiler.
+        model: the graph's memory model (the Keep plan's profile).
         blocks: the blocks the segments span.
     """
 
-    def __init__(self, profiler: RerunProfiler, blocks: Blocks) -> None:
-        self.profiler, self.blocks = profiler, blocks
+    def __init__(self, model: BaseProfile, blocks: Blocks) -> None:
+        self.model, self.blocks = model, blocks
         owner = blocks.owner
         self._owned = [np.nonzero(owner == block)[0] for block in range(blocks.count)]
         # per last block: how many of ops 0..i-1 a later segment owns
         self._later = [np.concatenate(([0], np.cumsum(owner > last))) for last in range(blocks.count)]
 
     def priced(self, first: int, last: int, option: str, recomputed: frozenset[str]) -> Segment:
-        profiler = self.profiler
+        model = self.model
         own = np.sort(np.concatenate(self._owned[first: last + 1]))
         if recomputed:
-            delta = profiler.delta(recomputed)
-            own_delta, time_s = delta.at(own), delta.recompute_s
-            carried = delta.most(self._later[last]) or 0
+            delta = model.recomputes(recomputed)
+            own_delta, time_s = model.change_at(delta, own), delta.recompute_s
+            carried = model.most_change(delta, self._later[last]) or 0
         else:
             own_delta, time_s, carried = np.zeros(len(own), dtype=np.int64), 0.0, 0
-        need = int((profiler.keep_high[own] + own_delta).max(initial=0))
-        graph = profiler.graph
+        need = int((model.high_bytes[own] + own_delta).max(initial=0))
+        graph = model.graph
         read = {t for name in recomputed if (p := graph.tensors[name].producer)
                 for t in graph.op(p).inputs}
         return Segment(first, last, option, recomputed, time_s, need, carried, own, own_delta,
@@ -334,7 +335,7 @@ class _Pricing:
 def rebased(table: Sequence[Segment], base_high: np.ndarray,
             swapped: frozenset[str]) -> list[Segment]:
     """The table priced on another base plan (a swap plan, say), given its per-op high bytes
-    (``RerunProfiler(graph, base).keep_high``): segments touching a swapped tensor are dropped,
+    (``BaseProfile.folded(BaseProfile.plan(base)).high_bytes``): segments touching a swapped tensor are dropped,
     and each need is the base's bytes plus the segment's own change. Approximate where the base
     has several actions per op (its copies); ``solve_segments``' callers check the assembled
     plan exactly."""

@@ -5,7 +5,7 @@ import pytest
 from memfit.data.hardware import get_hardware
 from memfit.data.plan import Plan, Rerun
 from memfit.model import synthetic
-from memfit.model.rerun_profile import RerunProfiler
+from memfit.model.profile import BaseProfile
 from memfit.model.schedule import check_plan
 from memfit.model.simulate import simulate
 from memfit.planning.solvers.block_chain import BlockChain, NestedSchedule, next_chain_budget
@@ -24,7 +24,7 @@ GRAPHS = {"chain30": lambda: synthetic.chain(30), "resnet12": lambda: synthetic.
 def band(graph):
     """memory-poor's peak and the segment DP's smallest: the budgets nested blocks are for."""
     poor = simulate(graph, get_strategy("memory-poor")(graph, HARDWARE), HARDWARE)
-    return poor, _least_fitting(graph, RerunProfiler(graph), 1)
+    return poor, _least_fitting(graph, BaseProfile.of(graph), 1)
 
 
 @pytest.mark.parametrize("name", sorted(GRAPHS))

@@ -7,7 +7,7 @@ import pytest
 from memfit.data.hardware import get_hardware
 from memfit.data.plan import Plan, Recompute
 from memfit.model import separators, synthetic
-from memfit.model.rerun_profile import RerunProfiler
+from memfit.model.profile import BaseProfile
 from memfit.model.simulate import simulate
 from memfit.planning.solvers.milp import solve_milp
 from memfit.planning.solvers.segments import find_blocks, segment_table, solve_segments
@@ -49,8 +49,7 @@ def test_two_towers_are_cut_by_pairs():
 def test_plans_fit_exactly_and_never_beat_the_milp(name):
     graph = GRAPHS[name]()
     blocks, table = table_for(graph)
-    profiler = RerunProfiler(graph)
-    keep_bytes = int(profiler.keep_high.max())
+    keep_bytes = int(BaseProfile.of(graph).high_bytes.max())
     for fraction in (0.9, 0.8, 0.7):
         budget = int(fraction * keep_bytes)
         chosen = solve_segments(table, blocks.count, budget)
@@ -70,7 +69,7 @@ def test_equals_the_milp_on_a_chain():
     """On a chain, recomputing each segment once is optimal down to about 0.6 of the peak."""
     graph = synthetic.chain(12)
     blocks, table = table_for(graph)
-    keep_bytes = int(RerunProfiler(graph).keep_high.max())
+    keep_bytes = int(BaseProfile.of(graph).high_bytes.max())
     for fraction in (0.9, 0.8, 0.7, 0.6):
         budget = int(fraction * keep_bytes)
         chosen = solve_segments(table, blocks.count, budget)
@@ -105,12 +104,12 @@ def test_separators_are_graph_separators():
 def test_segments_priced_incrementally_as_the_whole_graph_profile_prices_them(name):
     graph = GRAPHS[name]()
     blocks, table = table_for(graph)
-    profiler = RerunProfiler(graph)
+    model = BaseProfile.of(graph)
     for segment in table:
-        high = profiler.profile(segment.recomputed).high_bytes
+        high = model.folded(model.recomputes(segment.recomputed)).high_bytes
         own = (blocks.owner >= segment.first) & (blocks.owner <= segment.last)
         later = blocks.owner > segment.last
-        change = high - profiler.keep_high
+        change = high - model.high_bytes
         assert segment.own_positions.tolist() == np.nonzero(own)[0].tolist()
         assert segment.own_delta.tolist() == change[own].tolist()
         assert segment.need_bytes == int(high[own].max(initial=0))

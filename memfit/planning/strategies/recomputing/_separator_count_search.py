@@ -2,7 +2,7 @@
 
 Every count of evenly spaced separators is a plan (recompute every forward tensor but the
 kept separators); with a budget the mode wants the count that fits with the least recompute
-time. Pricing one count exactly (``RerunProfiler``) walks its re-runs, tens of milliseconds on a
+time. Pricing one count exactly (the memory model, ``BaseProfile.recomputes``) walks its re-runs, tens of milliseconds on a
 10,000-op step with a thousand separators, so pricing all of them took half a minute. Two cheap
 lower bounds per count make it a branch and bound, with the same answer as pricing all:
 
@@ -16,7 +16,7 @@ lower bounds per count make it a branch and bound, with the same answer as prici
 
 Counts are priced in order of their time bound, skipping those whose peak bound is over the
 budget, until the bound passes the best time that fits. Once one fits, a count is priced only if
-its exact recompute time (``RerunProfiler.recompute_s``: which producers re-run, without the
+its exact recompute time (``BaseProfile.rerun_time_s``: which producers re-run, without the
 lifetimes, a fifth of the cost) does not rule it out: where the bounds are loose (a 48-layer
 GPT-2, whose rebuilds re-run chains of cheap ops), every count was priced.
 """
@@ -30,7 +30,7 @@ import numpy as np
 from memfit.model import separators
 from memfit.model.profile import BaseProfile
 from memfit.model.recompute import first_late_readers
-from memfit.model.rerun_profile import RerunProfiler
+from memfit.model.rerun_delta import FoldedProfile
 
 
 def kept_tensors(held: Sequence[frozenset[str]], count: int) -> set[str]:
@@ -51,20 +51,19 @@ class CountBounds:
         held: per separator candidate, in order, the tensors it holds.
     """
 
-    def __init__(self, profiler: RerunProfiler, droppable: frozenset[str],
+    def __init__(self, model: BaseProfile, droppable: frozenset[str],
                  held: Sequence[frozenset[str]]) -> None:
-        graph = profiler.graph
-        self.profiler, self.droppable, self.held = profiler, droppable, tuple(held)
+        graph = model.graph
+        self.model, self.droppable, self.held = model, droppable, tuple(held)
         late = first_late_readers(graph)
         self._late_outputs = {  # producer -> its droppable outputs a backward op reads
             op.name: frozenset(t for t in op.outputs if t in droppable and t in late)
             for op in graph.forward_ops
         }
         self._all_time_s = sum(graph.op(p).time_s for p, o in self._late_outputs.items() if o)
-        base = BaseProfile.of(graph)
         boundary = max(graph.index[op.name] for op in graph.forward_ops)
-        self._live_at_boundary = base.live_across(droppable, boundary)
-        self._all_peak_bytes = int(base.live_after[boundary]) - self._bytes(self._live_at_boundary)
+        self._live_at_boundary = model.live_across(droppable, boundary)
+        self._all_peak_bytes = int(model.live_after[boundary]) - self._bytes(self._live_at_boundary)
         self._shares = self._separable_shares()
 
     def kept(self, count: int) -> set[str]:
@@ -73,6 +72,10 @@ class CountBounds:
     def recomputed(self, count: int) -> frozenset[str]:
         return self.droppable - self.kept(count)
 
+    def priced(self, recomputed: frozenset[str]) -> FoldedProfile:
+        """The plan recomputing ``recomputed``, priced exactly by the memory model."""
+        return self.model.folded(self.model.recomputes(recomputed))
+
     def time_s(self, count: int) -> float:
         """At most the recompute time of ``count``'s plan."""
         if self._shares is not None:
@@ -80,9 +83,9 @@ class CountBounds:
             remaining_s = self._all_time_s - spared_s
             return remaining_s if remaining_s > 1e-12 * self._all_time_s else 0.0  # rounding
         kept = self.kept(count)
-        spared = {self.profiler.graph.tensors[t].producer for t in kept if t in self.droppable}
+        spared = {self.model.graph.tensors[t].producer for t in kept if t in self.droppable}
         return self._all_time_s - sum(
-            self.profiler.graph.op(p).time_s for p in spared
+            self.model.graph.op(p).time_s for p in spared
             if p is not None and self._late_outputs.get(p) and self._late_outputs[p] <= kept
         )
 
@@ -103,7 +106,7 @@ class CountBounds:
             for tensor in tensors:
                 if owner.setdefault(tensor, number) != number:
                     return None
-        graph = self.profiler.graph
+        graph = self.model.graph
         spared_s = np.zeros(len(self.held))
         for producer, outputs in self._late_outputs.items():
             holders = {owner[t] for t in outputs if t in owner}
@@ -118,7 +121,7 @@ class CountBounds:
         return spared_s, live_bytes
 
     def _bytes(self, tensors: set[str]) -> int:
-        return sum(self.profiler.graph.tensors[t].size_bytes for t in tensors)
+        return sum(self.model.graph.tensors[t].size_bytes for t in tensors)
 
 
 def least_recompute_fitting(bounds: CountBounds, counts: Sequence[int],
@@ -133,9 +136,9 @@ def least_recompute_fitting(bounds: CountBounds, counts: Sequence[int],
         if bounds.peak_bytes(count) > budget_bytes:
             continue
         recomputed = bounds.recomputed(count)
-        if best is not None and _slower(bounds.profiler.recompute_s(recomputed), best[0]):
+        if best is not None and _slower(bounds.model.rerun_time_s(recomputed), best[0]):
             continue  # priced exactly, it could not win: its re-runs alone take longer
-        profile = bounds.profiler.profile(recomputed)
+        profile = bounds.priced(recomputed)
         if profile.peak_bytes <= budget_bytes and (best is None
                                                    or (profile.recompute_s, count) < best):
             best = (profile.recompute_s, count)
@@ -155,7 +158,7 @@ def lowest_peak(bounds: CountBounds, counts: Sequence[int]) -> int:
     for count in sorted(counts, key=peak_bound.__getitem__):
         if smallest is not None and peak_bound[count] > smallest[0]:
             break
-        profile = bounds.profiler.profile(bounds.recomputed(count))
+        profile = bounds.priced(bounds.recomputed(count))
         if smallest is None or (profile.peak_bytes, profile.recompute_s, count) < smallest:
             smallest = (profile.peak_bytes, profile.recompute_s, count)
     assert smallest is not None, "no counts"

@@ -30,7 +30,7 @@ from memfit.data.costgraph import CostGraph, Op
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan, Recompute
 from memfit.model import separators
-from memfit.model.rerun_profile import RerunProfiler
+from memfit.model.profile import BaseProfile
 from memfit.model.schedule import peak_bytes
 from memfit.planning.strategies import register
 from memfit.planning.strategies._budget_checks import require_fit
@@ -221,9 +221,9 @@ def _memory_mode(graph: CostGraph, hardware: Hardware, budget_bytes: int | None,
     if budget_bytes is None:
         return _kept_every(graph, hardware, None, params, held,
                            max(1, round(len(graph.forward_ops) ** 0.5)))
-    profiler = RerunProfiler(graph)  # exact for recompute-only plans, and far cheaper than simulate
+    model = BaseProfile.of(graph)  # exact for recompute-only plans, and far cheaper than simulate
     droppable = frozenset(recompute_all_but(graph, (), hardware, None, params).recomputed)
-    bounds = CountBounds(profiler, droppable, held)
+    bounds = CountBounds(model, droppable, held)
     counts = range(1, len(candidates) + 1)
     count = least_recompute_fitting(bounds, counts, budget_bytes)
     if count is None:

@@ -39,7 +39,7 @@ from memfit.data.errors import BudgetError
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan, Recompute, Rerun
 from memfit.data.timeline import Timeline
-from memfit.model.rerun_profile import RerunProfiler
+from memfit.model.profile import BaseProfile
 from memfit.model.schedule import PlanError
 from memfit.model.simulate import simulate
 from memfit.planning.solvers import segments
@@ -163,28 +163,31 @@ def _milp_plan(graph: CostGraph, hardware: Hardware, budget_bytes: int, params: 
 def _segment_plan(graph: CostGraph, hardware: Hardware, budget_bytes: int, params: dict) -> Plan:
     """The DP's plan, or the checkpoint modes' if one recomputes less; memory-poor's as the last
     resort below the DP's reach."""
-    profiler = RerunProfiler(graph)
+    model = BaseProfile.of(graph)
     found: list[tuple[float, str, frozenset[str]]] = []
-    recomputed = _segment_recomputed(graph, profiler, budget_bytes)
+    recomputed = _segment_recomputed(graph, model, budget_bytes)
     if recomputed is not None:
-        found.append((profiler.profile(recomputed).recompute_s, "segments", recomputed))
+        found.append((model.recomputes(recomputed).recompute_s, "segments", recomputed))
     for mode in ("speed", "memory"):
         chosen = _checkpoint_recomputed(graph, hardware, budget_bytes, mode)
-        if chosen is not None and profiler.profile(chosen).peak_bytes <= budget_bytes:
-            found.append((profiler.profile(chosen).recompute_s, f"checkpoint {mode}", chosen))
+        if chosen is None:
+            continue
+        priced = model.folded(model.recomputes(chosen))
+        if priced.peak_bytes <= budget_bytes:
+            found.append((priced.recompute_s, f"checkpoint {mode}", chosen))
     if not found:
-        return _below_the_segments(graph, hardware, profiler, budget_bytes, params)
+        return _below_the_segments(graph, hardware, model, budget_bytes, params)
     time_s, solver, chosen = min(found, key=lambda item: (item[0], item[1] != "segments"))
     made = Plan("optimal-recompute", {t: Recompute("optimal segment") for t in sorted(chosen)},
                 graph_hash=graph.structure_hash, budget_bytes=budget_bytes,
                 hardware=hardware.name, params={**params, "solver": solver})
     peak = simulate(graph, made, hardware, record_intervals=False).peak_bytes
-    if peak > budget_bytes:  # the profiler is exact; this guards against drift
+    if peak > budget_bytes:  # the memory model is exact; this guards against drift
         raise BudgetError(budget_bytes, peak, strategy="optimal-recompute")
     return made
 
 
-def _below_the_segments(graph: CostGraph, hardware: Hardware, profiler: RerunProfiler,
+def _below_the_segments(graph: CostGraph, hardware: Hardware, model: BaseProfile,
                         budget_bytes: int, params: dict) -> Plan:
     """Below the DP's smallest peak: re-runs in the forward pass, else revolve over the blocks,
     else memory-poor's plan, the first that fits (memory-poor's before revolve's if it fits and
@@ -194,7 +197,7 @@ def _below_the_segments(graph: CostGraph, hardware: Hardware, profiler: RerunPro
     only on graphs of at most ``POOR_MAX_FORWARD_OPS`` forward ops: beyond, its step would take
     a thousand forward passes or more, and lowering it alone takes seconds and gigabytes.
     """
-    forward = _with_forward_reruns(graph, hardware, profiler, budget_bytes, params)
+    forward = _with_forward_reruns(graph, hardware, model, budget_bytes, params)
     if forward is not None:
         return forward
     poor = _memory_poor(graph) if len(graph.forward_ops) <= POOR_MAX_FORWARD_OPS else None
@@ -204,16 +207,16 @@ def _below_the_segments(graph: CostGraph, hardware: Hardware, profiler: RerunPro
     if nested is not None:
         return nested
     if poor is None or poor_timeline is None:
-        raise _refusal(graph, profiler, budget_bytes, None)
-    return _memory_poor_fit(graph, hardware, profiler, budget_bytes, params, poor, poor_timeline)
+        raise _refusal(graph, model, budget_bytes, None)
+    return _memory_poor_fit(graph, hardware, model, budget_bytes, params, poor, poor_timeline)
 
 
-def _with_forward_reruns(graph: CostGraph, hardware: Hardware, profiler: RerunProfiler,
+def _with_forward_reruns(graph: CostGraph, hardware: Hardware, model: BaseProfile,
                          budget_bytes: int, params: dict) -> Plan | None:
     """The DP's smallest plan plus re-runs in the forward pass, if that fits: for branchy graphs
     whose peak is in the forward pass, which no backward recomputation lowers."""
-    smallest = _least_fitting(graph, profiler, budget_bytes)
-    recomputed = _segment_recomputed(graph, profiler, smallest)
+    smallest = _least_fitting(graph, model, budget_bytes)
+    recomputed = _segment_recomputed(graph, model, smallest)
     if recomputed is None:
         return None
     base = Plan("optimal-recompute", {t: Recompute("optimal segment") for t in sorted(recomputed)},
@@ -283,33 +286,33 @@ def nested_reruns(graph: CostGraph, hardware: Hardware, blocks: Blocks,
     return None if found is None else found[0]
 
 
-def _memory_poor_fit(graph: CostGraph, hardware: Hardware, profiler: RerunProfiler,
+def _memory_poor_fit(graph: CostGraph, hardware: Hardware, model: BaseProfile,
                      budget_bytes: int, params: dict, poor: Plan, poor_timeline: Timeline) -> Plan:
     """Memory-poor's plan (rebuild everything before each backward op) if it fits: below the
     DP's smallest peak it is the only recomputation plan we have, at O(n^2) recompute."""
     if poor_timeline.peak_bytes > budget_bytes:
-        raise _refusal(graph, profiler, budget_bytes, (poor, poor_timeline.peak_bytes))
+        raise _refusal(graph, model, budget_bytes, (poor, poor_timeline.peak_bytes))
     return Plan("optimal-recompute", graph_hash=graph.structure_hash, budget_bytes=budget_bytes,
                 hardware=hardware.name, reruns=poor.reruns,
                 params={**params, "solver": "memory-poor"})
 
 
-def _refusal(graph: CostGraph, profiler: RerunProfiler, budget_bytes: int,
+def _refusal(graph: CostGraph, model: BaseProfile, budget_bytes: int,
              poor: tuple[Plan, int] | None) -> BudgetError:
     """The error below every plan: the lower of memory-poor's peak and the DP's least fitting
     budget (each one this strategy plans and fits at), with the tensors live at that peak."""
-    least = _least_fitting(graph, profiler, budget_bytes)
+    least = _least_fitting(graph, model, budget_bytes)
     if poor is not None and poor[1] <= least:
         at_peak, smallest = poor
     else:
-        recomputed = _segment_recomputed(graph, profiler, least) or frozenset()
+        recomputed = _segment_recomputed(graph, model, least) or frozenset()
         smallest, at_peak = least, Plan("optimal-recompute",
                                         {t: Recompute("optimal segment") for t in sorted(recomputed)})
     return BudgetError(budget_bytes, smallest, live_at_peak(graph, at_peak)[1],
                        strategy="optimal-recompute")
 
 
-def _segment_recomputed(graph: CostGraph, profiler: RerunProfiler,
+def _segment_recomputed(graph: CostGraph, model: BaseProfile,
                         budget_bytes: int) -> frozenset[str] | None:
     """The DP's recomputed tensors, re-solved with a tighter budget while the assembled plan's
     exact peak is over (the decomposition is exact on the graphs we know; this is the net)."""
@@ -320,19 +323,19 @@ def _segment_recomputed(graph: CostGraph, profiler: RerunProfiler,
         if chosen is None:
             return None
         recomputed = frozenset().union(*(s.recomputed for s in chosen))
-        return recomputed, profiler.profile(recomputed).peak_bytes
+        return recomputed, model.folded(model.recomputes(recomputed)).peak_bytes
 
     return tighten(budget_bytes, recomputed_at, rounds=TUNING.segment_tighten_rounds)
 
 
-def _least_fitting(graph: CostGraph, profiler: RerunProfiler, budget_bytes: int) -> int:
+def _least_fitting(graph: CostGraph, model: BaseProfile, budget_bytes: int) -> int:
     """The smallest budget the DP fits (by bisection: feasibility grows with the budget)."""
-    low, high = budget_bytes, int(profiler.keep_high.max(initial=0))
-    if _segment_recomputed(graph, profiler, high) is None:
+    low, high = budget_bytes, int(model.high_bytes.max(initial=0))
+    if _segment_recomputed(graph, model, high) is None:
         return high
     while high - low > max(1, high // 1000):
         middle = (low + high) // 2
-        if _segment_recomputed(graph, profiler, middle) is None:
+        if _segment_recomputed(graph, model, middle) is None:
             low = middle
         else:
             high = middle

@@ -5,7 +5,7 @@ device-to-host stream after its producer, the copy back on the host-to-device st
 copy out and before the first backward reader, and each stream is a FIFO (one stream for both
 directions on a half-duplex link). This module replays those queues on the unplanned compute
 timeline (op times back to back, ``BaseProfile.compute_clock``) with the memory model's queue
-(``memfit.model.profile.CopyLink``, the one ``simulate``'s clock and ``step_time_s`` follow), copies
+(``memfit.model.clock.CopyLink``, the one ``simulate``'s clock and ``step_time_s`` follow), copies
 out in program order as ``lower`` issues them, and keeps a tensor only if both copies fit with no
 stall. Copies back are issued as late as they can be (just in
 time, after the last backward op that ends early enough) so each copy on the device lives
@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from memfit.data.costgraph import CostGraph
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Swap, SwapIn
+from memfit.model.clock import CopyLink
 from memfit.model.host_memory import within_host
-from memfit.model.profile import BaseProfile, CopyLink
+from memfit.model.profile import BaseProfile
 from memfit.model.recompute import PlannedRerun
 
 

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from memfit.data.hardware import get_hardware
 from memfit.model import separators, synthetic
-from memfit.model.rerun_profile import RerunProfiler
+from memfit.model.profile import BaseProfile
 from memfit.planning.strategies.recomputing._separator_count_search import (
     CountBounds,
     least_recompute_fitting,
@@ -22,12 +22,12 @@ def bounds_of(graph):
     candidates = [(p,) for p in points] or list(separators.separator_sets(graph))
     droppable = frozenset(recompute_all_but(graph, (), HARDWARE, None, {}).recomputed)
     held = [frozenset(_separator_tensors(graph, separator)) for separator in candidates]
-    bounds = CountBounds(RerunProfiler(graph), droppable, held)
+    bounds = CountBounds(BaseProfile.of(graph), droppable, held)
     return bounds, range(1, len(candidates) + 1)
 
 
 def priced_all(bounds, counts):
-    return {count: bounds.profiler.profile(bounds.recomputed(count)) for count in counts}
+    return {count: bounds.priced(bounds.recomputed(count)) for count in counts}
 
 
 GRAPHS = [synthetic.chain(40), synthetic.resnet_like(12), synthetic.multi_tower(3, 8)]
