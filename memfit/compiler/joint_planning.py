@@ -4,9 +4,9 @@ regions of a graph-broken model whose earlier saves left a later one short (the 
 ``memfit.compiler.graph_breaks``).
 
 A mixin of ``memfit.compiler.backend.Backend``, its own file so the backend reads as planning
-one region; it uses the backend's ``regions``, ``strategy``, ``params``, ``hardware_spec``,
-``device``, ``fixed_plan``, ``saves_caps``, ``joint_rounds``, ``joint_failed`` and
-``make_room_for_eager``.
+one region; it uses the backend's ``regions``, ``strategy``, ``params``, ``fixed_plan``,
+``saves_caps``, ``joint_rounds``, ``joint_failed``, ``replanned_beside_copies``,
+``copies_sites`` and ``make_room_for_eager``.
 
 Example:
     >>> backend.iteration_closed()  # after a backward: plan the regions again where needed
@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import warnings
 from typing import Any
-
-import torch
 
 from memfit.compiler.graph_breaks import (
     copies_held,
@@ -45,8 +43,6 @@ class JointPlanning:
     regions: list[Region]
     strategy: str
     params: dict[str, Any]
-    hardware_spec: Any
-    device: torch.device | None
     fixed_plan: Plan | None
     saves_caps: dict[Any, int]
     joint_rounds: int

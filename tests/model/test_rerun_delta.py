@@ -116,7 +116,7 @@ def on_a_swap_plan(name):
 def test_equals_lowering_on_top_of_a_swap_plan(name):
     graph, base, model, candidates = on_a_swap_plan(name)
     swapped = set(base.swapped)
-    swap_base = model.folded(model.plan(base))  # the swap plan alone, as ``rebased`` reads it
+    swap_base = model.folded(model.plan(base))  # the swap plan alone
     assert swap_base.high_bytes.tolist() == folded_profile(graph, [], base)[0].tolist()
     rng, picks = random.Random(1), random.Random(3)
     priced = 0

@@ -30,7 +30,7 @@ import bisect
 import heapq
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import networkx as nx
 import numpy as np
@@ -74,7 +74,7 @@ class Segment:
         need_bytes: the most bytes live at the positions the segment owns (see module note).
         carried_bytes: the most it changes memory at positions later segments own.
         own_positions, own_delta: the ops the segment owns and what it adds to the base
-            profile there: how ``rebased`` prices it on another base plan.
+            profile there (``need_bytes`` is their most on top of the Keep plan's).
         touched: the tensors it recomputes or its re-runs read; a base plan that swaps one
             of them cannot take this segment.
     """
@@ -330,22 +330,6 @@ class _Pricing:
                 for t in graph.op(p).inputs}
         return Segment(first, last, option, recomputed, time_s, need, carried, own, own_delta,
                        frozenset(recomputed | read))
-
-
-def rebased(table: Sequence[Segment], base_high: np.ndarray,
-            swapped: frozenset[str]) -> list[Segment]:
-    """The table priced on another base plan (a swap plan, say), given its per-op high bytes
-    (``BaseProfile.folded(BaseProfile.plan(base)).high_bytes``): segments touching a swapped tensor are dropped,
-    and each need is the base's bytes plus the segment's own change. Approximate where the base
-    has several actions per op (its copies); ``solve_segments``' callers check the assembled
-    plan exactly."""
-    found = []
-    for segment in table:
-        if segment.touched & swapped:
-            continue
-        need = int((base_high[segment.own_positions] + segment.own_delta).max(initial=0))
-        found.append(replace(segment, need_bytes=need))
-    return found
 
 
 @dataclass
