@@ -82,3 +82,24 @@ def test_a_model_called_twice_per_step_fits_its_budget_from_the_second_iteration
     assert any("ran 2 times before its backward" in message for message in said), said
     assert peaks[0] > budget, (peaks, budget)
     assert max(peaks[1:]) <= budget, (peaks, budget)
+
+
+def test_a_forward_whose_graph_is_dropped_without_a_backward_is_not_a_copy():
+    # an evaluation with gradients on (no ``no_grad``): autograd drops its graph with the loss;
+    # counted as an open forward, it made the next call plan again beside saves that were gone
+    # and warned of two calls per step (then every later plan re-ran more than it needed)
+    model = _encoder()
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(512, 64, generator=torch.Generator().manual_seed(2))
+    fitted = memfit.fit(model, budget=6_000_000, optimizer=optimizer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            fitted(batch).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 0:
+                assert fitted(batch).pow(2).mean().item() > 0  # evaluated, never backpropagated
+    said = [str(w.message) for w in caught if issubclass(w.category, memfit.BudgetWarning)]
+    assert not said, said
+    assert not any(region.minimum_bytes for region in fitted._memfit_backend.regions)

@@ -26,7 +26,7 @@ from memfit.compiler.graph_breaks import (
 )
 from memfit.compiler.plan_step import BudgetWarning, plan_step, rerun_whole
 from memfit.compiler.region import Region
-from memfit.compiler.repeated_calls import fit_copies, uncounted_copies
+from memfit.compiler.repeated_calls import fit_copies, live_forwards, uncounted_copies
 from memfit.data.costgraph import CostGraph
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan
@@ -101,7 +101,7 @@ class JointPlanning:
         if (site is None or newest.budget_bytes is None or newest.saves_cap_bytes is not None
                 or site in self.replanned_beside_copies or self.fixed_plan is not None):
             return False
-        alive = sum(region.saved_bytes * region.open_forwards for region in self.regions
+        alive = sum(region.saved_bytes * live_forwards(region) for region in self.regions
                     if region.site == site)
         if alive <= newest.own_pending_bytes:
             return False

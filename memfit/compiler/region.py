@@ -75,6 +75,8 @@ class Region:
     output_tangents: tuple[str | None, ...] = ()  # each output's tangent, if not a loss's seed
     output_storages: tuple = field(default=(), repr=False)  # weakly, of its latest forward
     saved_storages: tuple = field(default=(), repr=False)  # weakly, what its forwards saved
+    live_saves: tuple = field(default=(), repr=False)  # per forward whose saves may live:
+    # weakly, the storages it saved beyond its inputs (``memfit.compiler.repeated_calls``)
     backward_input_names: tuple[str, ...] = ()  # its backward module's placeholders, in order
     observed: tuple | None = None  # what the loop held and passed at its latest backward
     eager_forward_bytes: int = 0  # most bytes eager code held at its measured forwards' start

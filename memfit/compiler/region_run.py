@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from memfit.compiler.plan_step import BudgetWarning
 from memfit.compiler.region import REGION_KEY, Planner, Region
+from memfit.compiler.repeated_calls import live_forwards, note_forward_saves, storages_of
 from memfit.data.units import format_bytes
 from memfit.graph.lifetimes import observe_loop, remember_outputs, tangents_given
 from memfit.graph.rnn import run_rnn_layers_for_training
@@ -79,6 +80,7 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
     def run(args: list) -> Any:
         given = (tangents_given(region, args)
                  if follow_loop and region is not None and is_backward else ())
+        inputs = storages_of(args) if region is not None and not is_backward else set()
         watch = planner.eager_watch()
         with active_engine(engine), watch.paused() if watch else contextlib.nullcontext():
             if region is not None and region.measured_runs < 2 * planner.measure_runs:
@@ -90,12 +92,14 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
         if region is not None:
             if not is_backward:
                 remember_outputs(region, result)
+                note_forward_saves(region, inputs, result)
             elif follow_loop:
                 observe_loop(region, given)
             region.open_forwards += -1 if is_backward else 1
             region.open_forwards = max(region.open_forwards, 0)
-            region.most_open_forwards = max(region.most_open_forwards,
-                                            open_forwards_of_its_code(planner, region))
+            if not is_backward:
+                region.most_open_forwards = max(region.most_open_forwards,
+                                                open_forwards_of_its_code(planner, region))
             if is_backward:
                 planner.iteration_closed()
         return result
@@ -105,12 +109,13 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
 
 
 def open_forwards_of_its_code(planner: Planner, region: Region) -> int:
-    """The forwards of ``region``'s code (its site) whose backward has not run, over every plan
-    of it: one planned again before its second call (``Backend.beside_own_copies``) is a newer
-    region beside the older one still open."""
+    """The forwards of ``region``'s code (its site) whose saves are alive, over every plan of
+    it: one planned again before its second call (``Backend.beside_own_copies``) is a newer
+    region beside the older one still open. Counted from the saves alive (``live_forwards``),
+    so that a forward whose graph autograd dropped without a backward is not a copy."""
     if region.site is None:
-        return region.open_forwards
-    return sum(other.open_forwards for other in planner.regions if other.site == region.site)
+        return live_forwards(region)
+    return sum(live_forwards(other) for other in planner.regions if other.site == region.site)
 
 
 OVER_PREDICTION_FRACTION = 0.01  # the memory model's stated accuracy (issue 12: within 1%)

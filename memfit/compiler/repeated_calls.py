@@ -12,7 +12,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from memfit.compiler.graph_breaks import SAVES_BISECTION_STEPS, copies_held
@@ -20,6 +20,38 @@ from memfit.compiler.graph_breaks import SAVES_BISECTION_STEPS, copies_held
 if TYPE_CHECKING:
     from memfit.compiler.region import Region
     from memfit.data.plan import Plan
+
+
+def storages_of(values: Sequence) -> set:
+    """The storages of the tensors among ``values``, weakly (before a boxed call clears them)."""
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return {StorageWeakRef(value.untyped_storage()) for value in values
+            if isinstance(value, torch.Tensor)}
+
+
+def note_forward_saves(region: Region, inputs: set, result: Sequence) -> None:
+    """After a forward run of ``region``: note, weakly, the storages it saved for its backward
+    beyond its ``inputs`` (``storages_of`` its arguments: parameters, the batch, and views of
+    them), as one more forward whose saves may be alive (``live_forwards``), and forget the
+    forwards whose saves all died (their backward ran, or autograd dropped their graph: a
+    forward with gradients on and no backward, an evaluation without ``no_grad``)."""
+    made = tuple(reference for reference in storages_of(result[len(region.output_names):])
+                 if reference not in inputs)
+    alive = tuple(saves for saves in region.live_saves if _alive(saves))
+    region.live_saves = alive + ((made,) if made else ())
+
+
+def live_forwards(region: Region) -> int:
+    """How many forwards of ``region`` still hold saves (whose backward has not run): what
+    ``Region.open_forwards`` counts, less the forwards whose graph autograd dropped without a
+    backward, which that counter keeps open for good."""
+    return sum(1 for saves in region.live_saves if _alive(saves))
+
+
+def _alive(saves: tuple) -> bool:
+    return any(not reference.expired() for reference in saves)
 
 
 def uncounted_copies(region: Region) -> int:
