@@ -103,3 +103,25 @@ def test_a_forward_whose_graph_is_dropped_without_a_backward_is_not_a_copy():
     said = [str(w.message) for w in caught if issubclass(w.category, memfit.BudgetWarning)]
     assert not said, said
     assert not any(region.minimum_bytes for region in fitted._memfit_backend.regions)
+
+
+def test_an_output_the_loop_keeps_past_the_backward_is_not_a_copy():
+    # a sigmoid saves its output for its backward; the loop keeps ``out`` until the next
+    # iteration reassigns it: counted as a forward still open, every call planned again
+    # (4 regions and two warnings at 11,000,000 B before outputs were set aside)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.Sigmoid())
+    optimizer = torch.optim.AdamW(model.parameters())
+    generator = torch.Generator().manual_seed(3)
+    batch, target = torch.randn(2048, 64, generator=generator), torch.rand(2048, 64)
+    fitted = memfit.fit(model, budget=11_000_000, optimizer=optimizer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            out = fitted(batch)
+            nn.functional.binary_cross_entropy(out, target).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    said = [str(w.message) for w in caught if issubclass(w.category, memfit.BudgetWarning)]
+    assert not said, said
+    assert len(fitted._memfit_backend.regions) == 1

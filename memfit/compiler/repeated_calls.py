@@ -34,11 +34,14 @@ def storages_of(values: Sequence) -> set:
 def note_forward_saves(region: Region, inputs: set, result: Sequence) -> None:
     """After a forward run of ``region``: note, weakly, the storages it saved for its backward
     beyond its ``inputs`` (``storages_of`` its arguments: parameters, the batch, and views of
-    them), as one more forward whose saves may be alive (``live_forwards``), and forget the
+    them) and its outputs (which the loop may keep after the backward: a sigmoid's, say), as
+    one more forward whose saves may be alive (``live_forwards``), and forget the
     forwards whose saves all died (their backward ran, or autograd dropped their graph: a
     forward with gradients on and no backward, an evaluation without ``no_grad``)."""
-    made = tuple(reference for reference in storages_of(result[len(region.output_names):])
-                 if reference not in inputs)
+    visible = len(region.output_names)
+    held = inputs | storages_of(result[:visible])  # an output the loop keeps past its backward
+    made = tuple(reference for reference in storages_of(result[visible:])
+                 if reference not in held)
     alive = tuple(saves for saves in region.live_saves if _alive(saves))
     region.live_saves = alive + ((made,) if made else ())
 
