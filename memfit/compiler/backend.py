@@ -115,6 +115,7 @@ class Backend(EagerWatching, JointPlanning):
         self.joint_failed = False  # planning jointly could not make a region fit (said once)
         self.replanned_beside_copies: set[Any] = set()  # sites, in this iteration
         self.copies_sites: set[Any] = set()  # sites planned for copies of their saves
+        self.copies_short_said = False  # no plan fit beside a region's copies (said once)
         self.eager_codes: list[str] = []  # code Dynamo stopped compiling (its recompile limit)
         self.eager_held: dict[Any, int] = {}  # site -> eager code's bytes its plan counts
         self.eager_replans = 0  # times regions were planned again for what eager code held

@@ -6,7 +6,7 @@ regions of a graph-broken model whose earlier saves left a later one short (the 
 A mixin of ``memfit.compiler.backend.Backend``, its own file so the backend reads as planning
 one region; it uses the backend's ``regions``, ``strategy``, ``params``, ``fixed_plan``,
 ``saves_caps``, ``joint_rounds``, ``joint_failed``, ``replanned_beside_copies``,
-``copies_sites`` and ``make_room_for_eager``.
+``copies_sites``, ``copies_short_said`` and ``make_room_for_eager``.
 
 Example:
     >>> backend.iteration_closed()  # after a backward: plan the regions again where needed
@@ -49,6 +49,7 @@ class JointPlanning:
     joint_failed: bool
     replanned_beside_copies: set[Any]
     copies_sites: set[Any]
+    copies_short_said: bool
 
     def make_room_for_eager(self, current: list[Region]) -> dict[int, int]:
         raise NotImplementedError  # the backend's
@@ -149,13 +150,14 @@ class JointPlanning:
             return made, simulate(graph, made, hardware).peak_bytes + outside
 
         made, lowered, fits = fit_copies(plan_at, lower, extra, budget_bytes, fewest)
-        if not fits and not self.joint_failed:
-            self.joint_failed = True
+        if not fits and not self.copies_short_said:
+            self.copies_short_said = True  # said once; joint planning of other regions goes on
             warnings.warn(
                 f"memfit: no plan of a compiled region fits {format_bytes(budget_bytes)} beside "
                 f"the {extra} more copies of its saved values that its repeated calls hold "
-                f"before their backward; it runs the plan closest to it and may run over the budget. Raise the "
-                f"budget or call it fewer times per backward.", BudgetWarning, stacklevel=2)
+                f"before their backward; it runs the plan closest to it and may run over the "
+                f"budget. Raise the budget or call it fewer times per backward.", BudgetWarning,
+                stacklevel=2)
         return made, lowered
 
     def _joint_failed(self, short: Region, eager_bytes: int = 0) -> None:
