@@ -147,6 +147,20 @@ def example_arguments() -> dict[str, dict[str, object]]:
     return found
 
 
+def model_size(model: str, model_args: Sequence[tuple[str, object]]) -> str:
+    """The example's size as built: its builder's defaults with ``--model-arg`` applied, e.g.
+    ``gpt2 (layers=4, width=64, heads=4, vocab=128, sequence=128, batch_size=4, ...)``."""
+    arguments = {**example_arguments()[model], **dict(model_args)}
+    shown = ", ".join(f"{name}={value!r}" for name, value in arguments.items())
+    return f"{model} ({shown})"
+
+
+def _model_help() -> str:
+    """``--model``'s help: every example with the size it is built at by default."""
+    sizes = "; ".join(model_size(name, ()) for name in example_arguments())
+    return (f"an example model, small by default (change its size with --model-arg): {sizes}")
+
+
 def check_model_args(model: str, model_args: Sequence[tuple[str, object]]) -> None:
     """Raise ``ValueError`` for a ``--model-arg`` the example's builder does not take, or one
     whose value is not of its default's type; the message lists the valid keys."""
@@ -230,6 +244,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except ValueError as error:  # unknown strategy, parameter, hardware, bad budget
         print(f"memfit plan: {error}", file=sys.stderr)
         return 2
+    print(f"model: {model_size(args.model, args.model_arg)}")
     print(plan_summary(planned, terminal_width(), args.depth, args.rows or None))
     if args.save:
         planned.plan.save(args.save)
@@ -270,6 +285,7 @@ def cmd_max_batch_size(args: argparse.Namespace) -> int:
     except (BudgetError, ValueError) as error:  # nothing fits; a fractional budget
         print(f"memfit max-batch-size: {error}", file=sys.stderr)
         return 2
+    print(f"model: {model_size(args.model, args.model_arg)}")
     print(found)
     return 0
 
@@ -358,7 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="plan a step for a hardware profile, no run",
                                epilog=EXAMPLES_HELP, formatter_class=raw)
-    plan.add_argument("--model", required=True, choices=tuple(example_arguments()))
+    plan.add_argument("--model", required=True, choices=tuple(example_arguments()),
+                      help=_model_help())
     plan.add_argument("--batch", type=_positive_int, help="batch size (default: the model's)")
     plan.add_argument("--budget", type=_budget,
                       help="a fraction of the unplanned peak (0.5; 1 is all of it), or bytes: an "
@@ -389,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     search = commands.add_parser("max-batch-size", help="the fastest batch that fits, no run",
                                  epilog=EXAMPLES_HELP, formatter_class=raw)
-    search.add_argument("--model", required=True, choices=tuple(example_arguments()))
+    search.add_argument("--model", required=True, choices=tuple(example_arguments()),
+                      help=_model_help())
     search.add_argument("--budget", type=_budget, required=True,
                         help="the whole device's bytes: an integer or a size with units "
                              "('80GiB'); not a fraction, which changes with the batch")

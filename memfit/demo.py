@@ -89,6 +89,7 @@ class DemoResult:
     losses_identical: bool
     weights_identical: bool
     unplanned_timeline: Timeline  # measured, last step
+    unplanned_predicted_timeline: Timeline  # predicted, op by op
     planned_timeline: Timeline  # predicted
     planned_measured_timeline: Timeline  # measured, last step
 
@@ -174,6 +175,11 @@ def _run_both(config: DemoConfig, tick: Callable[[], None]) -> DemoResult:
     train(unplanned, unplanned_model,
           memfit.compile(unplanned_model, loss_fn, strategy="keep", hardware=config.hardware),
           batches, config, tick)
+    assert unplanned.step is not None
+    unplanned_compiled = unplanned.step.compiled
+    unplanned_predicted = _annotated(unplanned_compiled.predicted, unplanned_compiled.graph,
+                                     unplanned)
+    del unplanned_compiled
     unplanned.step = None  # its program, optimizer state and model go before the next run
     del unplanned_model
     gc.collect()
@@ -191,6 +197,7 @@ def _run_both(config: DemoConfig, tick: Callable[[], None]) -> DemoResult:
                              zip(unplanned.losses, planned.losses, strict=True)),
         weights_identical=_same(unplanned.final_parameters, planned.final_parameters),
         unplanned_timeline=_annotated(_last_measured(unplanned), compiled.graph, unplanned),
+        unplanned_predicted_timeline=unplanned_predicted,
         planned_timeline=_annotated(compiled.predicted, compiled.graph, planned),
         planned_measured_timeline=_annotated(_last_measured(planned), compiled.graph, planned),
     )
@@ -226,7 +233,9 @@ def write_outputs(result: DemoResult, out: Path) -> list[Path]:
     from memfit.render.plot import memory_plot
 
     out.mkdir(parents=True, exist_ok=True)
-    timelines = {"unplanned (measured)": (result.unplanned_timeline, out / "unplanned.json"),
+    timelines = {"unplanned (predicted)": (result.unplanned_predicted_timeline,
+                                           out / "unplanned-predicted.json"),
+                 "unplanned (measured)": (result.unplanned_timeline, out / "unplanned.json"),
                  "swap (predicted)": (result.planned_timeline, out / "swap.json"),
                  "swap (measured)": (result.planned_measured_timeline,
                                      out / "swap-measured.json")}
@@ -282,6 +291,9 @@ def demo_report(result: DemoResult, width: int = 100) -> str:
         f"losses identical at every step: {yes[result.losses_identical]}; weights identical after "
         f"step {config.steps}: {yes[result.weights_identical]}",
         f"prediction gap (swap peak, predicted vs measured): {gap:+.2%}",
+        f"step times: predicted with the {compiled.plan.hardware!r} hardware profile, nominal "
+        f"figures not measured on this machine (memfit.measure_hardware() measures it); measured "
+        f"under memfit's allocator profiler (measure=True), beside whatever else uses the CPU",
         *tally_lines(counted, f"predicted on {compiled.plan.hardware}"),
     ]
     return "\n".join(lines)

@@ -87,18 +87,31 @@ def _common_labels(timelines: Mapping[str, Timeline]) -> frozenset[str]:
 
 def _memory_panel(axes, timelines: Mapping[str, Timeline], budget_bytes: int | None,
                   x_axis: str) -> None:
-    """Draw one line per timeline, the budget and the phase boundaries."""
+    """Draw one curve per timeline with memory samples, each measured peak as a short thick bar
+    at the right edge in the colour of its run's curve, the budget and the phase boundaries.
+
+    A run is the name before its parenthesis (``"swap (measured)"`` is the ``swap`` run), so a
+    run's measured peak and its predicted curve share a colour, and the budget line stays the
+    only dashed red line.
+    """
     common = _common_labels(timelines)
+    colours: dict[str, str] = {}
     for name, timeline in timelines.items():
-        if not timeline.memory_bytes:  # a measured peak only: a flat marker at its height
-            axes.axhline(timeline.peak_bytes / MIB, linestyle=":", linewidth=1.2,
-                         label=f"{name} peak {timeline.peak_bytes / MIB:.1f} MiB")
+        if not timeline.memory_bytes:
             continue
         megabytes = [size / MIB for size in timeline.memory_bytes]
         simulated = timeline.source == "simulated"  # wide and pale, so a measured line on top shows
-        axes.plot(_positions(timeline, x_axis, common), megabytes,
-                  linewidth=3.0 if simulated else 1.1, alpha=0.55 if simulated else 1.0,
-                  label=f"{name} (peak {timeline.peak_bytes / MIB:.1f} MiB)")
+        (line,) = axes.plot(_positions(timeline, x_axis, common), megabytes,
+                            linewidth=3.0 if simulated else 1.1, alpha=0.55 if simulated else 1.0,
+                            label=f"{name} (peak {timeline.peak_bytes / MIB:.1f} MiB)")
+        colours.setdefault(_run_name(name), line.get_color())
+    for name, timeline in timelines.items():
+        if timeline.memory_bytes:
+            continue
+        colour = colours.get(_run_name(name))  # None: the next colour of the cycle
+        axes.axhline(timeline.peak_bytes / MIB, xmin=0.9, xmax=1.0, color=colour, linewidth=4.0,
+                     solid_capstyle="butt",
+                     label=f"{name} peak {timeline.peak_bytes / MIB:.1f} MiB")
     if budget_bytes is not None:
         axes.axhline(budget_bytes / MIB, color="#c44e52", linestyle="--", linewidth=1.2,
                      label=f"budget {budget_bytes / MIB:.1f} MiB")
@@ -108,6 +121,11 @@ def _memory_panel(axes, timelines: Mapping[str, Timeline], budget_bytes: int | N
     axes.set_ylim(bottom=0)
     axes.grid(alpha=0.3)
     axes.legend(loc="upper left", fontsize=8)
+
+
+def _run_name(name: str) -> str:
+    """The run a timeline's name belongs to: ``"swap (measured)"`` -> ``"swap"``."""
+    return name.split(" (")[0]
 
 
 def _phase_lines(axes, timelines: Mapping[str, Timeline], common: frozenset[str]) -> None:
@@ -161,7 +179,7 @@ def memory_plot(timelines: Mapping[str, Timeline], path: str | Path,
 
     Args:
         timelines: name -> timeline; names become legend entries. A timeline with no memory
-            samples (a measured peak only) is drawn as a dotted horizontal line.
+            samples (a measured peak only) is drawn as a short bar at the right edge.
         path: where to write the PNG.
         budget_bytes: draw the budget as a dashed line (``None``: no line).
         title: the figure title.
