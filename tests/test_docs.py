@@ -9,8 +9,8 @@ itself (install, demo, test suite).
 
 from __future__ import annotations
 
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
