@@ -142,6 +142,10 @@ def test_demo_core_is_sound_at_a_tiny_size(tmp_path):
     assert all(p.stat().st_size > 0 for p in paths)
     assert Timeline.load(tmp_path / "swap.json").meta["measured_peak_bytes"] \
         == result.planned.peak_bytes
+    unplanned = Timeline.load(tmp_path / "unplanned-predicted.json")  # the plot's unplanned curve
+    assert unplanned.source == "simulated" and unplanned.memory_bytes
+    assert unplanned.peak_bytes > Timeline.load(tmp_path / "swap.json").peak_bytes
+    assert "nominal figures not measured on this machine" in report  # why times differ
 
 
 @pytest.mark.parametrize("python, typed", [(1, "1"), (1.0, "1.0"), (0.5, "0.5"), (4096, "4096"),
