@@ -50,6 +50,7 @@ def test_the_margin_is_a_tenth_and_at_least_512_mib():
         device_budget.automatic_budget(2**29)
 
 
+@pytest.mark.slow
 def test_on_cuda_no_budget_is_the_free_memory_less_the_margin(monkeypatch):
     """The device reads as CUDA with as many usable bytes as eager's measured peak; the margin
     is a tenth (its floor set to 0 for a small model): memfit plans 0.9 of eager's peak, holds

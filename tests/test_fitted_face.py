@@ -86,6 +86,7 @@ def test_checkpoints_load_both_ways():
     assert torch.equal(plain(x), other(x))
 
 
+@pytest.mark.slow
 def test_copies_and_pickles_after_a_step_train_bitwise_like_eager_with_their_own_plans():
     data = inputs()
     reference = build()
