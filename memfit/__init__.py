@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "fit": "memfit.compiler.fitted",
+    "unfit": "memfit.compiler.fitted",
     "backend": "memfit.compiler.fitted",
     "report": "memfit.api",
     "Backend": "memfit.compiler.backend",

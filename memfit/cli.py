@@ -155,10 +155,14 @@ def model_size(model: str, model_args: Sequence[tuple[str, object]]) -> str:
     return f"{model} ({shown})"
 
 
-def _model_help() -> str:
-    """``--model``'s help: every example with the size it is built at by default."""
-    sizes = "; ".join(model_size(name, ()) for name in example_arguments())
-    return (f"an example model, small by default (change its size with --model-arg): {sizes}")
+def model_help() -> str:
+    """``--model``'s help: each example with its default size. The examples are small stand-ins
+    (``gpt2`` is GPT-2's architecture at a toy size), sized up with ``--model-arg``."""
+    sizes = "; ".join(
+        f"{name} ({', '.join(f'{key}={value}' for key, value in defaults.items() if key != 'seed')})"
+        for name, defaults in example_arguments().items())
+    return (f"a built-in example, small by default (the architecture, not the published size; "
+            f"--model-arg sizes it): {sizes}")
 
 
 def check_model_args(model: str, model_args: Sequence[tuple[str, object]]) -> None:
@@ -375,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="plan a step for a hardware profile, no run",
                                epilog=EXAMPLES_HELP, formatter_class=raw)
     plan.add_argument("--model", required=True, choices=tuple(example_arguments()),
-                      help=_model_help())
+                      help=model_help())
     plan.add_argument("--batch", type=_positive_int, help="batch size (default: the model's)")
     plan.add_argument("--budget", type=_budget,
                       help="a fraction of the unplanned peak (0.5; 1 is all of it), or bytes: an "
@@ -407,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     search = commands.add_parser("max-batch-size", help="the fastest batch that fits, no run",
                                  epilog=EXAMPLES_HELP, formatter_class=raw)
     search.add_argument("--model", required=True, choices=tuple(example_arguments()),
-                      help=_model_help())
+                        help=model_help())
     search.add_argument("--budget", type=_budget, required=True,
                         help="the whole device's bytes: an integer or a size with units "
                              "('80GiB'); not a fraction, which changes with the batch")

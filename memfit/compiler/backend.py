@@ -139,6 +139,27 @@ class Backend(EagerWatching, JointPlanning):
         # (memfit.graph.target), with the target's autocast dtype; never for a step that runs
         self.retarget = False
         self.autocast: torch.dtype | None = None
+        # set by memfit.fit: how a copy of the fitted model makes its own backend (__reduce__)
+        self.copy_as: tuple | None = None
+        self.budget_note = ""  # where the budget came from, when memfit chose it (report)
+
+    def __reduce__(self) -> tuple:
+        """A copy (``copy.deepcopy``, ``pickle``) of a fitted model's backend is the copy's own new
+        backend (``memfit.fit`` sets ``copy_as``): regions, plans and compiled code are never
+        copied nor shared."""
+        if self.copy_as is None:
+            raise TypeError("a memfit backend holds compiled code and is not copied: copy the "
+                            "model returned by memfit.fit (its copy plans afresh), or make a "
+                            "new memfit.backend(...)")
+        return self.copy_as
+
+    def upper(self) -> str:
+        """Raise at once where a framework reads the backend as a name (accelerate's
+        ``TorchDynamoPlugin`` upper-cases ``TrainingArguments(torch_compile_backend=...)``)."""
+        raise TypeError(
+            "memfit.backend(...) is not a torch_compile_backend name: give the Trainer "
+            "model=memfit.fit(model, budget=...) and leave torch_compile off (a compiled region "
+            "then counts the model's parameters, gradients and optimizer state in the budget)")
 
     def __call__(self, graph_module: fx.GraphModule, example_inputs: list) -> Any:
         device = device_of(example_inputs)

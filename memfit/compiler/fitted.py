@@ -1,11 +1,12 @@
-"""``memfit.fit``: a model compiled with memfit's backend, in the user's own loop.
+"""``memfit.fit``: a model fitted in place with memfit's backend, in the user's own loop.
 
-``fit`` is ``torch.compile(model, backend=memfit.backend(...), dynamic=False)`` plus what makes a
+``fit`` is ``model.compile(backend=memfit.backend(...), dynamic=False)`` plus what makes a
 budget hold over a whole training run: the model itself passed to the backend, so that its
 parameters, gradients and buffers count and its regions are planned again when more stays
 resident than their plans left room for (``memfit.compiler.replanning``: optimizer state, gradients kept
 across micro-batches), the loop's optimizer found by its first step, and memfit's own errors
-raised whole instead of wrapped by Dynamo. ``report`` shows what was planned.
+raised whole instead of wrapped by Dynamo. The fitted model stays the model (its class, keys,
+signature and attributes); ``unfit`` makes it plain again, ``report`` shows what was planned.
 
 Example:
     >>> model = memfit.fit(model, budget=0.5, optimizer=optimizer)
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,27 +34,189 @@ def fit(model: torch.nn.Module, budget: str | int | float | None = None,
         strategy: str | None = None, hardware: Hardware | str | None = None,
         compiler: str = "aot_eager", optimizer: torch.optim.Optimizer | None = None,
         **params: Any) -> torch.nn.Module:
-    """``model`` compiled so that each training iteration fits ``budget``: the one-line form of
-    ``torch.compile(model, backend=memfit.backend(...), dynamic=False)``.
+    """``model`` fitted in place, so that each training iteration fits ``budget``, and returned:
+    ``model.compile(backend=memfit.backend(...), dynamic=False)`` with the model given to the
+    backend.
 
-    Each input shape is planned on its own (``dynamic=False``); Dynamo's guards decide when a
-    region is traced and planned again (a frozen layer, a changed Python value, a new shape).
-    Arguments are those of ``memfit.backend``; ``memfit.report(compiled)`` shows the plans.
+    The fitted model is the model: its class, ``state_dict`` keys, parameters, ``forward``
+    signature, attributes and hooks are its own, so checkpoints, ``transformers.Trainer`` and
+    Lightning see a plain module. Only its call is compiled (as ``nn.Module.compile`` does);
+    ``memfit.unfit(model)`` makes it plain again. Each input shape is planned on its own
+    (``dynamic=False``); Dynamo's guards decide when a region is traced and planned again (a
+    frozen layer, a changed Python value, a new shape). ``memfit.report(model)`` shows the plans.
+
+    Args:
+        budget: as ``memfit.backend``; ``None`` (with no ``strategy``) or ``"auto"``: on CUDA,
+            the device's free memory at the first call less a margin (``device_budget``); on a
+            CPU, no limit (``keep``).
+        strategy, hardware, compiler, optimizer, params: as ``memfit.backend``.
+
+    Note:
+        Copies: ``copy.deepcopy(model)``, ``pickle`` and ``torch.save(model)`` give a fitted copy
+        with a backend of its own, made from the same arguments less ``optimizer`` (the copy's
+        optimizer is found by its first ``step``): it plans afresh at its first call, and shares
+        no region, plan or compiled code with the original.
 
     Example:
         >>> model = memfit.fit(model, budget=0.5, optimizer=optimizer)
         >>> loss = model(**batch).loss; loss.backward(); optimizer.step()
+        >>> torch.save(model.state_dict(), "model.pt")  # the plain model's keys
     """
     from memfit.runtime.ranks import agreement_group
 
-    planner = backend(budget, strategy, hardware, compiler, optimizer, model=model, **params)
+    unfit(model)  # a model fitted before is fitted anew
+    fitted = FittedCall(model, FitArguments(budget, strategy, hardware, compiler,
+                                            tuple(params.items())), optimizer)
     agreement_group()  # in a distributed job: made here, where every rank calls fit, not mid-step
+    fitted.traces_rnns = _traces_rnns(model, compiler)
+    fitted.install()
+    return model
+
+
+def unfit(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` plain again, returned: its call no longer compiled nor planned (its parameters,
+    buffers and hooks are untouched). A model that is not fitted is returned as it is."""
+    state = model.__dict__
+    if isinstance(state.get(FITTED_KEY), FittedCall):
+        for key in (FITTED_KEY, BACKEND_KEY, "_compiled_call_impl"):
+            state.pop(key, None)  # the class's _compiled_call_impl, None, is seen again
+    return model
+
+
+@dataclass(frozen=True)
+class FitArguments:
+    """What ``memfit.fit`` was given, less the optimizer: what a copy of a fitted model is fitted
+    with again."""
+
+    budget: str | int | float | None
+    strategy: str | None
+    hardware: Hardware | str | None
+    compiler: str
+    params: tuple[tuple[str, Any], ...]
+
+    @property
+    def automatic(self) -> bool:
+        """Whether the budget is the device's free memory (``device_budget``)."""
+        return self.budget == "auto" or (self.budget is None and self.strategy is None)
+
+
+FITTED_KEY = "_memfit_fitted"  # in a fitted model's __dict__: its FittedCall (kept by copies)
+BACKEND_KEY = "_memfit_backend"  # its Backend, which memfit.report reads
+
+
+class FittedCall:
+    """A fitted model's call: the model's ``_compiled_call_impl``, which ``nn.Module.__call__``
+    runs in place of ``_call_impl`` (as ``nn.Module.compile`` sets it), compiled with its memfit
+    backend on the first call. Raises memfit's own errors whole: Dynamo wraps an error of a
+    backend in ``BackendCompilerFailed``, while a ``BudgetError`` (with its ``minimum_bytes``)
+    or a ``CaptureError`` is what the user can act on.
+
+    A copy (``copy.deepcopy``, ``pickle``) is made anew for the copied model
+    (``_fitted_copy``): none of this object's state is copied or shared.
+    """
+
+    def __init__(self, module: torch.nn.Module, arguments: FitArguments,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.module = module
+        self.arguments = arguments
+        self.backend = _planner(module, arguments, optimizer)
+        self.traces_rnns: bool | None = None  # read from the model at the first call if unset
+        self.unit_forwards: list | None = None  # FSDP2 units compiled (_units_compiled)
+        self._compiled: Any = None  # the model's _call_impl compiled, made at the first call
+
+    def install(self) -> None:
+        """Be the module's call, and its ``_memfit_backend`` the backend (``memfit.report``)."""
+        state = self.module.__dict__  # not Module.__setattr__: a copy's state may not be set yet
+        state["_compiled_call_impl"] = state[FITTED_KEY] = self
+        state[BACKEND_KEY] = self.backend
+
+    def __reduce__(self) -> tuple:
+        return _fitted_copy, (self.module, self.arguments)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch._dynamo.exc import BackendCompilerFailed
+
+        from memfit.data.errors import BudgetError, CaptureError
+        from memfit.model.schedule import PlanError
+
+        planner = self.backend
+        planner.end_eager_watch()
+        planner.watch_first_call(self.module)
+        if self._compiled is None:
+            self._first_call(args, kwargs)
+        planner.note_call_arguments((args, kwargs))
+        try:
+            with _rnn_traced(bool(self.traces_rnns)), _units_compiled(self):
+                result = self._compiled(*args, **kwargs)
+        except BackendCompilerFailed as failed:
+            inner = failed.inner_exception
+            if isinstance(inner, (BudgetError, CaptureError, PlanError)):
+                raise inner.with_traceback(None) from None
+            raise
+        if planner.compiler == "aot_eager":  # its backward modules take None (inductor's do not)
+            _lazy_output_gradients(result)
+        planner.watch_eager()  # what the loop holds beside the regions (memfit.runtime.outside)
+        return result
+
+    def _first_call(self, args: tuple, kwargs: dict) -> None:
+        """Compile the model's call, as ``torch.compile(model)`` does: Dynamo skips the frames of
+        ``torch.nn``'s own modules, so one of those is called through a frame it traces. An
+        automatic budget is read from the device now (``device_budget``)."""
+        from torch._dynamo import external_utils, trace_rules
+
+        from memfit.compiler.device_budget import fit_device
+
+        module = self.module
+        if self.traces_rnns is None:  # a copy: its state was not there when it was made
+            self.traces_rnns = _traces_rnns(module, self.arguments.compiler)
+        if self.arguments.automatic:
+            fit_device(self.backend, _call_device(module, (args, kwargs)),
+                       self.arguments.strategy, dict(self.arguments.params))
+        call = module._call_impl
+        if isinstance(module.forward, types.MethodType) and trace_rules.check(module.forward):
+            call = external_utils.wrap_inline(call)
+        self._compiled = torch.compile(call, backend=self.backend, dynamic=False)
+
+
+def _fitted_copy(module: torch.nn.Module, arguments: FitArguments) -> FittedCall:
+    """The call of ``module``, a copy of a fitted model that ``copy.deepcopy`` or ``pickle`` is
+    building: made once (its ``FittedCall`` and its ``Backend`` both ask for it), with a backend
+    of its own, and installed in the copy's ``__dict__`` (``nn.Module.__getstate__`` leaves
+    ``_compiled_call_impl`` out of what is copied)."""
+    found = module.__dict__.get(FITTED_KEY)
+    if not isinstance(found, FittedCall):
+        found = FittedCall(module, arguments)
+        found.install()
+    return found
+
+
+def _copied_backend(module: torch.nn.Module, arguments: FitArguments) -> Backend:
+    """The backend of a fitted model's copy (``Backend.copy_as``)."""
+    return _fitted_copy(module, arguments).backend
+
+
+def _planner(module: torch.nn.Module, arguments: FitArguments,
+             optimizer: torch.optim.Optimizer | None) -> Backend:
+    """The backend of a fitted ``module``: ``memfit.backend`` with the model, watching for the
+    loop's optimizer; a copy of it is the copy's own (``_copied_backend``)."""
+    budget = None if arguments.budget == "auto" else arguments.budget
+    planner = backend(budget, arguments.strategy, arguments.hardware, arguments.compiler,
+                      optimizer, model=module, **dict(arguments.params))
+    planner.copy_as = (_copied_backend, (module, arguments))
     _watch_optimizers(planner)
-    compiled = torch.compile(model, backend=planner, dynamic=False)
-    compiled.__class__ = _fitted_class()
-    compiled._memfit_backend = planner  # type: ignore[assignment]
-    compiled._memfit_traces_rnns = _traces_rnns(model, compiler)  # type: ignore[assignment]
-    return compiled
+    return planner
+
+
+def _call_device(module: torch.nn.Module, values: Any) -> torch.device:
+    """The device the model runs on: its first parameter's, else its first tensor argument's."""
+    from torch.utils._pytree import tree_leaves
+
+    from memfit.runtime.resident import local_tensor
+
+    for tensor in [*module.parameters(), *tree_leaves(values)]:
+        if isinstance(tensor, torch.Tensor):
+            return local_tensor(tensor).device
+    return torch.device("cpu")
 
 
 def _watch_optimizers(planner: Backend) -> None:
@@ -74,42 +239,8 @@ def _watch_optimizers(planner: Backend) -> None:
     register_optimizer_step_post_hook(adopt)
 
 
-def _fitted_class() -> type:
-    """``torch.compile``'s module type, raising memfit's own errors as they are.
-
-    Dynamo wraps an error of a backend in ``BackendCompilerFailed``; a ``BudgetError`` (with its
-    ``minimum_bytes``) or a ``CaptureError`` is what the user can act on, so it comes out whole.
-    """
-    from torch._dynamo.eval_frame import OptimizedModule
-    from torch._dynamo.exc import BackendCompilerFailed
-
-    from memfit.data.errors import BudgetError, CaptureError
-    from memfit.model.schedule import PlanError
-
-    class FittedModule(OptimizedModule):
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            planner = self._memfit_backend
-            planner.end_eager_watch()
-            planner.watch_first_call(self._orig_mod)
-            planner.note_call_arguments((args, kwargs))
-            try:
-                with _rnn_traced(self._memfit_traces_rnns), _units_compiled(self):
-                    result = super().__call__(*args, **kwargs)
-            except BackendCompilerFailed as failed:
-                inner = failed.inner_exception
-                if isinstance(inner, (BudgetError, CaptureError, PlanError)):
-                    raise inner.with_traceback(None) from None
-                raise
-            if planner.compiler == "aot_eager":  # its backward modules take None (inductor's do not)
-                _lazy_output_gradients(result)
-            planner.watch_eager()  # what the loop holds beside the regions (memfit.runtime.outside)
-            return result
-
-    return FittedModule
-
-
 @contextlib.contextmanager
-def _units_compiled(fitted: Any) -> Any:
+def _units_compiled(fitted: FittedCall) -> Any:
     """While the fitted model runs, each FSDP2 unit whose ``forward`` Dynamo would not compile
     runs it compiled with memfit's backend (the user's modules are as they were outside).
 
@@ -126,12 +257,12 @@ def _units_compiled(fitted: Any) -> Any:
 
     from memfit.runtime.resident import fsdp_unit_modules
 
-    compiled = fitted.__dict__.get("_memfit_unit_forwards")
+    compiled = fitted.unit_forwards
     if compiled is None:  # found once: fully_shard comes before memfit.fit
-        compiled = fitted.__dict__["_memfit_unit_forwards"] = [
+        compiled = fitted.unit_forwards = [
             (unit, functools.partial(torch.compile(
-                _unit_forward, backend=fitted._memfit_backend, dynamic=False), unit))
-            for unit in fsdp_unit_modules(fitted._orig_mod)
+                _unit_forward, backend=fitted.backend, dynamic=False), unit))
+            for unit in fsdp_unit_modules(fitted.module)
             # not one with a forward of its own (the user's), nor one Dynamo compiles itself
             if "forward" not in unit.__dict__ and trace_rules.check(type(unit).forward)]
     for unit, forward in compiled:

@@ -111,6 +111,7 @@ class Planner(Protocol):
     optimizers: list
     measure_runs: int
     warn_over_prediction: bool
+    budget_note: str  # where the budget came from, when memfit chose it
 
     def eager_watch(self) -> Any: ...
 

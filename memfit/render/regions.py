@@ -30,7 +30,7 @@ def regions_report(planner: Planner) -> str:
 
 
 def _notes(planner: Planner) -> list[str]:
-    notes = []
+    notes = [planner.budget_note] if planner.budget_note else []
     if any(region.measured_peak_bytes is not None for region in planner.regions):
         notes.append("measured: the device's peak while the region's forward or backward ran "
                      "(latest measured run); on a CPU, of the tensors memfit sees (the model, "

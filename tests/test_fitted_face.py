@@ -1,0 +1,159 @@
+"""A fitted model behaves like the model: its keys, parameters, signature, attributes, hooks and
+modes are its own; checkpoints go both ways; copies and pickles train bitwise like eager, each
+with planning state of its own; ``memfit.unfit`` makes it plain again."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+
+pytestmark = pytest.mark.usefixtures("compiled_fresh")
+
+
+class Net(nn.Module):
+    """A small model with a keyword argument and an attribute, as a Hugging Face model has."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.config = {"width": width}
+        self.first = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+        self.last = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.last(self.norm(self.first(x)).relu()) * scale
+
+
+def build(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def inputs(count: int = 3, size: int = 2048) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(size, 64, generator=generator), torch.randn(size, 1, generator=generator))
+            for _ in range(count)]
+
+
+def step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+         y: torch.Tensor) -> torch.Tensor:
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    nn.functional.mse_loss(model(x), y).backward()
+    found = [parameter.grad.clone() for parameter in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return found
+
+
+def test_the_fitted_model_is_the_model_with_its_keys_parameters_and_signature():
+    model = build()
+    plain = build()
+    parameters = dict(model.named_parameters())
+    fitted = memfit.fit(model, budget=0.9)
+    assert fitted is model and type(fitted) is Net
+    assert list(fitted.state_dict()) == list(plain.state_dict())
+    assert all(parameter is parameters[name] for name, parameter in fitted.named_parameters())
+    assert inspect.signature(fitted.forward) == inspect.signature(plain.forward)
+    assert fitted.config == {"width": 64}
+    x, y = inputs(count=1)[0]
+    fitted(x).sum().backward()  # planned: the keys stay the plain model's
+    assert list(fitted.state_dict()) == list(plain.state_dict())
+
+
+def test_checkpoints_load_both_ways():
+    fitted = memfit.fit(build(), budget=0.9)
+    x, _ = inputs(count=1)[0]
+    fitted(x)
+    other = build(seed=1)
+    fitted.load_state_dict(other.state_dict())  # a plain checkpoint into the fitted model
+    assert all(torch.equal(a, b) for a, b in zip(fitted.parameters(), other.parameters(),
+                                                 strict=True))
+    plain = build(seed=2)
+    plain.load_state_dict(fitted.state_dict())  # and the fitted model's into a plain one
+    assert torch.equal(plain(x), other(x))
+
+
+@pytest.mark.slow
+def test_copies_and_pickles_after_a_step_train_bitwise_like_eager_with_their_own_plans():
+    data = inputs()
+    reference = build()
+    model = build()
+    fitted = memfit.fit(model, budget=0.9)
+    reference_optimizer = torch.optim.AdamW(reference.parameters())
+    optimizer = torch.optim.AdamW(model.parameters())
+    assert torch.equal(step(fitted, optimizer, *data[0]), step(reference, reference_optimizer,
+                                                                 *data[0]))
+    planner = fitted._memfit_backend
+    regions = list(planner.regions)
+    assert regions
+    copies = [copy.deepcopy(fitted), pickle.loads(pickle.dumps(fitted))]
+    expected = gradients(reference, *data[1])
+    for copied in copies:
+        assert type(copied) is Net
+        assert copied._memfit_backend is not planner and not copied._memfit_backend.regions
+        assert copied._memfit_backend.model is copied
+        assert not any(a is b for a, b in zip(copied.parameters(), model.parameters(),
+                                                     strict=True))
+        got = gradients(copied, *data[1])  # plans afresh at its first call
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        assert copied._memfit_backend.regions and memfit.report(copied)
+    assert planner.regions == regions  # the copies planned nothing for the original
+    got = gradients(fitted, *data[1])
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_a_copy_before_the_first_call_is_fitted_too():
+    fitted = memfit.fit(build(), budget=0.9)
+    copied = copy.deepcopy(fitted)
+    x, y = inputs(count=1)[0]
+    assert all(torch.equal(a, b) for a, b in zip(gradients(copied, x, y),
+                                                 gradients(build(), x, y), strict=True))
+    assert len(copied._memfit_backend.regions) == 1 and not fitted._memfit_backend.regions
+
+
+def test_a_backend_alone_is_not_copied():
+    with pytest.raises(TypeError, match="copy the model returned by memfit.fit"):
+        copy.deepcopy(memfit.backend(budget=0.5))
+
+
+def test_unfit_gives_the_plain_model_back():
+    model = build()
+    fitted = memfit.fit(model, budget=0.9)
+    x, _ = inputs(count=1)[0]
+    fitted(x)
+    plain = memfit.unfit(fitted)
+    assert plain is model and plain._compiled_call_impl is None
+    assert not hasattr(plain, "_memfit_backend")
+    assert torch.equal(plain(x), build()(x))
+    with pytest.raises(ValueError, match="memfit.fit"):
+        memfit.report(plain)
+
+
+def test_modes_hooks_and_to_reach_the_model():
+    fitted = memfit.fit(build(), budget=0.9)
+    seen = []
+    fitted.register_forward_hook(lambda module, args, output: seen.append(output.shape))
+    x, _ = inputs(count=1)[0]
+    fitted(x)
+    assert seen == [torch.Size([2048, 1])]
+    fitted.eval()
+    assert not fitted.training and not fitted.norm.training
+    with torch.no_grad():
+        assert torch.equal(fitted(x), build().eval()(x))
+    fitted.train()
+    assert fitted.training and fitted.norm.training
+    doubled = fitted.to(torch.float64)
+    assert doubled is fitted and fitted.first.weight.dtype == torch.float64
