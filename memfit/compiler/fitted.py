@@ -1,6 +1,6 @@
 """``memfit.fit``: a model compiled with memfit's backend, in the user's own loop.
 
-``fit`` is ``torch.compile(model, backend=memfit.backend(...), dynamic=False)`` plus what makes a
+``fit`` is ``torch.compile(model, backend=memfit.backend(...), dynamic=None)`` plus what makes a
 budget hold over a whole training run: the model itself passed to the backend, so that its
 parameters, gradients and buffers count and its regions are planned again when more stays
 resident than their plans left room for (``memfit.compiler.replanning``: optimizer state, gradients kept
@@ -30,13 +30,17 @@ from memfit.data.hardware import Hardware
 def fit(model: torch.nn.Module, budget: str | int | float | None = None,
         strategy: str | None = None, hardware: Hardware | str | None = None,
         compiler: str = "aot_eager", optimizer: torch.optim.Optimizer | None = None,
-        **params: Any) -> torch.nn.Module:
+        dynamic: bool | None = None, **params: Any) -> torch.nn.Module:
     """``model`` compiled so that each training iteration fits ``budget``: the one-line form of
-    ``torch.compile(model, backend=memfit.backend(...), dynamic=False)``.
+    ``torch.compile(model, backend=memfit.backend(...), dynamic=dynamic)``.
 
-    Each input shape is planned on its own (``dynamic=False``); Dynamo's guards decide when a
-    region is traced and planned again (a frozen layer, a changed Python value, a new shape).
-    Arguments are those of ``memfit.backend``; ``memfit.report(compiled)`` shows the plans.
+    Dynamo's guards decide when a region is traced and planned again (a frozen layer, a changed
+    Python value). With ``dynamic=None`` (default) a region whose input shapes change is traced
+    once more with symbolic sizes, and that plan, priced at the largest sizes (or the maximum
+    declared with ``torch._dynamo.mark_dynamic(x, dim, max=...)``), serves every shape within
+    them; a larger shape plans it once more (``docs/shapes.md``). ``dynamic=False`` plans each
+    shape on its own. Other arguments are those of ``memfit.backend``;
+    ``memfit.report(compiled)`` shows the plans.
 
     Example:
         >>> model = memfit.fit(model, budget=0.5, optimizer=optimizer)
@@ -47,7 +51,7 @@ def fit(model: torch.nn.Module, budget: str | int | float | None = None,
     planner = backend(budget, strategy, hardware, compiler, optimizer, model=model, **params)
     agreement_group()  # in a distributed job: made here, where every rank calls fit, not mid-step
     _watch_optimizers(planner)
-    compiled = torch.compile(model, backend=planner, dynamic=False)
+    compiled = torch.compile(model, backend=planner, dynamic=dynamic)
     compiled.__class__ = _fitted_class()
     compiled._memfit_backend = planner  # type: ignore[assignment]
     compiled._memfit_traces_rnns = _traces_rnns(model, compiler)  # type: ignore[assignment]

@@ -165,7 +165,7 @@ def zeros_at_first_use(graph: fx.Graph) -> None:
         value = placeholder.meta.get("val")
         if not placeholder.name.startswith("tangents") or not isinstance(value, torch.Tensor):
             continue
-        if not placeholder.users:
+        if not placeholder.users or _symbolic(value):  # autograd makes those of a dynamic one
             continue
         first = min(placeholder.users, key=_position(graph).__getitem__)
         with graph.inserting_before(first):
@@ -173,6 +173,10 @@ def zeros_at_first_use(graph: fx.Graph) -> None:
                                                          tuple(value.stride()), value.dtype,
                                                          value.device))
         placeholder.replace_all_uses_with(zeros, delete_user_cb=lambda user, made=zeros: user is not made)
+
+
+def _symbolic(value: torch.Tensor) -> bool:
+    return any(isinstance(size, torch.SymInt) for size in (*value.shape, *value.stride()))
 
 
 def _position(graph: fx.Graph) -> dict[fx.Node, int]:

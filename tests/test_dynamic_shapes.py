@@ -1,0 +1,102 @@
+"""memfit.fit in loops whose batch shapes change: one plan priced at the largest sizes serves
+every smaller shape (Dynamo traces the region once more with symbolic sizes), a larger shape plans
+once more, and every iteration, the first included, stays within the budget, bitwise eager's."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit.runtime.measure import measure_allocator_peak
+
+pytestmark = pytest.mark.usefixtures("compiled_fresh")
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(4):
+        layers += [nn.Linear(128, 128), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(128, 1))
+
+
+def _mlp_batches(sizes):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(size, 128, generator=generator), torch.randn(size, 1, generator=generator))
+            for size in sizes]
+
+
+def _train(model, optimizer, data):
+    """The user's loop; losses and each iteration's measured peak."""
+    losses, peaks = [], []
+    for index, (x, y) in enumerate(data):
+        def iteration(x=x, y=y, index=index):
+            torch.manual_seed(100 + index)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        parameters = list(optimizer.param_groups[0]["params"])
+        measured = measure_allocator_peak(iteration, track=(parameters, optimizer.state, x, y))
+        losses.append(measured.result)
+        peaks.append(measured.peak_bytes)
+    return losses, peaks
+
+
+def _assert_same_training(model, reference, losses, reference_losses):
+    for loss, expected in zip(losses, reference_losses, strict=True):
+        assert torch.equal(loss, expected)
+    for (name, parameter), expected in zip(model.named_parameters(), reference.parameters(),
+                                           strict=True):
+        assert torch.equal(parameter, expected), name
+
+
+def test_a_varying_batch_size_is_planned_twice_and_fits_every_iteration():
+    """Batch sizes 2048, then 12 smaller ones, then a smaller last batch: the first shape is
+    planned as it is, the second traces the region with a symbolic batch size, priced at that
+    shape's size; every later shape runs that plan, Dynamo tracing nothing again."""
+    sizes = [2048, 2040, *range(1024, 2040, 90), 300]
+    data = _mlp_batches(sizes)
+    reference = _mlp()
+    reference_losses, eager_peaks = _train(reference, torch.optim.AdamW(reference.parameters()),
+                                           data)
+    budget = int(0.7 * max(eager_peaks))
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memfit.BudgetWarning)
+        losses, peaks = _train(fitted, optimizer, data)
+    _assert_same_training(model, reference, losses, reference_losses)
+    planner = fitted._memfit_backend
+    assert len(planner.regions) == 2, [region.shape_bound for region in planner.regions]
+    assert planner.regions[1].shape_bound, "the second plan is the dynamic one"
+    assert max(peaks) <= budget, (peaks, budget)
+    assert "2 plans" in memfit.report(fitted)
+
+
+def test_a_larger_shape_plans_once_more_at_the_raised_bound():
+    """Past the bound the plan was priced at, the region is planned again from the same trace
+    before the run, so that run is within the budget too; smaller shapes after it run that plan."""
+    sizes = [512, 640, 768, 1536, 700, 1200]
+    data = _mlp_batches(sizes)
+    reference = _mlp()
+    reference_losses, eager_peaks = _train(reference, torch.optim.AdamW(reference.parameters()),
+                                           data)
+    budget = int(0.7 * max(eager_peaks))
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
+    losses, peaks = _train(fitted, optimizer, data)
+    _assert_same_training(model, reference, losses, reference_losses)
+    planner = fitted._memfit_backend
+    assert planner.bound_replans == 2  # 768, then 1536
+    assert [max(r.shape_bound.values()) for r in planner.regions if r.shape_bound] == [640, 768,
+                                                                                      1536]
+    assert max(peaks) <= budget, (peaks, budget)
