@@ -23,8 +23,8 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from dataclasses import replace
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -56,8 +56,8 @@ from memfit.compiler.replanning import (
     eager_room_needed,
     plan_again_when_stale,
 )
-from memfit.data.costgraph import CostGraph
 from memfit.compiler.shape_bound import InputSizes, priced_bound
+from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError, CaptureError
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan

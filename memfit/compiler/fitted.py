@@ -55,7 +55,28 @@ def fit(model: torch.nn.Module, budget: str | int | float | None = None,
     compiled.__class__ = _fitted_class()
     compiled._memfit_backend = planner  # type: ignore[assignment]
     compiled._memfit_traces_rnns = _traces_rnns(model, compiler)  # type: ignore[assignment]
+    compiled._memfit_dynamic = dynamic  # type: ignore[assignment]
+    compiled._memfit_shapes = None  # type: ignore[assignment]
     return compiled
+
+
+def _dynamic_on_change(before: tuple | None, arguments: Any) -> tuple:
+    """The shapes of the call's tensors; where one differs from the last call's, that dimension
+    and the first (the batch) of every tensor are marked maybe-dynamic, so that Dynamo's one
+    trace with symbolic sizes also serves a smaller last batch (and a changing length also
+    a changing batch), instead of tracing again when the next dimension changes."""
+    from torch.utils._pytree import tree_leaves
+
+    tensors = [leaf for leaf in tree_leaves(arguments) if isinstance(leaf, torch.Tensor)]
+    shapes = tuple(tuple(tensor.shape) for tensor in tensors)
+    if before is None or before == shapes or len(before) != len(shapes):
+        return shapes
+    for tensor, shape, previous in zip(tensors, shapes, before, strict=True):
+        changed = {dim for dim, (a, b) in enumerate(zip(shape, previous, strict=False)) if a != b}
+        for dim in changed | ({0} if shape and shape[0] > 1 else set()):
+            if dim < len(shape):
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    return shapes
 
 
 def _watch_optimizers(planner: Backend) -> None:
@@ -96,6 +117,8 @@ def _fitted_class() -> type:
             planner.end_eager_watch()
             planner.watch_first_call(self._orig_mod)
             planner.note_call_arguments((args, kwargs))
+            if self._memfit_dynamic is None:
+                self._memfit_shapes = _dynamic_on_change(self._memfit_shapes, (args, kwargs))
             try:
                 with _rnn_traced(self._memfit_traces_rnns), _units_compiled(self):
                     result = super().__call__(*args, **kwargs)

@@ -26,9 +26,8 @@ import torch
 if TYPE_CHECKING:
     import torch.fx as fx
 
-    from memfit.compiler.shape_bound import InputSizes
-
     from memfit.compiler.region import Planner, Region
+    from memfit.compiler.shape_bound import InputSizes
 
 
 def plan_again_when_stale(planner: Planner, graph_module: fx.GraphModule, device: torch.device,
