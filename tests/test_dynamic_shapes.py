@@ -102,6 +102,30 @@ def test_a_larger_shape_plans_once_more_at_the_raised_bound():
     assert max(peaks) <= budget, (peaks, budget)
 
 
+@pytest.mark.slow
+def test_inductor_serves_changing_batch_sizes_within_budget_close_to_torch_compile():
+    """compiler="inductor": the symbolic program memfit rewrote, compiled by inductor, runs
+    every batch size within the budget with two plans; results are torch.compile's, close."""
+    data = _mlp_batches([2048, 2040, 1500, 1200, 2000, 300])
+    reference = _mlp()
+    _, eager_peaks = _train(reference, torch.optim.AdamW(reference.parameters()), data)
+    compiled_reference = _mlp()
+    reference_losses, _ = _train(torch.compile(compiled_reference),
+                                 torch.optim.AdamW(compiled_reference.parameters()), data)
+    budget = int(0.7 * max(eager_peaks))
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=budget, optimizer=optimizer, compiler="inductor")
+    losses, peaks = _train(fitted, optimizer, data)
+    for loss, expected in zip(losses, reference_losses, strict=True):
+        torch.testing.assert_close(loss, expected)
+    for parameter, expected in zip(model.parameters(), compiled_reference.parameters(),
+                                   strict=True):
+        torch.testing.assert_close(parameter, expected)
+    assert len(fitted._memfit_backend.regions) == 2
+    assert max(peaks) <= budget, (peaks, budget)
+
+
 def _bert():
     from transformers import BertConfig, BertForSequenceClassification
 
