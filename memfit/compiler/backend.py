@@ -21,8 +21,10 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -54,8 +56,9 @@ from memfit.compiler.replanning import (
     eager_room_needed,
     plan_again_when_stale,
 )
+from memfit.compiler.shape_bound import InputSizes, priced_bound
 from memfit.data.costgraph import CostGraph
-from memfit.data.errors import BudgetError
+from memfit.data.errors import BudgetError, CaptureError
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan
 from memfit.data.units import Budget, format_bytes
@@ -75,6 +78,7 @@ from memfit.graph.lifetimes import (
 )
 from memfit.graph.rewrite import rewrite
 from memfit.graph.rnn import eager_lstm_kernels, size_lstm_buffers
+from memfit.graph.shapes import Bound, at_bound
 from memfit.graph.target import host_code, retargeted
 from memfit.model.simulate import simulate
 from memfit.runtime.outside import EagerWatch
@@ -122,6 +126,8 @@ class Backend(EagerWatching, JointPlanning):
         self.eager_gave_up = False  # eager code held more each time: no longer planned for
         self._eager_watch: EagerWatch | None = None  # on a CPU, over the measured iterations
         self.device: torch.device | None = None  # of the latest region compiled
+        self.planning_s = 0.0  # seconds spent tracing and planning regions (all plans)
+        self.bound_replans = 0  # plans made again for a shape past a dynamic region's bound
         self._parameters: list[torch.Tensor] | None = None  # the model's and optimizers'
         self._resident_counted: tuple[Any, int] | None = None  # (what it depends on, bytes)
         watch_recompile_limit(self)
@@ -165,20 +171,27 @@ class Backend(EagerWatching, JointPlanning):
         device = device_of(example_inputs)
         site = compiling_site()
         first = len(self.regions)
-        compiled = self.compile_region(graph_module, example_inputs, device, site)
+        sizes = InputSizes.of(graph_module)  # where a dynamic region's sizes are read
+        bound = sizes.first_bound() if sizes else None
+        compiled = self.compile_region(graph_module, example_inputs, device, site, bound)
         if len(self.regions) == first:  # no joint graph (an inference region): nothing planned
             return compiled
         return plan_again_when_stale(self, graph_module, device, site, compiled,
-                                     self.regions[first:])
+                                     self.regions[first:], sizes)
 
     def compile_region(self, graph_module: fx.GraphModule, example_inputs: list,
-                       device: torch.device, site: Any) -> Any:
+                       device: torch.device, site: Any, bound: Bound | None = None) -> Any:
         """The region compiled with memfit as its partitioner (``plan_region``): by Dynamo's
-        call, and again by ``memfit.compiler.replanning`` to plan it anew, from the same graph."""
+        call, and again by ``memfit.compiler.replanning`` to plan it anew, from the same graph.
+        ``bound``: each symbolic size at the value its plan is priced at (a dynamic region)."""
         self._parameters = self._resident_counted = None  # count what is resident afresh
         self.device = device
-        with self._target(device):
-            return self._compile_region(graph_module, example_inputs, device, site)
+        started = time.perf_counter()
+        try:
+            with self._target(device):
+                return self._compile_region(graph_module, example_inputs, device, site, bound)
+        finally:
+            self.planning_s += time.perf_counter() - started
 
     def _target(self, device: torch.device) -> contextlib.AbstractContextManager:
         """The capture personality of a planning-only trace (``memfit.graph.target``)."""
@@ -187,7 +200,7 @@ class Backend(EagerWatching, JointPlanning):
         return retargeted(resolve_hardware(self.hardware_spec, device), device, self.autocast)
 
     def _compile_region(self, graph_module: fx.GraphModule, example_inputs: list,
-                        device: torch.device, site: Any) -> Any:
+                        device: torch.device, site: Any, bound: Bound | None) -> Any:
         from torch._dynamo.backends.common import aot_autograd
 
         engine = CopyEngine(device)
@@ -202,29 +215,32 @@ class Backend(EagerWatching, JointPlanning):
                     "compiler='aot_eager' for plans with swaps", BudgetWarning, stacklevel=2)
 
             return compile_with_inductor(graph_module, example_inputs,
-                                         self._partition(device, site), engine,
+                                         self._partition(device, site, bound), engine,
                                          inductor_runner(engine, self))
         compile_module = aot_eager_runner(engine, self)
         with eager_lstm_kernels():  # nn.LSTM traced as eager runs it (memfit.graph.rnn)
             return aot_autograd(fw_compiler=compile_module, bw_compiler=compile_module,
-                                partition_fn=self._partition(device, site),
+                                partition_fn=self._partition(device, site, bound),
                                 decompositions=DECOMPOSE,
                                 keep_inference_input_mutations=True)(graph_module, example_inputs)
 
-    def _partition(self, device: torch.device, site: Any):
+    def _partition(self, device: torch.device, site: Any, bound: Bound | None):
         def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int,
                       static_lifetime_input_indices: list[int] | None = None, **_):
             with host_code():  # planning is memfit's code, not the target's step
                 return self.plan_region(joint, device, num_fwd_outputs,
-                                        static_lifetime_input_indices, site)
+                                        static_lifetime_input_indices, site, bound)
 
         return partition
 
     def plan_region(self, joint: fx.GraphModule, device: torch.device, num_fwd_outputs: int,
-                    static_lifetime_input_indices: list[int] | None, site: Any = None
-                    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+                    static_lifetime_input_indices: list[int] | None, site: Any = None,
+                    bound: Bound | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
         """Plan one region's joint graph and split the rewritten program into its two modules;
-        ``site`` is where Dynamo compiled the region from (see ``Region.site``).
+        ``site`` is where Dynamo compiled the region from (see ``Region.site``). A joint graph
+        with symbolic sizes is priced at ``bound`` (``memfit.graph.shapes``): the plan is made
+        on a copy at the bound and rewrites the symbolic program, which serves every smaller
+        shape.
 
         Raises:
             BudgetError: if no plan of the strategy fits, before anything runs.
@@ -236,11 +252,19 @@ class Backend(EagerWatching, JointPlanning):
         record_scopes(joint, self.scope_prefix)
         size_lstm_buffers(joint.graph, num_fwd_outputs)
         captured = as_captured(joint, num_fwd_outputs, static_lifetime_input_indices)
+        program, bound = captured.graph_module, priced_bound(joint, bound)
+        if bound:  # priced on a concrete copy at the bound; the symbolic program is rewritten
+            joint = at_bound(joint, bound)
+            captured = replace(captured, graph_module=joint)
         index = len(self.regions)
         owners: dict = {}
         captured, graph = analyzed(captured, hardware, f"region {index}", self.linearize,
                                    kernel_temporaries=self.kernel_temporaries,
                                    owners=owners)
+        if bound and captured.graph_module is not joint:
+            raise CaptureError("memfit does not reorder (linearize) a region with dynamic "
+                               "shapes: compile it with dynamic=False")
+        program = program if bound else captured.graph_module
         inside = sum(binding_bytes(node) for node, binding in
                      zip(joint.graph.find_nodes(op="placeholder"), captured.inputs, strict=True)
                      if binding.kind == "parameter")
@@ -274,9 +298,10 @@ class Backend(EagerWatching, JointPlanning):
                        else frozenset())
 
         def lower(plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule, int]:
-            forward, backward = split(rewrite(captured.graph_module, graph, plan),
+            forward, backward = split(rewrite(program, graph, plan),
                                       num_fwd_outputs, static_lifetime_input_indices)
-            return forward, backward, saved_device_bytes(forward, num_fwd_outputs, held_inputs)
+            return forward, backward, saved_device_bytes(forward, num_fwd_outputs, held_inputs,
+                                                         bound)
 
         try:
             planned, budget_bytes, minimum = self._choose(graph, hardware, outside, pending,
@@ -314,7 +339,7 @@ class Backend(EagerWatching, JointPlanning):
                                    output_names=output_tensor_names(joint, num_fwd_outputs,
                                                                     owners),
                                    output_tangents=output_tangents(joint, num_fwd_outputs),
-                                   planned_eager_bytes=eager))
+                                   planned_eager_bytes=eager, shape_bound=bound))
         return forward, backward
 
     def _later_gradient_bytes(self, device: torch.device, trainable: int) -> int:

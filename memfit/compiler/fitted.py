@@ -1,6 +1,6 @@
 """``memfit.fit``: a model fitted in place with memfit's backend, in the user's own loop.
 
-``fit`` is ``model.compile(backend=memfit.backend(...), dynamic=False)`` plus what makes a
+``fit`` is ``model.compile(backend=memfit.backend(...), dynamic=None)`` plus what makes a
 budget hold over a whole training run: the model itself passed to the backend, so that its
 parameters, gradients and buffers count and its regions are planned again when more stays
 resident than their plans left room for (``memfit.compiler.replanning``: optimizer state, gradients kept
@@ -33,22 +33,28 @@ from memfit.data.hardware import Hardware
 def fit(model: torch.nn.Module, budget: str | int | float | None = None,
         strategy: str | None = None, hardware: Hardware | str | None = None,
         compiler: str = "aot_eager", optimizer: torch.optim.Optimizer | None = None,
-        **params: Any) -> torch.nn.Module:
+        dynamic: bool | None = None, **params: Any) -> torch.nn.Module:
     """``model`` fitted in place, so that each training iteration fits ``budget``, and returned:
-    ``model.compile(backend=memfit.backend(...), dynamic=False)`` with the model given to the
+    ``model.compile(backend=memfit.backend(...), dynamic=dynamic)`` with the model given to the
     backend.
 
     The fitted model is the model: its class, ``state_dict`` keys, parameters, ``forward``
     signature, attributes and hooks are its own, so checkpoints, ``transformers.Trainer`` and
     Lightning see a plain module. Only its call is compiled (as ``nn.Module.compile`` does);
-    ``memfit.unfit(model)`` makes it plain again. Each input shape is planned on its own
-    (``dynamic=False``); Dynamo's guards decide when a region is traced and planned again (a
-    frozen layer, a changed Python value, a new shape). ``memfit.report(model)`` shows the plans.
+    ``memfit.unfit(model)`` makes it plain again. Dynamo's guards decide when a region is traced
+    and planned again (a frozen layer, a changed Python value). With ``dynamic=None`` (default) a
+    region whose input shapes change is traced once more with symbolic sizes, and that plan,
+    priced at the largest sizes (or the maximum declared with
+    ``torch._dynamo.mark_dynamic(x, dim, max=...)``), serves every shape within them; a larger
+    shape plans it once more (``docs/shapes.md``). ``dynamic=False`` plans each shape on its own.
+    ``memfit.report(model)`` shows the plans.
 
     Args:
         budget: as ``memfit.backend``; ``None`` (with no ``strategy``) or ``"auto"``: on CUDA,
             the device's free memory at the first call less a margin (``device_budget``); on a
             CPU, no limit (``keep``).
+        dynamic: ``None`` (default): symbolic sizes once a shape changes; ``False``: a plan per
+            shape; ``True``: symbolic sizes from the first call (as ``torch.compile``).
         strategy, hardware, compiler, optimizer, params: as ``memfit.backend``.
 
     Note:
@@ -66,7 +72,7 @@ def fit(model: torch.nn.Module, budget: str | int | float | None = None,
 
     unfit(model)  # a model fitted before is fitted anew
     fitted = FittedCall(model, FitArguments(budget, strategy, hardware, compiler,
-                                            tuple(params.items())), optimizer)
+                                            tuple(params.items()), dynamic), optimizer)
     agreement_group()  # in a distributed job: made here, where every rank calls fit, not mid-step
     fitted.traces_rnns = _traces_rnns(model, compiler)
     fitted.install()
@@ -93,6 +99,7 @@ class FitArguments:
     hardware: Hardware | str | None
     compiler: str
     params: tuple[tuple[str, Any], ...]
+    dynamic: bool | None = None
 
     @property
     def automatic(self) -> bool:
@@ -123,6 +130,7 @@ class FittedCall:
         self.traces_rnns: bool | None = None  # read from the model at the first call if unset
         self.unit_forwards: list | None = None  # FSDP2 units compiled (_units_compiled)
         self._compiled: Any = None  # the model's _call_impl compiled, made at the first call
+        self.shapes: tuple | None = None  # the last call's input shapes (_dynamic_on_change)
 
     def install(self) -> None:
         """Be the module's call, and its ``_memfit_backend`` the backend (``memfit.report``)."""
@@ -145,6 +153,8 @@ class FittedCall:
         if self._compiled is None:
             self._first_call(args, kwargs)
         planner.note_call_arguments((args, kwargs))
+        if self.arguments.dynamic is None:
+            self.shapes = _dynamic_on_change(self.shapes, (args, kwargs))
         try:
             with _rnn_traced(bool(self.traces_rnns)), _units_compiled(self):
                 result = self._compiled(*args, **kwargs)
@@ -175,7 +185,26 @@ class FittedCall:
         call = module._call_impl
         if isinstance(module.forward, types.MethodType) and trace_rules.check(module.forward):
             call = external_utils.wrap_inline(call)
-        self._compiled = torch.compile(call, backend=self.backend, dynamic=False)
+        self._compiled = torch.compile(call, backend=self.backend, dynamic=self.arguments.dynamic)
+
+
+def _dynamic_on_change(before: tuple | None, arguments: Any) -> tuple:
+    """The shapes of the call's tensors; where one differs from the last call's, that dimension
+    and the first (the batch) of every tensor are marked maybe-dynamic, so that Dynamo's one
+    trace with symbolic sizes also serves a smaller last batch (and a changing length also
+    a changing batch), instead of tracing again when the next dimension changes."""
+    from torch.utils._pytree import tree_leaves
+
+    tensors = [leaf for leaf in tree_leaves(arguments) if isinstance(leaf, torch.Tensor)]
+    shapes = tuple(tuple(tensor.shape) for tensor in tensors)
+    if before is None or before == shapes or len(before) != len(shapes):
+        return shapes
+    for tensor, shape, previous in zip(tensors, shapes, before, strict=True):
+        changed = {dim for dim, (a, b) in enumerate(zip(shape, previous, strict=False)) if a != b}
+        for dim in changed | ({0} if shape and shape[0] > 1 else set()):
+            if dim < len(shape):
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    return shapes
 
 
 def _fitted_copy(module: torch.nn.Module, arguments: FitArguments) -> FittedCall:

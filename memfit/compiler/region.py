@@ -85,6 +85,7 @@ class Region:
     freed_output_bytes: int | None = None  # its outputs freed by its backward's start (fewest)
     eager_read: bool = False  # eager code's bytes were read at a measured backward's start
     warned_over: bool = False  # said that a measured run of its plan exceeded budget and prediction
+    shape_bound: Any = None  # a dynamic region: each symbolic size at the value it was priced at
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -110,6 +111,8 @@ class Planner(Protocol):
     model: torch.nn.Module | None
     optimizers: list
     measure_runs: int
+    bound_replans: int
+    planning_s: float
     warn_over_prediction: bool
     budget_note: str  # where the budget came from, when memfit chose it
 
@@ -120,7 +123,7 @@ class Planner(Protocol):
     def must_plan_again(self, regions: list[Region], device: torch.device) -> bool: ...
 
     def compile_region(self, graph_module: fx.GraphModule, example_inputs: list,
-                       device: torch.device, site: Any) -> Any: ...
+                       device: torch.device, site: Any, bound: Any = None) -> Any: ...
 
     def iteration_closed(self) -> None: ...
 
@@ -138,9 +141,10 @@ def user_input_names(joint: fx.GraphModule, inputs: Sequence) -> frozenset[str]:
 
 
 def saved_device_bytes(forward: fx.GraphModule, num_fwd_outputs: int,
-                       held_inputs: frozenset[str] = frozenset()) -> int:
+                       held_inputs: frozenset[str] = frozenset(), bound: Any = None) -> int:
     """Device bytes of the values ``forward`` returns for its backward: not memfit's host copies
-    and random states, and not its inputs except ``held_inputs`` (placeholder names).
+    and random states, and not its inputs except ``held_inputs`` (placeholder names); symbolic
+    sizes at ``bound`` (``memfit.graph.shapes``).
 
     An input the loop passed in is alive anyway; but a region that runs after a graph break
     gets its inputs from the region before it, whose output eager code drops once the call
@@ -149,6 +153,7 @@ def saved_device_bytes(forward: fx.GraphModule, num_fwd_outputs: int,
     stages save the stage outputs before them (16,384 B and 32,768 B), counted by no plan.
     """
     from memfit.graph.analyze import inserted_kind, storage_key, tensors_in
+    from memfit.graph.shapes import evaluate
 
     output = forward.graph.find_nodes(op="output")[0]
     sizes: dict = {}
@@ -160,5 +165,6 @@ def saved_device_bytes(forward: fx.GraphModule, num_fwd_outputs: int,
         if inserted_kind(node) in ("swap_out", "rng_save"):
             continue
         for tensor in tensors_in(node.meta.get("val")):
-            sizes.setdefault(storage_key(tensor), tensor.untyped_storage().nbytes())
+            sizes.setdefault(storage_key(tensor),
+                             evaluate(tensor.untyped_storage().nbytes(), bound or {}))
     return sum(sizes.values())

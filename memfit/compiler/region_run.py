@@ -167,22 +167,63 @@ def zeros_at_first_use(graph: fx.Graph) -> None:
             continue
         if not placeholder.users:
             continue
+        layout = (tuple(value.shape), tuple(value.stride()))
+        if _symbolic(value):  # its sizes from the backward's symbolic ints, at run time
+            found = _symbolic_layout(graph, value)
+            if found is None:  # autograd makes them: the backward does not read its sizes
+                continue
+            layout = found
         first = min(placeholder.users, key=_position(graph).__getitem__)
         with graph.inserting_before(first):
-            zeros = graph.call_function(_zeros_if_none, (placeholder, tuple(value.shape),
-                                                         tuple(value.stride()), value.dtype,
+            zeros = graph.call_function(_zeros_if_none, (placeholder, *layout, value.dtype,
                                                          value.device))
         placeholder.replace_all_uses_with(zeros, delete_user_cb=lambda user, made=zeros: user is not made)
+
+
+def _symbolic(value: torch.Tensor) -> bool:
+    return any(isinstance(size, torch.SymInt) for size in (*value.shape, *value.stride()))
 
 
 def _position(graph: fx.Graph) -> dict[fx.Node, int]:
     return {node: index for index, node in enumerate(graph.nodes)}
 
 
-def _zeros_if_none(gradient: torch.Tensor | None, shape: tuple[int, ...],
-                   stride: tuple[int, ...], dtype: torch.dtype,
-                   device: torch.device) -> torch.Tensor:
-    """``gradient``, or zeros in the layout it was traced with (what autograd would have made)."""
+def _zeros_if_none(gradient: torch.Tensor | None, shape: tuple, stride: tuple,
+                   dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``gradient``, or zeros in the layout it was traced with (what autograd would have made):
+    a size is an int, or a ``(expression, symbol names, symbol values)`` of a dynamic one."""
     if gradient is not None:
         return gradient
-    return torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+    return torch.empty_strided(_sizes(shape), _sizes(stride), dtype=dtype,
+                               device=device).zero_()
+
+
+def _sizes(sizes: tuple) -> list[int]:
+    import sympy
+
+    return [size if isinstance(size, int) else int(sympy.sympify(size[0]).xreplace(
+        {sympy.Symbol(name): value
+         for name, value in zip(size[1], size[2], strict=True)}))
+            for size in sizes]
+
+
+def _symbolic_layout(graph: fx.Graph, value: torch.Tensor) -> tuple[tuple, tuple] | None:
+    """``value``'s sizes and strides, each symbolic one as its expression with the backward's
+    symbolic-int placeholders it reads (the values they take at run time); ``None`` where a
+    symbol is not among them."""
+    symbols = {str(node.meta["val"].node.expr): node for node in graph.find_nodes(op="placeholder")
+               if isinstance(node.meta.get("val"), torch.SymInt)}
+
+    def one(size: Any) -> Any:
+        if not isinstance(size, torch.SymInt):
+            return int(size)
+        names = tuple(sorted(str(symbol) for symbol in size.node.expr.free_symbols))
+        if any(name not in symbols for name in names):
+            raise KeyError(names)
+        return (str(size.node.expr), names, [symbols[name] for name in names])
+
+    try:
+        return (tuple(one(size) for size in value.shape),
+                tuple(one(step) for step in value.stride()))
+    except KeyError:
+        return None

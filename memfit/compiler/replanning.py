@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -26,24 +27,36 @@ if TYPE_CHECKING:
     import torch.fx as fx
 
     from memfit.compiler.region import Planner, Region
+    from memfit.compiler.shape_bound import InputSizes
 
 
 def plan_again_when_stale(planner: Planner, graph_module: fx.GraphModule, device: torch.device,
-                          site: Any, compiled: Callable[..., Any],
-                          regions: list[Region]) -> Callable[..., Any]:
+                          site: Any, compiled: Callable[..., Any], regions: list[Region],
+                          sizes: InputSizes | None = None) -> Callable[..., Any]:
     """``compiled`` (the region planned as ``regions``), compiled again from ``graph_module``
-    with the arguments of the first run that ``planner.must_plan_again`` says needs a new plan.
+    with the arguments of the first run that ``planner.must_plan_again`` says needs a new plan,
+    or, for a dynamic region (``sizes``), whose shape is past the bound its plan was priced at.
 
-    Planning uses fake tensors only (AOTAutograd fakes the arguments); the random generators
-    are put back after it, so a re-planned step draws what eager draws.
+    Planning uses fake tensors only (AOTAutograd fakes the arguments; a dynamic region is traced
+    again from Dynamo's symbolic fake inputs, so the new plan serves every shape too);
+    the random generators are put back after it, so a re-planned step draws what eager draws.
     """
     current: list[Any] = [compiled, regions]
 
     def run(*args: Any) -> Any:
-        if planner.must_plan_again(current[1], device):
+        bound = current[1][0].shape_bound
+        raised = sizes.beyond(args, bound) if sizes is not None else None
+        if raised is not None or planner.must_plan_again(current[1], device):
             first = len(planner.regions)
-            with _generators_kept(device), planner.eager_watch_off():
-                current[0] = planner.compile_region(graph_module, list(args), device, site)
+            if raised is not None:
+                planner.bound_replans += 1
+                for region in current[1]:
+                    region.replaced = True
+            inputs = list(args) if sizes is None else list(sizes.fake_inputs)
+            traced = sizes.traced_again() if sizes is not None else contextlib.nullcontext()
+            with _generators_kept(device), planner.eager_watch_off(), traced:
+                current[0] = planner.compile_region(graph_module, inputs, device, site,
+                                                    raised or bound)
             current[1] = planner.regions[first:] or current[1]
         return current[0](*args)
 

@@ -73,18 +73,21 @@ def as_captured(joint: fx.GraphModule, num_fwd_outputs: int,
     """The joint graph with a binding per placeholder and output.
 
     Raises:
-        CaptureError: for a region with symbolic shapes, which memfit cannot size.
+        CaptureError: for an input that is not a tensor with a size (a symbolic int: its
+            tensors' symbolic sizes are priced at a bound, ``memfit.graph.shapes``).
     """
     _mutations_in_forward(joint.graph)
     static = set(static_lifetime_input_indices or ())
     inputs = []
     for position, node in enumerate(joint.graph.find_nodes(op="placeholder")):
         value = node.meta.get("val")
-        if not isinstance(value, torch.Tensor) or _symbolic(value):
+        if not isinstance(value, torch.Tensor):
+            if isinstance(value, torch.SymInt):
+                inputs.append(Binding("size", index=position))
+                continue
             raise CaptureError(
-                f"the compiled region has a symbolic input ({node.name}: {value!r}); memfit plans "
-                "regions with static shapes: compile with dynamic=False (memfit.fit does), and "
-                "each new shape is planned on its own")
+                f"the compiled region has an input that is not a tensor ({node.name}: "
+                f"{value!r}); compile it with dynamic=False")
         if node.name.startswith("tangents"):
             inputs.append(Binding("tangent"))
         elif position in static:
@@ -221,10 +224,6 @@ def _same_layout(node: fx.Node) -> bool:
             and value.dtype == before.dtype and value.device == before.device
             and value.storage_offset() == 0 and before.storage_offset() == 0
             and value.untyped_storage().nbytes() == before.untyped_storage().nbytes())
-
-
-def _symbolic(value: torch.Tensor) -> bool:
-    return any(isinstance(size, torch.SymInt) for size in (*value.shape, *value.stride()))
 
 
 def split(program: fx.GraphModule, num_fwd_outputs: int,

@@ -158,7 +158,9 @@ class _Rewriter:
             self._rerun(self.old[action.op], action)
         elif action.kind == "swap_out":
             root = self.emit(self.root_of(action.tensor))
-            args = (root, self.out_key[action.tensor], list(root.meta["val"].stride()))
+            stride = list(root.meta["val"].stride())  # a symbolic one: the root's own, at run
+            args = (root, self.out_key[action.tensor],
+                    None if any(isinstance(step, torch.SymInt) for step in stride) else stride)
             self.host[action.tensor] = self._call(ops.swap_out.default, args, "swap_out", action.tensor)
         elif action.kind == "swap_in":
             buffer = copy_buffer(action.tensor, action.copy)

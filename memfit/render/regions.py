@@ -40,6 +40,12 @@ def _notes(planner: Planner) -> list[str]:
                      "user's was on), kernel scratch not seen.")
     notes.append("saved: the region's saved tensors (forward values its backward reads); "
                  "re-runs: forward ops run again, the bytes they rebuild and their time")
+    notes.append(f"{len(planner.regions)} plans made, {planner.planning_s:.1f} s tracing and "
+                 "planning")
+    notes += [_bound_note(region) for region in planner.regions if region.shape_bound]
+    if planner.bound_replans:
+        notes.append(f"planned again {planner.bound_replans} time(s): a shape was past the "
+                     "largest sizes a dynamic region's plan was priced at")
     if planner.joint_rounds:
         notes.append(f"planned jointly {planner.joint_rounds} time(s): a region could not fit "
                      "beside the saves of the regions before its graph break, so those save "
@@ -57,6 +63,13 @@ def _notes(planner: Planner) -> list[str]:
     for where in planner.eager_codes:
         notes.append(f"ran outside any plan: {where} (Dynamo's recompile limit)")
     return notes
+
+
+def _bound_note(region: Region) -> str:
+    """The sizes a dynamic region's plan was priced at (every smaller shape runs it)."""
+    sizes = ", ".join(f"{symbol}<={value}" for symbol, value in
+                      sorted(region.shape_bound.items(), key=lambda item: str(item[0])))
+    return f"region {region.index}: dynamic shapes, planned at {sizes}"
 
 
 def _eager_note(region: Region) -> str:

@@ -1,0 +1,195 @@
+"""memfit.fit in loops whose batch shapes change: one plan priced at the largest sizes serves
+every smaller shape (Dynamo traces the region once more with symbolic sizes), a larger shape plans
+once more, and every iteration, the first included, stays within the budget, bitwise eager's."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit.runtime.measure import measure_allocator_peak
+
+pytestmark = pytest.mark.usefixtures("compiled_fresh")
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(4):
+        layers += [nn.Linear(128, 128), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(128, 1))
+
+
+def _mlp_batches(sizes):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(size, 128, generator=generator), torch.randn(size, 1, generator=generator))
+            for size in sizes]
+
+
+def _train(model, optimizer, data):
+    """The user's loop; losses and each iteration's measured peak."""
+    losses, peaks = [], []
+    for index, (x, y) in enumerate(data):
+        def iteration(x=x, y=y, index=index):
+            torch.manual_seed(100 + index)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        parameters = list(optimizer.param_groups[0]["params"])
+        measured = measure_allocator_peak(iteration, track=(parameters, optimizer.state, x, y))
+        losses.append(measured.result)
+        peaks.append(measured.peak_bytes)
+    return losses, peaks
+
+
+def _assert_same_training(model, reference, losses, reference_losses):
+    for loss, expected in zip(losses, reference_losses, strict=True):
+        assert torch.equal(loss, expected)
+    for (name, parameter), expected in zip(model.named_parameters(), reference.parameters(),
+                                           strict=True):
+        assert torch.equal(parameter, expected), name
+
+
+def test_a_varying_batch_size_is_planned_twice_and_fits_every_iteration():
+    """Batch sizes 2048, then 12 smaller ones, then a smaller last batch: the first shape is
+    planned as it is, the second traces the region with a symbolic batch size, priced at that
+    shape's size; every later shape runs that plan, Dynamo tracing nothing again."""
+    sizes = [2048, 2040, *range(1024, 2040, 90), 300]
+    data = _mlp_batches(sizes)
+    reference = _mlp()
+    reference_losses, eager_peaks = _train(reference, torch.optim.AdamW(reference.parameters()),
+                                           data)
+    budget = int(0.7 * max(eager_peaks))
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memfit.BudgetWarning)
+        losses, peaks = _train(fitted, optimizer, data)
+    _assert_same_training(model, reference, losses, reference_losses)
+    planner = fitted._memfit_backend
+    assert len(planner.regions) == 2, [region.shape_bound for region in planner.regions]
+    assert planner.regions[1].shape_bound, "the second plan is the dynamic one"
+    assert max(peaks) <= budget, (peaks, budget)
+    assert "2 plans made" in memfit.report(fitted)
+
+
+def test_a_larger_shape_plans_once_more_at_the_raised_bound():
+    """Past the bound the plan was priced at, the region is planned again from the same trace
+    before the run, so that run is within the budget too; smaller shapes after it run that plan."""
+    sizes = [512, 640, 768, 1536, 700, 1200]
+    data = _mlp_batches(sizes)
+    reference = _mlp()
+    reference_losses, eager_peaks = _train(reference, torch.optim.AdamW(reference.parameters()),
+                                           data)
+    budget = int(0.7 * max(eager_peaks))
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
+    losses, peaks = _train(fitted, optimizer, data)
+    _assert_same_training(model, reference, losses, reference_losses)
+    planner = fitted._memfit_backend
+    assert planner.bound_replans == 2  # 768, then 1536
+    assert [max(r.shape_bound.values()) for r in planner.regions if r.shape_bound] == [640, 768,
+                                                                                      1536]
+    assert max(peaks) <= budget, (peaks, budget)
+
+
+@pytest.mark.slow
+def test_inductor_serves_changing_batch_sizes_within_budget_close_to_torch_compile():
+    """compiler="inductor": the symbolic program memfit rewrote, compiled by inductor, runs
+    every batch size within the budget with two plans; results are torch.compile's, close."""
+    data = _mlp_batches([2048, 2040, 1500, 1200, 2000, 300])
+    reference = _mlp()
+    _, eager_peaks = _train(reference, torch.optim.AdamW(reference.parameters()), data)
+    compiled_reference = _mlp()
+    reference_losses, _ = _train(torch.compile(compiled_reference),
+                                 torch.optim.AdamW(compiled_reference.parameters()), data)
+    budget = int(0.7 * max(eager_peaks))
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=budget, optimizer=optimizer, compiler="inductor")
+    losses, peaks = _train(fitted, optimizer, data)
+    for loss, expected in zip(losses, reference_losses, strict=True):
+        torch.testing.assert_close(loss, expected)
+    for parameter, expected in zip(model.parameters(), compiled_reference.parameters(),
+                                   strict=True):
+        torch.testing.assert_close(parameter, expected)
+    assert len(fitted._memfit_backend.regions) == 2
+    assert max(peaks) <= budget, (peaks, budget)
+
+
+def _bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=128, max_position_embeddings=256,
+                        attn_implementation="eager")
+    return BertForSequenceClassification(config)
+
+
+def _padded_batches(lengths, batch_size: int = 8, last_batch_size: int = 3):
+    """Batches padded to their longest sequence: one length each, the last batch smaller."""
+    generator = torch.Generator().manual_seed(2)
+    batches = []
+    for index, length in enumerate(lengths):
+        size = batch_size if index < len(lengths) - 1 else last_batch_size
+        input_ids = torch.randint(0, 128, (size, length), generator=generator)
+        attention_mask = torch.ones(size, length, dtype=torch.long)
+        attention_mask[::2, length * 3 // 4:] = 0  # padded rows: the mask matters
+        labels = torch.randint(0, 2, (size,), generator=generator)
+        batches.append({"input_ids": input_ids, "attention_mask": attention_mask,
+                        "labels": labels})
+    return batches
+
+
+def _train_hf(model, optimizer, data):
+    losses, peaks = [], []
+    for index, batch in enumerate(data):
+        def iteration(index=index, batch=batch):
+            torch.manual_seed(200 + index)
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        parameters = list(optimizer.param_groups[0]["params"])
+        measured = measure_allocator_peak(iteration, track=(parameters, optimizer.state, batch))
+        losses.append(measured.result)
+        peaks.append(measured.peak_bytes)
+    return losses, peaks
+
+
+@pytest.mark.slow
+def test_bert_fine_tuned_on_padded_batches_of_13_lengths_is_planned_twice_within_budget():
+    """13 sequence lengths and a smaller last batch at 0.7 of eager's largest iteration peak:
+    the first length is planned as it is, the second traces the region with symbolic length and
+    batch size, priced at the length's range (the position embeddings bound it) and that batch
+    size; every later batch runs that plan. Every iteration within budget, bitwise eager's."""
+    lengths = [200, 96, 40, 64, 128, 80, 112, 56, 144, 176, 160, 48, 120]
+    data = _padded_batches(lengths)
+    reference = _bert()
+    reference_losses, eager_peaks = _train_hf(
+        reference, torch.optim.AdamW(reference.parameters()), data)
+    budget = int(0.7 * max(eager_peaks))
+    model = _bert()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memfit.BudgetWarning)
+        losses, peaks = _train_hf(fitted, optimizer, data)
+    _assert_same_training(model, reference, losses, reference_losses)
+    assert max(peaks) <= budget, (peaks, budget)
+    report = memfit.report(fitted)
+    print(f"budget {budget:,} B, peaks {peaks}\n{report}")
+    assert len(fitted._memfit_backend.regions) <= 2
+    assert "2 plans made" in report
