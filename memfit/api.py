@@ -33,7 +33,6 @@ from memfit.graph.capture import check_inputs, input_signature
 from memfit.model.sharding import DEFAULT_BUCKET_BYTES
 from memfit.planning.strategies import resolve_budget_and_strategy
 from memfit.runtime.measure import measure_allocator_peak, profiler_running
-from memfit.runtime.measure import measure_peak as _measure_peak
 from memfit.runtime.resident import device_of
 
 __all__ = ["Step", "Round", "BudgetWarning", "CLOSED_LOOP", "compile", "plan", "measure_peak",
@@ -373,12 +372,28 @@ def plan(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor,
 
 
 def measure_peak(fn: Callable, *args: Any, **kwargs: Any) -> int:
-    """Device bytes at the peak of ``fn(*args, **kwargs)``, tensors among the arguments included.
+    """Device bytes at the peak of ``fn(*args, **kwargs)``, measured as memfit's own steps are:
+    compiled code runs compiled (a fitted model's plan stays in use), nothing is switched off.
 
-    On CUDA this is ``torch.cuda.max_memory_allocated``; on CPU, memfit's dispatch-level tracker.
-    For the full result use ``memfit.runtime.measure.measure_peak``.
+    What it counts: on CUDA, ``torch.cuda.max_memory_allocated`` (every byte the caching
+    allocator handed out, whoever holds it). On a CPU, the bytes of the tensors among ``args``,
+    ``kwargs`` and ``track=`` (one storage once: pass the parameters, gradients and optimizer
+    state resident during the call) plus the most the CPU allocator held above its level at the
+    call's start, read from the profiler's allocator events: what ops return and what kernels
+    allocate inside one op. memfit's swap buffers on a CPU come from numpy and are not counted.
+
+    Raises:
+        ProfilerRunning: on a CPU while a profiler of the user's is open (profilers do not nest;
+            memfit leaves that session alone).
+
+    Example:
+        >>> peak_bytes = memfit.measure_peak(iteration, track=(list(model.parameters()),
+        ...                                                    optimizer.state, batch))
+
+    For the full result (the call's return value, the bytes at its start) use
+    ``memfit.runtime.measure.measure_allocator_peak``.
     """
-    return _measure_peak(fn, *args, **kwargs).peak_bytes
+    return measure_allocator_peak(fn, *args, **kwargs).peak_bytes
 
 
 def report(model_or_backend: torch.nn.Module | Backend) -> str:

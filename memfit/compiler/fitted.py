@@ -88,6 +88,8 @@ def _fitted_class() -> type:
 
     class FittedModule(OptimizedModule):
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            if _users_dispatch_mode_on():
+                return _eager_under_a_mode(self._orig_mod, args, kwargs)
             planner = self._memfit_backend
             planner.end_eager_watch()
             planner.watch_first_call(self._orig_mod)
@@ -106,6 +108,28 @@ def _fitted_class() -> type:
             return result
 
     return FittedModule
+
+
+def _users_dispatch_mode_on() -> bool:
+    """Whether a dispatch mode Dynamo does not compile under is on (a user's ``MemTracker``,
+    ``FlopCounterMode``, memfit's own ``DeviceMemoryTracker``; not memfit's eager watch)."""
+    from torch.utils import _python_dispatch
+
+    if torch._dynamo.config.inline_torch_dispatch_torch_compile:
+        return _python_dispatch.any_torch_dispatch_mode_on_stack()
+    return _python_dispatch.is_in_any_mode_without_ignore_compile_internals()
+
+
+def _eager_under_a_mode(model: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    """Run ``model`` eagerly, outside any plan, and say so: under a dispatch mode Dynamo runs no
+    compiled code, and a compiled frame it meets there is skipped for good (every later call,
+    the mode gone, would run eagerly too). Called directly, the fitted code keeps its plans."""
+    warnings.warn("memfit: a dispatch mode is on (a TorchDispatchMode of yours: a memory tracker, "
+                  "a FLOP counter), and torch.compile runs no compiled code under one: this call "
+                  "runs eagerly, outside any plan, so the budget does not hold for it. Later "
+                  "calls without the mode run their plans; measure a fitted model with "
+                  "memfit.measure_peak, which enters no mode", BudgetWarning, stacklevel=3)
+    return model(*args, **kwargs)
 
 
 @contextlib.contextmanager
