@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from memfit.compiler.arguments import check_flags, check_hardware_and_optimizer, the_users_error
 from memfit.compiler.backend import Backend
 from memfit.compiler.closed_loop import CLOSED_LOOP, Loop, Round
 from memfit.compiler.plan_step import BudgetWarning, Planned, analyzed, plan_step, resolve_hardware
@@ -142,7 +143,9 @@ class Step:
             try:
                 loss, measured = self._run(inputs)
             except Exception as error:
-                raise memfit_error(error) from None
+                raise the_users_error(memfit_error(error),
+                                      lambda: self.loss_fn(self.model, *inputs), self.model,
+                                      inputs) from None
         self._traced.add(signature)
         if len(self.backend.regions) > known:
             self._regions[signature] = self.backend.regions[-1]
@@ -295,8 +298,8 @@ def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float
         **params: the strategy's parameters, e.g. ``lb=3, ctrld_strategy="direct_order"``.
 
     Raises:
-        ValueError: for a malformed budget, an unknown strategy or parameter, or a bad value;
-            for ``plan`` together with a budget, strategy or parameters.
+        ValueError: for a malformed budget, an unknown strategy, parameter or hardware profile,
+            or a bad value; for ``plan`` together with a budget, strategy or parameters.
         PlanError: at the first step, if ``plan`` was made for another graph, input shape or
             hardware (the message says which, and what to do).
 
@@ -307,6 +310,8 @@ def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float
         >>> step.plan.save("step.plan.json")   # later: memfit.compile(model, loss_fn,
         >>> #     plan=memfit.Plan.load("step.plan.json"))
     """
+    check_flags(measure=measure, linearize=linearize)
+    check_hardware_and_optimizer(hardware, None)
     if plan is not None:
         if not isinstance(plan, Plan):
             raise ValueError(f"plan= takes a memfit.Plan, not {type(plan).__name__}: read a saved "

@@ -83,6 +83,7 @@ def _fitted_class() -> type:
     from torch._dynamo.eval_frame import OptimizedModule
     from torch._dynamo.exc import BackendCompilerFailed
 
+    from memfit.compiler.arguments import the_users_error
     from memfit.data.errors import BudgetError, CaptureError
     from memfit.model.schedule import PlanError
 
@@ -100,7 +101,8 @@ def _fitted_class() -> type:
             except BackendCompilerFailed as failed:
                 inner = failed.inner_exception
                 if isinstance(inner, (BudgetError, CaptureError, PlanError)):
-                    raise inner.with_traceback(None) from None
+                    raise the_users_error(inner, lambda: self._orig_mod(*args, **kwargs),
+                                          self._orig_mod, (args, kwargs)) from None
                 raise
             if planner.compiler == "aot_eager":  # its backward modules take None (inductor's do not)
                 _lazy_output_gradients(result)
@@ -248,7 +250,8 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
         **params: the strategy's parameters.
 
     Raises:
-        ValueError: for a malformed budget, an unknown strategy, parameter or compiler.
+        ValueError: at this call, for a malformed budget, an unknown strategy, parameter,
+            compiler or hardware profile, or an optimizer that is not one.
         BudgetError: when a region is compiled or planned again and no plan fits.
 
     Note:
@@ -272,8 +275,14 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
     Example:
         >>> compiled = torch.compile(model, backend=memfit.backend(budget=0.5), dynamic=False)
     """
+    from memfit.compiler.arguments import check_hardware_and_optimizer
     from memfit.planning.strategies import resolve_budget_and_strategy
 
+    check_hardware_and_optimizer(hardware, optimizer)
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model= takes the torch.nn.Module trained, not {type(model).__name__}")
+    if isinstance(measure_runs, bool) or not isinstance(measure_runs, int):
+        raise ValueError(f"measure_runs must be an int, got {measure_runs!r}")
     if measure_runs < 0:
         raise ValueError(f"measure_runs must be 0 or more, got {measure_runs}")
     if compiler not in COMPILERS:
