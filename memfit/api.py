@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from memfit.compiler.arguments import check_flags, check_hardware_and_optimizer, the_users_error
 from memfit.compiler.backend import Backend
 from memfit.compiler.closed_loop import CLOSED_LOOP, Loop, Round
 from memfit.compiler.plan_step import BudgetWarning, Planned, analyzed, plan_step, resolve_hardware
@@ -32,8 +33,7 @@ from memfit.data.units import Budget
 from memfit.graph.capture import check_inputs, input_signature
 from memfit.model.sharding import DEFAULT_BUCKET_BYTES
 from memfit.planning.strategies import resolve_budget_and_strategy
-from memfit.runtime.measure import measure_allocator_peak
-from memfit.runtime.measure import measure_peak as _measure_peak
+from memfit.runtime.measure import measure_allocator_peak, profiler_running
 from memfit.runtime.resident import device_of
 
 __all__ = ["Step", "Round", "BudgetWarning", "CLOSED_LOOP", "compile", "plan", "measure_peak",
@@ -143,7 +143,9 @@ class Step:
             try:
                 loss, measured = self._run(inputs)
             except Exception as error:
-                raise memfit_error(error) from None
+                raise the_users_error(memfit_error(error),
+                                      lambda: self.loss_fn(self.model, *inputs), self.model,
+                                      inputs) from None
         self._traced.add(signature)
         if len(self.backend.regions) > known:
             self._regions[signature] = self.backend.regions[-1]
@@ -156,12 +158,32 @@ class Step:
     def _run(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, Timeline | None]:
         if not self.measure:
             return self._forward_backward(*inputs), None
+        if profiler_running():  # profilers do not nest: the user's session is left alone
+            return self._measured_by_regions(inputs)
         resident = (list(self.model.parameters()), list(self.model.buffers()),
                     [p.grad for p in self.model.parameters() if p.grad is not None])
         start_s = time.perf_counter()
         measurement = measure_allocator_peak(self._forward_backward, *inputs, track=resident)
         elapsed_s = time.perf_counter() - start_s
         return measurement.result, Timeline("measured", measurement.peak_bytes, elapsed_s)
+
+    def _measured_by_regions(self, inputs: tuple[torch.Tensor, ...]
+                             ) -> tuple[torch.Tensor, Timeline | None]:
+        """Run the step while the user's profiler records: its peak is the highest of its
+        regions' measured runs in this call, which count what ops return beside what is resident
+        (``run_measured``'s ``"ops"``; kernel scratch is not seen); ``None`` when no run of this
+        call was measured (past the backend's ``measure_runs``)."""
+        before = {id(region): region.measured_runs for region in self.backend.regions}
+        start_s = time.perf_counter()
+        loss = self._forward_backward(*inputs)
+        elapsed_s = time.perf_counter() - start_s
+        peaks = [peak for region in self.backend.regions
+                 if region.measured_runs > before.get(id(region), 0)
+                 for peak in (region.measured_forward_bytes, region.measured_backward_bytes)
+                 if peak is not None]
+        if not peaks:
+            return loss, None
+        return loss, Timeline("measured", max(peaks), elapsed_s, meta={"measured_by": "ops"})
 
     def _forward_backward(self, *inputs: torch.Tensor) -> torch.Tensor:
         loss = self._compiled(*inputs)
@@ -276,8 +298,8 @@ def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float
         **params: the strategy's parameters, e.g. ``lb=3, ctrld_strategy="direct_order"``.
 
     Raises:
-        ValueError: for a malformed budget, an unknown strategy or parameter, or a bad value;
-            for ``plan`` together with a budget, strategy or parameters.
+        ValueError: for a malformed budget, an unknown strategy, parameter or hardware profile,
+            or a bad value; for ``plan`` together with a budget, strategy or parameters.
         PlanError: at the first step, if ``plan`` was made for another graph, input shape or
             hardware (the message says which, and what to do).
 
@@ -288,6 +310,8 @@ def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float
         >>> step.plan.save("step.plan.json")   # later: memfit.compile(model, loss_fn,
         >>> #     plan=memfit.Plan.load("step.plan.json"))
     """
+    check_flags(measure=measure, linearize=linearize)
+    check_hardware_and_optimizer(hardware, None)
     if plan is not None:
         if not isinstance(plan, Plan):
             raise ValueError(f"plan= takes a memfit.Plan, not {type(plan).__name__}: read a saved "
@@ -353,12 +377,28 @@ def plan(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor,
 
 
 def measure_peak(fn: Callable, *args: Any, **kwargs: Any) -> int:
-    """Device bytes at the peak of ``fn(*args, **kwargs)``, tensors among the arguments included.
+    """Device bytes at the peak of ``fn(*args, **kwargs)``, measured as memfit's own steps are:
+    compiled code runs compiled (a fitted model's plan stays in use), nothing is switched off.
 
-    On CUDA this is ``torch.cuda.max_memory_allocated``; on CPU, memfit's dispatch-level tracker.
-    For the full result use ``memfit.runtime.measure.measure_peak``.
+    What it counts: on CUDA, ``torch.cuda.max_memory_allocated`` (every byte the caching
+    allocator handed out, whoever holds it). On a CPU, the bytes of the tensors among ``args``,
+    ``kwargs`` and ``track=`` (one storage once: pass the parameters, gradients and optimizer
+    state resident during the call) plus the most the CPU allocator held above its level at the
+    call's start, read from the profiler's allocator events: what ops return and what kernels
+    allocate inside one op. memfit's swap buffers on a CPU come from numpy and are not counted.
+
+    Raises:
+        ProfilerRunning: on a CPU while a profiler of the user's is open (profilers do not nest;
+            memfit leaves that session alone).
+
+    Example:
+        >>> peak_bytes = memfit.measure_peak(iteration, track=(list(model.parameters()),
+        ...                                                    optimizer.state, batch))
+
+    For the full result (the call's return value, the bytes at its start) use
+    ``memfit.runtime.measure.measure_allocator_peak``.
     """
-    return _measure_peak(fn, *args, **kwargs).peak_bytes
+    return measure_allocator_peak(fn, *args, **kwargs).peak_bytes
 
 
 def report(model_or_backend: torch.nn.Module | Backend) -> str:

@@ -144,9 +144,12 @@ class FittedCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from torch._dynamo.exc import BackendCompilerFailed
 
+        from memfit.compiler.arguments import the_users_error
         from memfit.data.errors import BudgetError, CaptureError
         from memfit.model.schedule import PlanError
 
+        if _users_dispatch_mode_on():
+            return _eager_under_a_mode(self.module, args, kwargs)
         planner = self.backend
         planner.end_eager_watch()
         planner.watch_first_call(self.module)
@@ -161,7 +164,8 @@ class FittedCall:
         except BackendCompilerFailed as failed:
             inner = failed.inner_exception
             if isinstance(inner, (BudgetError, CaptureError, PlanError)):
-                raise inner.with_traceback(None) from None
+                raise the_users_error(inner, lambda: self.module._call_impl(*args, **kwargs),
+                                      self.module, (args, kwargs)) from None
             raise
         if planner.compiler == "aot_eager":  # its backward modules take None (inductor's do not)
             _lazy_output_gradients(result)
@@ -266,6 +270,28 @@ def _watch_optimizers(planner: Backend) -> None:
             found.end_eager_watch()  # off the stack once measuring ended (not inside a backward)
 
     register_optimizer_step_post_hook(adopt)
+
+
+def _users_dispatch_mode_on() -> bool:
+    """Whether a dispatch mode Dynamo does not compile under is on (a user's ``MemTracker``,
+    ``FlopCounterMode``, memfit's own ``DeviceMemoryTracker``; not memfit's eager watch)."""
+    from torch.utils import _python_dispatch
+
+    if torch._dynamo.config.inline_torch_dispatch_torch_compile:
+        return _python_dispatch.any_torch_dispatch_mode_on_stack()
+    return _python_dispatch.is_in_any_mode_without_ignore_compile_internals()
+
+
+def _eager_under_a_mode(model: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    """Run ``model`` eagerly, outside any plan, and say so: under a dispatch mode Dynamo runs no
+    compiled code, and a compiled frame it meets there is skipped for good (every later call,
+    the mode gone, would run eagerly too). Called directly, the fitted code keeps its plans."""
+    warnings.warn("memfit: a dispatch mode is on (a TorchDispatchMode of yours: a memory tracker, "
+                  "a FLOP counter), and torch.compile runs no compiled code under one: this call "
+                  "runs eagerly, outside any plan, so the budget does not hold for it. Later "
+                  "calls without the mode run their plans; measure a fitted model with "
+                  "memfit.measure_peak, which enters no mode", BudgetWarning, stacklevel=3)
+    return model._call_impl(*args, **kwargs)  # the model's own call, not its fitted one
 
 
 @contextlib.contextmanager
@@ -384,7 +410,8 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
         **params: the strategy's parameters.
 
     Raises:
-        ValueError: for a malformed budget, an unknown strategy, parameter or compiler.
+        ValueError: at this call, for a malformed budget, an unknown strategy, parameter,
+            compiler or hardware profile, or an optimizer that is not one.
         BudgetError: when a region is compiled or planned again and no plan fits.
 
     Note:
@@ -408,8 +435,14 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
     Example:
         >>> compiled = torch.compile(model, backend=memfit.backend(budget=0.5), dynamic=False)
     """
+    from memfit.compiler.arguments import check_hardware_and_optimizer
     from memfit.planning.strategies import resolve_budget_and_strategy
 
+    check_hardware_and_optimizer(hardware, optimizer)
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model= takes the torch.nn.Module trained, not {type(model).__name__}")
+    if isinstance(measure_runs, bool) or not isinstance(measure_runs, int):
+        raise ValueError(f"measure_runs must be an int, got {measure_runs!r}")
     if measure_runs < 0:
         raise ValueError(f"measure_runs must be 0 or more, got {measure_runs}")
     if compiler not in COMPILERS:

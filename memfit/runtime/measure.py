@@ -92,6 +92,10 @@ def measure_allocator_peak(fn: Callable[..., Any], *args: Any, track: Any = (),
     ``args``, ``kwargs`` and ``track``, which must include everything resident (parameters,
     gradients, optimizer state, inputs).
 
+    Raises:
+        ProfilerRunning: on a CPU while the user's own profiler records (``profiler_running``);
+            memfit leaves that session alone rather than nest a profiler inside it.
+
     Note:
         A dispatch mode (the tracker of ``measure_peak``) makes ``torch.compile`` fall back to
         eager, so compiled steps are measured here instead. memfit's host-tier buffers on a CPU
@@ -102,9 +106,39 @@ def measure_allocator_peak(fn: Callable[..., Any], *args: Any, track: Any = (),
     device = torch.device(device) if device is not None else _first_device(args, kwargs, track)
     if device.type == "cuda":
         return _measure_cuda(fn, args, kwargs, device)
+    if profiler_running():
+        raise ProfilerRunning(
+            "memfit measures a CPU step's peak through the profiler's allocator events, and a "
+            "profiler of yours is recording: profilers do not nest, so memfit would end your "
+            "session. Measure outside the profiler, or read the memory columns of your own "
+            "profile (profile_memory=True)")
     start_bytes = _unique_bytes((args, kwargs, track), device)
     result, above_bytes = _allocator_peak_above_start(lambda: fn(*args, **kwargs))
     return Measurement(result, start_bytes + above_bytes, start_bytes, device)
+
+
+def profiler_running() -> bool:
+    """Whether a profiler is open in this process: one that records now (``torch.profiler.
+    profile``, the legacy ``torch.autograd.profiler.profile``; ``record_function`` records into
+    either), or a ``torch.profiler.profile`` made and not yet exited, which may be waiting or
+    warming up on its schedule with nothing recording yet.
+
+    memfit starts no profiler of its own then: profilers do not nest, and one started inside
+    another ends the user's session (it records no events after) or, during its warm-up, made
+    the process crash at the next profiler call. What memfit measures then is counted another
+    way (``run_measured``'s ops). A ``torch.profiler.profile`` started with ``start()`` counts as
+    open until it is exited (``with`` or ``__exit__``), as torch's own step tracking does.
+    """
+    from torch.autograd import profiler as autograd_profiler
+    from torch.profiler.profiler import PROFILER_STEP_NAME
+
+    return bool(torch._C._autograd._profiler_enabled() or autograd_profiler._is_profiler_enabled
+                or PROFILER_STEP_NAME in autograd_profiler.KinetoStepTracker._step_dict)
+
+
+class ProfilerRunning(RuntimeError):
+    """A CPU measurement that reads the allocator through a profiler was asked for while the
+    user's own profiler records (``profiler_running``)."""
 
 
 def _unique_bytes(tree: Any, device: torch.device) -> int:

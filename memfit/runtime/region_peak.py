@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from memfit.runtime.measure import profiler_running
 from memfit.runtime.tracker import DeviceMemoryTracker
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def run_measured(call: Callable[[list], Any], args: list, device: torch.device,
     if not _PROFILER_LOCK.acquire(blocking=False):  # another thread's measurement profiles
         return _counted_by_ops(tracker, call, args, outside_bytes)
     try:
-        if torch._C._autograd._profiler_enabled():  # the user's profiler is on: none nests
+        if profiler_running():  # the user's profiler is on: none nests
             return _counted_by_ops(tracker, call, args, outside_bytes)
         start_bytes = tracker.current_bytes  # the tracker only counts here: no mode is entered
         result, above_bytes = _allocator_rise(call, args)

@@ -38,6 +38,15 @@ class Strategy(Protocol):
 
 
 _REGISTRY: dict[str, Strategy] = {}
+# the name each of this package's modules registers (tests/test_argument_errors.py holds it to
+# the registry): a name that is none of these nor registered is refused, and one strategy's
+# parameters checked, without loading every strategy and the solvers they import
+BUILTIN_MODULES = {
+    "auto": "auto", "checkpoint": "recomputing.checkpoint", "keep": "keep",
+    "memory-poor": "recomputing.memory_poor", "optimal-recompute": "recomputing.optimal_recompute",
+    "swap": "swapping.tflms", "vdnn_all": "swapping.vdnn", "vdnn_conv": "swapping.vdnn",
+    "vdnn_dyn": "swapping.vdnn",
+}
 _CONFIGS: dict[str, type[StrategyConfig]] = {}  # strategy name -> its parameters' config
 
 
@@ -125,6 +134,7 @@ def get_strategy(name: str) -> Strategy:
     Raises:
         ValueError: for an unknown name, listing the registered ones.
     """
+    _load_builtin()
     return _REGISTRY[canonical_name(name)]
 
 
@@ -137,16 +147,14 @@ def canonical_name(name: str) -> str:
     JSON, reports), so saved plans do not change.
 
     Raises:
-        ValueError: for an unknown name, listing the registered ones.
+        ValueError: for an unknown name, listing the registered ones (checked against the
+            built-in names first, so that a mistyped name loads no strategy).
     """
-    _load_builtin()
-    if name in _REGISTRY:
-        return name
-    by_spelling = _by_spelling()
-    if isinstance(name, str) and _spelling(name) in by_spelling:
-        return by_spelling[_spelling(name)]
-    raise ValueError(f"unknown strategy {name!r}: use one of {sorted(_REGISTRY)} "
-                     "('_' and '-' alike)")
+    known = {_spelling(known): known for known in (*BUILTIN_MODULES, *_REGISTRY)}
+    if not isinstance(name, str) or _spelling(name) not in known:
+        raise ValueError(f"unknown strategy {name!r}: use one of {sorted(known.values())} "
+                         "('_' and '-' alike)")
+    return known[_spelling(name)]
 
 
 def _spelling(name: str) -> str:
@@ -165,7 +173,12 @@ def check_params(name: str, params: Mapping[str, Any]) -> None:
     Builds the strategy's registered ``StrategyConfig``, which raises ``ValueError`` naming the
     accepted values.
     """
-    _CONFIGS[canonical_name(name)].from_params(params)
+    name = canonical_name(name)
+    if name not in _CONFIGS:  # a built-in not loaded yet: its own module only
+        import importlib
+
+        importlib.import_module(f"{__name__}.{BUILTIN_MODULES[name]}")
+    _CONFIGS[name].from_params(params)
 
 
 def resolve_budget_and_strategy(budget: str | int | float | Budget | None, strategy: str | None,

@@ -137,7 +137,7 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
     consider("swapped-checkpoints", lambda: _swapped_checkpoints(graph, hardware, budget_bytes))
     for strategy in _others(graph):  # only where nothing fits: auto never gives up before them
         if not any(found.values()):
-            consider(strategy, run(strategy))
+            consider(strategy, _none_where_inapplicable(run(strategy)))
     if not any(found.values()):
         raise _smallest_refusal(graph, keep, budget_bytes, refusals)
     name, (_, best) = min(((n, e) for n, e in found.items() if e is not None),
@@ -172,6 +172,20 @@ def _others(graph: CostGraph) -> list[str]:
     return others + ([LAST_RESORT] if len(graph.ops) <= MILP_MAX_OPS else [])
 
 
+def _none_where_inapplicable(make: Callable[[], Plan]) -> Callable[[], Plan | None]:
+    """``make``, giving ``None`` where its strategy, run with its defaults, does not apply to the
+    graph (``checkpoint`` on a graph with no separators raises ``ValueError``): the user named
+    auto, not that strategy, so its refusal is not theirs to act on."""
+
+    def made() -> Plan | None:
+        try:
+            return make()
+        except ValueError:  # not a BudgetError, which is no ValueError: consider records those
+            return None
+
+    return made
+
+
 def _smallest_refusal(graph: CostGraph, keep: Plan, budget_bytes: int,
                       refusals: list[BudgetError]) -> BudgetError:
     """auto's error: the smallest minimum any strategy reported (each one fits at its own, so
@@ -180,8 +194,10 @@ def _smallest_refusal(graph: CostGraph, keep: Plan, budget_bytes: int,
     smallest = min([BudgetError(budget_bytes, peak, dominant, "keep"), *refusals],
                    key=lambda error: error.minimum_bytes)
     notes = " ".join(dict.fromkeys(error.note for error in refusals if error.note))
+    reaches = (f"Strategy {smallest.strategy} reaches that minimum."
+               if smallest.strategy in strategy_names() else "")  # not auto's own candidates'
     return BudgetError(budget_bytes, smallest.minimum_bytes, smallest.dominant, strategy="auto",
-                       note=f"Strategy {smallest.strategy} reaches that minimum. {notes}".strip(),
+                       note=f"{reaches} {notes}".strip(),
                        host_bytes=smallest.host_bytes)  # named where the host limit set it
 
 

@@ -1,0 +1,79 @@
+"""Checks of the arguments of ``memfit.fit``, ``memfit.backend`` and ``memfit.compile`` that the
+budget and strategy check (``resolve_budget_and_strategy``) does not cover, made at the call
+that received them, before torch traces anything: inside a ``torch.compile`` backend a mistake
+would surface at the first step, wrapped in Dynamo's ``BackendCompilerFailed``. And for a
+``BudgetError`` from a step, the user's own mistake in its inputs first (``the_users_error``).
+
+Example:
+    >>> check_hardware_and_optimizer("h999", None)
+    Traceback (most recent call last):
+    ValueError: unknown hardware profile 'h999': use one of [...]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from memfit.data.errors import BudgetError
+from memfit.data.hardware import Hardware, get_hardware
+
+
+def check_hardware_and_optimizer(hardware: Hardware | str | None, optimizer: Any) -> None:
+    """Raise ``ValueError`` for a hardware profile that is neither ``None``, a ``Hardware`` nor a
+    built-in profile's name (the message lists them), and for an ``optimizer`` that is not a
+    ``torch.optim.Optimizer``."""
+    if hardware is not None:
+        if not isinstance(hardware, (str, Hardware)):
+            raise ValueError(f"hardware= takes a profile name or a memfit.Hardware, not "
+                             f"{type(hardware).__name__}")
+        get_hardware(hardware)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer= takes the loop's torch.optim.Optimizer, not "
+                         f"{type(optimizer).__name__} {optimizer!r}")
+
+
+def check_flags(**flags: Any) -> None:
+    """Raise ``ValueError`` for a flag argument that is not a ``bool`` (``measure="no"`` is true)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}= takes True or False, not {value!r}")
+
+
+def the_users_error(error: BaseException, run: Callable[[], Any], model: torch.nn.Module,
+                    values: Any) -> BaseException:
+    """The error to raise for ``error`` (memfit's, from a call on ``values``): where a
+    ``BudgetError`` may stand for a mistake in the user's own inputs, that mistake first.
+
+    A floating input of a dtype none of ``model``'s floating parameters has (a float64 batch
+    into a float32 model, autocast off) fails in eager code, but the traced graph may convert
+    it and plan it: then ``run()`` (the call, eagerly, without gradients) raises the user's own
+    error, which is returned. An empty input (a dimension of size 0) is named in the
+    ``BudgetError``'s note: its step holds no activations to plan.
+    """
+    if not isinstance(error, BudgetError):
+        return error
+    tensors = [leaf for leaf in tree_leaves(values) if isinstance(leaf, torch.Tensor)]
+    if _foreign_float_dtype(tensors, model):
+        try:
+            with torch.no_grad():
+                run()
+        except Exception as own:  # noqa: BLE001 - whatever the user's code raises is theirs
+            return own.with_traceback(None)
+    empty = [tuple(tensor.shape) for tensor in tensors if tensor.numel() == 0]
+    if not empty:
+        return error
+    note = (f"The batch is empty (an input of shape {empty[0]}): the step holds no activations "
+            "to plan, only the model's own bytes.")
+    return BudgetError(error.budget_bytes, error.minimum_bytes, error.dominant, error.strategy,
+                       f"{error.note} {note}".strip(), error.host_bytes)
+
+
+def _foreign_float_dtype(tensors: list[torch.Tensor], model: torch.nn.Module) -> bool:
+    own = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if not own or any(torch.is_autocast_enabled(t.device.type) for t in tensors):
+        return False
+    return any(t.is_floating_point() and t.dtype not in own for t in tensors)

@@ -1,0 +1,126 @@
+"""Errors at the call that received the input: every argument of fit, backend, compile, plan and
+max_batch_size refused there, fast, before torch traces anything, naming the valid choices; an
+empty batch and a float64 batch get the errors that name their real cause; messages name only
+strategies a user can pass."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit.planning.strategies import BUILTIN_MODULES, strategy_names
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+
+
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).mean()
+
+
+def _inputs(batch: int) -> tuple[torch.Tensor]:
+    return (torch.randn(batch, 8),)
+
+
+X = torch.randn(4, 8)
+CASES = {
+    "fit hardware": (lambda: memfit.fit(_mlp(), 0.5, hardware="h999"), "h100-pcie"),
+    "fit compiler": (lambda: memfit.fit(_mlp(), 0.5, compiler="inductr"), "aot_eager"),
+    "fit strategy": (lambda: memfit.fit(_mlp(), 0.5, strategy="autoo"), "'auto'"),
+    "fit parameter": (lambda: memfit.fit(_mlp(), 0.5, strategy="swap", lbb=3), "lb="),
+    "fit parameter value": (lambda: memfit.fit(_mlp(), 0.5, strategy="swap", lb=-3), "lb"),
+    "fit budget": (lambda: memfit.fit(_mlp(), "abc"), "fraction"),
+    "fit optimizer": (lambda: memfit.fit(_mlp(), 0.5, optimizer="adam"), "Optimizer"),
+    "backend hardware": (lambda: memfit.backend(0.5, hardware="h999"), "h100-pcie"),
+    "backend measure_runs": (lambda: memfit.backend(0.5, measure_runs="2"), "int"),
+    "compile hardware": (lambda: memfit.compile(_mlp(), _loss, 0.5, hardware="h999"), "cpu"),
+    "compile strategy": (lambda: memfit.compile(_mlp(), _loss, 0.5, strategy="autoo"), "keep"),
+    "compile measure": (lambda: memfit.compile(_mlp(), _loss, 0.5, measure="no"), "True or False"),
+    "plan hardware": (lambda: memfit.plan(_mlp(), _loss, X, budget=0.5, hardware="h999"), "a100"),
+    "plan strategy": (lambda: memfit.plan(_mlp(), _loss, X, budget=0.5, strategy="autoo"), "swap"),
+    "max_batch_size hardware": (lambda: memfit.max_batch_size(
+        _mlp(), _loss, _inputs, "1MiB", hardware="h999"), "h200"),
+    "max_batch_size strategy": (lambda: memfit.max_batch_size(
+        _mlp(), _loss, _inputs, "1MiB", strategy="autoo"), "checkpoint"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_bad_argument_is_refused_at_the_call_naming_the_choices(name):
+    call, choice = CASES[name]
+    call_cases_once()
+    start_s = time.perf_counter()
+    with pytest.raises(ValueError, match=choice):
+        call()
+    assert time.perf_counter() - start_s < 1.0
+
+
+def call_cases_once() -> None:
+    """Import what the calls import, once, so that the timing is the check's own."""
+    if not getattr(call_cases_once, "done", False):
+        for call, _ in CASES.values():
+            with pytest.raises(ValueError):
+                call()
+        call_cases_once.done = True
+
+
+def test_the_built_in_strategy_names_are_the_registered_ones():
+    assert sorted(BUILTIN_MODULES) == sorted(strategy_names())
+
+
+def test_the_command_line_refuses_an_unknown_strategy_without_loading_the_strategies():
+    code = ("import sys\nfrom memfit.cli import main\nassert main(['plan', '--model', 'mlp', "
+            "'--strategy', 'autoo']) == 2\nassert 'memfit.planning.solvers' not in sys.modules\n"
+            "assert 'torch' not in sys.modules")
+    start_s = time.perf_counter()
+    finished = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr
+    assert "unknown strategy 'autoo'" in finished.stderr
+    assert time.perf_counter() - start_s < 3.0
+
+
+@pytest.mark.slow
+def test_an_empty_batch_runs_as_eager_or_names_the_empty_batch():
+    empty = torch.randn(0, 8)
+    assert _loss(_mlp(), empty).isnan()
+    fitted = memfit.fit(_mlp(), budget=1 << 20)
+    loss = _loss(fitted, empty)
+    loss.backward()
+    assert loss.isnan()
+    with pytest.raises(memfit.BudgetError, match="The batch is empty") as raised:
+        _loss(memfit.fit(_mlp(), budget=0.5), empty)
+    assert "separators" not in str(raised.value)
+    with pytest.raises(memfit.BudgetError, match="The batch is empty"):
+        memfit.compile(_mlp(), _loss, 0.5)(empty)
+
+
+@pytest.mark.slow
+def test_a_float64_batch_into_a_float32_model_gets_the_dtype_error_before_a_budget_error():
+    doubles = torch.randn(4, 8, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="dtype") as eager:
+        _loss(_mlp(), doubles)
+    for budget in (0.5, 1000):
+        with pytest.raises(RuntimeError, match="dtype") as raised:
+            _loss(memfit.fit(_mlp(), budget=budget), doubles)
+        assert str(raised.value) == str(eager.value)
+        with pytest.raises(RuntimeError, match="dtype"):
+            memfit.compile(_mlp(), _loss, budget)(doubles)
+
+
+@pytest.mark.slow
+def test_auto_s_budget_error_names_no_strategy_a_user_cannot_pass():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(4)])
+    with pytest.raises(memfit.BudgetError) as raised:
+        memfit.plan(model, lambda m, x: m(x).square().mean(), torch.randn(256, 64),
+                    budget=0.3, hardware="cpu")
+    message = str(raised.value)
+    named = [word.strip(".,'") for word in message.split("Strategy ")[1:]]
+    assert all(name.split()[0] in strategy_names() for name in named), message
+    assert "jit-swap" not in message
