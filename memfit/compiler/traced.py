@@ -3,8 +3,13 @@ from fake inputs without running anything.
 
 ``memfit.compile`` runs this module compiled with memfit's backend; ``memfit.plan``,
 ``max_batch_size`` and the CLI trace the same module with fake inputs (Dynamo, then AOTAutograd,
-then memfit's partitioner), keep the plan the partitioner made, and stop before anything runs. So
-a plan made ahead of time names the tensors of the graph the step will run.
+then memfit's partitioner), keep the plan the partitioner made, and run nothing. So a plan made
+ahead of time names the tensors of the graph the step will run.
+
+Across graph breaks (a logger call in transformers' loss, Python between regions) every region
+is traced and planned in the order it runs, each beside the saves of the regions before it, as
+``memfit.fit``'s first iteration plans them; the step's plan then holds one plan per region
+(``Plan.regions``), and ``whole_step`` sums them up.
 """
 
 from __future__ import annotations
@@ -198,13 +203,19 @@ def trace_plan(model: torch.nn.Module, loss_fn: Callable, inputs: Sequence[torch
     as they would when the step runs. With an active ``sharding`` the plan is one rank's
     (``memfit.model.sharding``): its graph is the sharded one, which this process cannot run.
 
+    A step Dynamo breaks into several regions returns their ``whole_step``: its plan holds
+    each region's (``Plan.regions``), and a fraction budget is of the whole step's unplanned
+    peak. Planned one rank of a ``sharding``, the regions are planned one at a time, without
+    the saves of the regions before each.
+
     The step is traced as ``hardware``'s device runs it (``memfit.graph.target``): for a CUDA
     profile planned from CPU tensors, CUDA's attention kernels and, with ``autocast``, CUDA's
     autocast policy; for a profile of the parameters' own device, the step as it runs here
     (under ``torch.autocast`` with ``autocast``).
 
     Raises:
-        BudgetError: if the strategy cannot fit the budget.
+        BudgetError: if the strategy cannot fit the budget (a region beside the saves of the
+            regions before it included).
         CaptureError: if the step cannot be traced (Dynamo's error), or Dynamo stopped
             compiling part of it (its recompile limit).
     """
