@@ -337,6 +337,11 @@ def plan(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor,
 
     ``linearize`` reorders the forward pass first, as in ``compile``. The plan explains itself
     (``plan.explain()``), saves (``plan.save(path)``) and runs (``compile(..., plan=plan)``).
+    A step that Dynamo breaks into regions (a logger call in transformers' loss, Python between
+    regions) is planned region by region, each beside the saves of those before it: the plan
+    holds one plan per region (``plan.regions``, in the order they run), ``plan.explain()``
+    lists each with its share of the budget, and ``compile(..., plan=plan)`` gives each region
+    its own.
 
     The graph planned is the one ``hardware``'s device runs (``memfit.graph.target``): planned
     from CPU or meta tensors for a GPU profile, the step's attention is CUDA's kernel (flash or

@@ -73,6 +73,7 @@ from memfit.graph.joint import (
 from memfit.graph.lifetimes import (
     output_tangents,
     output_tensor_names,
+    scalar_output_bytes,
     trainable_parameter_bytes,
     with_later_gradients,
 )
@@ -81,7 +82,7 @@ from memfit.graph.rnn import eager_lstm_kernels, size_lstm_buffers
 from memfit.graph.shapes import Bound, at_bound
 from memfit.graph.target import host_code, retargeted
 from memfit.model.simulate import simulate
-from memfit.runtime.outside import EagerWatch
+from memfit.runtime.outside import CUDA_BLOCK_BYTES, EagerWatch
 from memfit.runtime.ranks import (
     agree_max,
     agree_on_hardware,
@@ -270,7 +271,10 @@ class Backend(EagerWatching, JointPlanning):
                      if binding.kind == "parameter")
         trainable = trainable_parameter_bytes(joint, num_fwd_outputs, captured.inputs)
         later = self._later_gradient_bytes(device, trainable)
-        eager = self.eager_held.get(site, 0)  # seen held by eager code beside it
+        # seen held by eager code beside it, at least the loop's loss of the previous call
+        block = CUDA_BLOCK_BYTES if device.type == "cuda" else 1
+        eager = max(self.eager_held.get(site, 0),
+                    scalar_output_bytes(joint, num_fwd_outputs, block))
         resident = resident_bytes(self.model, self.optimizers, device)
         gathered = fsdp_in_flight_bytes(self.model, device)  # FSDP2's all-gathered parameters
         # regions whose forward ran and whose backward has not hold their saved values meanwhile

@@ -60,13 +60,16 @@ class DeviceBudget:
 class Planned:
     """A planned step: its graph, plan, the unplanned and planned timelines, and its budget.
 
-    The timelines are the graph's own; ``*_peak_bytes`` add the bytes outside it."""
+    The timelines are the graph's own; ``*_peak_bytes`` add the bytes outside it. A step of
+    several regions (graph breaks) keeps each region's in ``regions``, in the order they run
+    (``memfit.compiler.traced.whole_step``); one region's step has none."""
 
     graph: CostGraph
     plan: Plan
     baseline: Timeline
     predicted: Timeline
     budget: DeviceBudget
+    regions: tuple[Planned, ...] = ()
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -94,7 +97,7 @@ def plan_step(graph: CostGraph, hardware: Hardware, budget: Budget | None, strat
     """
     baseline = simulate(graph, get_strategy("keep")(graph, hardware), hardware)
     if fixed is not None:
-        fixed.check_for(graph, hardware.name)
+        fixed = fixed.for_graph(graph, hardware.name)
         made_for = fixed.explanation.budget_bytes if fixed.explanation else fixed.budget_bytes
         resolved = DeviceBudget(made_for, outside_bytes)
         return Planned(graph, fixed, baseline, simulate(graph, fixed, hardware), resolved)

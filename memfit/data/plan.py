@@ -126,6 +126,11 @@ class Plan:
         explanation: why each decision was made and what it costs (``memfit.model.explain``),
             filled where the plan is made; it travels with the plan, so a loaded one explains
             itself. Not part of the plan's identity (``==`` ignores it).
+        regions: for a step that Dynamo compiles as several regions (graph breaks), each
+            region's plan, in the order the regions run; each was made under the whole budget
+            beside the bytes the regions before it still hold. Such a plan decides nothing
+            itself: ``swapped``, ``recomputed`` and ``swap_in_count`` gather its regions', and
+            ``decision`` asks which region. Empty for a step of one region.
 
     Example:
         >>> plan = memfit.plan(model, loss_fn, *meta_inputs, budget="20GiB", hardware="gh200")
@@ -143,27 +148,54 @@ class Plan:
     reruns: tuple[Rerun, ...] = ()
     topology_hash: str = field(default="", compare=False)
     explanation: Explanation | None = field(default=None, compare=False, repr=False)
+    regions: tuple[Plan, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "decisions", MappingProxyType(dict(self.decisions)))
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+        if self.regions and self.decisions:
+            raise ValueError("a plan of several regions decides nothing itself: its regions' "
+                             "plans hold the decisions")
 
     def decision(self, tensor: str) -> Decision:
+        if self.regions:  # tensor names repeat from one region's graph to the next
+            raise ValueError(f"this plan has {len(self.regions)} regions (graph breaks): ask "
+                             f"plan.regions[i].decision({tensor!r})")
         return self.decisions.get(tensor, KEEP)
 
     @property
     def swapped(self) -> tuple[str, ...]:
-        """Names of swapped tensors."""
+        """Names of swapped tensors (of every region: a name may repeat across regions)."""
+        if self.regions:
+            return tuple(name for region in self.regions for name in region.swapped)
         return tuple(name for name, d in self.decisions.items() if isinstance(d, Swap))
 
     @property
     def recomputed(self) -> tuple[str, ...]:
-        """Names of recomputed tensors."""
+        """Names of recomputed tensors (of every region: a name may repeat across regions)."""
+        if self.regions:
+            return tuple(name for region in self.regions for name in region.recomputed)
         return tuple(name for name, d in self.decisions.items() if isinstance(d, Recompute))
 
     @property
     def swap_in_count(self) -> int:
+        if self.regions:
+            return sum(region.swap_in_count for region in self.regions)
         return sum(len(d.swap_ins) for d in self.decisions.values() if isinstance(d, Swap))
+
+    def for_graph(self, graph: CostGraph, hardware: str) -> Plan:
+        """The plan made for ``graph`` on ``hardware``: this one, or the region's of that graph.
+
+        Raises:
+            PlanError: as ``check_for`` (for a plan of several regions, as the first region's
+                would), where none was made for it.
+        """
+        for region in self.regions:
+            if region.graph_hash == graph.structure_hash:
+                region.check_for(graph, hardware)
+                return region
+        (self.regions[0] if self.regions else self).check_for(graph, hardware)
+        return self
 
     def check_for(self, graph: CostGraph, hardware: str) -> None:
         """Raise ``PlanError`` unless this plan was made for ``graph`` on ``hardware``.

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 FORMAT = "memfit.plan"
 REQUIRED = ("format", "version", "strategy", "graph_hash", "decisions")
-OPTIONAL = ("topology_hash", "params", "budget_bytes", "hardware", "reruns", "explanation")
+OPTIONAL = ("topology_hash", "params", "budget_bytes", "hardware", "reruns", "explanation",
+            "regions")
 DECISION_FIELDS = {"Keep": {"type", "reason"}, "Recompute": {"type", "reason"},
                    "Swap": {"type", "swap_ins", "reason"}}
 FIX = "fix the file, or plan again and save it with plan.save(path)"
@@ -34,7 +35,9 @@ class PlanFileError(ValueError):
 
 
 def plan_to_json(plan: Plan) -> dict:
-    return {
+    """The JSON object; a plan of several regions adds ``regions``, each region's own object."""
+    regions = {"regions": [plan_to_json(region) for region in plan.regions]} if plan.regions else {}
+    return regions | {
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "topology_hash": plan.topology_hash,
@@ -85,6 +88,8 @@ def plan_from_json(data: object, strategy_names: Collection[str],
                      for i, r in enumerate(read.array(data.get("reruns", []), "reruns"))),
         topology_hash=read.text(data.get("topology_hash", ""), "topology_hash"),
         explanation=read.explanation(data.get("explanation")),
+        regions=tuple(plan_from_json(region, strategy_names, f"{source} regions[{i}]")
+                      for i, region in enumerate(read.array(data.get("regions", []), "regions"))),
     )
 
 

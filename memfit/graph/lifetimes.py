@@ -89,6 +89,23 @@ def output_tensor_names(joint: fx.GraphModule, num_fwd_outputs: int,
     return tuple(names)
 
 
+def scalar_output_bytes(joint: fx.GraphModule, num_fwd_outputs: int,
+                        block_bytes: int = 1) -> int:
+    """Bytes of the user-visible outputs of one element (the loss), each rounded up to the
+    allocator's ``block_bytes``: a plan counts the previous call's beside this one's, since a
+    loop holds its loss into the next iteration (``loss = model(...)`` rebinds it only once
+    the call returns; ``last = loss``). Larger outputs a loop keeps are seen at the run
+    (``memfit.runtime.outside``) and planned for then."""
+    total = 0
+    for node in joint.graph.find_nodes(op="output")[0].args[0][:num_fwd_outputs]:
+        value = node.meta.get("val") if isinstance(node, fx.Node) else None
+        tensor = next(tensors_in(value), None)
+        if tensor is not None and tensor.numel() == 1:
+            size = tensor.untyped_storage().nbytes()
+            total += -(-size // block_bytes) * block_bytes
+    return total
+
+
 def output_tangents(joint: fx.GraphModule, num_fwd_outputs: int) -> tuple[str | None, ...]:
     """Each user-visible output's tangent where it is more than a loss's scalar seed (matched
     in order by layout: AOTAutograd passes one per differentiable output), else ``None``.

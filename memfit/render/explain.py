@@ -20,6 +20,8 @@ def _ms(seconds: float | None) -> str:
 
 def explain_text(plan: Plan, depth: int = 3, width: int = 100, rows: int | None = 40) -> str:
     """See ``Plan.explain``."""
+    if plan.regions:
+        return _regions_text(plan, depth, width, rows)
     head = (f"plan: strategy {plan.strategy!r}, hardware {plan.hardware or '-'}, budget "
             f"{format_bytes(plan.budget_bytes) if plan.budget_bytes else 'none'}, graph "
             f"{plan.graph_hash or '-'}")
@@ -149,3 +151,29 @@ def _bare_decisions(plan: Plan) -> str:
         return "no decisions: every tensor is kept" + (
             f" ({len(plan.reruns)} explicit re-runs)" if plan.reruns else "")
     return table(("tensor", "decision", "prefetch after", "why"), rows)
+
+
+def _regions_text(plan: Plan, depth: int, width: int, rows: int | None) -> str:
+    """A plan of several regions: one row per region (its share of the budget: the budget less
+    what is held beside it), then each region's own explanation."""
+    budget = format_bytes(plan.budget_bytes) if plan.budget_bytes else "none"
+    lines = [f"plan: strategy {plan.strategy!r}, hardware {plan.hardware or '-'}, budget {budget}, "
+             f"{len(plan.regions)} regions (graph breaks), planned in the order they run, each "
+             "beside the bytes the regions before it hold (their saves, the model's parameters "
+             "and gradients); the step's peak is the highest region's"]
+    table_rows = []
+    for index, region in enumerate(plan.regions):
+        explained = region.explanation
+        if explained is None:
+            table_rows.append((index, region.graph_hash, "-", "-", "-", "-", "-"))
+            continue
+        share = (format_bytes(explained.budget_bytes - explained.outside_bytes)
+                 if explained.budget_bytes is not None else "no limit")
+        table_rows.append((index, region.graph_hash, format_bytes(explained.outside_bytes),
+                           share, format_bytes(explained.baseline_peak_bytes),
+                           format_bytes(explained.peak_bytes), _ms(explained.step_time_s)))
+    lines.append(fit_table(("region", "graph", "held beside it", "its share of the budget",
+                            "unplanned peak", "predicted peak", "step time"), table_rows, width))
+    for index, region in enumerate(plan.regions):
+        lines += [f"-- region {index} --", explain_text(region, depth, width, rows)]
+    return "\n".join(lines)

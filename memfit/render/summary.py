@@ -85,7 +85,9 @@ def plan_summary(planned: Planned, width: int = 100, depth: int = 3,
                  rows: int | None = 40) -> str:
     """What ``memfit plan`` prints: the model and graph in one line, then ``plan.explain()``."""
     graph = planned.graph
-    return (f"{planned.model}, batch {planned.batch_size}: {len(graph.ops)} ops, "
+    regions = len(planned.plan.regions)
+    where = f"{regions} regions (graph breaks); the one whose peak is highest: " if regions else ""
+    return (f"{planned.model}, batch {planned.batch_size}: {where}{len(graph.ops)} ops, "
             f"{len(graph.saved_tensors())} saved tensors\n"
             + planned.plan.explain(depth=depth, width=width, rows=rows))
 

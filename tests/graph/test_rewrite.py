@@ -73,12 +73,13 @@ def test_rewritten_graph_gives_identical_gradients_and_lower_peak():
     graph = keep.graph  # the graph the backend plans for this step
     tanh, plan = first_tanh_plan(graph)
     step = memfit.compile(chain_model(), loss_fn, plan=plan, hardware="cpu")
-    step(x)
+    loss = step(x)
     assert step.plan is plan and step.graph.structure_hash == graph.structure_hash
     for a, b in zip(keep.model.parameters(), step.model.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
-    # nothing resident beyond the graph's inputs (no buffers, no .grad before the step)
-    assert step.compiled.outside_bytes == 0
+    # nothing resident beyond the graph's inputs (no buffers, no .grad before the step) but
+    # the previous step's loss, which a loop holds beside the next
+    assert step.compiled.outside_bytes == loss.untyped_storage().nbytes()
     assert step.measured.peak_bytes == memory_profile(lower(graph, plan)).peak_bytes
     assert step.measured.peak_bytes <= keep.measured.peak_bytes
     kinds = [(node.meta.get("memfit") or {}).get("kind") for node in step.compiled.forward.graph.nodes]

@@ -125,10 +125,12 @@ def test_compiling_at_the_reported_minimum_runs_within_it(small, strategy):
         assert simulate(graph, made, HARDWARE, record_intervals=False).peak_bytes <= minimum
         return
     model = copy.deepcopy(example.model)
+    # parameters and buffers (BatchNorm's statistics) are inputs of the traced graph, so the
+    # device's minimum is the graph's and the previous step's float32 loss (a loop holds it
+    # beside the next): nothing else of the step lies outside its one region
+    minimum += 4
     step = memfit.compile(model, example.loss_fn, budget=minimum, strategy=strategy)
     loss = step(*example.inputs())
     assert torch.isfinite(loss)
-    # parameters and buffers (BatchNorm's statistics) are inputs of the traced graph, so the
-    # graph's minimum is the device's: nothing of the step lies outside its one region
-    assert step.compiled.outside_bytes == 0
+    assert step.compiled.outside_bytes == loss.untyped_storage().nbytes() == 4
     assert_within_budget(step, minimum)
