@@ -47,11 +47,22 @@ def fit(model: torch.nn.Module, budget: str | int | float | None = None,
     planner = backend(budget, strategy, hardware, compiler, optimizer, model=model, **params)
     agreement_group()  # in a distributed job: made here, where every rank calls fit, not mid-step
     _watch_optimizers(planner)
-    compiled = torch.compile(model, backend=planner, dynamic=False)
+    planner.checks_calls = True
+    compiled = torch.compile(model, backend=planner, dynamic=False, **own_recompiles())
     compiled.__class__ = _fitted_class()
     compiled._memfit_backend = planner  # type: ignore[assignment]
     compiled._memfit_traces_rnns = _traces_rnns(model, compiler)  # type: ignore[assignment]
     return compiled
+
+
+def own_recompiles() -> dict[str, Any]:
+    """``torch.compile``'s option that gives each call its own compiled entries and recompile
+    limit (torch 2.13 on): by default every compiled module shares one code object, so one
+    model's recompiles count against every other's limit, and one past it runs all eagerly."""
+    import inspect
+
+    return ({"isolate_recompiles": True}
+            if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
 
 
 def _watch_optimizers(planner: Backend) -> None:
@@ -83,6 +94,7 @@ def _fitted_class() -> type:
     from torch._dynamo.eval_frame import OptimizedModule
     from torch._dynamo.exc import BackendCompilerFailed
 
+    from memfit.compiler.unplanned import call_ended, call_started, conversion_failed
     from memfit.data.errors import BudgetError, CaptureError
     from memfit.model.schedule import PlanError
 
@@ -92,20 +104,44 @@ def _fitted_class() -> type:
             planner.end_eager_watch()
             planner.watch_first_call(self._orig_mod)
             planner.note_call_arguments((args, kwargs))
+            start = call_started(planner)
             try:
                 with _rnn_traced(self._memfit_traces_rnns), _units_compiled(self):
                     result = super().__call__(*args, **kwargs)
-            except BackendCompilerFailed as failed:
-                inner = failed.inner_exception
-                if isinstance(inner, (BudgetError, CaptureError, PlanError)):
+            except BaseException as failed:
+                if conversion_failed(start):  # Dynamo gave up on a frame of this model
+                    _compile_anew(self)
+                inner = getattr(failed, "inner_exception", None)
+                if (isinstance(failed, BackendCompilerFailed)
+                        and isinstance(inner, (BudgetError, CaptureError, PlanError))):
                     raise inner.with_traceback(None) from None
                 raise
+            call_ended(planner, start, self._orig_mod, (args, kwargs))
             if planner.compiler == "aot_eager":  # its backward modules take None (inductor's do not)
                 _lazy_output_gradients(result)
             planner.watch_eager()  # what the loop holds beside the regions (memfit.runtime.outside)
             return result
 
     return FittedModule
+
+
+def _compile_anew(fitted: Any) -> None:
+    """Give ``fitted`` fresh compiled entries, traced and planned at its next call, in place of
+    those an exception left: Dynamo marks the frame whose trace met an exception (a hook that
+    raised, a Ctrl-C, a data check) skipped for good, for this model's entries
+    (``own_recompiles``), so every later call would run eagerly. The plans its next call makes
+    replace the current ones."""
+    from memfit.compiler.unplanned import undo_entry_skips
+
+    planner = fitted._memfit_backend
+    fresh = torch.compile(fitted._orig_mod, backend=planner, dynamic=False, **own_recompiles())
+    for name in ("dynamo_ctx", "forward", "_forward"):
+        if name in fresh.__dict__:
+            fitted.__dict__[name] = fresh.__dict__[name]
+    fitted.__dict__.pop("_memfit_unit_forwards", None)  # FSDP2 units: compiled anew too
+    for region in planner.regions:
+        region.replaced = True
+    undo_entry_skips()  # without its own entries (torch before 2.13): the shared entry's skip
 
 
 @contextlib.contextmanager
@@ -130,7 +166,8 @@ def _units_compiled(fitted: Any) -> Any:
     if compiled is None:  # found once: fully_shard comes before memfit.fit
         compiled = fitted.__dict__["_memfit_unit_forwards"] = [
             (unit, functools.partial(torch.compile(
-                _unit_forward, backend=fitted._memfit_backend, dynamic=False), unit))
+                _unit_forward, backend=fitted._memfit_backend, dynamic=False,
+                **own_recompiles()), unit))
             for unit in fsdp_unit_modules(fitted._orig_mod)
             # not one with a forward of its own (the user's), nor one Dynamo compiles itself
             if "forward" not in unit.__dict__ and trace_rules.check(type(unit).forward)]
