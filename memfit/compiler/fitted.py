@@ -94,7 +94,12 @@ def _fitted_class() -> type:
     from torch._dynamo.eval_frame import OptimizedModule
     from torch._dynamo.exc import BackendCompilerFailed
 
-    from memfit.compiler.unplanned import call_ended, call_started, conversion_failed
+    from memfit.compiler.unplanned import (
+        call_ended,
+        call_started,
+        conversion_failed,
+        dispatch_modes,
+    )
     from memfit.data.errors import BudgetError, CaptureError
     from memfit.model.schedule import PlanError
 
@@ -106,8 +111,11 @@ def _fitted_class() -> type:
             planner.note_call_arguments((args, kwargs))
             start = call_started(planner)
             try:
-                with _rnn_traced(self._memfit_traces_rnns), _units_compiled(self):
-                    result = super().__call__(*args, **kwargs)
+                if dispatch_modes():  # Dynamo runs it eagerly and skips its entry for good
+                    result = self._orig_mod(*args, **kwargs)
+                else:
+                    with _rnn_traced(self._memfit_traces_rnns), _units_compiled(self):
+                        result = super().__call__(*args, **kwargs)
             except BaseException as failed:
                 if conversion_failed(start):  # Dynamo gave up on a frame of this model
                     _compile_anew(self)

@@ -110,10 +110,10 @@ def _cause(planner: Backend, start: CallStart) -> str:
     stance = torch._dynamo.eval_frame._stance.stance
     if stance != "default":
         return f"torch.compiler.set_stance({stance!r}) is in force"
-    modes = _dispatch_modes()
+    modes = dispatch_modes()
     if modes:
-        return (f"a dispatch mode ({', '.join(modes)}) is on the stack, and Dynamo runs compiled "
-                "code eagerly under it; measure with memfit's own report instead")
+        return (f"a dispatch mode ({', '.join(modes)}) is on the stack, and Dynamo does not "
+                "run compiled code under it; the next call without it runs the plan")
     if planner.limit_codes:
         return next(iter(planner.limit_codes.values()))
     new = [message for message in counters["unimplemented"] if message not in start.unsupported]
@@ -125,12 +125,14 @@ def _cause(planner: Backend, start: CallStart) -> str:
                                   '(TORCH_LOGS="recompiles,graph_breaks" shows it)')
 
 
-def _dispatch_modes() -> list[str]:
-    """The dispatch modes on this thread's stack under which Dynamo does not compile."""
+def dispatch_modes() -> list[str]:
+    """The dispatch modes on this thread's stack under which Dynamo does not compile: it runs
+    the frame eagerly and marks its code skipped for later calls too, so a fitted model under
+    one runs its module directly instead (``memfit.compiler.fitted``)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     return [type(mode).__name__ for mode in _get_current_dispatch_mode_stack()
-            if not type(mode).ignore_compile_internals()]
+            if not mode.is_infra_mode() and not mode.ignore_compile_internals()]
 
 
 def limit_cause(limit: int | None) -> str:
