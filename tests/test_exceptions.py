@@ -77,7 +77,7 @@ def eager_over(data: list, completed: list[int]):
     model = mlp()
     optimizer = torch.optim.AdamW(model.parameters())
     losses, peaks = train_catching(model, optimizer, [data[index] for index in completed])
-    return model, losses, max(peaks)
+    return model, losses, max(peaks, default=0)
 
 
 def fitted_at(fraction: float, data: list):
