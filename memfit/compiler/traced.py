@@ -82,7 +82,12 @@ def memfit_error(error: BaseException) -> BaseException:
 
 
 class _Stop(Exception):
-    """Raised by the planning-only backend once it planned: nothing runs."""
+    """Raised by the planning-only backend once it planned: nothing runs. It carries the region
+    planned (the backend keeps no region whose compile did not finish)."""
+
+    def __init__(self, region: Region | None = None) -> None:
+        super().__init__()
+        self.region = region
 
 
 class _PlanOnly(Backend):
@@ -90,7 +95,7 @@ class _PlanOnly(Backend):
 
     def plan_region(self, *args: Any, **kwargs: Any) -> Any:
         super().plan_region(*args, **kwargs)
-        raise _Stop
+        raise _Stop(self.regions[-1])
 
 
 class _ShardedStop(_Stop):
@@ -191,7 +196,7 @@ def _stopped(error: BaseException, planner: Backend) -> Planned | None:
     inner = error.inner_exception
     if isinstance(inner, _ShardedStop):
         return inner.planned
-    return as_planned(planner.regions[-1]) if isinstance(inner, _Stop) else None
+    return as_planned(inner.region) if isinstance(inner, _Stop) and inner.region else None
 
 
 def as_planned(region: Region) -> Planned:
