@@ -134,18 +134,20 @@ def test_graph_broken_regions_are_planned_jointly_and_fit_from_the_second_iterat
     assert "planned jointly 1 time(s)" in memfit.report(fitted)
 
 
-def test_a_region_past_dynamos_recompile_limit_is_named_once():
-    """Past the recompile limit Dynamo runs the code eagerly, outside any plan: memfit warns
-    once and the report names the code."""
+def test_each_call_past_dynamos_recompile_limit_warns_and_is_reported():
+    """Past the recompile limit Dynamo runs the code eagerly, outside any plan: memfit warns at
+    each such call, naming the code and the cause, and the report counts them; a call of a shape
+    compiled before the limit runs its plan, without a warning."""
     model = mlp(depth=2)
     fitted = memfit.fit(model)
     with torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for size in (4, 5, 6):  # dynamic=False: each batch size is a new compile
+        for size in (4, 5, 6, 4):  # dynamic=False: each batch size is a new compile
             fitted(torch.randn(size, 128)).sum().backward()
     limit = [w for w in caught if "recompile limit" in str(w.message)]
-    assert len(limit) == 1 and limit[0].category is BudgetWarning
-    assert "ran outside any plan" in memfit.report(fitted)
+    assert len(limit) == 2 and all(w.category is BudgetWarning for w in limit)
+    assert "Sequential.forward" in str(limit[0].message)
+    assert "ran outside any plan: 2 call(s)" in memfit.report(fitted)
 
 
 def test_a_found_optimizer_replans_every_region_of_a_graph_broken_model():

@@ -37,6 +37,7 @@ from memfit.compiler.graph_breaks import (
     extra_copies,
     first_iteration_cap,
     own_copies_bytes,
+    site_code,
     watch_recompile_limit,
 )
 from memfit.compiler.joint_planning import MAX_JOINT_ROUNDS, JointPlanning
@@ -122,6 +123,12 @@ class Backend(EagerWatching, JointPlanning):
         self.copies_sites: set[Any] = set()  # sites planned for copies of their saves
         self.copies_short_said = False  # no plan fit beside a region's copies (said once)
         self.eager_codes: list[str] = []  # code Dynamo stopped compiling (its recompile limit)
+        self.limit_codes: dict[Any, str] = {}  # code object past its recompile limit -> cause
+        self.checks_calls = False  # memfit.fit's module says each call run outside a plan
+        self.forward_runs = 0  # planned region forwards run
+        self.codes_run: set[Any] = set()  # codes whose planned region ran in the current call
+        self.unplanned_calls: dict[str, int] = {}  # "code: cause" -> calls run outside a plan
+        self.skip_cause = ""  # why Dynamo last ran the whole model eagerly, where it said
         self.eager_held: dict[Any, int] = {}  # site -> eager code's bytes its plan counts
         self.eager_replans = 0  # times regions were planned again for what eager code held
         self.eager_gave_up = False  # eager code held more each time: no longer planned for
@@ -175,6 +182,7 @@ class Backend(EagerWatching, JointPlanning):
         sizes = InputSizes.of(graph_module)  # where a dynamic region's sizes are read
         bound = sizes.first_bound() if sizes else None
         compiled = self.compile_region(graph_module, example_inputs, device, site, bound)
+        self.limit_codes.pop(site_code(site), None)  # compiled again: planned from here on
         if len(self.regions) == first:  # no joint graph (an inference region): nothing planned
             return compiled
         return plan_again_when_stale(self, graph_module, device, site, compiled,
@@ -188,9 +196,14 @@ class Backend(EagerWatching, JointPlanning):
         self._parameters = self._resident_counted = None  # count what is resident afresh
         self.device = device
         started = time.perf_counter()
+        first = len(self.regions)
         try:
             with self._target(device):
                 return self._compile_region(graph_module, example_inputs, device, site, bound)
+        except BaseException as error:
+            if not getattr(error, "keeps_region", False):  # a planning-only trace's stop keeps it
+                del self.regions[first:]  # planned, but its compile failed: it never runs
+            raise
         finally:
             self.planning_s += time.perf_counter() - started
 
@@ -444,17 +457,29 @@ class Backend(EagerWatching, JointPlanning):
                 region.replaced = True
         return {region.index: held - region.planned_eager_bytes for region, held in needed}
 
-    def recompile_limit_hit(self, where: str) -> None:
-        """Dynamo stopped compiling ``where`` for this backend (its recompile limit): that code
-        now runs eagerly, outside any plan; say so once."""
-        if self.eager_codes:
+    def recompile_limit_hit(self, where: str, code: Any = None, limit: int | None = None
+                            ) -> None:
+        """Dynamo stopped compiling ``where`` (``code``) for this backend (its recompile limit):
+        that code now runs eagerly, outside any plan. ``memfit.fit``'s module says so at each
+        call it runs eagerly in (``memfit.compiler.unplanned``); else it is said once here."""
+        from memfit.compiler.unplanned import limit_cause
+
+        if code is not None:
+            self.limit_codes[code] = limit_cause(limit)
+        if where not in self.eager_codes:
+            self.eager_codes.append(where)
+        if self.checks_calls or len(self.eager_codes) > 1:
             return
-        self.eager_codes.append(where)
         warnings.warn(
             f"memfit: Dynamo hit its recompile limit on {where}; that code now runs eagerly, "
             "outside any plan, so the budget no longer holds. Raise "
             "torch._dynamo.config.recompile_limit or remove what makes it recompile "
             '(TORCH_LOGS="recompiles" shows why).', BudgetWarning, stacklevel=2)
+
+    def forward_ran(self, region: Region) -> None:
+        """Count a planned forward of ``region`` run, in the current call of the model."""
+        self.forward_runs += 1
+        self.codes_run.add(site_code(region.site))
 
     # ---- re-planning when more stays resident ---------------------------------------------------
 

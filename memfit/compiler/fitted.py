@@ -131,6 +131,7 @@ class FittedCall:
         self.unit_forwards: list | None = None  # FSDP2 units compiled (_units_compiled)
         self._compiled: Any = None  # the model's _call_impl compiled, made at the first call
         self.shapes: tuple | None = None  # the last call's input shapes (_dynamic_on_change)
+        self.device_fitted = False  # whether an automatic budget was read from the device
 
     def install(self) -> None:
         """Be the module's call, and its ``_memfit_backend`` the backend (``memfit.report``)."""
@@ -145,11 +146,15 @@ class FittedCall:
         from torch._dynamo.exc import BackendCompilerFailed
 
         from memfit.compiler.arguments import the_users_error
+        from memfit.compiler.unplanned import (
+            call_ended,
+            call_started,
+            conversion_failed,
+            dispatch_modes,
+        )
         from memfit.data.errors import BudgetError, CaptureError
         from memfit.model.schedule import PlanError
 
-        if _users_dispatch_mode_on():
-            return _eager_under_a_mode(self.module, args, kwargs)
         planner = self.backend
         planner.end_eager_watch()
         planner.watch_first_call(self.module)
@@ -158,15 +163,23 @@ class FittedCall:
         planner.note_call_arguments((args, kwargs))
         if self.arguments.dynamic is None:
             self.shapes = _dynamic_on_change(self.shapes, (args, kwargs))
+        start = call_started(planner)
         try:
-            with _rnn_traced(bool(self.traces_rnns)), _units_compiled(self):
-                result = self._compiled(*args, **kwargs)
-        except BackendCompilerFailed as failed:
-            inner = failed.inner_exception
-            if isinstance(inner, (BudgetError, CaptureError, PlanError)):
+            if dispatch_modes():  # Dynamo would run it eagerly and skip its entry for good
+                result = self.module._call_impl(*args, **kwargs)
+            else:
+                with _rnn_traced(bool(self.traces_rnns)), _units_compiled(self):
+                    result = self._compiled(*args, **kwargs)
+        except BaseException as failed:
+            if conversion_failed(start):  # Dynamo gave up on a frame of this model
+                self.compile_anew()
+            inner = getattr(failed, "inner_exception", None)
+            if (isinstance(failed, BackendCompilerFailed)
+                    and isinstance(inner, (BudgetError, CaptureError, PlanError))):
                 raise the_users_error(inner, lambda: self.module._call_impl(*args, **kwargs),
                                       self.module, (args, kwargs)) from None
             raise
+        call_ended(planner, start, self.module, (args, kwargs))
         if planner.compiler == "aot_eager":  # its backward modules take None (inductor's do not)
             _lazy_output_gradients(result)
         planner.watch_eager()  # what the loop holds beside the regions (memfit.runtime.outside)
@@ -183,13 +196,39 @@ class FittedCall:
         module = self.module
         if self.traces_rnns is None:  # a copy: its state was not there when it was made
             self.traces_rnns = _traces_rnns(module, self.arguments.compiler)
-        if self.arguments.automatic:
+        if self.arguments.automatic and not self.device_fitted:
+            self.device_fitted = True  # read once: a compile anew keeps the budget it had
             fit_device(self.backend, _call_device(module, (args, kwargs)),
                        self.arguments.strategy, dict(self.arguments.params))
         call = module._call_impl
         if isinstance(module.forward, types.MethodType) and trace_rules.check(module.forward):
             call = external_utils.wrap_inline(call)
-        self._compiled = torch.compile(call, backend=self.backend, dynamic=self.arguments.dynamic)
+        self._compiled = torch.compile(call, backend=self.backend, dynamic=self.arguments.dynamic,
+                                       **own_recompiles())
+
+    def compile_anew(self) -> None:
+        """Fresh compiled entries, traced and planned at the next call, in place of those an
+        exception left: Dynamo marks the frame whose trace met an exception (a hook that raised,
+        a Ctrl-C, a data check) skipped for good for this model's entries (``own_recompiles``),
+        so every later call would run eagerly. The plans the next call makes replace these."""
+        from memfit.compiler.unplanned import undo_entry_skips
+
+        self._compiled = None
+        self.shapes = None
+        self.unit_forwards = None  # FSDP2 units: compiled anew too
+        for region in self.backend.regions:
+            region.replaced = True
+        undo_entry_skips()  # without entries of its own (torch before 2.13): the shared skip
+
+
+def own_recompiles() -> dict[str, Any]:
+    """``torch.compile``'s option that gives each compiled call its own entries and recompile
+    limit (torch 2.13 on): otherwise every model of one class shares one code object, so one
+    model's recompiles count against every other's limit, and one past it runs all eagerly."""
+    import inspect
+
+    return ({"isolate_recompiles": True}
+            if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
 
 
 def _dynamic_on_change(before: tuple | None, arguments: Any) -> tuple:
@@ -236,6 +275,7 @@ def _planner(module: torch.nn.Module, arguments: FitArguments,
     planner = backend(budget, arguments.strategy, arguments.hardware, arguments.compiler,
                       optimizer, model=module, **dict(arguments.params))
     planner.copy_as = (_copied_backend, (module, arguments))
+    planner.checks_calls = True  # warn at each training call that runs no plan (unplanned.py)
     _watch_optimizers(planner)
     return planner
 
@@ -272,28 +312,6 @@ def _watch_optimizers(planner: Backend) -> None:
     register_optimizer_step_post_hook(adopt)
 
 
-def _users_dispatch_mode_on() -> bool:
-    """Whether a dispatch mode Dynamo does not compile under is on (a user's ``MemTracker``,
-    ``FlopCounterMode``, memfit's own ``DeviceMemoryTracker``; not memfit's eager watch)."""
-    from torch.utils import _python_dispatch
-
-    if torch._dynamo.config.inline_torch_dispatch_torch_compile:
-        return _python_dispatch.any_torch_dispatch_mode_on_stack()
-    return _python_dispatch.is_in_any_mode_without_ignore_compile_internals()
-
-
-def _eager_under_a_mode(model: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-    """Run ``model`` eagerly, outside any plan, and say so: under a dispatch mode Dynamo runs no
-    compiled code, and a compiled frame it meets there is skipped for good (every later call,
-    the mode gone, would run eagerly too). Called directly, the fitted code keeps its plans."""
-    warnings.warn("memfit: a dispatch mode is on (a TorchDispatchMode of yours: a memory tracker, "
-                  "a FLOP counter), and torch.compile runs no compiled code under one: this call "
-                  "runs eagerly, outside any plan, so the budget does not hold for it. Later "
-                  "calls without the mode run their plans; measure a fitted model with "
-                  "memfit.measure_peak, which enters no mode", BudgetWarning, stacklevel=3)
-    return model._call_impl(*args, **kwargs)  # the model's own call, not its fitted one
-
-
 @contextlib.contextmanager
 def _units_compiled(fitted: FittedCall) -> Any:
     """While the fitted model runs, each FSDP2 unit whose ``forward`` Dynamo would not compile
@@ -316,7 +334,7 @@ def _units_compiled(fitted: FittedCall) -> Any:
     if compiled is None:  # found once: fully_shard comes before memfit.fit
         compiled = fitted.unit_forwards = [
             (unit, functools.partial(torch.compile(
-                _unit_forward, backend=fitted.backend, dynamic=False), unit))
+                _unit_forward, backend=fitted.backend, dynamic=False, **own_recompiles()), unit))
             for unit in fsdp_unit_modules(fitted.module)
             # not one with a forward of its own (the user's), nor one Dynamo compiles itself
             if "forward" not in unit.__dict__ and trace_rules.check(type(unit).forward)]

@@ -57,6 +57,11 @@ def compiling_site() -> Any:
 _REGIONS_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per Dynamo compile
 
 
+def site_code(site: Any) -> Any:
+    """The code object of a ``compiling_site``."""
+    return site[0] if isinstance(site, tuple) else site
+
+
 def latest_regions(regions: Sequence[Region]) -> list[Region]:
     """The newest region of each site (``compiling_site``), in the order they were first
     compiled: the regions one iteration runs now (a re-planned site replaces its older ones)."""
@@ -254,20 +259,22 @@ class RecompileLimitWatch(logging.Handler):
             return
         arguments = record.args if isinstance(record.args, tuple) else ()
         where = str(arguments[2]) if len(arguments) > 2 else "a compiled function"
-        backend = _backend_being_compiled()
+        limit = arguments[1] if len(arguments) > 1 and isinstance(arguments[1], int) else None
+        backend, code = _backend_being_compiled()
         if backend is not None and backend in self.backends:
-            backend.recompile_limit_hit(where)
+            backend.recompile_limit_hit(where, code, limit)
 
 
-def _backend_being_compiled() -> Any:
+def _backend_being_compiled() -> tuple[Any, Any]:
     """The backend of the frame Dynamo is converting now (its ``_compile``'s ``compiler_fn``,
-    unwrapped): the code Dynamo names is often a wrapper every compiled module shares, so the
-    backend, not the code, tells whose region it is."""
+    unwrapped), and the frame's code: the code Dynamo names is often a wrapper every compiled
+    module shares, so the backend, not the code, tells whose region it is."""
     import sys
 
     frame = sys._getframe()
     while frame is not None:
         if frame.f_code.co_name == "_compile" and "compiler_fn" in frame.f_locals:
+            code = frame.f_locals.get("code")
             found = frame.f_locals["compiler_fn"]
             for _ in range(8):  # WrapBackendDebug, _TorchCompileWrapper, ... around it
                 inner = (getattr(found, "_torchdynamo_orig_backend", None)
@@ -275,9 +282,9 @@ def _backend_being_compiled() -> Any:
                 if inner is None:
                     break
                 found = inner
-            return found
+            return found, code
         frame = frame.f_back  # type: ignore[assignment]
-    return None
+    return None, None
 
 
 _WATCH = RecompileLimitWatch()

@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -49,7 +50,9 @@ class Region:
     backward: fx.GraphModule
     resident_bytes: int = 0  # model and optimizer bytes (reserved state included) it planned for
     saved_bytes: int = 0  # device bytes its forward saves for its backward
-    open_forwards: int = 0  # forwards run whose backward has not run yet (their saves are alive)
+    open_nodes: list = field(default_factory=list, repr=False)  # per forward whose backward
+    # has not run: a weak reference to its autograd node (``None`` where none was found), which
+    # dies with the graph where the loop drops it without a backward (an exception caught)
     most_open_forwards: int = 0  # the most of its forwards open at once: how many copies of its
     # saves an iteration holds together (blocks that run one compiled code: FSDP2's per-block
     # regions where Dynamo does not guard on which block, GPT-2 with ``use_cache=False``)
@@ -86,6 +89,28 @@ class Region:
     eager_read: bool = False  # eager code's bytes were read at a measured backward's start
     warned_over: bool = False  # said that a measured run of its plan exceeded budget and prediction
     shape_bound: Any = None  # a dynamic region: each symbolic size at the value it was priced at
+
+    @property
+    def open_forwards(self) -> int:
+        """Forwards run whose backward has not run yet and whose autograd graph is alive: their
+        saves are alive. A forward whose graph the loop dropped (an exception between the
+        forward and the backward, an evaluation with gradients on) is closed by its graph's
+        end, so no later plan or measurement counts its saves."""
+        self.open_nodes[:] = [node for node in self.open_nodes if node is None or node() is not None]
+        return len(self.open_nodes)
+
+    def forward_opened(self, node: Any) -> None:
+        """Note a forward run by autograd node ``node`` (``None``: not found)."""
+        self.open_nodes.append(weakref.ref(node) if node is not None else None)
+
+    def backward_closed(self, node: Any) -> None:
+        """Close the forward whose backward ran by ``node``: its own where found, else the
+        latest whose node is unknown; a second backward of a retained graph closes nothing."""
+        self.open_nodes[:] = [reference for reference in self.open_nodes
+                              if (reference is None or reference() is not None)
+                              and (node is None or reference is None or reference() is not node)]
+        if node is None and None in self.open_nodes:
+            del self.open_nodes[len(self.open_nodes) - 1 - self.open_nodes[::-1].index(None)]
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -127,7 +152,10 @@ class Planner(Protocol):
 
     def iteration_closed(self) -> None: ...
 
-    def recompile_limit_hit(self, where: str) -> None: ...
+    def recompile_limit_hit(self, where: str, code: Any = None, limit: int | None = None
+                            ) -> None: ...
+
+    def forward_ran(self, region: Region) -> None: ...
 
 
 def user_input_names(joint: fx.GraphModule, inputs: Sequence) -> frozenset[str]:

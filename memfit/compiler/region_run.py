@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -95,17 +96,37 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
                 note_forward_saves(region, inputs, result)
             elif follow_loop:
                 observe_loop(region, given)
-            region.open_forwards += -1 if is_backward else 1
-            region.open_forwards = max(region.open_forwards, 0)
-            if not is_backward:
+            if is_backward:
+                region.backward_closed(calling_autograd_node())
+                planner.iteration_closed()
+            else:
+                region.forward_opened(calling_autograd_node())
+                planner.forward_ran(region)
                 region.most_open_forwards = max(region.most_open_forwards,
                                                 open_forwards_of_its_code(planner, region))
-            if is_backward:
-                planner.iteration_closed()
         return result
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
+
+
+def calling_autograd_node() -> Any:
+    """The autograd node whose forward or backward runs this module: the context AOTAutograd's
+    ``CompiledFunction`` passes, found among its callers' frames; ``None`` where none is (an
+    inference graph, a runtime that calls it otherwise). A region's forward is open while that
+    node lives and its backward has not run (``Region.open_forwards``)."""
+    frame = sys._getframe(1)
+    for _ in range(MAX_FRAMES_TO_NODE):
+        if frame is None:
+            break
+        context = frame.f_locals.get("ctx")
+        if isinstance(context, torch.autograd.function.BackwardCFunction):
+            return context
+        frame = frame.f_back
+    return None
+
+
+MAX_FRAMES_TO_NODE = 8  # AOTAutograd's forward and backward call the module 2-4 frames down
 
 
 def open_forwards_of_its_code(planner: Planner, region: Region) -> int:

@@ -93,7 +93,10 @@ def memfit_error(error: BaseException) -> BaseException:
 
 
 class _Stop(Exception):
-    """Raised by the planning-only backend once it planned a region: it is not compiled."""
+    """Raised by the planning-only backend once it planned a region: it is not compiled, and
+    the backend keeps the region planned (``Backend.compile_region``)."""
+
+    keeps_region = True
 
 
 class _PlanOnly(Backend):
@@ -122,7 +125,7 @@ class _PlanOnly(Backend):
         except _Stop:
             self.stopped.append(as_planned(self.regions[-1]))
         for region in self.regions[known:]:  # its forward "ran": its saves are held
-            region.open_forwards += 1
+            region.forward_opened(None)  # no autograd node: open until the trace ends
 
         runner = _RunOnFakes(graph_module, self._target, device)
         self.runners.append(runner)

@@ -21,7 +21,8 @@ def regions_report(planner: Planner) -> str:
     and their predicted time), the predicted step; then how often plans were remade and which
     code ran outside any plan."""
     if not planner.regions:
-        return "memfit: no region has been compiled yet (call the model once)"
+        return "\n".join(["memfit: no region has been compiled yet (call the model once)",
+                          *_unplanned_notes(planner)])
     text = table(("region", "ops", "budget", "unplanned", "predicted", "measured", "gap",
                   "strategy", "swapped / saved", "recomputed / saved",
                   "re-runs (bytes, time predicted)", "step (predicted)"),
@@ -62,7 +63,14 @@ def _notes(planner: Planner) -> list[str]:
                      "code held beside the regions (its plan's budget counts it)")
     for where in planner.eager_codes:
         notes.append(f"ran outside any plan: {where} (Dynamo's recompile limit)")
-    return notes
+    return notes + _unplanned_notes(planner)
+
+
+def _unplanned_notes(planner: Planner) -> list[str]:
+    """The calls of the model that ran code eagerly, outside any plan, by code and cause
+    (``memfit.compiler.unplanned``)."""
+    return [f"ran outside any plan: {count} call(s): {what}"
+            for what, count in getattr(planner, "unplanned_calls", {}).items()]
 
 
 def _bound_note(region: Region) -> str:
