@@ -139,7 +139,7 @@ def test_each_call_past_dynamos_recompile_limit_warns_and_is_reported():
     each such call, naming the code and the cause, and the report counts them; a call of a shape
     compiled before the limit runs its plan, without a warning."""
     model = mlp(depth=2)
-    fitted = memfit.fit(model)
+    fitted = memfit.fit(model, dynamic=False)  # a compile per batch size
     with torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for size in (4, 5, 6, 4):  # dynamic=False: each batch size is a new compile

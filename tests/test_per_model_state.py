@@ -55,7 +55,7 @@ def past_its_limit(sizes: int = 4) -> tuple[nn.Module, list[str]]:
     size is a compile: ``dynamic=False``), and the budget warnings it gave."""
     first = Net()
     optimizer = torch.optim.SGD(first.parameters(), lr=0.01)
-    fitted = memfit.fit(first, optimizer=optimizer)
+    fitted = memfit.fit(first, optimizer=optimizer, dynamic=False)  # a compile per size
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for index in range(sizes):
