@@ -200,6 +200,25 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
     setup = _Setup(spread, optimizer, autocast)
     tried: list[Trial] = []
     fitting: dict[int, PlannedBatch] = {}  # every batch planned to fit: the frontier
+    with _progress() as progress:
+        return _search(model, loss_fn, make_inputs, parsed, chosen, resolved, params, linearize,
+                       setup, objective, max_batch, verify, device, spread, tried, fitting,
+                       progress)
+
+
+def _progress() -> Any:
+    """A progress bar of the batches planned (on a terminal only: each is a whole trace)."""
+    from tqdm import tqdm
+
+    return tqdm(desc="memfit max_batch_size: batches planned", unit="batch", disable=None,
+                leave=False)
+
+
+def _search(model, loss_fn, make_inputs, parsed, chosen, resolved, params, linearize, setup,
+            objective, max_batch, verify, device, spread, tried, fitting, progress
+            ) -> BatchSearch:
+    """``max_batch_size``'s search once its arguments are checked: bracket the largest batch
+    that fits, then the fastest, then verify."""
 
     def attempt(batch: int) -> PlannedBatch | None:
         if batch in fitting:
@@ -210,8 +229,12 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
         except BudgetError as error:  # host_bytes named: swapping more would have fit
             tried.append(Trial(batch, False, "planned", error.minimum_bytes,
                                host_limited=error.host_bytes is not None))
+            progress.update(1)
+            progress.set_postfix_str(f"batch {batch} does not fit")
             return None
         tried.append(Trial(batch, True, "planned", whole_bytes(planned), planned.host_bytes))
+        progress.update(1)
+        progress.set_postfix_str(f"batch {batch} fits")
         fitting[batch] = planned
         return planned
 
