@@ -12,6 +12,7 @@ from torch import nn
 
 import memfit
 from memfit.runtime.measure import measure_allocator_peak
+from tests.test_backend import _bert, _train_hf  # the same BERT and loop as the static test
 
 pytestmark = pytest.mark.usefixtures("compiled_fresh")
 
@@ -126,16 +127,6 @@ def test_inductor_serves_changing_batch_sizes_within_budget_close_to_torch_compi
     assert max(peaks) <= budget, (peaks, budget)
 
 
-def _bert():
-    from transformers import BertConfig, BertForSequenceClassification
-
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=128, max_position_embeddings=256,
-                        attn_implementation="eager")
-    return BertForSequenceClassification(config)
-
-
 def _padded_batches(lengths, batch_size: int = 8, last_batch_size: int = 3):
     """Batches padded to their longest sequence: one length each, the last batch smaller."""
     generator = torch.Generator().manual_seed(2)
@@ -149,24 +140,6 @@ def _padded_batches(lengths, batch_size: int = 8, last_batch_size: int = 3):
         batches.append({"input_ids": input_ids, "attention_mask": attention_mask,
                         "labels": labels})
     return batches
-
-
-def _train_hf(model, optimizer, data):
-    losses, peaks = [], []
-    for index, batch in enumerate(data):
-        def iteration(index=index, batch=batch):
-            torch.manual_seed(200 + index)
-            loss = model(**batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        parameters = list(optimizer.param_groups[0]["params"])
-        measured = measure_allocator_peak(iteration, track=(parameters, optimizer.state, batch))
-        losses.append(measured.result)
-        peaks.append(measured.peak_bytes)
-    return losses, peaks
 
 
 @pytest.mark.slow
