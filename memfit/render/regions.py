@@ -41,8 +41,9 @@ def _notes(planner: Planner) -> list[str]:
                      "user's was on), kernel scratch not seen.")
     notes.append("saved: the region's saved tensors (forward values its backward reads); "
                  "re-runs: forward ops run again, the bytes they rebuild and their time")
-    notes.append(f"{len(planner.regions)} plans made, {planner.planning_s:.1f} s tracing and "
-                 "planning")
+    count = len(planner.regions)
+    notes.append(f"{count} plan{'s' if count != 1 else ''} made, {planner.planning_s:.1f} s "
+                 "tracing and planning")
     notes += [_bound_note(region) for region in planner.regions if region.shape_bound]
     if planner.bound_replans:
         notes.append(f"planned again {planner.bound_replans} time(s): a shape was past the "

@@ -31,7 +31,7 @@ def checkpointed_region(index: int = 0) -> SimpleNamespace:
         predicted=predicted, budget_bytes=None, outside_bytes=0, saves_cap_bytes=None,
         baseline_peak_bytes=baseline.peak_bytes, predicted_peak_bytes=predicted.peak_bytes,
         measured_peak_bytes=predicted.peak_bytes, measured_by="tracker",
-        eager_forward_bytes=0, eager_backward_bytes=0)
+        eager_forward_bytes=0, eager_backward_bytes=0, shape_bound=None)
 
 
 def test_the_step_report_shows_recomputation_and_says_what_was_measured():
@@ -56,8 +56,9 @@ def test_memfit_report_counts_of_the_saved_tensors_and_reruns_with_bytes():
     region = checkpointed_region()
     counted = tally(region.graph, region.plan, region.predicted)
     planner = SimpleNamespace(regions=[region], joint_rounds=0, replans=0, eager_replans=0,
-                              eager_codes=[])
+                              eager_codes=[], budget_note=None, planning_s=1.25, bound_replans=0)
     text = regions_report(planner)
+    assert "1 plan made, 1.2 s tracing and planning" in text
     assert "swapped / saved" in text and "re-runs (bytes, time predicted)" in text
     row = text.splitlines()[2]
     assert f"| 0 / {counted.saved} " in row and f"| {counted.recomputed} / {counted.saved} " in row
