@@ -26,8 +26,11 @@ def test_every_error_and_warning_raised_to_users_is_exported(error):
 
 
 def test_every_name_the_readme_uses_resolves():
-    """A ``memfit.X`` in the README is an export or a module (old module paths included)."""
-    used = sorted(set(re.findall(r"\bmemfit\.([A-Za-z_]+)", README.read_text())))
+    """A ``memfit.X`` in the README or the docs is an export or a module (old module paths
+    included)."""
+    pages = [README, *sorted((README.parent / "docs").glob("*.md"))]
+    used = sorted({name for page in pages
+                   for name in re.findall(r"\bmemfit\.([A-Za-z_]+)", page.read_text())})
     assert "Plan" in used and "BudgetError" in used
     missing = [name for name in used
                if name not in memfit.__all__ and importlib.util.find_spec(f"memfit.{name}") is None]

@@ -27,6 +27,7 @@ import torch
 
 from memfit.compiler.backend import COMPILERS, Backend
 from memfit.compiler.plan_step import BudgetWarning
+from memfit.compiler.unit_forward import unit_forward
 from memfit.data.hardware import Hardware
 
 
@@ -334,7 +335,7 @@ def _units_compiled(fitted: FittedCall) -> Any:
     if compiled is None:  # found once: fully_shard comes before memfit.fit
         compiled = fitted.unit_forwards = [
             (unit, functools.partial(torch.compile(
-                _unit_forward, backend=fitted.backend, dynamic=False, **own_recompiles()), unit))
+                unit_forward, backend=fitted.backend, dynamic=False, **own_recompiles()), unit))
             for unit in fsdp_unit_modules(fitted.module)
             # not one with a forward of its own (the user's), nor one Dynamo compiles itself
             if "forward" not in unit.__dict__ and trace_rules.check(type(unit).forward)]
@@ -345,12 +346,6 @@ def _units_compiled(fitted: FittedCall) -> Any:
     finally:
         for unit, _ in compiled:
             del unit.forward
-
-
-def _unit_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A unit's own ``forward``, in a frame Dynamo compiles whose ``self`` is the unit (where
-    ``memfit.compiler.graph_breaks.compiling_site`` finds which unit a region is)."""
-    return type(self).forward(self, *args, **kwargs)
 
 
 def _rnn_traced(traced: bool) -> contextlib.AbstractContextManager:

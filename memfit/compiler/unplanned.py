@@ -35,7 +35,7 @@ from memfit.compiler.plan_step import BudgetWarning
 if TYPE_CHECKING:
     from types import CodeType
 
-    from memfit.compiler.backend import Backend
+Backend = Any  # memfit.compiler.backend.Backend, which imports this module (imports run one way)
 
 
 @dataclass(frozen=True)
@@ -159,9 +159,9 @@ def entry_codes() -> frozenset[CodeType]:
     module (one code for every compiled module) and memfit's FSDP2 unit forward."""
     from torch._dynamo.external_utils import wrap_inline
 
-    from memfit.compiler.fitted import _unit_forward
+    from memfit.compiler.unit_forward import unit_forward
 
-    return frozenset({wrap_inline(len).__code__, _unit_forward.__code__})
+    return frozenset({wrap_inline(len).__code__, unit_forward.__code__})
 
 
 def undo_entry_skips() -> None:
