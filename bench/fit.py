@@ -276,8 +276,10 @@ def _rows_on_one_thread(bench: FitModel) -> list[tuple]:
     return fit_rows(bench, log)
 
 
-def isolated_rows(bench: FitModel) -> list[tuple]:
-    """``bench``'s rows from a child process of their own, or one row saying how it died.
+def isolated_rows(bench: FitModel | None, rows_of: Callable[..., list[tuple]] | None = None,
+                  width: int = len(FIT_HEADERS)) -> list[tuple]:
+    """``rows_of(bench)``'s rows (default: this section's, ``_rows_on_one_thread``) from a child
+    process of their own, or one row of ``width`` cells saying how it died.
 
     Why: a compiled kernel that corrupts memory aborts the whole process (on an AVX-512 CPU,
     torch 2.13's ``torch.compile(backend="inductor")`` of the bench's MONAI U-Net did, in its first
@@ -286,9 +288,10 @@ def isolated_rows(bench: FitModel) -> list[tuple]:
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
         try:
-            return pool.submit(_rows_on_one_thread, bench).result()
+            return pool.submit(rows_of or _rows_on_one_thread, bench).result()
         except concurrent.futures.process.BrokenProcessPool as error:
-            return [(bench.name, "(every method)", "-", "-", "-", "-",
+            name = bench.name if bench is not None else "-"
+            return [(name, "(every method)", *("-" for _ in range(width - 3)),
                      f"the bench's process died: {error}")]
 
 

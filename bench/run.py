@@ -108,6 +108,7 @@ def cpu_sections() -> list[str]:
     from bench.planning import planning_section
     from bench.planning_scaling import scaling_markdown
     from bench.recompute import recompute_section
+    from bench.transformers_loops import transformers_section
     from bench.validation import validation_section
 
     capacity, overhead = [], []
@@ -144,6 +145,7 @@ def cpu_sections() -> list[str]:
         "recomputed dropout that draws a new mask would do this).\n",
         recompute,
         "\n" + fit_section(log),
+        "\n" + transformers_section(log),
         "\n" + auto_section(log),
         "\n" + planning_section(log),
         "\n" + scaling_markdown(log),
@@ -166,10 +168,12 @@ def section_builders() -> dict[str, Callable[[], str]]:
     from bench.planning import planning_section
     from bench.planning_scaling import scaling_markdown
     from bench.recompute import recompute_section
+    from bench.transformers_loops import transformers_section
     from bench.validation import validation_section
 
     return {
         "fit": lambda: fit_section(log),
+        "transformers": lambda: transformers_section(log),
         "recompute": lambda: recompute_section(log, plot_path=ROOT / "bench" / "recompute.png"),
         "auto": lambda: auto_section(log),
         "planning": lambda: planning_section(log),
@@ -180,7 +184,7 @@ def section_builders() -> dict[str, Callable[[], str]]:
     }
 
 
-ONLY_CHOICES = ("fit", "recompute", "auto", "planning", "scaling", "validation", "cluster",
+ONLY_CHOICES = ("fit", "transformers", "recompute", "auto", "planning", "scaling", "validation", "cluster",
                 "distributed")  # section_builders()'s keys, without importing the sections
 
 

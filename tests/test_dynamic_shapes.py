@@ -50,6 +50,20 @@ def _train(model, optimizer, data):
     return losses, peaks
 
 
+def _fitted_at(fraction: float, data):
+    """An eager MLP trained on ``data`` (the reference), and a fresh one fitted at ``fraction``
+    of the eager loop's largest iteration peak: reference, its losses, model, optimizer, the
+    fitted model and the budget."""
+    reference = _mlp()
+    reference_losses, eager_peaks = _train(reference, torch.optim.AdamW(reference.parameters()),
+                                           data)
+    budget = int(fraction * max(eager_peaks))
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
+    return reference, reference_losses, model, optimizer, fitted, budget
+
+
 def _assert_same_training(model, reference, losses, reference_losses):
     for loss, expected in zip(losses, reference_losses, strict=True):
         assert torch.equal(loss, expected)
@@ -64,13 +78,7 @@ def test_a_varying_batch_size_is_planned_twice_and_fits_every_iteration():
     shape's size; every later shape runs that plan, Dynamo tracing nothing again."""
     sizes = [2048, 2040, *range(1024, 2040, 90), 300]
     data = _mlp_batches(sizes)
-    reference = _mlp()
-    reference_losses, eager_peaks = _train(reference, torch.optim.AdamW(reference.parameters()),
-                                           data)
-    budget = int(0.7 * max(eager_peaks))
-    model = _mlp()
-    optimizer = torch.optim.AdamW(model.parameters())
-    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
+    reference, reference_losses, model, optimizer, fitted, budget = _fitted_at(0.7, data)
     with warnings.catch_warnings():
         warnings.simplefilter("error", memfit.BudgetWarning)
         losses, peaks = _train(fitted, optimizer, data)
@@ -87,13 +95,7 @@ def test_a_larger_shape_plans_once_more_at_the_raised_bound():
     before the run, so that run is within the budget too; smaller shapes after it run that plan."""
     sizes = [512, 640, 768, 1536, 700, 1200]
     data = _mlp_batches(sizes)
-    reference = _mlp()
-    reference_losses, eager_peaks = _train(reference, torch.optim.AdamW(reference.parameters()),
-                                           data)
-    budget = int(0.7 * max(eager_peaks))
-    model = _mlp()
-    optimizer = torch.optim.AdamW(model.parameters())
-    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
+    reference, reference_losses, model, optimizer, fitted, budget = _fitted_at(0.7, data)
     losses, peaks = _train(fitted, optimizer, data)
     _assert_same_training(model, reference, losses, reference_losses)
     planner = fitted._memfit_backend

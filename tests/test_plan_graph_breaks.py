@@ -113,13 +113,19 @@ def _lm_loss(model, ids):
     return model(input_ids=ids, labels=ids).loss
 
 
-@pytest.mark.slow
-def test_gpt2_with_labels_plans_every_region_ahead_for_an_h100_in_bf16():
-    model = _gpt2_with_its_own_loss()
+def _unplanned_on_an_h100(model):
+    """GPT-2's step at batch 2 planned unplanned (``keep``) for an H100 in bf16: its regions."""
     ids = torch.empty(2, 32, dtype=torch.long, device="meta")
     unplanned = trace_plan(model, _lm_loss, (ids,), None, "keep", get_hardware("h100-sxm"), {},
                            autocast=torch.bfloat16)
     assert len(unplanned.regions) >= 2
+    return ids, unplanned
+
+
+@pytest.mark.slow
+def test_gpt2_with_labels_plans_every_region_ahead_for_an_h100_in_bf16():
+    model = _gpt2_with_its_own_loss()
+    ids, unplanned = _unplanned_on_an_h100(model)
     budget_bytes = int(0.8 * unplanned.predicted_peak_bytes)
     plan = memfit.plan(model, _lm_loss, ids, hardware="h100-sxm", autocast=torch.bfloat16,
                        budget=budget_bytes)
@@ -137,10 +143,7 @@ def test_gpt2_with_labels_plans_every_region_ahead_for_an_h100_in_bf16():
 @pytest.mark.slow
 def test_max_batch_size_plans_gpt2_with_labels_across_its_graph_break():
     model = _gpt2_with_its_own_loss()
-    ids = torch.empty(2, 32, dtype=torch.long, device="meta")
-    at_two = trace_plan(model, _lm_loss, (ids,), None, "keep", get_hardware("h100-sxm"), {},
-                        autocast=torch.bfloat16)
-    assert len(at_two.regions) >= 2
+    _, at_two = _unplanned_on_an_h100(model)
     found = memfit.max_batch_size(model, _lm_loss,
                                   lambda batch: (torch.zeros(batch, 32, dtype=torch.long),),
                                   budget=at_two.predicted_peak_bytes, hardware="h100-sxm",
