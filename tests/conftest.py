@@ -1,7 +1,24 @@
-"""Fixtures shared by the test folders."""
+"""Fixtures shared by the test folders, and how the suite spreads over processes."""
+
+import os
 
 import pytest
 import torch
+
+MAX_WORKERS = 4  # each worker holds torch, transformers and a few models: ~1-2 GB
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core, at most ``MAX_WORKERS``."""
+    return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
+
+
+def pytest_configure(config):
+    """In a worker, torch's intra-op threads share the cores with the other workers (more
+    OpenMP threads than cores made single CPU steps many times slower at random)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture
