@@ -35,6 +35,7 @@ Note:
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
@@ -100,7 +101,8 @@ def _with_engine(engine: CopyEngine, wrap: Wrap | None = None) -> Callable[..., 
         if not kwargs.get("is_backward", False):
             host_copies_in_saved_layout(module)
         pin_planned_order(module)
-        compiled = compile_fx_inner(module, example_inputs, **kwargs)
+        with planned_order_kept(module):
+            compiled = compile_fx_inner(module, example_inputs, **kwargs)
         if wrap is not None:
             return wrap(module, compiled, bool(kwargs.get("is_backward", False)))
 
@@ -112,6 +114,24 @@ def _with_engine(engine: CopyEngine, wrap: Wrap | None = None) -> Callable[..., 
         return run
 
     return inner_compile
+
+
+def planned_order_kept(module: fx.GraphModule) -> contextlib.AbstractContextManager:
+    """Inductor's own reordering for peak memory off while it compiles a ``module`` that has any
+    op memfit inserted (a plan that is not ``keep``); a module without them compiles as
+    ``torch.compile`` compiles it.
+
+    The plan's order is the one its peak was simulated in. Inductor's reordering
+    (``config.reorder_for_peak_memory``) estimates memory without knowing memfit's ops: it
+    moved every ``memfit::wait`` (which returns nothing and reads the swapped-in tensor) after
+    the backward's last kernel, so each swapped-in tensor lived to the backward's end. It moves
+    no kernel into or out of a fusion, so turning it off changes the order, not the kernels.
+    """
+    if not any(inserted_kind(node) for node in module.graph.nodes):
+        return contextlib.nullcontext()
+    from torch._inductor import config as inductor_config
+
+    return inductor_config.patch(reorder_for_peak_memory=False)
 
 
 def host_copies_in_saved_layout(module: fx.GraphModule) -> int:
