@@ -134,6 +134,34 @@ def planned_order_kept(module: fx.GraphModule) -> contextlib.AbstractContextMana
     return inductor_config.patch(reorder_for_peak_memory=False)
 
 
+def layout_copy_bytes(joint: fx.GraphModule) -> int:
+    """The bytes of the channels-last copies inductor makes of a region's inputs (parameters,
+    the batch) that its convolutions read, where its layout optimization is on for ``joint``
+    (decided on the joint graph, as inductor decides it for each module).
+
+    A graph input keeps its layout, so inductor converts each 4-D one a convolution reads
+    (``require_channels_last``) in the forward, and saves the copy, not the input, where the
+    backward's ``convolution_backward`` reads it: the copies live from the forward's start to
+    the backward and are no node of the planned graph. The planner counts them beside the
+    region (``outside_bytes``); intermediate values are laid out channels last where they are
+    made, with no copy.
+    """
+    from torch._inductor.graph import GraphLowering
+
+    if not GraphLowering.decide_layout_opt(joint, is_inference=False):
+        return 0
+    copied: dict[fx.Node, int] = {}
+    for convolution in joint.graph.find_nodes(op="call_function",
+                                              target=torch.ops.aten.convolution.default):
+        for source in convolution.args[:2]:
+            value = source.meta.get("val") if isinstance(source, fx.Node) else None
+            if (source.op == "placeholder" and isinstance(value, torch.Tensor)
+                    and value.dim() == 4 and isinstance(value.numel(), int) and _dense(value)
+                    and not value.is_contiguous(memory_format=torch.channels_last)):
+                copied[source] = value.numel() * value.element_size()
+    return sum(copied.values())
+
+
 def host_copies_in_saved_layout(module: fx.GraphModule) -> int:
     """Give each swap-out of a forward ``module`` the strides inductor requires of it as a saved
     value, so that the host copy is the value the backward reads and no device copy is made.
