@@ -299,6 +299,10 @@ class Backend(EagerWatching, JointPlanning):
         graph = with_later_gradients(graph, later)
         # the region's parameters are among the resident or, under FSDP2, the gathered bytes
         outside = max(0, resident + gathered - inside) + pending + eager
+        if self.compiler == "inductor":  # its channels-last copies of the region's inputs
+            from memfit.graph.inductor import layout_copy_bytes
+
+            outside += layout_copy_bytes(joint)
         cap = self.saves_caps.get(site)
         # copies of its saves alive beside its last call, where its code runs again before its
         # backward (memfit.compiler.repeated_calls): its plan is chosen for them below

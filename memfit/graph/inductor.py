@@ -35,6 +35,7 @@ Note:
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
@@ -100,7 +101,8 @@ def _with_engine(engine: CopyEngine, wrap: Wrap | None = None) -> Callable[..., 
         if not kwargs.get("is_backward", False):
             host_copies_in_saved_layout(module)
         pin_planned_order(module)
-        compiled = compile_fx_inner(module, example_inputs, **kwargs)
+        with planned_order_kept(module):
+            compiled = compile_fx_inner(module, example_inputs, **kwargs)
         if wrap is not None:
             return wrap(module, compiled, bool(kwargs.get("is_backward", False)))
 
@@ -112,6 +114,52 @@ def _with_engine(engine: CopyEngine, wrap: Wrap | None = None) -> Callable[..., 
         return run
 
     return inner_compile
+
+
+def planned_order_kept(module: fx.GraphModule) -> contextlib.AbstractContextManager:
+    """Inductor's own reordering for peak memory off while it compiles a ``module`` that has any
+    op memfit inserted (a plan that is not ``keep``); a module without them compiles as
+    ``torch.compile`` compiles it.
+
+    The plan's order is the one its peak was simulated in. Inductor's reordering
+    (``config.reorder_for_peak_memory``) estimates memory without knowing memfit's ops: it
+    moved every ``memfit::wait`` (which returns nothing and reads the swapped-in tensor) after
+    the backward's last kernel, so each swapped-in tensor lived to the backward's end. It moves
+    no kernel into or out of a fusion, so turning it off changes the order, not the kernels.
+    """
+    if not any(inserted_kind(node) for node in module.graph.nodes):
+        return contextlib.nullcontext()
+    from torch._inductor import config as inductor_config
+
+    return inductor_config.patch(reorder_for_peak_memory=False)
+
+
+def layout_copy_bytes(joint: fx.GraphModule) -> int:
+    """The bytes of the channels-last copies inductor makes of a region's inputs (parameters,
+    the batch) that its convolutions read, where its layout optimization is on for ``joint``
+    (decided on the joint graph, as inductor decides it for each module).
+
+    A graph input keeps its layout, so inductor converts each 4-D one a convolution reads
+    (``require_channels_last``) in the forward, and saves the copy, not the input, where the
+    backward's ``convolution_backward`` reads it: the copies live from the forward's start to
+    the backward and are no node of the planned graph. The planner counts them beside the
+    region (``outside_bytes``); intermediate values are laid out channels last where they are
+    made, with no copy.
+    """
+    from torch._inductor.graph import GraphLowering
+
+    if not GraphLowering.decide_layout_opt(joint, is_inference=False):
+        return 0
+    copied: dict[fx.Node, int] = {}
+    for convolution in joint.graph.find_nodes(op="call_function",
+                                              target=torch.ops.aten.convolution.default):
+        for source in convolution.args[:2]:
+            value = source.meta.get("val") if isinstance(source, fx.Node) else None
+            if (source.op == "placeholder" and isinstance(value, torch.Tensor)
+                    and value.dim() == 4 and isinstance(value.numel(), int) and _dense(value)
+                    and not value.is_contiguous(memory_format=torch.channels_last)):
+                copied[source] = value.numel() * value.element_size()
+    return sum(copied.values())
 
 
 def host_copies_in_saved_layout(module: fx.GraphModule) -> int:
