@@ -133,6 +133,7 @@ class Backend(EagerWatching, JointPlanning):
         self.eager_replans = 0  # times regions were planned again for what eager code held
         self.eager_gave_up = False  # eager code held more each time: no longer planned for
         self._eager_watch: EagerWatch | None = None  # on a CPU, over the measured iterations
+        self._eager_now = 0  # eager code's bytes alive as the region compiled now is called
         self.device: torch.device | None = None  # of the latest region compiled
         self.planning_s = 0.0  # seconds spent tracing and planning regions (all plans)
         self.bound_replans = 0  # plans made again for a shape past a dynamic region's bound
@@ -195,6 +196,7 @@ class Backend(EagerWatching, JointPlanning):
         ``bound``: each symbolic size at the value its plan is priced at (a dynamic region)."""
         self._parameters = self._resident_counted = None  # count what is resident afresh
         self.device = device
+        self._eager_now = self.eager_bytes_now(example_inputs)  # alive at its forward's start
         started = time.perf_counter()
         first = len(self.regions)
         try:
@@ -286,7 +288,7 @@ class Backend(EagerWatching, JointPlanning):
         later = self._later_gradient_bytes(device, trainable)
         # seen held by eager code beside it, at least the loop's loss of the previous call
         block = CUDA_BLOCK_BYTES if device.type == "cuda" else 1
-        eager = max(self.eager_held.get(site, 0),
+        eager = max(self.eager_held.get(site, 0), self._eager_now,
                     scalar_output_bytes(joint, num_fwd_outputs, block))
         resident = resident_bytes(self.model, self.optimizers, device)
         gathered = fsdp_in_flight_bytes(self.model, device)  # FSDP2's all-gathered parameters
