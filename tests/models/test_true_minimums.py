@@ -3,11 +3,11 @@ from ``labels=`` (transformers' own loss, behind its graph break): a language mo
 and their loss dominate the iteration, where no plan fits with the logits held to the
 iteration's end but plans fit the loop as it runs (``.loss`` kept, the logits let go).
 
-Claims: the budget is accepted (no ``BudgetError``); losses and weights bit for bit eager's; once
-the regions on both sides of the graph break are planned jointly and compiled (the first
-iteration plans them one at a time and the loss region runs over, with a ``BudgetWarning``; the
-second compiles the joint plans while it runs) the iteration's measured peak is within the
-budget.
+Claims: the budget is accepted (no ``BudgetError``); losses and weights bit for bit eager's; from
+the second iteration on, which compiles the regions' joint plans while it runs, every measured
+iteration peak is within the budget (the first plans the regions one at a time and the loss
+region runs over, with a ``BudgetWarning``: planning them jointly before the first run is not
+done yet).
 """
 
 from __future__ import annotations
@@ -79,4 +79,4 @@ def test_fit_at_checkpointing_peak_with_labels_loss():
         assert torch.equal(loss, expected)
     for parameter, expected in zip(fitted.parameters(), eager.parameters(), strict=True):
         assert torch.equal(parameter, expected)
-    assert peaks[-1] <= budget, (peaks, budget)
+    assert max(peaks[1:]) <= budget, (peaks, budget)
