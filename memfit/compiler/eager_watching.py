@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from memfit.compiler.graph_breaks import latest_regions
 from memfit.compiler.region import Region
@@ -30,6 +31,8 @@ class EagerWatching:
 
     device: torch.device | None
     regions: list[Region]
+    model: torch.nn.Module | None
+    optimizers: list[torch.optim.Optimizer]
     measure_runs: int
     eager_gave_up: bool
     _eager_watch: EagerWatch | None
@@ -101,6 +104,30 @@ class EagerWatching:
         watch.stop()
         if not watch.on_stack():
             self._eager_watch = None
+
+    def eager_bytes_now(self, example_inputs: list) -> int:
+        """Bytes eager code holds now, beside a region compiled at its first call (its forward
+        runs next with them alive): what ``EagerWatch`` noted, less the model, its optimizers'
+        state, FSDP2's gathered parameters, the region's own inputs and the open regions'
+        saves; 0 where no watch is on (not a CPU, or runs no longer measured)."""
+        from memfit.runtime.region_peak import outside_plans_bytes
+        from memfit.runtime.resident import (
+            fsdp_gather_buffers,
+            fsdp_unsharded_tensors,
+            resident_tensors,
+        )
+
+        device = self.device
+        if (device is None or device.type != "cpu" or self.eager_watch() is None
+                or any(isinstance(value, FakeTensor) for value in example_inputs)):
+            return 0
+        model = self.model
+        alive = [*resident_tensors(model, self.optimizers), *fsdp_unsharded_tensors(model),
+                 *fsdp_gather_buffers(model), *example_inputs]
+        pending = sum(region.saved_bytes * region.open_forwards for region in self.regions)
+        saved = [reference for region in self.regions if region.open_forwards
+                 for reference in region.saved_storages]
+        return outside_plans_bytes(self, device, alive, pending, saved)  # type: ignore[arg-type]
 
     def eager_watch_off(self) -> contextlib.AbstractContextManager:
         """No watch on the mode stack inside the block (memfit's own tracing of a region, which

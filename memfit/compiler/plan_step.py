@@ -123,6 +123,29 @@ def plan_step(graph: CostGraph, hardware: Hardware, budget: Budget | None, strat
     return Planned(graph, made, baseline, simulate(graph, made, hardware), resolved)
 
 
+def keyed(plan: Plan, graph: CostGraph) -> Plan:
+    """``plan`` keyed to ``graph``: the same decisions, for a graph with the same ops and tensors
+    and other lifetimes (``memfit.graph.lifetimes.dropping_loop_graph``), or as it was. A
+    decision on a value ``graph`` is given or returns is left out: where the other graph frees
+    it early (a dropped output no backward op reads), the decision moved nothing there."""
+    if plan.graph_hash == graph.structure_hash:
+        return plan
+    decisions = {name: decision for name, decision in plan.decisions.items()
+                 if name in graph.tensors and graph.tensors[name].producer is not None
+                 and not graph.tensors[name].is_output}  # the others move nothing in ``graph``
+    return replace(plan, decisions=decisions, graph_hash=graph.structure_hash,
+                   topology_hash=topology_hash(graph))
+
+
+def runnable_on(planned: Planned, graph: CostGraph, hardware: Hardware) -> Planned:
+    """``planned`` (chosen on a graph with other lifetimes than ``graph``) without its decisions
+    on values ``graph`` is given or returns (``keyed``), its prediction simulated again."""
+    made = keyed(keyed(planned.plan, graph), planned.graph)
+    if made.decisions == planned.plan.decisions:
+        return planned
+    return replace(planned, plan=made, predicted=simulate(planned.graph, made, hardware))
+
+
 def resolve_hardware(hardware: Hardware | str | None, device: torch.device) -> Hardware:
     """The profile to plan with: given, or the built-in ``cpu`` profile on a CPU, else measured."""
     if hardware is not None:

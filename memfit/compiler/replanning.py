@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,8 @@ def plan_again_when_stale(planner: Planner, graph_module: fx.GraphModule, device
             with _generators_kept(device), planner.eager_watch_off(), traced:
                 current[0] = planner.compile_region(graph_module, inputs, device, site,
                                                     raised or bound)
+            del inputs
+            gc.collect()  # compiling leaves reference cycles that hold the real arguments
             current[1] = planner.regions[first:] or current[1]
         return current[0](*args)
 

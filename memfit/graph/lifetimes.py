@@ -233,3 +233,86 @@ def loop_graph(graph: CostGraph, output_alive: dict[str | None, bool],
             absent.add(name)
     held = frozenset(name for name in tangent_kept if tangent_given.get(name))
     return with_loop_lifetimes(graph, arriving, released, frozenset(absent), held)
+
+
+def dropping_loop_graph(graph: CostGraph, output_names: Sequence[str | None],
+                        tangent_names: Sequence[str | None],
+                        dropped_inputs: frozenset[str] = frozenset()
+                        ) -> tuple[CostGraph, tuple[str, ...]]:
+    """``graph`` as a loop that keeps none of the region's gradient-receiving outputs into the
+    backward runs it (a language model's logits when the loop keeps only ``.loss``): each such
+    output that no backward op reads freed when the forward ends, its tangent made
+    when the backward starts and freed after its last reader; each of ``dropped_inputs`` (an
+    earlier region's output so freed, read here after a graph break) alive from the first op to
+    the forward's end or its last reader. Returns the graph and the outputs it frees.
+
+    A plan chosen on it fits the iteration as such a loop runs it; ``loop_held_dropped`` says
+    after a backward whether the loop did let them go. ``(graph, ())`` where nothing is freed."""
+    dropped = tuple(name for name, tangent in zip(output_names, tangent_names, strict=False)
+                    if name is not None and tangent is not None
+                    and graph.tensors[name].role in ("activation", "gradient")
+                    and not _read_in_backward(graph, name))
+    inputs = sorted(name for name in dropped_inputs
+                    if name in graph.tensors and graph.tensors[name].producer is None)
+    if not dropped and not inputs:
+        return graph, ()
+    tangents = {tangent: True for tangent in tangent_names if tangent is not None}
+    loop = loop_graph(graph, dict.fromkeys(dropped, False), tangents)
+    forward = [op.name for op in loop.ops if op.phase == "forward"]
+    if inputs and forward:
+        loop = with_loop_lifetimes(loop, dict.fromkeys(inputs, forward[0]),
+                                   dict.fromkeys(inputs, forward[-1]))
+    return loop, dropped
+
+
+def _read_in_backward(graph: CostGraph, name: str) -> bool:
+    """Whether a backward op reads ``name`` (an output the backward reads stays an output: it is
+    alive until then anyway, and no plan may move a value the user's code is given)."""
+    return any(graph.op(reader).phase == "backward" for reader in graph.tensors[name].consumers)
+
+
+def inputs_from_dropped(example_inputs: Sequence, regions: Sequence[Region]
+                        ) -> dict[int, tuple]:
+    """Position -> (shape, dtype) of the ``example_inputs`` that are outputs an open region's plan
+    frees at its forward's end (``Region.dropped_outputs``): after a graph break, the values the
+    code after it reads and the loop lets go of."""
+    dropped = {reference for region in regions if region.open_forwards
+               for name, reference in zip(region.output_names, region.output_storages,
+                                          strict=False)
+               if reference is not None and name in region.dropped_outputs}
+    return {position: (tuple(value.shape), value.dtype)
+            for position, value in enumerate(example_inputs)
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
+            and StorageWeakRef(value.untyped_storage()) in dropped}
+
+
+def placeholder_names(joint: fx.GraphModule, positions: dict[int, tuple],
+                      owners: dict[StorageWeakRef, str]) -> frozenset[str]:
+    """The graph tensors of ``joint``'s primal inputs at ``positions`` (``inputs_from_dropped``:
+    AOTAutograd's primals are the region's example inputs in order), each only where its fake
+    value has the shape and dtype noted, so that a different layout frees nothing."""
+    primals = [node for node in joint.graph.find_nodes(op="placeholder")
+               if not node.name.startswith("tangents")]
+    found = set()
+    for position, (shape, dtype) in positions.items():
+        value = primals[position].meta.get("val") if position < len(primals) else None
+        if (isinstance(value, torch.Tensor) and tuple(value.shape) == shape
+                and value.dtype == dtype):
+            name = owners.get(storage_key(value))
+            if name is not None:
+                found.add(name)
+    return frozenset(found)
+
+
+def loop_held_dropped(region: Region) -> bool:
+    """Whether, after its backward, the loop still holds an output of ``region`` that its plan
+    was chosen to have freed at the forward's end (``Region.dropped_outputs``). Read from its
+    second backward on: in the iteration that compiled a region, compiling holds the real
+    example inputs (an earlier region's output) until the iteration ends, which the loop does
+    not."""
+    if region.measured_runs <= 2:
+        return False
+    dropped = set(region.dropped_outputs)
+    return any(name in dropped and reference is not None and not reference.expired()
+               for name, reference in zip(region.output_names, region.output_storages,
+                                          strict=False))
