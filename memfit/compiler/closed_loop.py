@@ -94,6 +94,12 @@ class Loop:
         # the plan's own peak, not just its budget, must drop by the excess: a plan predicted
         # under its budget leaves that slack for the model's error to eat first
         planning = min(last.planning_budget_bytes, last.predicted_peak_bytes) - excess - margin
+        outside = planned.budget.outside_bytes  # parameters, gradients, state: no plan drops them
+        if planning <= outside:
+            return self._give_up(f"{over}, and the budget is below what the model holds beside "
+                                 f"the step's activations ({format_bytes(outside)}: its "
+                                 f"parameters, gradients and optimizer state), which no plan "
+                                 "can drop. Raise the budget above that")
         try:
             made, planning = _tighter(plan_for, planning, last.predicted_peak_bytes)
         except (BudgetError, PlanError) as error:

@@ -169,7 +169,8 @@ class FittedCall:
             if dispatch_modes():  # Dynamo would run it eagerly and skip its entry for good
                 result = self.module._call_impl(*args, **kwargs)
             else:
-                with _rnn_traced(bool(self.traces_rnns)), _units_compiled(self):
+                with (_rnn_traced(bool(self.traces_rnns)), _whole_ddp_graph(),
+                      _units_compiled(self)):
                     result = self._compiled(*args, **kwargs)
         except BaseException as failed:
             if conversion_failed(start):  # Dynamo gave up on a frame of this model
@@ -352,6 +353,18 @@ def _rnn_traced(traced: bool) -> contextlib.AbstractContextManager:
     """While the model runs, Dynamo traces its RNNs where ``_traces_rnns`` said so; the flag is
     put back after."""
     return torch._dynamo.config.patch(allow_rnn=True) if traced else contextlib.nullcontext()
+
+
+def _whole_ddp_graph() -> contextlib.AbstractContextManager:
+    """While the fitted model runs, Dynamo compiles a ``DistributedDataParallel`` forward as one
+    graph: its default ``optimize_ddp`` mode (``DDPOptimizer``) splits the graph into a region
+    per gradient bucket, compiled one after another, so each would be planned before the
+    regions after it exist and the first iteration could exceed the budget. One region is
+    planned whole from the first call; DDP's all-reduces then start once its backward has
+    produced every gradient (as with ``optimize_ddp=False``). A mode the user chose is kept."""
+    if torch._dynamo.config.optimize_ddp not in (True, "ddp_optimizer"):
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(optimize_ddp=False)
 
 
 def _traces_rnns(model: torch.nn.Module, compiler: str) -> bool:
