@@ -498,14 +498,12 @@ class Backend(EagerWatching, JointPlanning):
                 "than the loss, or compute the loss inside the model.", BudgetWarning,
                 stacklevel=2)
             return {}
-        for region, held in needed:  # (a region at its smallest peak was warned about)
+        for region, held in needed:
             self.eager_held[region.site] = held  # its site's next plan counts them
-            if region.minimum_bytes is None:
-                warn_eager_overran(region, held)
+            warn_eager_overran(region, held)
         for region, gap in gaps:
             self.eager_gap[region.site] = gap  # its site's next plan saves less
-            if region.minimum_bytes is None:
-                warn_eager_overran(region, gap, gap=True)
+            warn_eager_overran(region, gap, gap=True)
         fitting = [region for region, _ in [*needed, *gaps] if region.minimum_bytes is None]
         if fitting:  # a short region runs at its smallest peak: only joint planning helps it
             self.eager_replans += 1
