@@ -78,8 +78,8 @@ from memfit.graph.lifetimes import (
     inputs_from_dropped,
     output_tangents,
     output_tensor_names,
-    placeholder_names,
     scalar_output_bytes,
+    placeholder_names,
     trainable_parameter_bytes,
     with_later_gradients,
 )
