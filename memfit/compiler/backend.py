@@ -45,10 +45,10 @@ from memfit.compiler.plan_step import (
     BudgetWarning,
     Planned,
     analyzed,
+    decides_only_activations,
     keyed,
     plan_step,
     resolve_hardware,
-    runnable_on,
     short_even_alone,
     with_eager_note,
 )
@@ -422,8 +422,7 @@ class Backend(EagerWatching, JointPlanning):
             try:
                 planned = plan_step(loop, hardware, Budget(bytes=failed.budget_bytes),
                                     self.strategy, self.params, outside, None, self.what_ifs)
-                planned = runnable_on(planned, graph, hardware)
-                if planned.predicted_peak_bytes <= failed.budget_bytes:
+                if decides_only_activations(planned.plan, graph):
                     return planned, planned.budget.device_bytes, None
             except BudgetError as error:
                 failed, graph = error, loop

@@ -137,13 +137,11 @@ def keyed(plan: Plan, graph: CostGraph) -> Plan:
                    topology_hash=topology_hash(graph))
 
 
-def runnable_on(planned: Planned, graph: CostGraph, hardware: Hardware) -> Planned:
-    """``planned`` (chosen on a graph with other lifetimes than ``graph``) without its decisions
-    on values ``graph`` is given or returns (``keyed``), its prediction simulated again."""
-    made = keyed(keyed(planned.plan, graph), planned.graph)
-    if made.decisions == planned.plan.decisions:
-        return planned
-    return replace(planned, plan=made, predicted=simulate(planned.graph, made, hardware))
+def decides_only_activations(plan: Plan, graph: CostGraph) -> bool:
+    """Whether every tensor ``plan`` swaps or recomputes is made by an op of ``graph`` (a plan
+    chosen on a graph with other lifetimes may move a value that is ``graph``'s input)."""
+    return all(name in graph.tensors and graph.tensors[name].producer is not None
+               and not graph.tensors[name].is_output for name in plan.decisions)
 
 
 def resolve_hardware(hardware: Hardware | str | None, device: torch.device) -> Hardware:
