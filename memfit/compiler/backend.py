@@ -45,8 +45,6 @@ from memfit.compiler.plan_step import (
     BudgetWarning,
     Planned,
     analyzed,
-    decides_only_activations,
-    keyed,
     plan_step,
     resolve_hardware,
     short_even_alone,
@@ -74,12 +72,9 @@ from memfit.graph.joint import (
     split,
 )
 from memfit.graph.lifetimes import (
-    dropping_loop_graph,
-    inputs_from_dropped,
     output_tangents,
     output_tensor_names,
     scalar_output_bytes,
-    placeholder_names,
     trainable_parameter_bytes,
     with_later_gradients,
 )
@@ -137,8 +132,6 @@ class Backend(EagerWatching, JointPlanning):
         self.eager_held: dict[Any, int] = {}  # site -> eager code's bytes its plan counts
         self.eager_replans = 0  # times regions were planned again for what eager code held
         self.eager_gave_up = False  # eager code held more each time: no longer planned for
-        self.loop_keeps_outputs = False  # the loop held outputs a plan had freed: no plan frees any
-        self._dropped_inputs: dict[int, tuple] = {}  # of the region compiled now (inputs_from_dropped)
         self._eager_watch: EagerWatch | None = None  # on a CPU, over the measured iterations
         self._eager_now = 0  # eager code's bytes alive as the region compiled now is called
         self.device: torch.device | None = None  # of the latest region compiled
@@ -204,8 +197,6 @@ class Backend(EagerWatching, JointPlanning):
         self._parameters = self._resident_counted = None  # count what is resident afresh
         self.device = device
         self._eager_now = self.eager_bytes_now(example_inputs)  # alive at its forward's start
-        self._dropped_inputs = ({} if self.loop_keeps_outputs else
-                                inputs_from_dropped(example_inputs, self.regions))
         started = time.perf_counter()
         first = len(self.regions)
         try:
@@ -330,45 +321,35 @@ class Backend(EagerWatching, JointPlanning):
                        else frozenset())
 
         def lower(plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule, int]:
-            forward, backward = split(rewrite(program, graph, keyed(plan, graph)),
+            forward, backward = split(rewrite(program, graph, plan),
                                       num_fwd_outputs, static_lifetime_input_indices)
             return forward, backward, saved_device_bytes(forward, num_fwd_outputs, held_inputs,
                                                          bound)
 
-        output_names = output_tensor_names(joint, num_fwd_outputs, owners)
-        tangent_names = output_tangents(joint, num_fwd_outputs)
-        loop, dropped = dropping_loop_graph(
-            graph, output_names, tangent_names,
-            placeholder_names(joint, self._dropped_inputs, owners))
         try:
-            planned, budget_bytes, minimum = self._choose(
-                graph, hardware, outside, pending, eager, own_open,
-                loop=None if self.loop_keeps_outputs or loop is graph else loop)
+            planned, budget_bytes, minimum = self._choose(graph, hardware, outside, pending,
+                                                          eager, own_open)
         except BudgetError as error:
             raise_if_any_failed(error)  # on every rank, so that none waits in a collective
         raise_if_any_failed(None)
-        made, predicted = keyed(planned.plan, graph), planned.predicted
-        if planned.graph is not loop:
-            dropped = ()
-        graph_planned = planned.graph  # the graph its plan is checked on (the loop's, or all held)
+        made, predicted = planned.plan, planned.predicted
         forward, backward, saved = lower(made)
         if repeated and budget_bytes is not None:
-            made, (forward, backward, saved) = self._fit_copies(repeated, graph_planned, hardware,
+            made, (forward, backward, saved) = self._fit_copies(repeated, graph, hardware,
                                                                 outside, budget_bytes, lower)
-            predicted = simulate(graph_planned, keyed(made, graph_planned), hardware)
+            predicted = simulate(graph, made, hardware)
             cap, outside = saved, outside + repeated * saved
         elif cap is None and minimum is None and budget_bytes is not None:
             cap = first_iteration_cap(self.model, self.regions, site, budget_bytes - outside,
                                       predicted.peak_bytes - saved)
         if not repeated and cap is not None and budget_bytes is not None and saved > cap:
-            made, (forward, backward, saved) = self._save_at_most(cap, graph_planned, hardware,
-                                                                  outside, budget_bytes, lower)
-            predicted = simulate(graph_planned, keyed(made, graph_planned), hardware)
+            made, (forward, backward, saved) = self._save_at_most(cap, graph, hardware, outside,
+                                                                  budget_bytes, lower)
+            predicted = simulate(graph, made, hardware)
         made, from_rank_0 = agree_on_plan(made)
         if from_rank_0:  # this rank chose otherwise from the same numbers: rank 0's plan runs
             forward, backward, saved = lower(made)
-            predicted = simulate(graph_planned, keyed(made, graph_planned), hardware)
-        made = keyed(made, graph)
+            predicted = simulate(graph, made, hardware)
         forward.meta[REGION_KEY] = backward.meta[REGION_KEY] = index
         self.regions.append(Region(index, graph, made, planned.baseline, predicted,
                                    budget_bytes, outside, forward, backward, resident, saved,
@@ -378,8 +359,9 @@ class Backend(EagerWatching, JointPlanning):
                                        own_copies_bytes(self.regions, site, cap)),
                                    hardware=hardware, bound=predicted,
                                    trainable_bytes=trainable, later_gradient_bytes=later,
-                                   output_names=output_names, output_tangents=tangent_names,
-                                   dropped_outputs=dropped,
+                                   output_names=output_tensor_names(joint, num_fwd_outputs,
+                                                                    owners),
+                                   output_tangents=output_tangents(joint, num_fwd_outputs),
                                    planned_eager_bytes=eager, shape_bound=bound))
         return forward, backward
 
@@ -400,38 +382,23 @@ class Backend(EagerWatching, JointPlanning):
         return max(0, sum(without_grad.values()) - trainable - earlier)
 
     def _choose(self, graph: CostGraph, hardware: Hardware, outside: int, pending: int,
-                eager: int = 0, own_open: int = 0, loop: CostGraph | None = None
-                ) -> tuple[Planned, int | None, int | None]:
+                eager: int = 0, own_open: int = 0) -> tuple[Planned, int | None, int | None]:
         """The strategy's plan under the budget, the whole-device budget, and the region's
         smallest peak where it only misses the budget because of ``pending`` saves of earlier
         regions (``None`` where it fits). ``eager``: bytes eager code holds beside it, named in
-        the error where no plan fits.
-
-        Where no plan fits with every output held to the iteration's end, it is chosen on
-        ``loop`` (the region as a loop that drops the outputs it gets gradients for runs it:
-        ``dropping_loop_graph``); ``Planned.graph`` says which one. Its smallest peak is then the
-        one on ``loop``, which a plan fits at."""
+        the error where no plan fits."""
         budget = self.budget_override or self.budget
         try:
             planned = plan_step(graph, hardware, budget, self.strategy, self.params, outside,
                                 self.fixed_plan, self.what_ifs)
-            return planned, planned.budget.device_bytes, None
         except BudgetError as error:
-            failed = error
-        if loop is not None:
-            try:
-                planned = plan_step(loop, hardware, Budget(bytes=failed.budget_bytes),
-                                    self.strategy, self.params, outside, None, self.what_ifs)
-                if decides_only_activations(planned.plan, graph):
-                    return planned, planned.budget.device_bytes, None
-            except BudgetError as error:
-                failed, graph = error, loop
-        if not pending:
-            raise with_eager_note(failed, eager) from None
-        if failed.minimum_bytes - pending > failed.budget_bytes:
-            raise short_even_alone(failed, pending, eager) from None
-        planned = self._over_budget(graph, hardware, failed, pending, outside, own_open)
-        return planned, failed.budget_bytes, failed.minimum_bytes
+            if not pending:
+                raise with_eager_note(error, eager) from None
+            if error.minimum_bytes - pending > error.budget_bytes:
+                raise short_even_alone(error, pending, eager) from None
+            planned = self._over_budget(graph, hardware, error, pending, outside, own_open)
+            return planned, error.budget_bytes, error.minimum_bytes
+        return planned, planned.budget.device_bytes, None
 
     def _over_budget(self, graph: CostGraph, hardware: Hardware, error: BudgetError,
                      pending: int, outside: int, own_open: int = 0) -> Planned:

@@ -50,7 +50,6 @@ class JointPlanning:
     replanned_beside_copies: set[Any]
     copies_sites: set[Any]
     copies_short_said: bool
-    loop_keeps_outputs: bool
 
     def make_room_for_eager(self, current: list[Region]) -> dict[int, int]:
         raise NotImplementedError  # the backend's
@@ -172,23 +171,6 @@ class JointPlanning:
             f"{format_bytes(short.budget_bytes or 0)}: {why}; every iteration runs over the "
             "budget. Raise the budget or remove the graph break (torch._dynamo.explain(model)"
             "(...) shows it).", BudgetWarning, stacklevel=2)
-
-    def outputs_held(self, region: Region) -> None:
-        """The loop held outputs of ``region`` through its backward that its plan, chosen for a
-        loop that keeps only the loss, had freed at the forward's end: say so at that call, and
-        have every region planned again with its outputs held to the iteration's end."""
-        if self.loop_keeps_outputs:
-            return
-        self.loop_keeps_outputs = True
-        warnings.warn(
-            f"memfit: the loop held {', '.join(region.dropped_outputs)} (outputs of region "
-            f"{region.index}) through its backward, while its plan only fits "
-            f"{format_bytes(region.budget_bytes or 0)} where the loop lets them go after the "
-            "forward (as `loss = model(...).loss` does); this iteration may have run over the "
-            "budget. Every region is planned again with its outputs held, which raises "
-            "BudgetError where no plan fits so; drop the outputs before `loss.backward()` to "
-            "keep the budget.", BudgetWarning, stacklevel=2)
-        self.replan_regions()
 
     def replan_regions(self) -> None:
         """Have every current region planned again before its next run (each region's callable,

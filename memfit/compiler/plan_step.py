@@ -123,27 +123,6 @@ def plan_step(graph: CostGraph, hardware: Hardware, budget: Budget | None, strat
     return Planned(graph, made, baseline, simulate(graph, made, hardware), resolved)
 
 
-def keyed(plan: Plan, graph: CostGraph) -> Plan:
-    """``plan`` keyed to ``graph``: the same decisions, for a graph with the same ops and tensors
-    and other lifetimes (``memfit.graph.lifetimes.dropping_loop_graph``), or as it was. A
-    decision on a value ``graph`` is given or returns is left out: where the other graph frees
-    it early (a dropped output no backward op reads), the decision moved nothing there."""
-    if plan.graph_hash == graph.structure_hash:
-        return plan
-    decisions = {name: decision for name, decision in plan.decisions.items()
-                 if name in graph.tensors and graph.tensors[name].producer is not None
-                 and not graph.tensors[name].is_output}  # the others move nothing in ``graph``
-    return replace(plan, decisions=decisions, graph_hash=graph.structure_hash,
-                   topology_hash=topology_hash(graph))
-
-
-def decides_only_activations(plan: Plan, graph: CostGraph) -> bool:
-    """Whether every tensor ``plan`` swaps or recomputes is made by an op of ``graph`` (a plan
-    chosen on a graph with other lifetimes may move a value that is ``graph``'s input)."""
-    return all(name in graph.tensors and graph.tensors[name].producer is not None
-               and not graph.tensors[name].is_output for name in plan.decisions)
-
-
 def resolve_hardware(hardware: Hardware | str | None, device: torch.device) -> Hardware:
     """The profile to plan with: given, or the built-in ``cpu`` profile on a CPU, else measured."""
     if hardware is not None:

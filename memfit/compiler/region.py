@@ -76,8 +76,6 @@ class Region:
     later_gradient_bytes: int = 0  # gradients of other regions' parameters during its backward
     output_names: tuple[str | None, ...] = ()  # its graph's tensor of each user-visible output
     output_tangents: tuple[str | None, ...] = ()  # each output's tangent, if not a loss's seed
-    dropped_outputs: tuple[str, ...] = ()  # outputs its plan has freed at the forward's end
-    # (chosen for a loop that keeps only the loss: ``memfit.graph.lifetimes.dropping_loop_graph``)
     output_storages: tuple = field(default=(), repr=False)  # weakly, of its latest forward
     saved_storages: tuple = field(default=(), repr=False)  # weakly, what its forwards saved
     live_saves: tuple = field(default=(), repr=False)  # per forward whose saves may live:
@@ -158,8 +156,6 @@ class Planner(Protocol):
                             ) -> None: ...
 
     def forward_ran(self, region: Region) -> None: ...
-
-    def outputs_held(self, region: Region) -> None: ...
 
 
 def user_input_names(joint: fx.GraphModule, inputs: Sequence) -> frozenset[str]:

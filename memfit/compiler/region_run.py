@@ -22,12 +22,7 @@ from memfit.compiler.plan_step import BudgetWarning
 from memfit.compiler.region import REGION_KEY, Planner, Region
 from memfit.compiler.repeated_calls import live_forwards, note_forward_saves, storages_of
 from memfit.data.units import format_bytes
-from memfit.graph.lifetimes import (
-    loop_held_dropped,
-    observe_loop,
-    remember_outputs,
-    tangents_given,
-)
+from memfit.graph.lifetimes import observe_loop, remember_outputs, tangents_given
 from memfit.graph.rnn import run_rnn_layers_for_training
 from memfit.runtime.region_peak import measure_region_run
 from memfit.runtime.streams import CopyEngine, active_engine
@@ -99,11 +94,8 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
             if not is_backward:
                 remember_outputs(region, result)
                 note_forward_saves(region, inputs, result)
-            else:
-                if follow_loop:
-                    observe_loop(region, given)
-                if region.dropped_outputs and loop_held_dropped(region):
-                    planner.outputs_held(region)
+            elif follow_loop:
+                observe_loop(region, given)
             if is_backward:
                 region.backward_closed(calling_autograd_node())
                 planner.iteration_closed()

@@ -199,7 +199,6 @@ class CostGraph:
             t
             for t in self.tensors.values()
             if t.producer is not None
-            and t.role not in ("parameter", "buffer", "input")  # given, though an op makes it
             and phase[t.producer] == "forward"
             and any(phase[c] == "backward" for c in t.consumers)
         )

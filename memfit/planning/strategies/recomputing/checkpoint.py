@@ -114,9 +114,6 @@ def _fits(graph: CostGraph, made: Plan, budget_bytes: int | None) -> bool:
     return budget_bytes is None or peak_bytes(graph, made) <= budget_bytes
 
 
-OUTSIDE_ROLES = ("parameter", "buffer", "input")  # values the step is given, made by no op of it
-
-
 def recompute_all_but(graph: CostGraph, kept: Iterable[str], hardware: Hardware,
                       budget_bytes: int | None, params: dict) -> Plan:
     """A plan that recomputes every forward tensor except ``kept`` (and step outputs)."""
@@ -126,7 +123,7 @@ def recompute_all_but(graph: CostGraph, kept: Iterable[str], hardware: Hardware,
         name: Recompute("not a checkpoint")
         for name, tensor in graph.tensors.items()
         if tensor.producer is not None and phase[tensor.producer] == "forward"
-        and not tensor.is_output and name not in kept and tensor.role not in OUTSIDE_ROLES
+        and not tensor.is_output and name not in kept
     }
     return Plan("checkpoint", decisions, graph_hash=graph.structure_hash, params=params,
                 budget_bytes=budget_bytes, hardware=hardware.name)
