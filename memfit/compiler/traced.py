@@ -183,7 +183,7 @@ class _ShardedPlanOnly(_PlanOnly):
     sharding = Sharding()
 
     def _choose(self, graph: CostGraph, hardware: Hardware, outside: int, pending: int,
-                eager: int = 0, own_open: int = 0, loop: CostGraph | None = None) -> Any:
+                eager: int = 0, own_open: int = 0) -> Any:
         state = sum(reserved_state_bytes(optimizer, device_of(self.model.parameters()))
                     for optimizer in self.optimizers) if self.model is not None else 0
         raise _ShardedStop(plan_step(shard_graph(graph, self.sharding, hardware), hardware,
