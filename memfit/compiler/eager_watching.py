@@ -110,23 +110,19 @@ class EagerWatching:
         runs next with them alive): what ``EagerWatch`` noted, less the model, its optimizers'
         state, FSDP2's gathered parameters, the region's own inputs and the open regions'
         saves; 0 where no watch is on (not a CPU, or runs no longer measured)."""
-        from memfit.runtime.region_peak import outside_plans_bytes
-        from memfit.runtime.resident import (
-            fsdp_gather_buffers,
-            fsdp_unsharded_tensors,
-            resident_tensors,
+        from memfit.runtime.region_peak import (
+            open_saved_storages,
+            outside_plans_bytes,
+            resident_alive,
         )
 
         device = self.device
         if (device is None or device.type != "cpu" or self.eager_watch() is None
                 or any(isinstance(value, FakeTensor) for value in example_inputs)):
             return 0
-        model = self.model
-        alive = [*resident_tensors(model, self.optimizers), *fsdp_unsharded_tensors(model),
-                 *fsdp_gather_buffers(model), *example_inputs]
+        alive = [*resident_alive(self), *example_inputs]  # type: ignore[arg-type]
         pending = sum(region.saved_bytes * region.open_forwards for region in self.regions)
-        saved = [reference for region in self.regions if region.open_forwards
-                 for reference in region.saved_storages]
+        saved = open_saved_storages(self)  # type: ignore[arg-type]
         return outside_plans_bytes(self, device, alive, pending, saved)  # type: ignore[arg-type]
 
     def eager_watch_off(self) -> contextlib.AbstractContextManager:

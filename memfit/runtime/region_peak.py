@@ -131,24 +131,16 @@ def measure_region_run(planner: Planner, region: Region, call: Callable[[list], 
     """
     import weakref
 
-    from memfit.runtime.resident import (
-        fsdp_gather_buffers,
-        fsdp_unsharded_tensors,
-        resident_tensors,
-    )
-
     device = next((value.device for value in args if isinstance(value, torch.Tensor)),
                   torch.device("cpu"))
     others = sum(other.saved_bytes * other.open_forwards for other in planner.regions
                  if other is not region)
     own = region.saved_bytes * (region.open_forwards - (1 if is_backward else 0))
-    alive = [*resident_tensors(planner.model, planner.optimizers),  # FSDP2's planned as its own:
-             *fsdp_unsharded_tensors(planner.model), *fsdp_gather_buffers(planner.model)]
+    alive = resident_alive(planner)
     inputs = [weakref.ref(value) for value in args if isinstance(value, torch.Tensor)]
     if is_backward:
         alive += [value for value in (ref() for ref in region.forward_values) if value is not None]
-    saved = [reference for other in planner.regions if other.open_forwards
-             for reference in other.saved_storages]  # counted as others' (and own) saves
+    saved = open_saved_storages(planner)  # counted as others' (and own) saves
     eager = outside_plans_bytes(planner, device, [*alive, *args], others + max(own, 0), saved,
                                 region.saved_storages)
     if is_backward:
@@ -170,6 +162,25 @@ def measure_region_run(planner: Planner, region: Region, call: Callable[[list], 
         region.measured_forward_bytes = peak_bytes
     region.measured_runs += 1
     return result
+
+
+def resident_alive(planner: Planner) -> list:
+    """What every plan counts as resident: the model, its optimizers' state and FSDP2's
+    gathered parameters and their buffers."""
+    from memfit.runtime.resident import (
+        fsdp_gather_buffers,
+        fsdp_unsharded_tensors,
+        resident_tensors,
+    )
+
+    return [*resident_tensors(planner.model, planner.optimizers),
+            *fsdp_unsharded_tensors(planner.model), *fsdp_gather_buffers(planner.model)]
+
+
+def open_saved_storages(planner: Planner) -> list:
+    """Weak references to the saved storages of every region whose forward is open."""
+    return [reference for region in planner.regions if region.open_forwards
+            for reference in region.saved_storages]
 
 
 def outside_plans_bytes(planner: Planner, device: torch.device, counted: list,
