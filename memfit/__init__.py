@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import importlib
 
-from memfit import moved as _moved
 from memfit import plan_methods as _plan_methods
 
 _plan_methods.attach()  # Plan.explain/to_json/from_json/save/load: see memfit.plan_methods
-_moved.install()  # the module paths before the layer folders: see memfit.moved
 
 __version__ = "0.1.0"
 

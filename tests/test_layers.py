@@ -39,7 +39,6 @@ LAYER_OF_FOLDER = {  # folder (or top-level module) -> layer, in the pipeline's 
     "examples": "surface",
     "search": "surface",
     "plan_methods": "surface",
-    "moved": "surface",
 }
 
 ALLOWED = {  # layer -> the layers its modules may import (its own included): only downward
