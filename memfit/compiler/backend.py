@@ -54,8 +54,12 @@ from memfit.compiler.region import REGION_KEY, Region, saved_device_bytes, user_
 from memfit.compiler.region_run import aot_eager_runner, inductor_runner
 from memfit.compiler.replanning import (
     count_eager_in_prediction,
+    eager_gap_needed,
     eager_room_needed,
+    gap_saves_cap,
+    outputs_and_inputs_bytes,
     plan_again_when_stale,
+    warn_eager_overran,
 )
 from memfit.compiler.shape_bound import InputSizes, priced_bound
 from memfit.data.costgraph import CostGraph
@@ -130,6 +134,7 @@ class Backend(EagerWatching, JointPlanning):
         self.unplanned_calls: dict[str, int] = {}  # "code: cause" -> calls run outside a plan
         self.skip_cause = ""  # why Dynamo last ran the whole model eagerly, where it said
         self.eager_held: dict[Any, int] = {}  # site -> eager code's bytes its plan counts
+        self.eager_gap: dict[Any, int] = {}  # site -> eager code's peak its saves leave room for
         self.eager_replans = 0  # times regions were planned again for what eager code held
         self.eager_gave_up = False  # eager code held more each time: no longer planned for
         self._eager_watch: EagerWatch | None = None  # on a CPU, over the measured iterations
@@ -342,6 +347,10 @@ class Backend(EagerWatching, JointPlanning):
         elif cap is None and minimum is None and budget_bytes is not None:
             cap = first_iteration_cap(self.model, self.regions, site, budget_bytes - outside,
                                       predicted.peak_bytes - saved)
+        names = output_tensor_names(joint, num_fwd_outputs, owners)
+        beside_saves = outputs_and_inputs_bytes(joint, graph, names, captured.inputs)
+        gap_cap = gap_saves_cap(self.eager_gap.get(site, 0), budget_bytes, outside, beside_saves)
+        cap = min((c for c in (cap, gap_cap) if c is not None), default=None)
         if not repeated and cap is not None and budget_bytes is not None and saved > cap:
             made, (forward, backward, saved) = self._save_at_most(cap, graph, hardware, outside,
                                                                   budget_bytes, lower)
@@ -359,8 +368,9 @@ class Backend(EagerWatching, JointPlanning):
                                        own_copies_bytes(self.regions, site, cap)),
                                    hardware=hardware, bound=predicted,
                                    trainable_bytes=trainable, later_gradient_bytes=later,
-                                   output_names=output_tensor_names(joint, num_fwd_outputs,
-                                                                    owners),
+                                   output_names=names,
+                                   planned_gap_bytes=self.eager_gap.get(site, 0),
+                                   beside_saves_bytes=beside_saves,
                                    output_tangents=output_tangents(joint, num_fwd_outputs),
                                    planned_eager_bytes=eager, shape_bound=bound))
         return forward, backward
@@ -442,8 +452,8 @@ class Backend(EagerWatching, JointPlanning):
             if watch is not None:
                 watch.recording = False  # off the stack after the next step or model call
         count_eager_in_prediction(current)
-        needed = eager_room_needed(current)
-        if not needed or self.eager_gave_up:
+        needed, gaps = eager_room_needed(current), eager_gap_needed(current)
+        if not (needed or gaps) or self.eager_gave_up:
             return {}
         if self.eager_replans >= MAX_EAGER_REPLANS:
             self.eager_gave_up = True
@@ -456,7 +466,11 @@ class Backend(EagerWatching, JointPlanning):
             return {}
         for region, held in needed:
             self.eager_held[region.site] = held  # its site's next plan counts them
-        fitting = [region for region, _ in needed if region.minimum_bytes is None]
+            warn_eager_overran(region, held)
+        for region, gap in gaps:
+            self.eager_gap[region.site] = gap  # its site's next plan saves less
+            warn_eager_overran(region, gap, gap=True)
+        fitting = [region for region, _ in [*needed, *gaps] if region.minimum_bytes is None]
         if fitting:  # a short region runs at its smallest peak: only joint planning helps it
             self.eager_replans += 1
             for region in fitting:

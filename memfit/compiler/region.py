@@ -84,7 +84,10 @@ class Region:
     observed: tuple | None = None  # what the loop held and passed at its latest backward
     eager_forward_bytes: int = 0  # most bytes eager code held at its measured forwards' start
     eager_backward_bytes: int = 0  # ... and at its measured backwards' start (the loop's loss)
+    eager_gap_bytes: int = 0  # ... and at once between them, less its outputs freed by then
     planned_eager_bytes: int = 0  # eager code's bytes its plan counts, alive over all of it
+    planned_gap_bytes: int = 0  # eager code's peak between forward and backward it left room for
+    beside_saves_bytes: int = 0  # its outputs and the loop's inputs: alive beside its saves then
     freed_output_bytes: int | None = None  # its outputs freed by its backward's start (fewest)
     eager_read: bool = False  # eager code's bytes were read at a measured backward's start
     warned_over: bool = False  # said that a measured run of its plan exceeded budget and prediction

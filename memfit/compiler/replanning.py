@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +91,69 @@ def eager_room_needed(regions: list[Region]) -> list[tuple[Region, int]]:
     return needed
 
 
+def eager_gap_needed(regions: list[Region]) -> list[tuple[Region, int]]:
+    """The regions whose saves, outputs and what stays beside them left no room for eager code's
+    own peak between their forward and backward (``Region.eager_gap_bytes``: a loss's softmax
+    and its gradient while the region's saves wait), each with that peak, which its next plan
+    leaves room for by saving less (``gap_saves_cap``)."""
+    needed = []
+    for region in regions:
+        if region.budget_bytes is None or region.eager_gap_bytes <= region.planned_gap_bytes:
+            continue
+        boundary = region.saved_bytes + region.beside_saves_bytes + region.outside_bytes
+        if boundary + region.eager_gap_bytes > region.budget_bytes:
+            needed.append((region, region.eager_gap_bytes))
+    return needed
+
+
+def gap_saves_cap(gap_bytes: int, budget_bytes: int | None, outside_bytes: int,
+                  beside_saves_bytes: int) -> int | None:
+    """The most a region's forward may save so that, between its forward and backward, its
+    saves, its outputs and inputs (``beside_saves_bytes``), what stays beside it
+    (``outside_bytes``) and eager code's peak there (``gap_bytes``) fit ``budget_bytes``;
+    ``None`` where there is no such peak or no budget."""
+    if not gap_bytes or budget_bytes is None:
+        return None
+    return max(0, budget_bytes - outside_bytes - beside_saves_bytes - gap_bytes)
+
+
+def outputs_and_inputs_bytes(joint: fx.GraphModule, graph: Any, output_names: Any,
+                             inputs: Any) -> int:
+    """Bytes alive beside a region's saves between its forward and backward, besides what is
+    resident: its outputs (``output_names`` in the CostGraph ``graph``) and the loop's inputs
+    (placeholders of ``joint`` whose binding in ``inputs`` is the user's)."""
+    outputs = sum(graph.tensors[name].size_bytes for name in set(output_names)
+                  if name in graph.tensors)
+    values = [node.meta.get("val") for node in joint.graph.find_nodes(op="placeholder")]
+    return outputs + sum(value.untyped_storage().nbytes()
+                         for value, binding in zip(values, inputs, strict=True)
+                         if binding.kind == "input" and isinstance(value, torch.Tensor))
+
+
+def warn_eager_overran(region: Region, held: int, gap: bool = False) -> None:
+    """Say, in the iteration that ran it, that ``region``'s plan had no room for ``held`` bytes
+    of eager code beside it (``eager_room_needed``) or between its forward and backward
+    (``gap``, ``eager_gap_needed``), so the iteration may have run over the budget by as much as
+    its checked peak or its saves and outputs say, and that the next plan counts them."""
+    from memfit.compiler.plan_step import BudgetWarning
+    from memfit.data.units import format_bytes
+
+    if gap:
+        over = (region.saved_bytes + region.beside_saves_bytes + region.outside_bytes + held
+                - (region.budget_bytes or 0))
+    else:
+        checked = (region.bound or region.predicted).peak_bytes + region.outside_bytes
+        over = checked + held - region.planned_eager_bytes - (region.budget_bytes or 0)
+    warnings.warn(
+        f"memfit: eager code outside the compiled regions (a loss computed in the loop, code at "
+        f"a graph break) held {format_bytes(held)} "
+        f"{'between the forward and backward of' if gap else 'beside'} region {region.index}, which its plan "
+        f"had no room for: this iteration may have run up to {format_bytes(over)} over the "
+        "budget. The region is planned again with room for it from the next iteration; compute "
+        "the loss inside the model to have it planned from the first.", BudgetWarning,
+        stacklevel=4)
+
+
 def count_eager_in_prediction(regions: list[Region]) -> None:
     """Count what eager code was seen to hold beside each region planned without a budget in
     its predicted (and unplanned) peak, as a re-plan counts it for a region with one
@@ -115,7 +179,9 @@ def eager_bytes_to_plan(region: Region) -> int:
     plan is checked with every output held to the end: room those bytes take in fact; an eager
     loss's buffer is the size of the output it read). What the loop holds at one backward's
     start (the loss and its buffers, the labels) it mostly still holds at the next forward's
-    (``loss`` lives until reassigned), so one re-plan covers both.
+    (``loss`` lives until reassigned), so one re-plan covers both. Eager code's own peak
+    between its forward and backward is planned for by a cap on its saves instead
+    (``gap_saves_cap``).
     """
     backward = region.eager_backward_bytes - (region.freed_output_bytes or 0)
     return max(region.eager_forward_bytes, backward, 0)

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -50,6 +51,7 @@ class EagerWatch(TorchDispatchMode):
         self._storages: dict[StorageWeakRef, int] = {}
         self._loop_storages: dict[StorageWeakRef, int] = {}  # the model's call arguments
         self._pruned_at = 0  # entries after the last pruning of dead storages
+        self._windows: dict[Any, GapWindow] = {}  # open regions' gaps (``open_window``)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -60,7 +62,27 @@ class EagerWatch(TorchDispatchMode):
         result = func(*args, **(kwargs or {}))
         if self.recording:
             self.note((args, kwargs, result))
+            for window in self._windows.values():
+                window.grow(self._storages_of(result), self._storages_of((args, kwargs)))
         return result
+
+    def open_window(self, key: Any, outputs: Any) -> None:
+        """Track, from now until ``close_window(key)``, the most bytes eager ops make and keep
+        alive at once, less the bytes of ``outputs`` (a region's forward outputs, which its plan
+        holds to the end) freed by then: what eager code holds at its own peak between a
+        region's forward and backward (a loss's softmax and its gradient), which no reading at
+        a region's start sees."""
+        self._windows[key] = GapWindow(outputs=self._storages_of(outputs))
+
+    def close_window(self, key: Any) -> int:
+        """The most bytes the window ``key`` saw eager code hold (0 for none open)."""
+        window = self._windows.pop(key, None)
+        return window.peak_bytes if window is not None else 0
+
+    def _storages_of(self, values: Any) -> dict[StorageWeakRef, int]:
+        found: dict[StorageWeakRef, int] = {}
+        self._note_into(found, values)
+        return found
 
     def note_call_arguments(self, values: Any) -> None:
         """Note the tensors the loop passed to the model in this call, weakly, in place of the
@@ -146,6 +168,26 @@ class EagerWatch(TorchDispatchMode):
     def on_stack(self) -> bool:
         return (torch._C._len_torch_dispatch_stack() > 0
                 and _get_current_dispatch_mode() is self)
+
+
+@dataclasses.dataclass
+class GapWindow:
+    """Eager code's high-water mark over a stretch of the iteration: storages eager ops made in
+    it (not views of their inputs) that are alive, less ``outputs`` freed (room a plan that
+    holds its outputs to the end counts)."""
+
+    outputs: dict[StorageWeakRef, int]
+    made: dict[StorageWeakRef, int] = dataclasses.field(default_factory=dict)
+    peak_bytes: int = 0
+
+    def grow(self, results: dict[StorageWeakRef, int], inputs: dict[StorageWeakRef, int]) -> None:
+        """Count an op's new result storages, and the bytes alive now toward the peak."""
+        for ref, size in results.items():
+            if ref not in inputs and ref not in self.outputs:
+                self.made.setdefault(ref, size)
+        self.made = {ref: size for ref, size in self.made.items() if not ref.expired()}
+        freed = sum(size for ref, size in self.outputs.items() if ref.expired())
+        self.peak_bytes = max(self.peak_bytes, sum(self.made.values()) - freed)
 
 
 CUDA_BLOCK_BYTES = 512  # CUDA's caching allocator rounds every block up to a multiple of this

@@ -151,7 +151,7 @@ _NONE = -(2**62)  # a freed-output count not read yet, among the agreed numbers
 
 def agree_on_eager_bytes(regions: list) -> None:
     """What eager code held beside each region, as the rank that saw most saw it: the bytes at
-    its forwards' and backwards' start (the largest), the outputs freed by its backward's start
+    its forwards' and backwards' start and between them (the largest), the outputs freed by its backward's start
     (the fewest), whether any rank read them. Each rank reads them from its own allocator, and
     they decide whether a region is planned again (``memfit.compiler.replanning.eager_room_needed``).
     Measured: GPT-2 under DDP, 845,500 B on one rank and 845,504 B on the other."""
@@ -161,10 +161,12 @@ def agree_on_eager_bytes(regions: list) -> None:
     for region in regions:
         freed = region.freed_output_bytes
         numbers += [region.eager_forward_bytes, region.eager_backward_bytes,
-                    _NONE if freed is None else -freed, int(region.eager_read)]
+                    region.eager_gap_bytes, _NONE if freed is None else -freed,
+                    int(region.eager_read)]
     agreed = agree_max(numbers)
     for position, region in enumerate(regions):
-        forward, backward, freed, read = agreed[4 * position:4 * position + 4]
+        forward, backward, gap, freed, read = agreed[5 * position:5 * position + 5]
         region.eager_forward_bytes, region.eager_backward_bytes = forward, backward
+        region.eager_gap_bytes = gap
         region.freed_output_bytes = None if freed == _NONE else -freed
         region.eager_read = bool(read)

@@ -143,7 +143,10 @@ def measure_region_run(planner: Planner, region: Region, call: Callable[[list], 
     saved = open_saved_storages(planner)  # counted as others' (and own) saves
     eager = outside_plans_bytes(planner, device, [*alive, *args], others + max(own, 0), saved,
                                 region.saved_storages)
+    watch = planner.eager_watch()
     if is_backward:
+        gap = watch.close_window(region.index) if watch is not None else 0
+        region.eager_gap_bytes = max(region.eager_gap_bytes, gap)
         region.eager_backward_bytes = max(region.eager_backward_bytes, eager)
         region.eager_read = region.eager_read or eager_is_read(planner, device)
         freed = freed_output_bytes(region)
@@ -159,6 +162,8 @@ def measure_region_run(planner: Planner, region: Region, call: Callable[[list], 
     else:
         outputs = [weakref.ref(value) for value in result if isinstance(value, torch.Tensor)]
         region.forward_values = (*inputs, *outputs)
+        if watch is not None:  # eager code's peak until its backward (eager_gap_bytes)
+            watch.open_window(region.index, result)
         region.measured_forward_bytes = peak_bytes
     region.measured_runs += 1
     return result
