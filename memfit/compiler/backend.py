@@ -464,12 +464,14 @@ class Backend(EagerWatching, JointPlanning):
                 "than the loss, or compute the loss inside the model.", BudgetWarning,
                 stacklevel=2)
             return {}
-        for region, held in needed:
+        for region, held in needed:  # (a region at its smallest peak was warned about)
             self.eager_held[region.site] = held  # its site's next plan counts them
-            warn_eager_overran(region, held)
+            if region.minimum_bytes is None:
+                warn_eager_overran(region, held)
         for region, gap in gaps:
             self.eager_gap[region.site] = gap  # its site's next plan saves less
-            warn_eager_overran(region, gap, gap=True)
+            if region.minimum_bytes is None:
+                warn_eager_overran(region, gap, gap=True)
         fitting = [region for region, _ in [*needed, *gaps] if region.minimum_bytes is None]
         if fitting:  # a short region runs at its smallest peak: only joint planning helps it
             self.eager_replans += 1
