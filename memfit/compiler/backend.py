@@ -59,7 +59,7 @@ from memfit.compiler.replanning import (
     gap_saves_cap,
     outputs_and_inputs_bytes,
     plan_again_when_stale,
-    warn_eager_overran,
+    warn_eager_gap_over,
 )
 from memfit.compiler.shape_bound import InputSizes, priced_bound
 from memfit.data.costgraph import CostGraph
@@ -135,6 +135,7 @@ class Backend(EagerWatching, JointPlanning):
         self.skip_cause = ""  # why Dynamo last ran the whole model eagerly, where it said
         self.eager_held: dict[Any, int] = {}  # site -> eager code's bytes its plan counts
         self.eager_gap: dict[Any, int] = {}  # site -> eager code's peak its saves leave room for
+        self.gap_saves_limit: dict[Any, int] = {}  # site -> saves under a measured gap overrun
         self.eager_replans = 0  # times regions were planned again for what eager code held
         self.eager_gave_up = False  # eager code held more each time: no longer planned for
         self._eager_watch: EagerWatch | None = None  # on a CPU, over the measured iterations
@@ -349,10 +350,13 @@ class Backend(EagerWatching, JointPlanning):
                                       predicted.peak_bytes - saved)
         names = output_tensor_names(joint, num_fwd_outputs, owners)
         beside_saves = outputs_and_inputs_bytes(joint, graph, names, captured.inputs)
+        # room for eager code's own peak between its forward and backward (a loss in the loop);
+        # kept apart from ``cap``, which says the region's copies and joint plan were capped
         gap_cap = gap_saves_cap(self.eager_gap.get(site, 0), budget_bytes, outside, beside_saves)
-        cap = min((c for c in (cap, gap_cap) if c is not None), default=None)
-        if not repeated and cap is not None and budget_bytes is not None and saved > cap:
-            made, (forward, backward, saved) = self._save_at_most(cap, graph, hardware, outside,
+        limit = min((c for c in (cap, gap_cap, self.gap_saves_limit.get(site)) if c is not None),
+                    default=None)
+        if not repeated and limit is not None and budget_bytes is not None and saved > limit:
+            made, (forward, backward, saved) = self._save_at_most(limit, graph, hardware, outside,
                                                                   budget_bytes, lower)
             predicted = simulate(graph, made, hardware)
         made, from_rank_0 = agree_on_plan(made)
@@ -464,14 +468,16 @@ class Backend(EagerWatching, JointPlanning):
                 "than the loss, or compute the loss inside the model.", BudgetWarning,
                 stacklevel=2)
             return {}
-        for region, held in needed:  # (a region at its smallest peak was warned about)
+        for region, held in needed:
             self.eager_held[region.site] = held  # its site's next plan counts them
-            if region.minimum_bytes is None:
-                warn_eager_overran(region, held)
-        for region, gap in gaps:
-            self.eager_gap[region.site] = gap  # its site's next plan saves less
-            if region.minimum_bytes is None:
-                warn_eager_overran(region, gap, gap=True)
+        for region, gap in gaps:  # its site's next plan saves less
+            self.eager_gap[region.site] = max(gap, self.eager_gap.get(region.site, 0))
+            over = region.gap_alive_bytes - (region.budget_bytes or 0)
+            if over > 0:  # measured over: said, and the saves less by at least as much
+                warn_eager_gap_over(region)
+                self.gap_saves_limit[region.site] = min(
+                    region.saved_bytes - over,
+                    self.gap_saves_limit.get(region.site, region.saved_bytes))
         fitting = [region for region, _ in [*needed, *gaps] if region.minimum_bytes is None]
         if fitting:  # a short region runs at its smallest peak: only joint planning helps it
             self.eager_replans += 1

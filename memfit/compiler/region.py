@@ -78,6 +78,7 @@ class Region:
     output_tangents: tuple[str | None, ...] = ()  # each output's tangent, if not a loss's seed
     output_storages: tuple = field(default=(), repr=False)  # weakly, of its latest forward
     saved_storages: tuple = field(default=(), repr=False)  # weakly, what its forwards saved
+    saved_sizes: dict = field(default_factory=dict, repr=False)  # those storages' bytes
     live_saves: tuple = field(default=(), repr=False)  # per forward whose saves may live:
     # weakly, the storages it saved beyond its inputs (``memfit.compiler.repeated_calls``)
     backward_input_names: tuple[str, ...] = ()  # its backward module's placeholders, in order
@@ -85,6 +86,7 @@ class Region:
     eager_forward_bytes: int = 0  # most bytes eager code held at its measured forwards' start
     eager_backward_bytes: int = 0  # ... and at its measured backwards' start (the loop's loss)
     eager_gap_bytes: int = 0  # ... and at once between them, less its outputs freed by then
+    gap_alive_bytes: int = 0  # the device's bytes alive at that peak, as memfit sees them
     planned_eager_bytes: int = 0  # eager code's bytes its plan counts, alive over all of it
     planned_gap_bytes: int = 0  # eager code's peak between forward and backward it left room for
     beside_saves_bytes: int = 0  # its outputs and the loop's inputs: alive beside its saves then

@@ -92,16 +92,21 @@ def eager_room_needed(regions: list[Region]) -> list[tuple[Region, int]]:
 
 
 def eager_gap_needed(regions: list[Region]) -> list[tuple[Region, int]]:
-    """The regions whose saves, outputs and what stays beside them left no room for eager code's
-    own peak between their forward and backward (``Region.eager_gap_bytes``: a loss's softmax
-    and its gradient while the region's saves wait), each with that peak, which its next plan
-    leaves room for by saving less (``gap_saves_cap``)."""
+    """The regions between whose forward and backward eager code's own peak (a loss's softmax
+    and its gradient while the region's saves wait: ``Region.eager_gap_bytes``) left no room
+    in the budget, each with that peak, which its next plan leaves room for by saving less
+    (``gap_saves_cap``): where the device's bytes alive then (``Region.gap_alive_bytes``) were
+    over it, or where its plan's saves, outputs and inputs and what it counts beside them (the
+    optimizer state a first iteration has not made yet) would be with a peak it did not plan
+    for."""
     needed = []
     for region in regions:
-        if region.budget_bytes is None or region.eager_gap_bytes <= region.planned_gap_bytes:
+        if region.budget_bytes is None:
             continue
-        boundary = region.saved_bytes + region.beside_saves_bytes + region.outside_bytes
-        if boundary + region.eager_gap_bytes > region.budget_bytes:
+        planned = region.saved_bytes + region.beside_saves_bytes + region.outside_bytes
+        unplanned = (region.eager_gap_bytes > region.planned_gap_bytes
+                     and planned + region.eager_gap_bytes > region.budget_bytes)
+        if unplanned or region.gap_alive_bytes > region.budget_bytes:
             needed.append((region, region.eager_gap_bytes))
     return needed
 
@@ -130,28 +135,21 @@ def outputs_and_inputs_bytes(joint: fx.GraphModule, graph: Any, output_names: An
                          if binding.kind == "input" and isinstance(value, torch.Tensor))
 
 
-def warn_eager_overran(region: Region, held: int, gap: bool = False) -> None:
-    """Say, in the iteration that ran it, that ``region``'s plan had no room for ``held`` bytes
-    of eager code beside it (``eager_room_needed``) or between its forward and backward
-    (``gap``, ``eager_gap_needed``), so the iteration may have run over the budget by as much as
-    its checked peak or its saves and outputs say, and that the next plan counts them."""
+def warn_eager_gap_over(region: Region) -> None:
+    """Say, in the iteration that ran it, that eager code's own peak between ``region``'s
+    forward and backward took the device over the budget (``eager_gap_needed``), by how much as
+    memfit counted the bytes alive then, and that the next plan saves less to leave it room."""
     from memfit.compiler.plan_step import BudgetWarning
     from memfit.data.units import format_bytes
 
-    if gap:
-        over = (region.saved_bytes + region.beside_saves_bytes + region.outside_bytes + held
-                - (region.budget_bytes or 0))
-    else:
-        checked = (region.bound or region.predicted).peak_bytes + region.outside_bytes
-        over = checked + held - region.planned_eager_bytes - (region.budget_bytes or 0)
+    over = region.gap_alive_bytes - (region.budget_bytes or 0)
     warnings.warn(
         f"memfit: eager code outside the compiled regions (a loss computed in the loop, code at "
-        f"a graph break) held {format_bytes(held)} "
-        f"{'between the forward and backward of' if gap else 'beside'} region {region.index}, which its plan "
-        f"had no room for: this iteration may have run up to {format_bytes(over)} over the "
-        "budget. The region is planned again with room for it from the next iteration; compute "
-        "the loss inside the model to have it planned from the first.", BudgetWarning,
-        stacklevel=4)
+        f"a graph break) held {format_bytes(region.eager_gap_bytes)} between the forward and "
+        f"backward of region {region.index}, which its plan had no room for: this iteration ran "
+        f"about {format_bytes(over)} over the budget. The region is planned again with room for "
+        "it from the next iteration; compute the loss inside the model to have it planned from "
+        "the first.", BudgetWarning, stacklevel=4)
 
 
 def count_eager_in_prediction(regions: list[Region]) -> None:

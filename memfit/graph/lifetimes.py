@@ -24,6 +24,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from memfit.data.costgraph import CostGraph
 from memfit.graph.analyze import storage_key, tensors_in
 from memfit.graph.capture import Binding
+from memfit.graph.host import is_host_storage
 from memfit.model.lifetimes import with_loop_lifetimes, with_storage_from
 from memfit.model.simulate import simulate
 
@@ -143,10 +144,13 @@ def remember_outputs(region: Region, outputs: Sequence) -> None:
     region.output_storages = tuple(
         StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
         for value in outputs[:visible])
-    saved = tuple(StorageWeakRef(value.untyped_storage()) for value in outputs[visible:]
-                  if isinstance(value, torch.Tensor))
+    sizes = {StorageWeakRef(value.untyped_storage()): value.untyped_storage().nbytes()
+             for value in outputs[visible:] if isinstance(value, torch.Tensor)
+             and not is_host_storage(value.untyped_storage())}
     alive = tuple(reference for reference in region.saved_storages if not reference.expired())
-    region.saved_storages = alive + saved
+    region.saved_storages = alive + tuple(sizes)
+    region.saved_sizes = {**{reference: size for reference, size in region.saved_sizes.items()
+                             if not reference.expired()}, **sizes}
 
 
 def tangents_given(region: Region, args: Sequence) -> tuple[tuple[str, object], ...]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -66,18 +66,22 @@ class EagerWatch(TorchDispatchMode):
                 window.grow(self._storages_of(result), self._storages_of((args, kwargs)))
         return result
 
-    def open_window(self, key: Any, outputs: Any) -> None:
+    def open_window(self, key: Any, outputs: Any,
+                    alive_bytes: Callable[[dict[StorageWeakRef, int]], int]) -> None:
         """Track, from now until ``close_window(key)``, the most bytes eager ops make and keep
         alive at once, less the bytes of ``outputs`` (a region's forward outputs, which its plan
         holds to the end) freed by then: what eager code holds at its own peak between a
         region's forward and backward (a loss's softmax and its gradient), which no reading at
-        a region's start sees."""
-        self._windows[key] = GapWindow(outputs=self._storages_of(outputs))
+        a region's start sees; and, at that peak, every byte alive on the device as
+        ``alive_bytes`` counts it, given the storages eager code made."""
+        self._windows[key] = GapWindow(outputs=self._storages_of(outputs),
+                                       alive_bytes=alive_bytes)
 
-    def close_window(self, key: Any) -> int:
-        """The most bytes the window ``key`` saw eager code hold (0 for none open)."""
+    def close_window(self, key: Any) -> tuple[int, int]:
+        """Eager code's most bytes that the window ``key`` saw, and the device's bytes alive
+        then ((0, 0) for none open)."""
         window = self._windows.pop(key, None)
-        return window.peak_bytes if window is not None else 0
+        return (window.peak_bytes, window.alive_at_peak_bytes) if window is not None else (0, 0)
 
     def _storages_of(self, values: Any) -> dict[StorageWeakRef, int]:
         found: dict[StorageWeakRef, int] = {}
@@ -93,6 +97,10 @@ class EagerWatch(TorchDispatchMode):
         """
         self._loop_storages = {}
         self._note_into(self._loop_storages, values)
+
+    def loop_storages(self) -> dict[StorageWeakRef, int]:
+        """The storages of the model's latest call arguments still alive, with their bytes."""
+        return {ref: size for ref, size in self._loop_storages.items() if not ref.expired()}
 
     def note(self, values: Any) -> None:
         """Note the device storages of the tensors in ``values``, weakly."""
@@ -174,11 +182,14 @@ class EagerWatch(TorchDispatchMode):
 class GapWindow:
     """Eager code's high-water mark over a stretch of the iteration: storages eager ops made in
     it (not views of their inputs) that are alive, less ``outputs`` freed (room a plan that
-    holds its outputs to the end counts)."""
+    holds its outputs to the end counts), and what ``alive_bytes`` counts on the device at
+    that high-water mark."""
 
     outputs: dict[StorageWeakRef, int]
+    alive_bytes: Callable[[dict[StorageWeakRef, int]], int]
     made: dict[StorageWeakRef, int] = dataclasses.field(default_factory=dict)
     peak_bytes: int = 0
+    alive_at_peak_bytes: int = 0
 
     def grow(self, results: dict[StorageWeakRef, int], inputs: dict[StorageWeakRef, int]) -> None:
         """Count an op's new result storages, and the bytes alive now toward the peak."""
@@ -187,7 +198,10 @@ class GapWindow:
                 self.made.setdefault(ref, size)
         self.made = {ref: size for ref, size in self.made.items() if not ref.expired()}
         freed = sum(size for ref, size in self.outputs.items() if ref.expired())
-        self.peak_bytes = max(self.peak_bytes, sum(self.made.values()) - freed)
+        held = sum(self.made.values()) - freed
+        if held > self.peak_bytes:
+            self.peak_bytes = held
+            self.alive_at_peak_bytes = max(self.alive_at_peak_bytes, self.alive_bytes(self.made))
 
 
 CUDA_BLOCK_BYTES = 512  # CUDA's caching allocator rounds every block up to a multiple of this

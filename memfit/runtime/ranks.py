@@ -161,12 +161,13 @@ def agree_on_eager_bytes(regions: list) -> None:
     for region in regions:
         freed = region.freed_output_bytes
         numbers += [region.eager_forward_bytes, region.eager_backward_bytes,
-                    region.eager_gap_bytes, _NONE if freed is None else -freed,
+                    region.eager_gap_bytes, region.gap_alive_bytes,
+                    _NONE if freed is None else -freed,
                     int(region.eager_read)]
     agreed = agree_max(numbers)
     for position, region in enumerate(regions):
-        forward, backward, gap, freed, read = agreed[5 * position:5 * position + 5]
+        forward, backward, gap, alive, freed, read = agreed[6 * position:6 * position + 6]
         region.eager_forward_bytes, region.eager_backward_bytes = forward, backward
-        region.eager_gap_bytes = gap
+        region.eager_gap_bytes, region.gap_alive_bytes = gap, alive
         region.freed_output_bytes = None if freed == _NONE else -freed
         region.eager_read = bool(read)

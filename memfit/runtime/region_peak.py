@@ -20,12 +20,15 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
+from memfit.graph.host import is_host_storage
 from memfit.runtime.measure import profiler_running
 from memfit.runtime.tracker import DeviceMemoryTracker
 
@@ -145,8 +148,9 @@ def measure_region_run(planner: Planner, region: Region, call: Callable[[list], 
                                 region.saved_storages)
     watch = planner.eager_watch()
     if is_backward:
-        gap = watch.close_window(region.index) if watch is not None else 0
+        gap, alive_then = watch.close_window(region.index) if watch is not None else (0, 0)
         region.eager_gap_bytes = max(region.eager_gap_bytes, gap)
+        region.gap_alive_bytes = max(region.gap_alive_bytes, alive_then)
         region.eager_backward_bytes = max(region.eager_backward_bytes, eager)
         region.eager_read = region.eager_read or eager_is_read(planner, device)
         freed = freed_output_bytes(region)
@@ -163,7 +167,8 @@ def measure_region_run(planner: Planner, region: Region, call: Callable[[list], 
         outputs = [weakref.ref(value) for value in result if isinstance(value, torch.Tensor)]
         region.forward_values = (*inputs, *outputs)
         if watch is not None:  # eager code's peak until its backward (eager_gap_bytes)
-            watch.open_window(region.index, result)
+            watch.open_window(region.index, result,
+                              functools.partial(device_bytes_alive, planner, device))
         region.measured_forward_bytes = peak_bytes
     region.measured_runs += 1
     return result
@@ -180,6 +185,33 @@ def resident_alive(planner: Planner) -> list:
 
     return [*resident_tensors(planner.model, planner.optimizers),
             *fsdp_unsharded_tensors(planner.model), *fsdp_gather_buffers(planner.model)]
+
+
+def device_bytes_alive(planner: Planner, device: torch.device,
+                       made: dict[StorageWeakRef, int]) -> int:
+    """Bytes alive on ``device`` now among what memfit sees, each storage once: the model, its
+    optimizers' state, the saves of open regions and their forwards' inputs and outputs, the
+    loop's tensors eager code noted and ``made`` (storages eager code made)."""
+    sizes = dict(made)
+    for tensor in resident_alive(planner):
+        _add_storage(sizes, tensor, device)
+    for region in planner.regions:
+        if not region.open_forwards:
+            continue
+        sizes.update((ref, size) for ref, size in region.saved_sizes.items() if not ref.expired())
+        for reference in region.forward_values:
+            _add_storage(sizes, reference(), device)
+    watch = planner.eager_watch()
+    if watch is not None:
+        sizes.update(watch.loop_storages())
+    return sum(sizes.values())
+
+
+def _add_storage(sizes: dict[StorageWeakRef, int], value: Any, device: torch.device) -> None:
+    if isinstance(value, torch.Tensor) and value.device == device and not value.is_meta:
+        storage = value.untyped_storage()
+        if not is_host_storage(storage):  # memfit's host tier: not the device's memory
+            sizes.setdefault(StorageWeakRef(storage), storage.nbytes())
 
 
 def open_saved_storages(planner: Planner) -> list:
