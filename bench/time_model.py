@@ -137,11 +137,13 @@ def profile_line(hardware: memfit.Hardware) -> str:
     rates = ", ".join(f"{dtype} matmul {rate / 1e9:.1f} GFLOP/s"
                       for dtype, rate in hardware.flops_per_s.items())
     convolution = hardware.compute_efficiency.get("convolution", 1.0)
+    elements = "".join(f"; {family} {rate / 1e6:.0f} M elements/s"
+                       for family, rate in hardware.element_rates.items())
     return (f"{rates}; convolution at {convolution:.2f} of the float32 matmul rate; small-op ramp "
             f"{hardware.compute_ramp_s * 1e6:.1f} us; memory {hardware.memory_bytes_per_s / 1e9:.1f}"
             f" GB/s; copy {hardware.d2h_bytes_per_s / 1e9:.1f} GB/s; eager op overhead "
             f"{hardware.op_overhead_s * 1e6:.1f} us; compiled kernel overhead "
-            f"{hardware.kernel_overhead_s * 1e6:.1f} us")
+            f"{hardware.kernel_overhead_s * 1e6:.1f} us{elements}")
 
 
 def _rows_on_one_thread(timed: TimedModel) -> tuple[list[tuple], str]:

@@ -12,7 +12,11 @@ rate and its bytes at the sustained memory bandwidth, plus a fixed launch overhe
     time_s    = max(compute_s, memory_s) + op_overhead_s
 
 ``class`` is the op's class (``memfit.data.op_classes``: matmul, convolution, attention, rnn,
-else memory). ``compute_ramp_s`` makes small kernels reach a lower fraction of the peak: an op
+else memory). A memory-bound op of an element family (transcendental, random) also takes at
+least ``elements / element_rates[family]``: on a CPU core a ``tanh`` or a dropout mask computes
+longer than it moves its bytes. This prices each op as eager runs it; inductor's fused kernels
+are priced from these op by op (``memfit.model.kernels``), each paying ``kernel_overhead_s``
+instead of ``op_overhead_s``. ``compute_ramp_s`` makes small kernels reach a lower fraction of the peak: an op
 of ``x`` FLOPs runs at ``efficiency * x / (x + x_half)`` of the peak, with
 ``x_half = peak * efficiency * compute_ramp_s``, a saturating curve in the op's size. The
 peaks are dense (no sparsity) tensor-core rates per dtype; a float32 matmul runs at the
@@ -59,7 +63,8 @@ overhead and the memory bandwidth; the other classes' fractions it keeps relativ
 convolution (cuDNN) at 0.5-0.6 of peak and cuDNN/oneDNN RNNs at 0.3; memory-bound ops at 0.8 of
 the HBM bandwidth (a large device copy reaches about 0.9; PyTorch's elementwise and reduction
 kernels less); ``compute_ramp_s`` of 4 us (a small kernel fills the GPU's waves only partly);
-``op_overhead_s`` of 5 us per op (kernel launch and dispatch); GH200's host link at 300 GB/s,
+``op_overhead_s`` of 5 us per op (kernel launch and dispatch), ``kernel_overhead_s`` of 5 us per
+compiled kernel (a launch); GH200's host link at 300 GB/s,
 under the 450 GB/s C2C spec.
 """
 
