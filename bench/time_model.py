@@ -5,10 +5,11 @@ The child measures the CPU first (``memfit.measure_hardware()``, a few seconds) 
 row with that profile: ``memfit.fit`` with ``compiler="aot_eager"`` and ``"inductor"``, each
 unplanned (no budget: ``keep``) and planned (``budget=0.5`` of the unplanned peak, ``auto``).
 The predicted step time is the simulator's for the plan each compiled region runs (summed over
-regions); the measured one is the median wall time of interleaved forward-and-backward
-iterations (``loss_fn(model, *inputs).backward()``, no optimizer step: the planned graph is
-the forward and backward), after warm-ups that compile, plan and finish memfit's measured runs.
-The error is (predicted - measured) / measured.
+regions), priced on the median of profiles measured once per timed round (beside the
+iterations, under the same load); the measured one is the median wall time of interleaved
+forward-and-backward iterations (``loss_fn(model, *inputs).backward()``, no optimizer step: the
+planned graph is the forward and backward), after warm-ups that compile, plan and finish
+memfit's measured runs. The error is (predicted - measured) / measured.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import copy
 import functools
 import multiprocessing
 import os
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,7 +29,8 @@ import memfit
 from bench.common import interleaved_medians_s, ms
 from bench.recompute_methods import SINGLE_THREAD_NOTE
 from memfit import examples
-from memfit.model.kernels import kernel_count
+from memfit.model.kernels import kernel_count, repriced
+from memfit.model.simulate import simulate
 
 TIME_MODEL_TITLE = "## The time model against this CPU (predicted vs measured step time)"
 HEADERS = ("model", "compiler", "plan", "kernels", "predicted step", "measured step (median)",
@@ -97,39 +100,64 @@ def _fitted_run(example: examples.Example, inputs: tuple, hardware: memfit.Hardw
     return model, run
 
 
-def _predicted_s(model: torch.nn.Module) -> tuple[float, int]:
-    """The simulator's step time of the plans the fitted model's regions run, and how many
-    regions there are."""
-    regions = model._memfit_backend.regions  # type: ignore[union-attr]
-    return sum(region.predicted.step_time_s for region in regions), len(regions)
-
-
 def model_rows(timed: TimedModel, log: Callable[[str], None]) -> tuple[list[tuple], str]:
-    """The model's rows, and a line describing the profile measured for them."""
-    hardware = memfit.measure_hardware("cpu")
+    """The model's rows, and a line describing the profile they are predicted with.
+
+    The plans are made with a profile measured before them; the predictions are the plans'
+    graphs priced on the figure-wise median of profiles measured once per timed round, beside
+    the iterations they predict (``memfit.model.kernels.repriced``), so that the load the
+    iterations ran under is the load the profile saw.
+    """
     example = timed.build()
     inputs = example.inputs()
     runs, labels, fitted = [], [], []
+    planning_profile = memfit.measure_hardware("cpu")
     torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
         for compiler in COMPILERS:
             for budget in (None, timed.planned_fraction):
                 log(f"time model: {timed.name}, {compiler}, budget {budget}")
-                model, run, label = _warmed(example, inputs, hardware, compiler, budget)
+                model, run, label = _warmed(example, inputs, planning_profile, compiler, budget)
                 runs.append(run)
                 fitted.append(model)
                 labels.append((compiler, label))
-        measured = interleaved_medians_s(runs, TIMED_REPEATS)
-    rows = []
-    for (compiler, plan), model, measured_s in zip(labels, fitted, measured, strict=True):
-        predicted_s, regions = _predicted_s(model)
-        graph_kernels = sum(kernel_count(region.graph, compiler)
-                            for region in model._memfit_backend.regions)  # type: ignore[union-attr]
+        profiles: list[memfit.Hardware] = []
+        times: list[list[float]] = [[] for _ in runs]
+        for _ in range(TIMED_REPEATS):
+            profiles.append(memfit.measure_hardware("cpu"))
+            for index, measured_s in enumerate(interleaved_medians_s(runs, 1)):
+                times[index].append(measured_s)
+    hardware = median_profile(profiles)
+    rows: list[tuple] = []
+    for (compiler, plan), model, run_times in zip(labels, fitted, times, strict=True):
+        measured_s = statistics.median(run_times)
+        regions = model._memfit_backend.regions  # type: ignore[union-attr]
+        predicted_s = sum(simulate(repriced(region.graph, hardware, compiler), region.plan,
+                                   hardware, record_intervals=False).step_time_s
+                          for region in regions)
+        kernels = sum(kernel_count(region.graph, compiler) for region in regions)
         error = (predicted_s - measured_s) / measured_s
-        name = timed.name if not rows else ""
-        rows.append((name, compiler, plan + (f" ({regions} regions)" if regions > 1 else ""),
-                     graph_kernels, ms(predicted_s), ms(measured_s), f"{error:+.0%}"))
+        several = f" ({len(regions)} regions)" if len(regions) > 1 else ""
+        rows.append((timed.name if not rows else "", compiler, plan + several, kernels,
+                     ms(predicted_s), ms(measured_s), f"{error:+.0%}"))
     return rows, profile_line(hardware)
+
+
+def median_profile(profiles: list[memfit.Hardware]) -> memfit.Hardware:
+    """The first profile with each measured figure replaced by its median over ``profiles``."""
+    first = profiles[0]
+
+    def median_of(key: str) -> dict[str, float]:
+        return {name: statistics.median(getattr(p, key)[name] for p in profiles)
+                for name in getattr(first, key)}
+
+    return first.with_(
+        flops_per_s=median_of("flops_per_s"),
+        compute_efficiency=median_of("compute_efficiency"),
+        element_rates=median_of("element_rates"),
+        **{key: statistics.median(getattr(p, key) for p in profiles)
+           for key in ("memory_bytes_per_s", "d2h_bytes_per_s", "h2d_bytes_per_s",
+                       "op_overhead_s", "compute_ramp_s")})
 
 
 def profile_line(hardware: memfit.Hardware) -> str:
@@ -188,8 +216,9 @@ def time_model_section(log: Callable[[str], None],
         "| " + " | ".join(HEADERS) + " |",
         "|" + "|".join("---" for _ in HEADERS) + "|",
         *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows),
-        "\nThe profile each model's child measured and planned with (`memfit.measure_hardware()`, "
-        "one thread):\n",
+        "\nThe profile each model's rows are predicted with: the median, figure by figure, of "
+        f"{TIMED_REPEATS} `memfit.measure_hardware()` runs on one thread, one before each timed "
+        "round:\n",
         *profiles,
     ])
 

@@ -68,7 +68,7 @@ TRANSCENDENTAL = frozenset({
 RANDOM = frozenset({
     "aten.bernoulli", "aten.native_dropout", "aten.rand", "aten.rand_like", "aten.randn",
     "aten.randn_like", "aten.uniform", "aten.normal", "aten.randint", "aten.randint_like",
-    "inductor_random", "aten.philox_rand",
+    "prims.inductor_random", "rngprims.philox_rand", "aten.philox_rand",
 })
 ELEMENT_FAMILIES: Mapping[str, frozenset[str]] = MappingProxyType({
     "transcendental": TRANSCENDENTAL, "random": RANDOM,

@@ -124,3 +124,14 @@ def kernel_count(graph: CostGraph, compiler: str) -> int:
         return len(fused_kernels(graph))
     return sum(1 for op in graph.ops if op.outputs)
 
+
+
+def repriced(graph: CostGraph, hardware: Hardware, compiler: str) -> CostGraph:
+    """``graph`` priced anew on ``hardware`` from what its ops record (FLOPs, bytes, dtype,
+    kind, elements), as ``analyze`` prices a captured step, then as ``compiler`` runs it: the
+    same step on another profile without capturing it again. An op that allocates nothing
+    costs nothing, as in ``analyze``."""
+    eager = {op.name: hardware.op_time_s(op.flops, op.bytes_accessed, op.dtype, op.kind,
+                                         op.elements) if op.outputs else 0.0
+             for op in graph.ops}
+    return priced_for(graph.with_times(eager), hardware, compiler)

@@ -11,7 +11,7 @@ import memfit
 from memfit.api import analyzed
 from memfit.data.hardware import Hardware
 from memfit.graph.capture import capture
-from memfit.model.kernels import priced_for
+from memfit.model.kernels import priced_for, repriced
 
 
 @pytest.fixture(scope="module")
@@ -60,5 +60,8 @@ def test_the_measured_profile_plans_and_prices_both_compilers(measured):
     assert plan.hardware == "measured-cpu"
     graph = analyzed(capture(model, loss_fn, *inputs, hardware=measured), measured, "", False)[1]
     assert graph.step_time_s > 0
+    again = repriced(graph, measured, "aot_eager")
+    assert [op.time_s for op in again.ops] == [op.time_s for op in graph.ops]
     fused = priced_for(graph, measured, "inductor")
+    assert repriced(graph, measured, "inductor").step_time_s == fused.step_time_s
     assert 0 < fused.step_time_s < graph.step_time_s  # GELU's chain fused, fewer launches
