@@ -3,7 +3,8 @@
 Each model runs in a child process of its own on one intra-op thread (``SINGLE_THREAD_NOTE``).
 The child measures the CPU first (``memfit.measure_hardware()``, a few seconds) and plans every
 row with that profile: ``memfit.fit`` with ``compiler="aot_eager"`` and ``"inductor"``, each
-unplanned (no budget: ``keep``) and planned (``budget=0.5`` of the unplanned peak, ``auto``).
+unplanned (no budget: ``keep``) and planned (``auto`` at 0.5 of the unplanned peak, 0.85 for
+the MLP, or at 1.05x the smallest peak where that is above).
 The predicted step time is the simulator's for the plan each compiled region runs (summed over
 regions), priced on the median of profiles measured once per timed round (beside the
 iterations, under the same load); the measured one is the median wall time of interleaved
