@@ -163,12 +163,13 @@ def median_profile(profiles: list[memfit.Hardware]) -> memfit.Hardware:
 
 def profile_line(hardware: memfit.Hardware) -> str:
     """The measured profile's figures, in words."""
-    rates = ", ".join(f"{dtype} matmul {rate / 1e9:.1f} GFLOP/s"
+    rates = ", ".join(f"{dtype} peak {rate / 1e9:.1f} GFLOP/s"
                       for dtype, rate in hardware.flops_per_s.items())
-    convolution = hardware.compute_efficiency.get("convolution", 1.0)
+    classes = ", ".join(f"{name} at {value:.2f}"
+                        for name, value in hardware.compute_efficiency.items())
     elements = "".join(f"; {family} {rate / 1e6:.0f} M elements/s"
                        for family, rate in hardware.element_rates.items())
-    return (f"{rates}; convolution at {convolution:.2f} of the float32 matmul rate; small-op ramp "
+    return (f"{rates} ({classes or 'every class at 1'} of it); small-op ramp "
             f"{hardware.compute_ramp_s * 1e6:.1f} us; memory {hardware.memory_bytes_per_s / 1e9:.1f}"
             f" GB/s; copy {hardware.d2h_bytes_per_s / 1e9:.1f} GB/s; eager op overhead "
             f"{hardware.op_overhead_s * 1e6:.1f} us; compiled kernel overhead "

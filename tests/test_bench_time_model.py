@@ -9,9 +9,10 @@ from memfit.data.hardware import PROFILES, get_hardware
 
 
 def test_the_profile_line_names_every_measured_figure():
-    hardware = PROFILES["cpu"].with_(element_rates={"transcendental": 2e8})
+    hardware = PROFILES["cpu"].with_(element_rates={"transcendental": 2e8},
+                                     compute_efficiency={"convolution": 0.5})
     line = time_model.profile_line(hardware)
-    for words in ("float32 matmul 50.0 GFLOP/s", "memory 10.0 GB/s", "eager op overhead 20.0 us",
+    for words in ("float32 peak 50.0 GFLOP/s", "(convolution at 0.50 of it)", "memory 10.0 GB/s", "eager op overhead 20.0 us",
                   "compiled kernel overhead", "transcendental 200 M elements/s"):
         assert words in line
 

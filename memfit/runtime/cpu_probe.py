@@ -6,7 +6,8 @@ a second; the median of several runs of each probe is what a step sees):
 - matmul FLOP/s per dtype (the median over matmuls shaped as a small model's layers, forward
   and backward: ``MATMUL_SHAPES``; bfloat16 where this CPU has a fast path), and a small one's
   time beyond that rate (``compute_ramp_s``);
-- convolution FLOP/s, stored as the convolution class's efficiency relative to matmul;
+- convolution FLOP/s: the float32 peak is the faster of matmul's and convolution's rates, each
+  class at its fraction of it (``compute_efficiency``);
 - memory bandwidth as an elementwise add of activations' size sees it (what a memory-bound op
   of a step reaches, caches included);
 - elements per second of memory-bound ops that compute more than they move
@@ -121,12 +122,16 @@ def measure_cpu() -> Hardware:
     small = (SMALL_MATMUL_SIDE,) * 3
     small_s = matmul_time_s(small, torch.float32)
     ramp_s = max(0.0, small_s - 2 * SMALL_MATMUL_SIDE**3 / flops_per_s["float32"] - overhead_s)
-    convolution = min(1.0, convolution_flops_per_s() / flops_per_s["float32"])
+    # the float32 peak is the faster of the two classes, each class at its fraction of it
+    matmul_rate, convolution_rate = flops_per_s["float32"], convolution_flops_per_s()
+    flops_per_s["float32"] = max(matmul_rate, convolution_rate)
+    efficiency = {"matmul": matmul_rate / flops_per_s["float32"],
+                  "convolution": convolution_rate / flops_per_s["float32"]}
     memory_bytes_per_s, copy_bytes_per_s = elementwise_bytes_per_s()
     return base.with_(
         name="measured-cpu",
         flops_per_s=flops_per_s,
-        compute_efficiency={"convolution": convolution},
+        compute_efficiency=efficiency,
         compute_ramp_s=ramp_s,
         memory_bytes_per_s=memory_bytes_per_s,
         memory_efficiency=1.0,

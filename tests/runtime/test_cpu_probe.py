@@ -26,7 +26,9 @@ def test_the_measured_cpu_profile_has_sane_figures(measured):
              measured.d2h_bytes_per_s, measured.h2d_bytes_per_s, measured.op_overhead_s,
              measured.kernel_overhead_s]
     assert all(rate > 0 and math.isfinite(rate) for rate in rates)
-    assert 0 < measured.compute_efficiency["convolution"] <= 1
+    efficiency = measured.compute_efficiency
+    assert 0 < efficiency["convolution"] <= 1 and 0 < efficiency["matmul"] <= 1
+    assert max(efficiency["convolution"], efficiency["matmul"]) == 1  # the faster is the peak
     assert measured.compute_ramp_s >= 0 and measured.memory_efficiency == 1.0
     # a matmul's FLOPs per second and a second's worth of bytes: both within physical reason
     assert 1e8 < measured.flops_per_s["float32"] < 1e14
