@@ -145,12 +145,16 @@ def model_rows(timed: TimedModel, log: Callable[[str], None]) -> tuple[list[tupl
 
 
 def median_profile(profiles: list[memfit.Hardware]) -> memfit.Hardware:
-    """The first profile with each measured figure replaced by its median over ``profiles``."""
+    """The first profile with each measured figure replaced by its median over ``profiles``
+    (a rate some runs did not measure, bfloat16's when its probe ran slow, over those that
+    did)."""
     first = profiles[0]
 
     def median_of(key: str) -> dict[str, float]:
-        return {name: statistics.median(getattr(p, key)[name] for p in profiles)
-                for name in getattr(first, key)}
+        names = {name for p in profiles for name in getattr(p, key)}
+        return {name: statistics.median(getattr(p, key)[name] for p in profiles
+                                        if name in getattr(p, key))
+                for name in sorted(names)}
 
     return first.with_(
         flops_per_s=median_of("flops_per_s"),

@@ -46,3 +46,13 @@ def test_a_case_is_predicted_for_both_compilers_and_fusion_is_faster():
     assert (eager.compiler, inductor.compiler) == ("aot_eager", "inductor")
     assert eager.flops == inductor.flops > 0
     assert inductor.step_time_s < eager.step_time_s
+
+
+def test_the_median_profile_takes_each_figure_over_the_runs_that_measured_it():
+    base = PROFILES["cpu"]
+    runs = [base.with_(flops_per_s={"float32": 1e9, "bfloat16": 4e8}, memory_bytes_per_s=1e9),
+            base.with_(flops_per_s={"float32": 3e9}, memory_bytes_per_s=3e9),
+            base.with_(flops_per_s={"float32": 2e9, "bfloat16": 2e8}, memory_bytes_per_s=2e9)]
+    median = time_model.median_profile(runs)
+    assert dict(median.flops_per_s) == {"bfloat16": 3e8, "float32": 2e9}
+    assert median.memory_bytes_per_s == 2e9
