@@ -4,7 +4,8 @@ Every figure in the file is measured by the run that wrote it (the H100 step tim
 simulator's, and say so). CPU part: per-model capacity under a fixed budget, executor overhead,
 GPT-2 beside the alternatives, recomputation curves (bench/recompute.py), auto against the
 alternatives at real sizes (bench/auto.py), the cost model against published throughput and
-auto's sensitivity to the profile (bench/validation.py), FSDP2 and DDP on two gloo ranks beside
+auto's sensitivity to the profile (bench/validation.py), the time model's predicted against
+measured step times on this CPU (bench/time_model.py), FSDP2 and DDP on two gloo ranks beside
 per-block checkpointing (bench/distributed.py), the line count. ``--gpu``: the host
 link and a GPT-2 medium step.
 """
@@ -108,6 +109,7 @@ def cpu_sections() -> list[str]:
     from bench.planning import planning_section
     from bench.planning_scaling import scaling_markdown
     from bench.recompute import recompute_section
+    from bench.time_model import time_model_section
     from bench.transformers_loops import transformers_section
     from bench.validation import validation_section
 
@@ -150,6 +152,7 @@ def cpu_sections() -> list[str]:
         "\n" + planning_section(log),
         "\n" + scaling_markdown(log),
         "\n" + validation_section(log),
+        "\n" + time_model_section(log),
         "\n" + cluster_section(log),
         "\n" + distributed_section(log),
     ]
@@ -168,6 +171,7 @@ def section_builders() -> dict[str, Callable[[], str]]:
     from bench.planning import planning_section
     from bench.planning_scaling import scaling_markdown
     from bench.recompute import recompute_section
+    from bench.time_model import time_model_section
     from bench.transformers_loops import transformers_section
     from bench.validation import validation_section
 
@@ -179,13 +183,14 @@ def section_builders() -> dict[str, Callable[[], str]]:
         "planning": lambda: planning_section(log),
         "scaling": lambda: scaling_markdown(log),
         "validation": lambda: validation_section(log),
+        "time_model": lambda: time_model_section(log),
         "cluster": lambda: cluster_section(log),
         "distributed": lambda: distributed_section(log),
     }
 
 
-ONLY_CHOICES = ("fit", "transformers", "recompute", "auto", "planning", "scaling", "validation", "cluster",
-                "distributed")  # section_builders()'s keys, without importing the sections
+ONLY_CHOICES = ("fit", "transformers", "recompute", "auto", "planning", "scaling", "validation",
+                "time_model", "cluster", "distributed")  # section_builders()'s keys, without importing the sections
 
 
 def splice(old: str, section: str, stamp: str) -> str:

@@ -282,7 +282,7 @@ class Backend(EagerWatching, JointPlanning):
         owners: dict = {}
         captured, graph = analyzed(captured, hardware, f"region {index}", self.linearize,
                                    kernel_temporaries=self.kernel_temporaries,
-                                   owners=owners)
+                                   owners=owners, compiler=self.compiler)
         if bound and captured.graph_module is not joint:
             raise CaptureError("memfit does not reorder (linearize) a region with dynamic "
                                "shapes: compile it with dynamic=False")

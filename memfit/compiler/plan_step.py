@@ -135,17 +135,18 @@ def resolve_hardware(hardware: Hardware | str | None, device: torch.device) -> H
 
 
 def analyzed(captured: Captured, hardware: Hardware, name: str, linearize: bool,
-             kernel_temporaries: bool = False, owners: dict | None = None
-             ) -> tuple[Captured, CostGraph]:
+             kernel_temporaries: bool = False, owners: dict | None = None,
+             compiler: str = "aot_eager") -> tuple[Captured, CostGraph]:
     """The step's CostGraph; with ``linearize``, the step reordered as late as possible first.
 
     The fx node order is the program order, so the captured graph itself is reordered and
     analyzed again: what is planned, rewritten and run is one order (``memfit.model.linearize``
     keeps random ops in their order and never raises the unplanned peak). ``owners`` is filled
     as ``analyze`` fills it (reordering keeps each node's fake values, so their storages).
+    Op times are those of ``compiler``'s kernels (``analyze``).
     """
     graph = analyze(captured, hardware, name=name, kernel_temporaries=kernel_temporaries,
-                    owners=owners)
+                    owners=owners, compiler=compiler)
     if not linearize:
         return captured, graph
     linear = as_late_as_possible(graph)
@@ -156,7 +157,7 @@ def analyzed(captured: Captured, hardware: Hardware, name: str, linearize: bool,
     if owners is not None:  # filled again for the reordered graph, whose first writers differ
         owners.clear()
     return captured, analyze(captured, hardware, name=name, kernel_temporaries=kernel_temporaries,
-                             owners=owners)
+                             owners=owners, compiler=compiler)
 
 
 def with_eager_note(error: BudgetError, eager_bytes: int) -> BudgetError:

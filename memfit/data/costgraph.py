@@ -45,6 +45,8 @@ class Op:
         flops: floating-point operations, for the roofline estimate.
         bytes_accessed: bytes read plus written, for the roofline estimate.
         dtype: the dtype of its first tensor output (``"float32"``), to pick the FLOP rate.
+        elements: the elements of its first tensor output, for the per-element cost of a
+            memory-bound op (``Hardware.element_rates``); 0 where not known.
     """
 
     name: str
@@ -59,6 +61,7 @@ class Op:
     flops: float = 0.0
     bytes_accessed: int = 0
     dtype: str = "float32"
+    elements: int = 0
 
 
 @dataclass(frozen=True)

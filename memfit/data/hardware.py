@@ -12,7 +12,11 @@ rate and its bytes at the sustained memory bandwidth, plus a fixed launch overhe
     time_s    = max(compute_s, memory_s) + op_overhead_s
 
 ``class`` is the op's class (``memfit.data.op_classes``: matmul, convolution, attention, rnn,
-else memory). ``compute_ramp_s`` makes small kernels reach a lower fraction of the peak: an op
+else memory). A memory-bound op of an element family (transcendental, random) also takes at
+least ``elements / element_rates[family]``: on a CPU core a ``tanh`` or a dropout mask computes
+longer than it moves its bytes. This prices each op as eager runs it; inductor's fused kernels
+are priced from these op by op (``memfit.model.kernels``), each paying ``kernel_overhead_s``
+instead of ``op_overhead_s``. ``compute_ramp_s`` makes small kernels reach a lower fraction of the peak: an op
 of ``x`` FLOPs runs at ``efficiency * x / (x + x_half)`` of the peak, with
 ``x_half = peak * efficiency * compute_ramp_s``, a saturating curve in the op's size. The
 peaks are dense (no sparsity) tensor-core rates per dtype; a float32 matmul runs at the
@@ -59,7 +63,8 @@ overhead and the memory bandwidth; the other classes' fractions it keeps relativ
 convolution (cuDNN) at 0.5-0.6 of peak and cuDNN/oneDNN RNNs at 0.3; memory-bound ops at 0.8 of
 the HBM bandwidth (a large device copy reaches about 0.9; PyTorch's elementwise and reduction
 kernels less); ``compute_ramp_s`` of 4 us (a small kernel fills the GPU's waves only partly);
-``op_overhead_s`` of 5 us per op (kernel launch and dispatch); GH200's host link at 300 GB/s,
+``op_overhead_s`` of 5 us per op (kernel launch and dispatch), ``kernel_overhead_s`` of 5 us per
+compiled kernel (a launch); GH200's host link at 300 GB/s,
 under the 450 GB/s C2C spec.
 """
 
@@ -75,7 +80,13 @@ from typing import Any
 
 from memfit.data.files import write_text
 from memfit.data.hardware_json import FORMAT, FORMAT_VERSION, hardware_fields
-from memfit.data.op_classes import COMPUTE_CLASSES, MEMORY, op_class
+from memfit.data.op_classes import (
+    COMPUTE_CLASSES,
+    ELEMENT_FAMILIES,
+    MEMORY,
+    element_family,
+    op_class,
+)
 
 GB = 10**9
 GIB = 2**30
@@ -99,12 +110,19 @@ class Hardware:
         async_copies: whether copies run on their own engines beside compute; ``False`` on a CPU,
             where a "copy" is a memcpy on the compute thread.
         device_bytes: usable device memory.
-        op_overhead_s: fixed time per op (kernel launch, dispatcher).
+        op_overhead_s: fixed time per op as eager runs it (dispatcher, kernel launch): what
+            ``aot_eager`` pays for every aten op of the step.
+        kernel_overhead_s: fixed time per kernel a compiler generates (``inductor``'s fused
+            kernels, a launch without the dispatcher; ``memfit.model.kernels``).
         copy_latency_s: fixed time per copy.
         compute_efficiency: the fraction of the peak a large op of each compute class
             sustains (``"matmul"``, ``"convolution"``, ``"attention"``, ``"rnn"``); a class not
             given runs at 1.0, the peak.
         memory_efficiency: the fraction of ``memory_bytes_per_s`` memory-bound ops sustain.
+        element_rates: elements per second a memory-bound op of each element family
+            (``memfit.data.op_classes.ELEMENT_FAMILIES``: ``"transcendental"``, ``"random"``)
+            computes, where that takes longer than its bytes (a CPU core); a family not given is
+            priced by its bytes alone, as every op on a GPU profile.
         compute_ramp_s: time a compute op takes beyond its FLOPs at the sustained rate; 0 runs
             every size at the class's fraction (see the module docstring for the curve).
         tf32_matmuls: float32 matmuls and attention run on tensor cores at the ``"tfloat32"``
@@ -145,9 +163,11 @@ class Hardware:
     async_copies: bool = True
     device_bytes: int = 80 * GIB
     op_overhead_s: float = 5e-6
+    kernel_overhead_s: float = 5e-6
     copy_latency_s: float = 10e-6
     compute_efficiency: Mapping[str, float] = field(default_factory=dict)
     memory_efficiency: float = 1.0
+    element_rates: Mapping[str, float] = field(default_factory=dict)
     compute_ramp_s: float = 0.0
     tf32_matmuls: bool = False
     tf32_cudnn: bool = True
@@ -162,7 +182,7 @@ class Hardware:
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
-        for key in ("flops_per_s", "compute_efficiency"):
+        for key in ("flops_per_s", "compute_efficiency", "element_rates"):
             object.__setattr__(self, key, MappingProxyType(dict(getattr(self, key))))
         positive = ["memory_bytes_per_s", "d2h_bytes_per_s", "h2d_bytes_per_s"]
         positive += [key for key in ("d2h_pageable_bytes_per_s", "h2d_pageable_bytes_per_s",
@@ -172,13 +192,19 @@ class Hardware:
         for key in positive:
             if getattr(self, key) <= 0:
                 raise ValueError(f"Hardware.{key} must be positive, got {getattr(self, key)}")
+        unknown = sorted(set(self.element_rates) - set(ELEMENT_FAMILIES))
+        if unknown or any(rate <= 0 for rate in self.element_rates.values()):
+            raise ValueError(f"Hardware.element_rates must map families of "
+                             f"{sorted(ELEMENT_FAMILIES)} to positive rates, got "
+                             f"{dict(self.element_rates)}")
         if not self.flops_per_s or min(self.flops_per_s.values()) <= 0:
             raise ValueError("Hardware.flops_per_s needs a positive rate for at least one dtype")
         self._check_efficiencies()
         if self.host_bytes is not None and self.host_bytes < 0:
             raise ValueError(f"Hardware.host_bytes must be 0 or more (None: no limit), got "
                              f"{self.host_bytes}")
-        for key in ("op_overhead_s", "copy_latency_s", "compute_ramp_s", "collective_latency_s"):
+        for key in ("op_overhead_s", "kernel_overhead_s", "copy_latency_s", "compute_ramp_s",
+                    "collective_latency_s"):
             if getattr(self, key) < 0:
                 raise ValueError(f"Hardware.{key} must be 0 or more, got {getattr(self, key)}")
 
@@ -209,21 +235,29 @@ class Hardware:
         return TENSOR_FLOAT32 if tf32 and kind_class != MEMORY else dtype
 
     def op_time_s(self, flops: float, bytes_accessed: float, dtype: str = "float32",
-                  kind: str = "") -> float:
+                  kind: str = "", elements: int = 0) -> float:
         """Roofline estimate with efficiencies (see the module docstring), plus the overhead.
 
         Args:
             kind: the op kind (``"aten.mm"``), which picks its class; ``""`` is memory-bound.
+            elements: the op's output elements: a memory-bound op of an element family takes
+                at least ``elements_time_s``.
         """
         kind_class = op_class(kind)
         memory_s = bytes_accessed / (self.memory_bytes_per_s * self.memory_efficiency)
-        compute_s = 0.0
+        compute_s = self.elements_time_s(kind, elements) if kind_class == MEMORY else 0.0
         if flops > 0:
             rate = self.flops_rate(self.compute_dtype(dtype, kind_class))
             efficiency = self.compute_efficiency.get(kind_class, 1.0)
             ramp_s = self.compute_ramp_s if kind_class != MEMORY else 0.0
             compute_s = flops / (rate * efficiency) + ramp_s
         return max(compute_s, memory_s) + self.op_overhead_s
+
+    def elements_time_s(self, kind: str, elements: int) -> float:
+        """The time a memory-bound op of ``kind`` computes ``elements`` elements, at its
+        element family's rate (``element_rates``); 0 for a family the profile has no rate for."""
+        rate = self.element_rates.get(element_family(kind))
+        return elements / rate if rate else 0.0
 
     def d2h_time_s(self, size_bytes: int, pinned: bool = True) -> float:
         """Time to copy ``size_bytes`` to the host, into pinned (default) or pageable memory."""

@@ -21,6 +21,7 @@ _KINDS = {  # field -> the JSON kind it holds (a field not listed is a number)
     "async_copies": "a boolean", "tf32_matmuls": "a boolean", "tf32_cudnn": "a boolean",
     "device_bytes": "an integer",
     "flops_per_s": "an object of numbers", "compute_efficiency": "an object of numbers",
+    "element_rates": "an object of numbers",
     "d2h_pageable_bytes_per_s": "a number or null", "h2d_pageable_bytes_per_s": "a number or null",
     "host_bytes": "an integer or null", "gpus_per_node": "an integer",
     "collective_bytes_per_s": "a number or null", "network_bytes_per_s": "a number or null",

@@ -53,3 +53,32 @@ _CLASS_OF = {kind: name for name, kinds in COMPUTE_CLASSES.items() for kind in k
 def op_class(kind: str) -> str:
     """The class of an op kind: a key of ``COMPUTE_CLASSES``, else ``"memory"``."""
     return _CLASS_OF.get(kind, MEMORY)
+
+
+# Memory-bound ops whose elements cost more than the bytes they move on a CPU core: each
+# element runs a polynomial (transcendental functions, softmax's exp) or a random generator.
+# ``Hardware.element_rates`` gives each family's elements per second where a profile measured
+# them; an op of no family ("arithmetic") is priced by its bytes alone.
+TRANSCENDENTAL = frozenset({
+    "aten.exp", "aten.exp2", "aten.expm1", "aten.log", "aten.log1p", "aten.log2", "aten.tanh",
+    "aten.sigmoid", "aten.erf", "aten.erfc", "aten.gelu", "aten.gelu_backward", "aten.silu",
+    "aten.silu_backward", "aten.pow", "aten.sin", "aten.cos", "aten._softmax", "aten._log_softmax",
+    "aten.softplus", "aten.mish", "aten.elu", "aten.atan", "aten.tan",
+})
+RANDOM = frozenset({
+    "aten.bernoulli", "aten.native_dropout", "aten.rand", "aten.rand_like", "aten.randn",
+    "aten.randn_like", "aten.uniform", "aten.normal", "aten.randint", "aten.randint_like",
+    "prims.inductor_random", "rngprims.philox_rand", "aten.philox_rand",
+})
+ELEMENT_FAMILIES: Mapping[str, frozenset[str]] = MappingProxyType({
+    "transcendental": TRANSCENDENTAL, "random": RANDOM,
+})
+ARITHMETIC = "arithmetic"
+_FAMILY_OF = {kind: name for name, kinds in ELEMENT_FAMILIES.items() for kind in kinds}
+
+
+def element_family(kind: str) -> str:
+    """The per-element cost family of a memory-bound op kind (in-place variants, whose schema
+    names end in ``_``, count as their op): a key of ``ELEMENT_FAMILIES``, else
+    ``"arithmetic"``."""
+    return _FAMILY_OF.get(kind, _FAMILY_OF.get(kind.removesuffix("_"), ARITHMETIC))

@@ -21,6 +21,7 @@ from memfit.data.hardware import Hardware
 from memfit.graph.capture import SCOPE_KEY, TYPE_KEY, Binding, Captured
 from memfit.graph.flops import node_flops
 from memfit.graph.temporaries import kernel_output_storage_bytes, kernel_temporary_bytes_of
+from memfit.model.kernels import priced_for
 
 _PHASES = {"is_forward": "forward", "is_backward": "backward"}
 _ROLES = {"parameter": "parameter", "buffer": "buffer", "input": "input", "tangent": "input"}
@@ -57,8 +58,11 @@ def op_kind(node: torch.fx.Node) -> str:
 
 def analyze(captured: Captured, hardware: Hardware, name: str = "step",
             kernel_temporaries: bool = False,
-            owners: dict[StorageWeakRef, str] | None = None) -> CostGraph:
-    """The CostGraph of a captured step, with op times from ``hardware``'s roofline.
+            owners: dict[StorageWeakRef, str] | None = None,
+            compiler: str = "aot_eager") -> CostGraph:
+    """The CostGraph of a captured step, with op times from ``hardware``'s roofline, as
+    ``compiler``'s kernels run it (``memfit.model.kernels.priced_for``: each aten op its own
+    kernel for ``"aot_eager"``, memory-bound chains fused for ``"inductor"``).
 
     Args:
         kernel_temporaries: count the buffers kernels allocate and free inside one op (what the
@@ -88,7 +92,7 @@ def analyze(captured: Captured, hardware: Hardware, name: str = "step",
             name_ = owner.get(storage_key(tensor))
             if name_ is not None and tensors[name_].role in ("activation", "gradient"):
                 tensors[name_] = _as_output(tensors[name_])
-    return CostGraph.build(ops, tensors.values(), name=name)
+    return priced_for(CostGraph.build(ops, tensors.values(), name=name), hardware, compiler)
 
 
 def _add_input(node, binding: Binding, owner, tensors) -> None:
@@ -139,7 +143,8 @@ def _op(node: torch.fx.Node, owner, tensors, hardware: Hardware,
     first = next(tensors_in(value), None)
     dtype = str(first.dtype).removeprefix("torch.") if first is not None else "float32"
     kind = op_kind(node)
-    time_s = hardware.op_time_s(flops, moved, dtype, kind) if allocated else 0.0
+    elements = first.numel() if first is not None else 0
+    time_s = hardware.op_time_s(flops, moved, dtype, kind, elements) if allocated else 0.0
     return Op(
         name=node.name,
         kind=kind,
@@ -153,6 +158,7 @@ def _op(node: torch.fx.Node, owner, tensors, hardware: Hardware,
         flops=flops,
         bytes_accessed=moved,
         dtype=dtype,
+        elements=elements,
     )
 
 

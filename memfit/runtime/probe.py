@@ -12,13 +12,13 @@ Note:
     add (memory bandwidth), tiny ops back to back (per-op overhead), and pinned and pageable
     copies both ways. On a CPU it measures the CPU, the device memfit runs on there (a CPU
     profile plans CPU runs; for a GPU you do not have, use a built-in profile or one saved on
-    that GPU): sizes are small so it takes a few seconds, and copies between "device" and
-    "host" are memcpys on the compute thread, hence ``async_copies=False``.
+    that GPU): ``memfit.runtime.cpu_probe``, medians of a few seconds' probes (matmul and
+    convolution rates, memory bandwidth, per-op overhead, copy speed); copies between "device"
+    and "host" are memcpys on the compute thread, hence ``async_copies=False``.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from memfit.data.hardware import PROFILES, TENSOR_FLOAT32, Hardware, available_host_bytes
+from memfit.runtime.cpu_probe import measure_cpu
 
 # A combined (both directions at once) rate at least this many times one direction's means the
 # link is full duplex; 2.0 is perfect, PCIe hosts usually reach 1.6-1.9.
@@ -50,7 +51,7 @@ def measure_hardware(device: torch.device | str | None = None) -> Hardware:
     device = torch.device(device)
     if device.type == "cuda":
         return _measure_cuda(device)
-    return _measure_cpu()
+    return measure_cpu()
 
 
 def _best_time_s(operation: Callable[[], object], synchronize: Callable[[], None], repeats: int) -> float:
@@ -77,33 +78,6 @@ def _copy_bytes_per_s(size_bytes: int, device: torch.device, sync, repeats: int)
     source = torch.empty(size_bytes // 4, device=device)
     target = torch.empty_like(source)
     return 2 * size_bytes / _best_time_s(lambda: target.copy_(source), sync, repeats)
-
-
-def _measure_cpu() -> Hardware:
-    base = PROFILES["cpu"]
-    no_sync = lambda: None  # noqa: E731
-    cpu = torch.device("cpu")
-    flops_per_s = {"float32": _matmul_flops_per_s(256, torch.float32, cpu, no_sync, 5)}
-    tiny = torch.randn(32, 32, dtype=torch.bfloat16)
-    if _best_time_s(lambda: tiny @ tiny, no_sync, 1) < 1e-3:  # slow bf16 paths would take seconds
-        flops_per_s["bfloat16"] = _matmul_flops_per_s(256, torch.bfloat16, cpu, no_sync, 3)
-    copy_bytes_per_s = _copy_bytes_per_s(32 * 2**20, cpu, no_sync, 5)
-    one = torch.ones(1)
-    overhead_s = _best_time_s(lambda: torch.add(one, one), no_sync, 50)
-    return base.with_(
-        name="measured-cpu",
-        flops_per_s=flops_per_s,
-        memory_bytes_per_s=copy_bytes_per_s,
-        d2h_bytes_per_s=copy_bytes_per_s / 2,  # one read + one write per copied byte
-        h2d_bytes_per_s=copy_bytes_per_s / 2,
-        duplex=False,
-        async_copies=False,
-        device_type="cpu",
-        device_bytes=_host_memory_bytes(base.device_bytes),
-        host_bytes=available_host_bytes(),
-        op_overhead_s=overhead_s,
-        notes=f"measured on the CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)",
-    )
 
 
 # the dtypes whose matmul rate a CUDA probe measures, and the flops_per_s key of each
@@ -264,10 +238,3 @@ def measure_pageable_link(device: torch.device, size_bytes: int = 256 * 2**20) -
     d2h_bytes_per_s = size_bytes / _best_time_s(lambda: host_tensor.copy_(device_tensor), sync, 3)
     h2d_bytes_per_s = size_bytes / _best_time_s(lambda: device_tensor.copy_(host_tensor), sync, 3)
     return d2h_bytes_per_s, h2d_bytes_per_s
-
-
-def _host_memory_bytes(default_bytes: int) -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return default_bytes

@@ -1,0 +1,137 @@
+"""Kernels of a compiled step: the ops a compiler runs as one kernel, and the step priced so.
+
+``aot_eager`` runs every aten op of the captured graph as its own kernel, each paying the
+dispatcher (``Hardware.op_overhead_s``) and moving its own inputs and outputs through memory:
+``analyze`` prices each op that way. ``inductor`` fuses: a chain of memory-bound ops
+(elementwise, reductions, norms; ``memfit.data.op_classes``) becomes one generated kernel that
+reads what the chain reads from outside and writes what is read outside it, its intermediates
+never leaving registers or cache. Compute ops (matmul, convolution, attention, RNN) stay
+library calls (templates and extern kernels), priced as eager prices them.
+
+``fused_kernels`` groups the ops as inductor's scheduler fuses them vertically: walking the
+step in program order, a memory-bound op that reads a value of an open group joins it (two open
+groups it reads from merge); a group closes once an op outside it reads one of its values, so
+a group never straddles an op that depends on it (no fused kernel waits on itself). Ops of
+another phase never join. A group's time is the roofline of its external bytes and its ops'
+per-element work, plus one ``Hardware.kernel_overhead_s``; ``compiled_times`` spreads it over
+the group's ops in proportion to their eager times, so the step time is the sum of its kernels' and a re-run of
+part of a chain costs its share (inductor fuses a re-run chain too).
+"""
+
+from __future__ import annotations
+
+from memfit.data.costgraph import CostGraph, Op
+from memfit.data.hardware import Hardware
+from memfit.data.op_classes import MEMORY, op_class
+
+COMPILERS = ("aot_eager", "inductor")
+MAX_GROUP_OPS = 64  # inductor's config.max_fusion_size: the most nodes one fused kernel takes
+
+
+def fusible(op: Op) -> bool:
+    """Whether inductor may fuse ``op`` into a generated kernel: a memory-bound op that
+    allocates (a view or ``getitem`` allocates nothing and costs nothing either way)."""
+    return bool(op.outputs) and op_class(op.kind) == MEMORY
+
+
+def fused_kernels(graph: CostGraph) -> list[list[int]]:
+    """The step's kernels as inductor fuses them: each a list of op indices in program order.
+    Every op that allocates is in exactly one kernel; an op that allocates nothing is in none."""
+    group_of: dict[int, int] = {}  # op index -> its group id
+    members: dict[int, list[int]] = {}  # group id -> op indices
+    open_groups: set[int] = set()
+    producer_group: dict[str, int] = {}  # tensor -> the group that made it
+    for index, op in enumerate(graph.ops):
+        if not op.outputs:
+            continue
+        read = {producer_group[name] for name in op.inputs if name in producer_group}
+        joinable = {group for group in read if group in open_groups
+                    and graph.ops[members[group][0]].phase == op.phase}
+        size = sum(len(members[group]) for group in joinable)
+        if fusible(op) and joinable and size < MAX_GROUP_OPS:
+            target = min(joinable)
+            for group in sorted(joinable - {target}):
+                for member in members.pop(group):
+                    group_of[member] = target
+                    members[target].append(member)
+                open_groups.discard(group)
+            members[target].sort()
+            read -= joinable
+        else:
+            target = index
+            members[target] = []
+            if fusible(op):
+                open_groups.add(target)
+        members[target].append(index)
+        group_of[index] = target
+        open_groups -= read  # read from outside: those groups' kernels have run
+        for name in op.outputs:
+            producer_group[name] = target
+    return sorted(members.values())
+
+
+def kernel_time_s(graph: CostGraph, kernel: list[int], hardware: Hardware) -> float:
+    """One kernel's time. A single op: its eager time less the dispatcher's overhead plus a
+    compiled kernel's. A fused group: the slower of the bytes it reads from outside the group and
+    writes for readers outside it (or as step outputs) at the memory bandwidth, and its ops'
+    per-element work (``Hardware.elements_time_s``), plus one kernel overhead."""
+    ops = [graph.ops[index] for index in kernel]
+    if len(ops) == 1:
+        return max(0.0, ops[0].time_s - hardware.op_overhead_s) + hardware.kernel_overhead_s
+    names = {op.name for op in ops}
+    made = {name for op in ops for name in op.outputs}
+    read = {name for op in ops for name in op.inputs if name not in made}
+    written = {name for name in made
+               if graph.tensors[name].is_output
+               or any(reader not in names for reader in graph.tensors[name].consumers)}
+    moved = sum(graph.tensors[name].size_bytes for name in read | written)
+    memory_s = moved / (hardware.memory_bytes_per_s * hardware.memory_efficiency)
+    compute_s = sum(hardware.elements_time_s(op.kind, op.elements) for op in ops)
+    return max(memory_s, compute_s) + hardware.kernel_overhead_s
+
+
+def compiled_times(graph: CostGraph, hardware: Hardware) -> dict[str, float]:
+    """Each allocating op's time as inductor runs the step: its kernel's time
+    (``kernel_time_s``) spread over the kernel's ops in proportion to their eager times."""
+    times: dict[str, float] = {}
+    for kernel in fused_kernels(graph):
+        total_s = kernel_time_s(graph, kernel, hardware)
+        eager_s = [graph.ops[index].time_s for index in kernel]
+        weight = sum(eager_s)
+        for index, own_s in zip(kernel, eager_s, strict=True):
+            share = own_s / weight if weight > 0 else 1 / len(kernel)
+            times[graph.ops[index].name] = total_s * share
+    return times
+
+
+def priced_for(graph: CostGraph, hardware: Hardware, compiler: str) -> CostGraph:
+    """``graph`` (priced op by op, as ``aot_eager`` runs it) with the times ``compiler``'s
+    kernels take: itself for ``"aot_eager"``, ``compiled_times`` for ``"inductor"``.
+
+    Raises:
+        ValueError: for another compiler.
+    """
+    if compiler not in COMPILERS:
+        raise ValueError(f"unknown compiler {compiler!r}: use one of {COMPILERS}")
+    if compiler == "aot_eager":
+        return graph
+    return graph.with_times(compiled_times(graph, hardware))
+
+
+def kernel_count(graph: CostGraph, compiler: str) -> int:
+    """How many kernels ``compiler`` runs for the step (ops that allocate, or fused groups)."""
+    if compiler == "inductor":
+        return len(fused_kernels(graph))
+    return sum(1 for op in graph.ops if op.outputs)
+
+
+
+def repriced(graph: CostGraph, hardware: Hardware, compiler: str) -> CostGraph:
+    """``graph`` priced anew on ``hardware`` from what its ops record (FLOPs, bytes, dtype,
+    kind, elements), as ``analyze`` prices a captured step, then as ``compiler`` runs it: the
+    same step on another profile without capturing it again. An op that allocates nothing
+    costs nothing, as in ``analyze``."""
+    eager = {op.name: hardware.op_time_s(op.flops, op.bytes_accessed, op.dtype, op.kind,
+                                         op.elements) if op.outputs else 0.0
+             for op in graph.ops}
+    return priced_for(graph.with_times(eager), hardware, compiler)

@@ -1,0 +1,67 @@
+"""Inductor's kernels as the time model sees them: a pointwise chain fused into one kernel that
+costs less than its ops run one by one, never across an op that reads the chain, and the
+eager pricing left as it is for aot_eager."""
+
+import pytest
+
+from memfit.data.costgraph import CostGraph, Op, Tensor
+from memfit.data.hardware import PROFILES
+from memfit.model.kernels import compiled_times, fused_kernels, kernel_count, priced_for
+
+MIB = 2**20
+HARDWARE = PROFILES["h100-sxm"]
+
+
+def _op(name: str, kind: str, inputs: tuple[str, ...], size_bytes: int = MIB) -> tuple[Op, Tensor]:
+    """An op and the tensor it allocates, priced as ``analyze`` prices it eagerly."""
+    moved = size_bytes * (len(inputs) + 1)
+    flops = 2e9 if kind == "aten.mm" else 0.0
+    time_s = HARDWARE.op_time_s(flops, moved, kind=kind)
+    op = Op(name, kind, "forward", inputs=inputs, outputs=(name,),
+            depends_on=tuple(i for i in inputs if i not in ("x", "w")), time_s=time_s,
+            flops=flops, bytes_accessed=moved)
+    return op, Tensor(name, size_bytes, "activation")
+
+
+def _graph(*specs: tuple[str, str, tuple[str, ...]], outputs: tuple[str, ...] = ()) -> CostGraph:
+    made = [_op(*spec) for spec in specs]
+    tensors = [Tensor("x", MIB, "input"), Tensor("w", MIB, "parameter")]
+    tensors += [Tensor(t.name, t.size_bytes, t.role, is_output=t.name in outputs)
+                for _, t in made]
+    return CostGraph.build([op for op, _ in made], tensors)
+
+
+def test_a_pointwise_chain_is_one_kernel_faster_than_its_ops():
+    graph = _graph(("mm", "aten.mm", ("x", "w")), ("add", "aten.add", ("mm", "w")),
+                   ("mul", "aten.mul", ("add",)), ("relu", "aten.relu", ("mul",)),
+                   ("out", "aten.mm", ("relu", "w")), outputs=("out",))
+    assert fused_kernels(graph) == [[0], [1, 2, 3], [4]]
+    assert kernel_count(graph, "inductor") == 3 and kernel_count(graph, "aot_eager") == 5
+    times = compiled_times(graph, HARDWARE)
+    chain = ("add", "mul", "relu")
+    assert sum(times[name] for name in chain) < sum(graph.op(name).time_s for name in chain)
+    fused = priced_for(graph, HARDWARE, "inductor")
+    assert fused.step_time_s < graph.step_time_s
+    assert fused.op("mm").time_s == pytest.approx(
+        graph.op("mm").time_s - HARDWARE.op_overhead_s + HARDWARE.kernel_overhead_s)
+
+
+def test_a_chain_read_outside_closes_before_a_later_reader():
+    """A residual add reads the first add and a matmul that itself reads the first add: fusing
+    it into the first add's kernel would make that kernel wait on itself."""
+    graph = _graph(("add0", "aten.add", ("x", "w")), ("mm", "aten.mm", ("add0", "w")),
+                   ("add1", "aten.add", ("add0", "mm")), outputs=("add1",))
+    assert fused_kernels(graph) == [[0], [1], [2]]
+
+
+def test_two_open_chains_that_one_op_reads_merge():
+    graph = _graph(("a", "aten.neg", ("x",)), ("b", "aten.exp", ("w",)),
+                   ("c", "aten.add", ("a", "b")), outputs=("c",))
+    assert fused_kernels(graph) == [[0, 1, 2]]
+
+
+def test_aot_eager_keeps_the_eager_times_and_an_unknown_compiler_is_refused():
+    graph = _graph(("a", "aten.neg", ("x",)), ("b", "aten.exp", ("a",)), outputs=("b",))
+    assert priced_for(graph, HARDWARE, "aot_eager") is graph
+    with pytest.raises(ValueError, match="unknown compiler"):
+        priced_for(graph, HARDWARE, "tvm")
