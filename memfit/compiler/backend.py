@@ -50,7 +50,13 @@ from memfit.compiler.plan_step import (
     short_even_alone,
     with_eager_note,
 )
-from memfit.compiler.region import REGION_KEY, Region, saved_device_bytes, user_input_names
+from memfit.compiler.region import (
+    REGION_KEY,
+    Region,
+    saved_device_bytes,
+    timed_planning,
+    user_input_names,
+)
 from memfit.compiler.region_run import aot_eager_runner, inductor_runner
 from memfit.compiler.replanning import (
     count_eager_in_prediction,
@@ -157,6 +163,7 @@ class Backend(EagerWatching, JointPlanning):
         # set by memfit.fit: how a copy of the fitted model makes its own backend (__reduce__)
         self.copy_as: tuple | None = None
         self.budget_note = ""  # where the budget came from, when memfit chose it (report)
+        self.cache_ignored: list[str] = []  # plan-cache files ignored, and why (report)
 
     def __reduce__(self) -> tuple:
         """A copy (``copy.deepcopy``, ``pickle``) of a fitted model's backend is the copy's own new
@@ -243,7 +250,7 @@ class Backend(EagerWatching, JointPlanning):
     def _partition(self, device: torch.device, site: Any, bound: Bound | None):
         def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int,
                       static_lifetime_input_indices: list[int] | None = None, **_):
-            with host_code():  # planning is memfit's code, not the target's step
+            with host_code(), timed_planning(self):  # planning is memfit's code, not the step's
                 return self.plan_region(joint, device, num_fwd_outputs,
                                         static_lifetime_input_indices, site, bound)
 

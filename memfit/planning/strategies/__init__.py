@@ -134,8 +134,10 @@ def get_strategy(name: str) -> Strategy:
     Raises:
         ValueError: for an unknown name, listing the registered ones.
     """
-    _load_builtin()
-    return _REGISTRY[canonical_name(name)]
+    chosen = canonical_name(name)
+    if chosen not in _REGISTRY:  # a built-in not loaded yet: its own module only
+        _load_builtin(chosen)
+    return _REGISTRY[chosen]
 
 
 def canonical_name(name: str) -> str:
@@ -174,10 +176,8 @@ def check_params(name: str, params: Mapping[str, Any]) -> None:
     accepted values.
     """
     name = canonical_name(name)
-    if name not in _CONFIGS:  # a built-in not loaded yet: its own module only
-        import importlib
-
-        importlib.import_module(f"{__name__}.{BUILTIN_MODULES[name]}")
+    if name not in _CONFIGS:
+        _load_builtin(name)
     _CONFIGS[name].from_params(params)
 
 
@@ -202,11 +202,15 @@ def strategy_names() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
-def _load_builtin() -> None:
-    """Import every module of this package and its technique folders (``swapping/``,
-    ``recomputing/``) once: each registers its strategy when imported."""
+def _load_builtin(name: str | None = None) -> None:
+    """Import the module of built-in strategy ``name``, or (``None``) every module of this
+    package and its technique folders (``swapping/``, ``recomputing/``): each registers its
+    strategy when imported."""
     import importlib
     import pkgutil
 
+    if name is not None and name in BUILTIN_MODULES:
+        importlib.import_module(f"{__name__}.{BUILTIN_MODULES[name]}")
+        return
     for info in pkgutil.walk_packages(__path__, prefix=f"{__name__}."):
         importlib.import_module(info.name)
