@@ -41,6 +41,7 @@ from memfit.compiler.graph_breaks import (
     watch_recompile_limit,
 )
 from memfit.compiler.joint_planning import MAX_JOINT_ROUNDS, JointPlanning
+from memfit.compiler.plan_cache import note_stage
 from memfit.compiler.plan_step import (
     BudgetWarning,
     Planned,
@@ -281,6 +282,7 @@ class Backend(EagerWatching, JointPlanning):
             captured = replace(captured, graph_module=joint)
         index = len(self.regions)
         owners: dict = {}
+        note_stage("analysing its graph")
         captured, graph = analyzed(captured, hardware, f"region {index}", self.linearize,
                                    kernel_temporaries=self.kernel_temporaries,
                                    owners=owners)
@@ -328,6 +330,7 @@ class Backend(EagerWatching, JointPlanning):
                        else frozenset())
 
         def lower(plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule, int]:
+            note_stage("rewriting its program")
             forward, backward = split(rewrite(program, graph, plan),
                                       num_fwd_outputs, static_lifetime_input_indices)
             return forward, backward, saved_device_bytes(forward, num_fwd_outputs, held_inputs,

@@ -29,7 +29,6 @@ import contextlib
 import contextvars
 import hashlib
 import json
-import os
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -39,26 +38,13 @@ from typing import Any
 
 from memfit.data.costgraph import CostGraph, Op, Tensor
 from memfit.data.errors import BudgetError
-from memfit.data.files import write_text
+from memfit.data.files import cache_dir, write_text
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan
 from memfit.data.units import Budget
 
 CACHE_FORMAT = "memfit-plan-cache"
 CACHE_FORMAT_VERSION = 1
-OFF_VALUES = ("0", "false", "off", "no")
-
-
-def cache_dir() -> Path | None:
-    """The folder memfit keeps plans and kernel measurements in, ``None`` where it is off
-    (``MEMFIT_CACHE=0``); read at each call, so a test or a script may change it."""
-    if os.environ.get("MEMFIT_CACHE", "1").strip().lower() in OFF_VALUES:
-        return None
-    given = os.environ.get("MEMFIT_CACHE_DIR")
-    if given:
-        return Path(given).expanduser()
-    home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(home) / "memfit"
 
 
 @lru_cache(maxsize=1)
@@ -116,6 +102,7 @@ class PlanningTally:
     made: int = 0
     cached: int = 0
     ignored: list[str] = field(default_factory=list)
+    progress: Any = None  # a tqdm line the stages are shown on (``note_stage``), if any
 
 
 _TALLY: contextvars.ContextVar[PlanningTally | None] = contextvars.ContextVar(
@@ -140,6 +127,14 @@ def note_planned(seconds: float, cached: bool) -> None:
         tally.seconds += seconds
         tally.cached += cached
         tally.made += not cached
+
+
+def note_stage(stage: str) -> None:
+    """Show ``stage`` on the current tally's progress line, if it has one."""
+    tally = _TALLY.get()
+    if tally is not None and tally.progress is not None:
+        tally.progress.set_postfix_str(stage, refresh=False)
+        tally.progress.update(1)
 
 
 def note_ignored(why: str) -> None:

@@ -15,7 +15,14 @@ from typing import Any
 
 import torch
 
-from memfit.compiler.plan_cache import note_ignored, note_planned, plan_key, recall, remember
+from memfit.compiler.plan_cache import (
+    note_ignored,
+    note_planned,
+    note_stage,
+    plan_key,
+    recall,
+    remember,
+)
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError
 from memfit.data.hardware import Hardware, get_hardware
@@ -28,7 +35,7 @@ from memfit.graph.rewrite import reorder
 from memfit.model.explain import explain
 from memfit.model.linearize import linearize as as_late_as_possible
 from memfit.model.simulate import simulate
-from memfit.planning.strategies import get_strategy
+from memfit.planning.strategies import STRATEGY_STARTED, get_strategy
 from memfit.planning.strategies._budget_checks import require_host
 
 
@@ -98,6 +105,7 @@ def plan_step(graph: CostGraph, hardware: Hardware, budget: Budget | None, strat
         PlanError: if ``fixed`` was made for another graph, input shape or hardware.
     """
     started = time.perf_counter()
+    note_stage(f"choosing a plan ({strategy})")
     baseline = simulate(graph, get_strategy("keep")(graph, hardware), hardware)
     if fixed is not None:
         fixed = fixed.for_graph(graph, hardware.name)
@@ -110,12 +118,17 @@ def plan_step(graph: CostGraph, hardware: Hardware, budget: Budget | None, strat
     recalled = _recalled(key, strategy, graph, hardware, resolved, started)
     if recalled is not None:
         return Planned(graph, recalled[0], baseline, recalled[1], resolved)
+    shown = STRATEGY_STARTED.set(lambda name: note_stage(
+        f"choosing a plan ({strategy})" if name == strategy else
+        f"choosing a plan ({strategy}: trying {name})"))
     try:
         made = _chosen_plan(graph, hardware, baseline, resolved, strategy, params, what_ifs)
     except BudgetError as error:
         remember(key, refused=error)
         note_planned(time.perf_counter() - started, cached=False)
         raise
+    finally:
+        STRATEGY_STARTED.reset(shown)
     remember(key, made)
     note_planned(time.perf_counter() - started, cached=False)
     return Planned(graph, made, baseline, simulate(graph, made, hardware), resolved)

@@ -27,6 +27,7 @@ from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan
 from memfit.data.timeline import Timeline
 
+PROGRESS_DELAY_S = 3.0  # planning shorter than this shows no progress line
 REGION_KEY = "memfit_region"  # GraphModule.meta: which region a forward / backward module is
 
 
@@ -177,11 +178,17 @@ class Planner(Protocol):
 def timed_planning(planner: Planner) -> Iterator[None]:
     """Record on the region planned inside the block what planning it cost (``RegionPlanning``),
     and on ``planner`` the cache files ignored meanwhile; also where the block raises after the
-    region was added (a planning-only trace's stop)."""
+    region was added (a planning-only trace's stop). Planning that takes longer than
+    ``PROGRESS_DELAY_S`` shows its stage on a progress line, on a terminal only (as
+    ``max_batch_size``'s bar: tqdm's ``disable=None``)."""
+    from tqdm import tqdm
+
     from memfit.compiler.plan_cache import planning_tally
 
     first, started = len(planner.regions), time.perf_counter()
-    with planning_tally() as tally:
+    with planning_tally() as tally, tqdm(
+            desc=f"memfit: planning region {first}", bar_format="{desc}{postfix} [{elapsed}]",
+            disable=None, leave=False, delay=PROGRESS_DELAY_S) as tally.progress:
         try:
             yield
         finally:

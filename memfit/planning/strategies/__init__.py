@@ -15,6 +15,7 @@ written (the plan's ``strategy``, reports) keeps the registered spelling.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import gc
 import threading
@@ -69,6 +70,9 @@ def register(name: str, config: type[StrategyConfig]) -> Callable[[Strategy], St
         @functools.wraps(function)
         def planned(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
                     **params) -> Plan:
+            started = STRATEGY_STARTED.get()
+            if started is not None:
+                started(name)
             with collector_paused():
                 return function(graph, hardware, budget_bytes, **params)
 
@@ -76,6 +80,11 @@ def register(name: str, config: type[StrategyConfig]) -> Callable[[Strategy], St
         return function
 
     return decorate
+
+
+# called with a strategy's name as each plan of it starts (a progress line shows it), if set
+STRATEGY_STARTED: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar(
+    "memfit_strategy_started", default=None)
 
 
 class _CollectorPause:
