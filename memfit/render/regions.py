@@ -44,7 +44,8 @@ def _notes(planner: Planner) -> list[str]:
     count = len(planner.regions)
     notes.append(f"{count} plan{'s' if count != 1 else ''} made, {planner.planning_s:.1f} s "
                  "tracing and planning")
-    notes += [_planning_note(region) for region in planner.regions if region.planning]
+    notes += [_planning_note(region) for region in planner.regions
+              if getattr(region, "planning", None)]
     notes += [f"plan cache: ignored {why}" for why in getattr(planner, "cache_ignored", ())]
     notes += [_bound_note(region) for region in planner.regions if region.shape_bound]
     if planner.bound_replans:
