@@ -49,20 +49,18 @@ CACHE_FORMAT_VERSION = 1
 
 @lru_cache(maxsize=1)
 def code_versions() -> dict[str, str]:
-    """What else a plan depends on: memfit's version and source files, torch's and Python's
-    versions (a changed strategy, solver or simulator in a development checkout changes the
-    sources' hash, not the version). A source file is known by its path, size and modification
+    """What else a plan depends on: memfit's source files (a new release changes them, and so
+    does an edit in a development checkout, whose version stays), torch's and Python's
+    versions. A source file is known by its path, size and modification
     time: an edit, a checkout or another copy changes them."""
     import torch
 
-    import memfit
-
-    root = Path(memfit.__file__).resolve().parent
+    root = Path(__file__).resolve().parents[1]  # the memfit package
     sources = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         found = path.stat()
         sources.update(f"{path.relative_to(root)} {found.st_size} {found.st_mtime_ns}\n".encode())
-    return {"memfit": memfit.__version__, "sources": sources.hexdigest()[:16],
+    return {"sources": sources.hexdigest()[:16],
             "torch": torch.__version__, "python": ".".join(map(str, sys.version_info[:2]))}
 
 
