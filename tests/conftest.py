@@ -15,7 +15,11 @@ def pytest_xdist_auto_num_workers(config):
 
 def pytest_configure(config):
     """In a worker, torch's intra-op threads share the cores with the other workers (more
-    OpenMP threads than cores made single CPU steps many times slower at random)."""
+    OpenMP threads than cores made single CPU steps many times slower at random). memfit's
+    on-disk cache of plans and kernel measurements is off (tests count the plans they make, and
+    one test's plan must not be another's); a test of the cache turns it on in a folder of its
+    own."""
+    os.environ["MEMFIT_CACHE"] = "0"
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))

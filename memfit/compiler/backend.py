@@ -42,6 +42,7 @@ from memfit.compiler.graph_breaks import (
 )
 from memfit.compiler.joint_planning import MAX_JOINT_ROUNDS, JointPlanning
 from memfit.compiler.loop_lifetimes import loop_lifetimes_apply, planned_for_the_loop
+from memfit.compiler.plan_cache import note_stage
 from memfit.compiler.plan_step import (
     BudgetWarning,
     Planned,
@@ -51,7 +52,13 @@ from memfit.compiler.plan_step import (
     short_even_alone,
     with_eager_note,
 )
-from memfit.compiler.region import REGION_KEY, Region, saved_device_bytes, user_input_names
+from memfit.compiler.region import (
+    REGION_KEY,
+    Region,
+    saved_device_bytes,
+    timed_planning,
+    user_input_names,
+)
 from memfit.compiler.region_run import aot_eager_runner, inductor_runner
 from memfit.compiler.replanning import (
     count_eager_in_prediction,
@@ -165,6 +172,7 @@ class Backend(EagerWatching, JointPlanning):
         # set by memfit.fit: how a copy of the fitted model makes its own backend (__reduce__)
         self.copy_as: tuple | None = None
         self.budget_note = ""  # where the budget came from, when memfit chose it (report)
+        self.cache_ignored: list[str] = []  # plan-cache files ignored, and why (report)
 
     def __reduce__(self) -> tuple:
         """A copy (``copy.deepcopy``, ``pickle``) of a fitted model's backend is the copy's own new
@@ -251,7 +259,7 @@ class Backend(EagerWatching, JointPlanning):
     def _partition(self, device: torch.device, site: Any, bound: Bound | None):
         def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int,
                       static_lifetime_input_indices: list[int] | None = None, **_):
-            with host_code():  # planning is memfit's code, not the target's step
+            with host_code(), timed_planning(self):  # planning is memfit's code, not the step's
                 return self.plan_region(joint, device, num_fwd_outputs,
                                         static_lifetime_input_indices, site, bound)
 
@@ -282,6 +290,7 @@ class Backend(EagerWatching, JointPlanning):
             captured = replace(captured, graph_module=joint)
         index = len(self.regions)
         owners: dict = {}
+        note_stage("analysing its graph")
         captured, graph = analyzed(captured, hardware, f"region {index}", self.linearize,
                                    kernel_temporaries=self.kernel_temporaries,
                                    owners=owners, compiler=self.compiler)
@@ -330,6 +339,7 @@ class Backend(EagerWatching, JointPlanning):
 
         def lower(plan: Plan, planned_on: CostGraph | None = None
                   ) -> tuple[fx.GraphModule, fx.GraphModule, int]:
+            note_stage("rewriting its program")
             forward, backward = split(rewrite(program, planned_on or graph, plan),
                                       num_fwd_outputs, static_lifetime_input_indices)
             return forward, backward, saved_device_bytes(forward, num_fwd_outputs, held_inputs,

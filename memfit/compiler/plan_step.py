@@ -8,12 +8,21 @@ and simulates it. The strategies see graph bytes; everything a user reads is who
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from memfit.compiler.plan_cache import (
+    note_ignored,
+    note_planned,
+    note_stage,
+    plan_key,
+    recall,
+    remember,
+)
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError
 from memfit.data.hardware import Hardware, get_hardware
@@ -26,7 +35,7 @@ from memfit.graph.rewrite import reorder
 from memfit.model.explain import explain
 from memfit.model.linearize import linearize as as_late_as_possible
 from memfit.model.simulate import simulate
-from memfit.planning.strategies import get_strategy
+from memfit.planning.strategies import STRATEGY_STARTED, get_strategy
 from memfit.planning.strategies._budget_checks import require_host
 
 
@@ -95,6 +104,8 @@ def plan_step(graph: CostGraph, hardware: Hardware, budget: Budget | None, strat
         BudgetError: if the strategy cannot fit the budget (whole-device bytes in its message).
         PlanError: if ``fixed`` was made for another graph, input shape or hardware.
     """
+    started = time.perf_counter()
+    note_stage(f"choosing a plan ({strategy})")
     baseline = simulate(graph, get_strategy("keep")(graph, hardware), hardware)
     if fixed is not None:
         fixed = fixed.for_graph(graph, hardware.name)
@@ -103,6 +114,61 @@ def plan_step(graph: CostGraph, hardware: Hardware, budget: Budget | None, strat
         return Planned(graph, fixed, baseline, simulate(graph, fixed, hardware), resolved)
     device_bytes = None if budget is None else budget.to_bytes(baseline.peak_bytes + outside_bytes)
     resolved = DeviceBudget(device_bytes, outside_bytes)
+    key = plan_key(graph, hardware, budget, strategy, params, outside_bytes, what_ifs)
+    recalled = _recalled(key, strategy, graph, hardware, resolved, started)
+    if recalled is not None:
+        return Planned(graph, recalled[0], baseline, recalled[1], resolved)
+    shown = STRATEGY_STARTED.set(lambda name: note_stage(
+        f"choosing a plan ({strategy})" if name == strategy else
+        f"choosing a plan ({strategy}: trying {name})"))
+    try:
+        made = _chosen_plan(graph, hardware, baseline, resolved, strategy, params, what_ifs)
+    except BudgetError as error:
+        remember(key, refused=error)
+        note_planned(time.perf_counter() - started, cached=False)
+        raise
+    finally:
+        STRATEGY_STARTED.reset(shown)
+    remember(key, made)
+    note_planned(time.perf_counter() - started, cached=False)
+    return Planned(graph, made, baseline, simulate(graph, made, hardware), resolved)
+
+
+def _recalled(key: str | None, strategy: str, graph: CostGraph, hardware: Hardware,
+              resolved: DeviceBudget, started: float) -> tuple[Plan, Timeline] | None:
+    """The plan cached under ``key`` and its simulated timeline, where it is predicted within
+    ``resolved``'s budget: a cached plan is trusted no more than a new one
+    (``memfit.compiler.plan_cache``).
+
+    Raises:
+        BudgetError: the refusal cached under ``key``.
+    """
+    try:
+        recalled = recall(key, strategy)
+    except BudgetError:
+        note_planned(time.perf_counter() - started, cached=True)
+        raise
+    if recalled is None:
+        return None
+    predicted = simulate(graph, recalled, hardware)
+    if (resolved.device_bytes is not None
+            and predicted.peak_bytes + resolved.outside_bytes > resolved.device_bytes):
+        note_ignored(f"{key[:16] if key else ''}: its plan is predicted over the budget")
+        return None
+    note_planned(time.perf_counter() - started, cached=True)
+    return recalled, predicted
+
+
+def _chosen_plan(graph: CostGraph, hardware: Hardware, baseline: Timeline,
+                 resolved: DeviceBudget, strategy: str, params: Mapping[str, Any],
+                 what_ifs: bool) -> Plan:
+    """The strategy's plan for ``resolved`` with its explanation (``plan_step`` without the
+    cache).
+
+    Raises:
+        BudgetError: if the strategy cannot fit the budget (whole-device bytes in its message).
+    """
+    device_bytes, outside_bytes = resolved.device_bytes, resolved.outside_bytes
     chosen = get_strategy(strategy)
 
     def replan(graph_budget_bytes: int | None) -> Plan:  # no strategy swaps past host_bytes
@@ -119,8 +185,7 @@ def plan_step(graph: CostGraph, hardware: Hardware, budget: Budget | None, strat
                           error.strategy, error.note, host_bytes=error.host_bytes) from None
     explanation = explain(graph, made, hardware, baseline, device_bytes, outside_bytes,
                           replan if what_ifs else None)
-    made = replace(made, topology_hash=topology_hash(graph), explanation=explanation)
-    return Planned(graph, made, baseline, simulate(graph, made, hardware), resolved)
+    return replace(made, topology_hash=topology_hash(graph), explanation=explanation)
 
 
 def resolve_hardware(hardware: Hardware | str | None, device: torch.device) -> Hardware:

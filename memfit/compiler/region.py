@@ -13,8 +13,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -26,7 +27,20 @@ from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan
 from memfit.data.timeline import Timeline
 
+PROGRESS_DELAY_S = 3.0  # planning shorter than this shows no progress line
 REGION_KEY = "memfit_region"  # GraphModule.meta: which region a forward / backward module is
+
+
+@dataclass(frozen=True)
+class RegionPlanning:
+    """What planning a region cost: seconds choosing its plans (the strategy, its explanation
+    and simulation, or reading them from the cache) and seconds around them (analysis,
+    rewriting, lowering), and how many plans were made and how many came from the cache."""
+
+    choosing_s: float
+    around_s: float
+    plans_made: int
+    plans_cached: int
 
 
 @dataclass
@@ -94,6 +108,7 @@ class Region:
     eager_read: bool = False  # eager code's bytes were read at a measured backward's start
     warned_over: bool = False  # said that a measured run of its plan exceeded budget and prediction
     shape_bound: Any = None  # a dynamic region: each symbolic size at the value it was priced at
+    planning: RegionPlanning | None = None  # what planning it cost (``timed_planning``)
     released_outputs: frozenset[str] = frozenset()  # outputs its plan frees at its forward's end,
     # their gradients never passed (``memfit.compiler.loop_lifetimes``)
     loop_refuted: bool = False  # a backward showed the loop holding them or passing a gradient
@@ -155,6 +170,7 @@ class Planner(Protocol):
     planning_s: float
     warn_over_prediction: bool
     budget_note: str  # where the budget came from, when memfit chose it
+    cache_ignored: list[str]  # plan-cache files ignored, and why (``memfit.compiler.plan_cache``)
 
     def eager_watch(self) -> Any: ...
 
@@ -171,6 +187,31 @@ class Planner(Protocol):
                             ) -> None: ...
 
     def forward_ran(self, region: Region) -> None: ...
+
+
+@contextlib.contextmanager
+def timed_planning(planner: Planner) -> Iterator[None]:
+    """Record on the region planned inside the block what planning it cost (``RegionPlanning``),
+    and on ``planner`` the cache files ignored meanwhile; also where the block raises after the
+    region was added (a planning-only trace's stop). Planning that takes longer than
+    ``PROGRESS_DELAY_S`` shows its stage on a progress line, on a terminal only (as
+    ``max_batch_size``'s bar: tqdm's ``disable=None``)."""
+    from tqdm import tqdm
+
+    from memfit.compiler.plan_cache import planning_tally
+
+    first, started = len(planner.regions), time.perf_counter()
+    with planning_tally() as tally, tqdm(
+            desc=f"memfit: planning region {first}", bar_format="{desc}{postfix} [{elapsed}]",
+            disable=None, leave=False, delay=PROGRESS_DELAY_S) as tally.progress:
+        try:
+            yield
+        finally:
+            if len(planner.regions) > first:
+                around = time.perf_counter() - started - tally.seconds
+                planner.regions[-1].planning = RegionPlanning(tally.seconds, around, tally.made,
+                                                              tally.cached)
+            planner.cache_ignored.extend(tally.ignored)
 
 
 def user_input_names(joint: fx.GraphModule, inputs: Sequence) -> frozenset[str]:

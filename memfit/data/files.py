@@ -48,3 +48,19 @@ def write_text(path: str | Path, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically: see ``replacing``."""
     with replacing(path) as temporary:
         temporary.write_text(text, encoding="utf-8")
+
+
+CACHE_OFF_VALUES = ("0", "false", "off", "no")
+
+
+def cache_dir() -> Path | None:
+    """The folder memfit keeps what it computed for later processes in (plans, kernel
+    measurements): ``$MEMFIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/memfit`` (``~/.cache/memfit``);
+    ``None`` where ``MEMFIT_CACHE=0`` turns it off. Read at each call, so a test or a script may
+    change it."""
+    if os.environ.get("MEMFIT_CACHE", "1").strip().lower() in CACHE_OFF_VALUES:
+        return None
+    given = os.environ.get("MEMFIT_CACHE_DIR")
+    if given:
+        return Path(given).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memfit"

@@ -9,11 +9,12 @@ file fails at ``Plan.load``, before any model is touched, never as a ``KeyError`
 
 from __future__ import annotations
 
+import functools
 import reprlib
 import types
 import typing
 from collections.abc import Collection, Mapping
-from dataclasses import MISSING, asdict, fields, is_dataclass
+from dataclasses import MISSING, Field, asdict, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 from memfit.data.plan import FORMAT_VERSION, Decision, Keep, Plan, Recompute, Rerun, Swap, SwapIn
@@ -209,9 +210,7 @@ class _Reader:
     def dataclass_fields(self, kind: type, data: Mapping, where: str,
                          skip: Collection[str] = ()) -> None:
         """Each field of dataclass ``kind`` in ``data``: present unless defaulted, of its type."""
-        assert is_dataclass(kind)
-        hints = typing.get_type_hints(kind)
-        declared = {f.name: f for f in fields(kind)}
+        hints, declared = _declared(kind)
         self.known(data, set(declared), where)
         for name, field in declared.items():
             if name in skip:
@@ -222,6 +221,13 @@ class _Reader:
                 continue
             if not _is_instance(data[name], hints[name]):
                 raise self.fail(f"{where}.{name}", _type_name(hints[name]), data[name])
+
+
+@functools.cache
+def _declared(kind: type) -> tuple[dict[str, Any], dict[str, Field]]:
+    """The type hints and fields of dataclass ``kind`` (resolved once: a plan reads thousands)."""
+    assert is_dataclass(kind)
+    return typing.get_type_hints(kind), {f.name: f for f in fields(kind)}
 
 
 def _is_instance(value: Any, hint: Any) -> bool:

@@ -12,12 +12,15 @@ larger of two runs, so a first call's one-off buffers are not missed either).
 Why a child process: the probes allocate nothing in the process being planned (planning happens
 inside a step whose peak is measured), and the profiler cannot be started inside a step that is
 already being profiled. Results are cached per signature (op, argument shapes and values, thread
-count, flags), so each distinct op is measured once per process; one child measures all the new
-signatures of a graph.
+count, flags), in the process and on disk per machine (``_MachineCache``: the CPU, torch's build),
+so each distinct op is measured once per machine; one child measures all the new signatures of a
+graph.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -82,9 +85,90 @@ def measured_temporary_bytes(nodes: Iterable[fx.Node]) -> dict[fx.Node, int]:
     signatures = {node: signature for node in nodes
                   if (signature := _signature(node)) is not None}
     missing = sorted({s for s in signatures.values() if s not in _MEASURED_BYTES})
+    if missing:  # measured by an earlier process on this machine, with this torch
+        _MEASURED_BYTES.update(machine_cache.read())
+        missing = [s for s in missing if s not in _MEASURED_BYTES]
     if missing and (measured := _run_child(missing)):
         _MEASURED_BYTES.update(zip(missing, measured, strict=True))
+        machine_cache.add(dict(zip(missing, measured, strict=True)))
     return {node: _MEASURED_BYTES[s] for node, s in signatures.items() if s in _MEASURED_BYTES}
+
+
+class _MachineCache:
+    """Measurements kept on disk for later processes (``memfit.data.files.cache_dir``), in a
+    file per machine: keyed by the CPU's model and flags, torch's version and build (its oneDNN
+    included) and this module's code; each entry by its op signature (``_signature``). A file
+    that cannot be read, of another format or machine, is ignored (with a warning) and
+    written again."""
+
+    FORMAT = "memfit-kernel-cache"
+    VERSION = 1
+
+    @staticmethod
+    @functools.cache
+    def machine() -> dict[str, str]:
+        """What a measurement depends on beyond its signature: the CPU, torch's build, this
+        module's code."""
+        import hashlib
+        import platform
+
+        cpu: dict[str, str] = {}
+        with contextlib.suppress(OSError):
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                name, _, value = line.partition(":")
+                if name.strip() in ("model name", "flags"):
+                    cpu.setdefault(name.strip(), value.strip())
+        return {"cpu": cpu.get("model name") or platform.processor(),
+                "cpu_flags": hashlib.sha256(cpu.get("flags", "").encode()).hexdigest()[:16],
+                "machine": platform.machine(), "torch": torch.__version__,
+                "build": hashlib.sha256(torch.__config__.show().encode()).hexdigest()[:16],
+                "probe": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]}
+
+    def path(self) -> Path | None:
+        import hashlib
+
+        from memfit.data.files import cache_dir
+
+        folder = cache_dir()
+        if folder is None:
+            return None
+        name = hashlib.sha256(json.dumps(self.machine(), sort_keys=True).encode()).hexdigest()
+        return folder / "kernels" / f"{name[:32]}.json"
+
+    def read(self) -> dict[str, int]:
+        path = self.path()
+        if path is None or not path.exists():
+            return {}
+        try:
+            found = json.loads(path.read_text(encoding="utf-8"))
+            if (found.get("format"), found.get("version")) != (self.FORMAT, self.VERSION) or \
+                    found.get("machine") != self.machine():
+                raise ValueError("of another format or machine")
+            measured = found["bytes"]
+            if not all(type(size) is int and size >= 0 for size in measured.values()):
+                raise ValueError("a measurement is not a byte count")
+            return dict(measured)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as why:
+            warnings.warn(f"memfit: ignored the kernel measurements cached in {path} "
+                          f"({type(why).__name__}: {str(why)[:120]}); they are measured again",
+                          stacklevel=4)
+            return {}
+
+    def add(self, measured: dict[str, int]) -> None:
+        """Write ``measured`` beside what the file holds, atomically."""
+        from memfit.data.files import write_text
+
+        path = self.path()
+        if path is None:
+            return
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_text(path, json.dumps({"format": self.FORMAT, "version": self.VERSION,
+                                         "machine": self.machine(),
+                                         "bytes": {**self.read(), **measured}}))
+
+
+machine_cache = _MachineCache()
 
 
 def _run_child(signatures: list[str]) -> list[int]:

@@ -44,6 +44,9 @@ def _notes(planner: Planner) -> list[str]:
     count = len(planner.regions)
     notes.append(f"{count} plan{'s' if count != 1 else ''} made, {planner.planning_s:.1f} s "
                  "tracing and planning")
+    notes += [_planning_note(region) for region in planner.regions
+              if getattr(region, "planning", None)]
+    notes += [f"plan cache: ignored {why}" for why in getattr(planner, "cache_ignored", ())]
     notes += [_bound_note(region) for region in planner.regions if region.shape_bound]
     if planner.bound_replans:
         notes.append(f"planned again {planner.bound_replans} time(s): a shape was past the "
@@ -72,6 +75,21 @@ def _unplanned_notes(planner: Planner) -> list[str]:
     (``memfit.compiler.unplanned``)."""
     return [f"ran outside any plan: {count} call(s): {what}"
             for what, count in getattr(planner, "unplanned_calls", {}).items()]
+
+
+def _planning_note(region: Region) -> str:
+    """The seconds ``region``'s planning took, and whether its plan came from the cache
+    (``memfit.compiler.plan_cache``)."""
+    cost = region.planning
+    assert cost is not None
+    if cost.plans_cached and not cost.plans_made:
+        source = "read from the plan cache"
+    elif cost.plans_cached:
+        source = f"{cost.plans_made} made, {cost.plans_cached} read from the plan cache"
+    else:
+        source = f"{cost.plans_made} made" if cost.plans_made != 1 else "made"
+    return (f"region {region.index}: plan {source} in {cost.choosing_s:.2f} s (planning "
+            f"seconds), {cost.around_s:.2f} s analysing and rewriting its graph")
 
 
 def _bound_note(region: Region) -> str:

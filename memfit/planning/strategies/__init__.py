@@ -15,6 +15,7 @@ written (the plan's ``strategy``, reports) keeps the registered spelling.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import gc
 import threading
@@ -69,6 +70,9 @@ def register(name: str, config: type[StrategyConfig]) -> Callable[[Strategy], St
         @functools.wraps(function)
         def planned(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
                     **params) -> Plan:
+            started = STRATEGY_STARTED.get()
+            if started is not None:
+                started(name)
             with collector_paused():
                 return function(graph, hardware, budget_bytes, **params)
 
@@ -76,6 +80,11 @@ def register(name: str, config: type[StrategyConfig]) -> Callable[[Strategy], St
         return function
 
     return decorate
+
+
+# called with a strategy's name as each plan of it starts (a progress line shows it), if set
+STRATEGY_STARTED: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar(
+    "memfit_strategy_started", default=None)
 
 
 class _CollectorPause:
@@ -134,8 +143,10 @@ def get_strategy(name: str) -> Strategy:
     Raises:
         ValueError: for an unknown name, listing the registered ones.
     """
-    _load_builtin()
-    return _REGISTRY[canonical_name(name)]
+    chosen = canonical_name(name)
+    if chosen not in _REGISTRY:  # a built-in not loaded yet: its own module only
+        _load_builtin(chosen)
+    return _REGISTRY[chosen]
 
 
 def canonical_name(name: str) -> str:
@@ -174,10 +185,8 @@ def check_params(name: str, params: Mapping[str, Any]) -> None:
     accepted values.
     """
     name = canonical_name(name)
-    if name not in _CONFIGS:  # a built-in not loaded yet: its own module only
-        import importlib
-
-        importlib.import_module(f"{__name__}.{BUILTIN_MODULES[name]}")
+    if name not in _CONFIGS:
+        _load_builtin(name)
     _CONFIGS[name].from_params(params)
 
 
@@ -202,11 +211,15 @@ def strategy_names() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
-def _load_builtin() -> None:
-    """Import every module of this package and its technique folders (``swapping/``,
-    ``recomputing/``) once: each registers its strategy when imported."""
+def _load_builtin(name: str | None = None) -> None:
+    """Import the module of built-in strategy ``name``, or (``None``) every module of this
+    package and its technique folders (``swapping/``, ``recomputing/``): each registers its
+    strategy when imported."""
     import importlib
     import pkgutil
 
+    if name is not None and name in BUILTIN_MODULES:
+        importlib.import_module(f"{__name__}.{BUILTIN_MODULES[name]}")
+        return
     for info in pkgutil.walk_packages(__path__, prefix=f"{__name__}."):
         importlib.import_module(info.name)
