@@ -23,15 +23,20 @@ def _both(model, loss_fn, make_inputs, **search):
     return symbolic, per_batch
 
 
-def _assert_same_answer(symbolic, per_batch):
+def _assert_same_answer(symbolic, per_batch, same_peaks: bool = True):
+    """The same batch, peak and plan; every batch both tried fits in both or in neither, and
+    (``same_peaks``) at the same peak. A symbolic graph may hold an op or two that a concrete
+    trace elides (a slice Dynamo cannot prove whole keeps its ``slice_backward``): a little
+    more predicted time, which can tip ``auto`` to another plan of a batch that fits."""
     assert symbolic.batch_size == per_batch.batch_size
     assert symbolic.largest_batch_size == per_batch.largest_batch_size
     assert symbolic.predicted_peak_bytes == per_batch.predicted_peak_bytes
     assert symbolic.plan == per_batch.plan  # the answer's plan comes from its own trace
-    planned = {trial.batch_size: trial.peak_bytes for trial in per_batch.tried}
-    for trial in symbolic.tried:  # every batch both tried: the same peak, or the same refusal
+    planned = {trial.batch_size: trial for trial in per_batch.tried}
+    for trial in symbolic.tried:
         if trial.batch_size in planned:
-            assert trial.peak_bytes == planned[trial.batch_size], trial
+            assert trial.fits == planned[trial.batch_size].fits, trial
+            assert not same_peaks or trial.peak_bytes == planned[trial.batch_size].peak_bytes
 
 
 @pytest.mark.slow
@@ -53,7 +58,7 @@ def test_a_small_gpt2_finds_the_same_batch_and_peak_for_an_h100():
     symbolic, per_batch = _both(example.model, example.loss_fn, example.make_inputs,
                                 budget="24MB", hardware="h100-sxm", objective="largest",
                                 autocast=torch.bfloat16)
-    _assert_same_answer(symbolic, per_batch)
+    _assert_same_answer(symbolic, per_batch, same_peaks=False)  # auto: swaps chosen by time
     assert symbolic.traces == 3 < per_batch.traces
 
 
