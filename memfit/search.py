@@ -178,13 +178,13 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
             batch is then one rank's, planned as one rank of that job holds it (``budget`` is
             one rank's device). A sharded search plans only (``verify`` must be off).
         symbolic: trace the step once with its batch dimension symbolic and price every batch
-            on that trace (default); ``False``: trace every batch on its own. Batch 1 and the
-            chosen batch are traced on their own either way (the chosen batch's plan is the one
-            a compile at that batch runs, and checks the symbolic pricing: where the two peaks
-            differ, the search is done again a trace per batch and ``note`` says so). Where the
-            step cannot be traced with a symbolic batch (a size specialized, a guard on the
-            batch, a size derived from the batch crossing a graph break), each batch is traced
-            on its own and ``note`` says why.
+            on that trace (default); ``False``: trace every batch on its own. Batch 1, a batch
+            that a guard on the batch excludes, and the chosen batch are traced on their own
+            (the chosen batch's plan is the one a compile at that batch runs, and checks the
+            symbolic price: where the two peaks differ, the search is done again a trace per
+            batch, with a warning). Where the step cannot be traced with a symbolic batch (a
+            size specialized, a size derived from the batch crossing a graph break), each batch
+            is traced on its own; ``note`` says why.
         **params: the strategy's parameters.
 
     Raises:
@@ -392,10 +392,8 @@ class BatchPlanner:
         self.priced, self.checked = set(), set()
 
     def how(self) -> str:
-        """How the batches were planned, for ``BatchSearch.note``."""
-        if isinstance(self.traced, SymbolicBatch):
-            return (f"{len(self.priced)} batches priced on one trace with a symbolic batch "
-                    f"({self.traces} traces in all)")
+        """Why each batch was traced on its own, for ``BatchSearch.note`` (``""``: batches
+        were priced on the one symbolic trace, or none past batch 1 was planned)."""
         if isinstance(self.traced, str):
             return f"{self.traced} ({self.traces} traces)"
         return ""

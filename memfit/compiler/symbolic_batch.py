@@ -153,7 +153,8 @@ class SymbolicBatch:
         """Why the trace does not hold at ``batch`` (``""``: it does): a guard or assertion
         Dynamo recorded, or the symbol's range, excludes it."""
         for env in self.environments:
-            values = {symbol: batch for symbol in env.backed_var_to_val}
+            values = {symbol: batch for symbol, hint in env.backed_var_to_val.items()
+                      if hint == self.hint}  # the batch's symbols; others stay and refuse
             for symbol in values:
                 found = env.var_to_range.get(symbol)
                 if found is not None and not (found.lower <= batch <= found.upper):
