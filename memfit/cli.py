@@ -284,7 +284,8 @@ def cmd_max_batch_size(args: argparse.Namespace) -> int:
         found = max_batch_size(example.model, example.loss_fn, example.make_inputs, args.budget,
                                _target(args), args.strategy, objective=args.objective,
                                max_batch=args.max_batch, verify=False,
-                               autocast=autocast_dtype(args.autocast), **_sharding(args),
+                               autocast=autocast_dtype(args.autocast),
+                               symbolic=not args.trace_each_batch, **_sharding(args),
                                **dict(args.param))
     except (BudgetError, ValueError) as error:  # nothing fits; a fractional budget
         print(f"memfit max-batch-size: {error}", file=sys.stderr)
@@ -426,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the largest batch tried (default 65536)")
     search.add_argument("--autocast", choices=AUTOCAST_CHOICES, default=None,
                         help=AUTOCAST_HELP)
+    search.add_argument("--trace-each-batch", action="store_true",
+                        help="trace the step for every batch tried, instead of once with a "
+                             "symbolic batch priced at each")
     search.add_argument("--strategy", default=None, help="as for memfit plan (default auto)")
     search.add_argument("--param", type=_key_value, action="append", default=[], metavar="K=V",
                         help="a strategy parameter, repeatable: --param lb=3")

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -25,9 +26,10 @@ from typing import Any, NamedTuple
 import torch
 
 from memfit.api import Step
-from memfit.compiler.plan_step import resolve_hardware
+from memfit.compiler.plan_step import Planned, resolve_hardware
 from memfit.compiler.sharding import FsdpBlock, resolve_sharding
-from memfit.compiler.traced import trace_plan
+from memfit.compiler.symbolic_batch import SymbolicBatch, trace_batch
+from memfit.compiler.traced import PlanOptions, trace_plan, whole_step
 from memfit.data.errors import BudgetError
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan
@@ -69,6 +71,8 @@ class BatchSearch:
             peak, step time and host memory.
         objective: what chose ``batch_size``: ``"throughput"`` or ``"largest"``.
         largest_batch_size: the largest batch that fit as planned (0: not recorded).
+        traces: how many times the step was traced (each a Dynamo trace and AOTAutograd);
+            with one symbolic trace, the other batches are priced on it.
     """
 
     batch_size: int
@@ -83,6 +87,7 @@ class BatchSearch:
     frontier: tuple[FrontierPoint, ...] = ()
     objective: str = "throughput"
     largest_batch_size: int = 0
+    traces: int = 0
 
     @property
     def predicted_throughput(self) -> float:
@@ -140,7 +145,7 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
                    world_size: int = 1, sharding: str = "none",
                    fsdp_block: FsdpBlock = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                    optimizer: torch.optim.Optimizer | None = None,
-                   **params: Any) -> BatchSearch:
+                   symbolic: bool = True, **params: Any) -> BatchSearch:
     """The batch whose training step fits ``budget`` at the highest predicted throughput (or
     the largest that fits), planned without running it.
 
@@ -172,12 +177,21 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
         world_size, sharding, fsdp_block, bucket_bytes, optimizer: as in ``memfit.plan``: the
             batch is then one rank's, planned as one rank of that job holds it (``budget`` is
             one rank's device). A sharded search plans only (``verify`` must be off).
+        symbolic: trace the step once with its batch dimension symbolic and price every batch
+            on that trace (default); ``False``: trace every batch on its own. Batch 1, a batch
+            that a guard on the batch excludes, and the chosen batch are traced on their own
+            (the chosen batch's plan is the one a compile at that batch runs, and checks the
+            symbolic price: where the two peaks differ, the search is done again a trace per
+            batch, with a warning). Where the step cannot be traced with a symbolic batch (a
+            size specialized, a size derived from the batch crossing a graph break), each batch
+            is traced on its own; ``note`` says why.
         **params: the strategy's parameters.
 
     Raises:
         BudgetError: when even batch 1 cannot fit (its message names the smallest peak, and
             the profile's ``host_bytes`` where that limit stopped the swaps).
-        ValueError: for a fractional budget, an unknown objective or bad strategy parameters.
+        ValueError: for a fractional budget, an unknown objective, a ``symbolic`` that is not
+            a bool, or bad strategy parameters.
 
     Note:
         Bisection assumes that a batch that fits means every smaller one fits, which holds for
@@ -187,6 +201,9 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}: "
                          "'throughput' for the fastest batch, 'largest' for the largest")
+    if not isinstance(symbolic, bool):
+        raise ValueError(f"symbolic must be True (one trace with a symbolic batch) or False (a "
+                         f"trace per batch), got {symbolic!r}")
     parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
     if parsed is None or parsed.bytes is None:
         raise ValueError(f"max_batch_size needs a budget in bytes ('80GiB'), not {budget!r}: "
@@ -198,12 +215,14 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
         raise ValueError("a sharded plan (world_size > 1) cannot be verified on this machine: "
                          "pass verify=False, or measure one rank under torchrun")
     setup = _Setup(spread, optimizer, autocast)
-    tried: list[Trial] = []
-    fitting: dict[int, PlannedBatch] = {}  # every batch planned to fit: the frontier
     with _progress() as progress:
-        return _search(model, loss_fn, make_inputs, parsed, chosen, resolved, params, linearize,
-                       setup, objective, max_batch, verify, device, spread, tried, fitting,
-                       progress)
+        planner = BatchPlanner(model, loss_fn, make_inputs, parsed, chosen, resolved, params,
+                               linearize, setup, symbolic)
+        found = _search(planner, objective, max_batch, verify, device, spread, progress)
+        if planner.mismatch:  # the symbolic pricing missed the chosen batch's own trace
+            planner.symbolic_off(planner.mismatch)
+            found = _search(planner, objective, max_batch, verify, device, spread, progress)
+        return found
 
 
 def _progress() -> Any:
@@ -214,18 +233,19 @@ def _progress() -> Any:
                 leave=False)
 
 
-def _search(model, loss_fn, make_inputs, parsed, chosen, resolved, params, linearize, setup,
-            objective, max_batch, verify, device, spread, tried, fitting, progress
+def _search(planner: BatchPlanner, objective, max_batch, verify, device, spread, progress
             ) -> BatchSearch:
     """``max_batch_size``'s search once its arguments are checked: bracket the largest batch
-    that fits, then the fastest, then verify."""
+    that fits, then the fastest, then confirm it by its own trace and verify it."""
+    tried: list[Trial] = []
+    fitting: dict[int, PlannedBatch] = {}  # every batch planned to fit: the frontier
+    budget_bytes = planner.budget.bytes
 
     def attempt(batch: int) -> PlannedBatch | None:
         if batch in fitting:
             return fitting[batch]
         try:
-            planned = _plan_batch(model, loss_fn, make_inputs, batch, parsed, chosen, resolved,
-                                  params, linearize, setup)
+            planned = planner.plan(batch)
         except BudgetError as error:  # host_bytes named: swapping more would have fit
             tried.append(Trial(batch, False, "planned", error.minimum_bytes,
                                host_limited=error.host_bytes is not None))
@@ -238,24 +258,33 @@ def _search(model, loss_fn, make_inputs, parsed, chosen, resolved, params, linea
         fitting[batch] = planned
         return planned
 
-    largest = bracket_largest(attempt, tried, parsed.bytes, max_batch)
+    largest = bracket_largest(attempt, tried, budget_bytes, max_batch)
     if largest is None:
-        _plan_batch(model, loss_fn, make_inputs, 1, parsed, chosen, resolved, params, linearize,
-                    setup)
+        planner.plan(1, traced=True)
         raise AssertionError("batch 1 fit on a second try")  # the first try raised BudgetError
     note = f"max_batch={max_batch} fits; raise max_batch to look further" \
         if largest.batch_size == max_batch else ""
     best = largest if objective == "largest" else search_fastest(attempt, largest, fitting)
-    frontier = tuple(fitting[batch].point() for batch in sorted(fitting))
+    best = fitting[best.batch_size] = planner.confirmed(best)
+    if planner.mismatch:
+        return _found(planner, best, tried, fitting, objective, largest, None, note)
     verified = None
-    default_verify = device.type == resolved.device_type and not spread.active
+    default_verify = device.type == planner.hardware.device_type and not spread.active
     if verify if verify is not None else default_verify:
-        best, verified, stepped = _verify(model, loss_fn, make_inputs, best, attempt, tried,
-                                          chosen, resolved, params, linearize)
+        best, verified, stepped = _verify(planner, best, attempt, tried)
+        best = fitting[best.batch_size] = planner.confirmed(best)
         note = " ".join(filter(None, (note, stepped)))
+    return _found(planner, best, tried, fitting, objective, largest, verified, note)
+
+
+def _found(planner: BatchPlanner, best: PlannedBatch, tried: list[Trial],
+           fitting: dict[int, PlannedBatch], objective: str, largest: PlannedBatch,
+           verified: Timeline | None, note: str) -> BatchSearch:
+    frontier = tuple(fitting[batch].point() for batch in sorted(fitting))
+    note = " ".join(filter(None, (note, planner.how())))
     return BatchSearch(best.batch_size, best.plan, best.budget_bytes, whole_bytes(best),
-                       best.predicted.step_time_s, resolved.name, tuple(tried), verified, note,
-                       frontier, objective, largest.batch_size)
+                       best.predicted.step_time_s, planner.hardware.name, tuple(tried), verified,
+                       note, frontier, objective, largest.batch_size, planner.traces)
 
 
 def meta_inputs(make_inputs: Callable[[int], tuple[torch.Tensor, ...]],
@@ -282,20 +311,103 @@ def _plan_batch(model, loss_fn, make_inputs, batch, budget, strategy, hardware, 
     planned = trace_plan(model, loss_fn, meta_inputs(make_inputs, batch), budget, strategy,
                          hardware, params, linearize, autocast=setup.autocast,
                          sharding=setup.sharding, optimizer=setup.optimizer)
+    return _planned_batch(batch, planned)
+
+
+def _planned_batch(batch: int, planned: Planned) -> PlannedBatch:
     assert planned.budget.device_bytes is not None
     return PlannedBatch(batch, planned.plan, planned.predicted, planned.budget.device_bytes,
                         planned.budget.outside_bytes, planned.predicted.host_peak_bytes)
 
 
-def _verify(model, loss_fn, make_inputs, best: PlannedBatch, attempt, tried: list[Trial],
-            strategy, hardware, params, linearize,
+class BatchPlanner:
+    """Plans the batches of one search: each on the one trace with a symbolic batch where that
+    trace serves it (``memfit.compiler.symbolic_batch``), else by a trace of its own.
+
+    ``confirmed`` plans the chosen batch by its own trace; where its peak differs from the
+    symbolic pricing, ``mismatch`` says so and the search is done again a trace per batch."""
+
+    def __init__(self, model, loss_fn, make_inputs, budget: Budget, strategy: str,
+                 hardware: Hardware, params, linearize: bool, setup: _Setup,
+                 symbolic: bool) -> None:
+        self.model, self.loss_fn, self.make_inputs = model, loss_fn, make_inputs
+        self.budget, self.strategy, self.hardware = budget, strategy, hardware
+        self.params, self.linearize, self.setup = params, linearize, setup
+        self.traced: SymbolicBatch | str | None = None if symbolic else \
+            "symbolic=False: each batch traced on its own"
+        self.traces = 0  # Dynamo traces made
+        self.priced: set[int] = set()  # batches priced on the symbolic trace
+        self.checked: set[int] = set()  # of them, those planned again by their own trace
+        self.mismatch = ""
+
+    def plan(self, batch: int, traced: bool = False) -> PlannedBatch:
+        """``batch`` planned: on the symbolic trace where it serves (and not ``traced``)."""
+        if not traced and batch > 1:
+            symbolic = self._symbolic()
+            if isinstance(symbolic, SymbolicBatch) and not symbolic.serves(batch):
+                planned = _planned_batch(batch, whole_step(symbolic.plan(batch, self.budget)))
+                self.priced.add(batch)
+                return planned
+        self.traces += 1
+        return _plan_batch(self.model, self.loss_fn, self.make_inputs, batch, self.budget,
+                           self.strategy, self.hardware, self.params, self.linearize,
+                           self.setup)
+
+    def _symbolic(self) -> SymbolicBatch | str:
+        if self.traced is None:
+            self.traces += 1
+            options = PlanOptions(self.strategy, self.hardware, self.params, self.linearize,
+                                  False, self.setup.autocast, self.setup.sharding,
+                                  self.setup.optimizer)
+            traced = trace_batch(self.model, self.loss_fn, self.make_inputs, meta_inputs,
+                                 options)
+            self.traced = traced if isinstance(traced, SymbolicBatch) else \
+                f"{traced}: each batch traced on its own"
+        return self.traced
+
+    def confirmed(self, planned: PlannedBatch) -> PlannedBatch:
+        """``planned``, planned by its own trace where it was priced on the symbolic one (the
+        plan a compile at that batch runs); ``mismatch`` set where the peaks differ."""
+        if planned.batch_size not in self.priced or planned.batch_size in self.checked:
+            return planned
+        try:
+            own = self.plan(planned.batch_size, traced=True)
+        except BudgetError as error:
+            own, peak = None, error.minimum_bytes
+        else:
+            peak = whole_bytes(own)
+        if own is None or peak != whole_bytes(planned):
+            self.mismatch = (f"batch {planned.batch_size}'s own trace peaks at "
+                             f"{format_bytes(peak)}, its symbolic pricing at "
+                             f"{format_bytes(whole_bytes(planned))}")
+            return planned
+        self.checked.add(planned.batch_size)
+        return own
+
+    def symbolic_off(self, reason: str) -> None:
+        """Trace each batch on its own from here on, for ``reason``."""
+        warnings.warn(f"memfit max_batch_size: {reason}; searching again with a trace per "
+                      "batch", stacklevel=3)
+        self.traced, self.mismatch = f"{reason}: each batch traced on its own", ""
+        self.priced, self.checked = set(), set()
+
+    def how(self) -> str:
+        """Why each batch was traced on its own, for ``BatchSearch.note`` (``""``: batches
+        were priced on the one symbolic trace, or none past batch 1 was planned)."""
+        if isinstance(self.traced, str):
+            return f"{self.traced} ({self.traces} traces)"
+        return ""
+
+
+def _verify(planner: BatchPlanner, best: PlannedBatch, attempt, tried: list[Trial],
             tries: int = 4) -> tuple[PlannedBatch, Timeline | None, str]:
     """Measure one real step at ``best``; while it runs over, step down (1, 2, 4, ... smaller)."""
     found = best.batch_size
     step_down = 1
     for _ in range(tries):
-        measured = _measure_step(model, loss_fn, make_inputs, best, strategy, hardware, params,
-                                 linearize)
+        measured = _measure_step(planner.model, planner.loss_fn, planner.make_inputs, best,
+                                 planner.strategy, planner.hardware, planner.params,
+                                 planner.linearize)
         fits = measured.peak_bytes <= best.budget_bytes
         tried.append(Trial(best.batch_size, fits, "measured", measured.peak_bytes))
         if fits:

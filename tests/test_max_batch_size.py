@@ -163,7 +163,7 @@ def test_no_plan_swaps_more_than_the_host_holds():
 
 
 def test_a_host_limited_refusal_is_shown_and_batch_one_names_the_host(monkeypatch):
-    """A fake planner that fits batches up to 2 and refuses larger ones for the host limit:
+    """A fake planner (of each batch's own trace) that fits batches up to 2 and refuses larger ones for the host limit:
     the search says so; where batch 1 is refused too, its BudgetError names host_bytes."""
     from memfit import search
     from memfit.data.hardware import get_hardware
@@ -181,11 +181,11 @@ def test_a_host_limited_refusal_is_shown_and_batch_one_names_the_host(monkeypatc
     hardware = get_hardware("cpu").with_(host_bytes=1)
     found = memfit.max_batch_size(example.model, example.loss_fn, example.make_inputs,
                                   budget=10**6, hardware=hardware, verify=False,
-                                  objective="largest")
+                                  objective="largest", symbolic=False)
     assert found.batch_size == fits_up_to
     assert any(t.host_limited and not t.fits for t in found.tried)
     assert "over, host-limited" in str(found)
     fits_up_to = 0
     with pytest.raises(memfit.BudgetError, match="host_bytes"):
         memfit.max_batch_size(example.model, example.loss_fn, example.make_inputs, budget=10**6,
-                              hardware=hardware, verify=False)
+                              hardware=hardware, verify=False, symbolic=False)

@@ -224,7 +224,7 @@ def trace_plan(model: torch.nn.Module, loss_fn: Callable, inputs: Sequence[torch
     """
     check_autocast(autocast)  # here, not inside Dynamo's trace, where it would be wrapped
     refuse_meta_parameters(model)
-    options = _Options(strategy, hardware, params, linearize, what_ifs, autocast, sharding,
+    options = PlanOptions(strategy, hardware, params, linearize, what_ifs, autocast, sharding,
                        optimizer)
     if budget is None or budget.bytes is not None:
         regions = _traced(model, loss_fn, inputs, budget, options)
@@ -235,7 +235,7 @@ def trace_plan(model: torch.nn.Module, loss_fn: Callable, inputs: Sequence[torch
 
 def _traced_at_a_fraction(model: torch.nn.Module, loss_fn: Callable,
                           inputs: Sequence[torch.Tensor], budget: Budget,
-                          options: _Options) -> list[Planned]:
+                          options: PlanOptions) -> list[Planned]:
     """The regions planned under a fraction of the whole step's unplanned peak.
 
     A region resolves a fraction against its own peak: right for a step of one region (traced
@@ -261,7 +261,7 @@ def _traced_at_a_fraction(model: torch.nn.Module, loss_fn: Callable,
 
 
 @dataclass(frozen=True)
-class _Options:
+class PlanOptions:
     """What every trace of one ``trace_plan`` call plans with besides the budget."""
 
     strategy: str
@@ -274,13 +274,12 @@ class _Options:
     optimizer: torch.optim.Optimizer | None
 
 
-def _traced(model: torch.nn.Module, loss_fn: Callable, inputs: Sequence[torch.Tensor],
-            budget: Budget | None, options: _Options) -> list[Planned]:
-    """Trace the step on fake inputs with the planning-only backend: each region's plan."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+def planning_backend(model: torch.nn.Module, budget: Budget | None, options: PlanOptions,
+                     kind: type[_PlanOnly] | None = None) -> _PlanOnly:
+    """The planning-only backend of one trace (``kind``, default by ``options.sharding``),
+    configured as every planning trace of ``options`` is."""
     sharded = options.sharding is not None and options.sharding.active
-    kind = _ShardedPlanOnly if sharded else _PlanOnly
+    kind = kind or (_ShardedPlanOnly if sharded else _PlanOnly)
     planner = kind(budget, options.strategy, options.hardware, "aot_eager", options.optimizer,
                    model, options.params)
     planner.stopped, planner.runners = [], []
@@ -291,6 +290,15 @@ def _traced(model: torch.nn.Module, loss_fn: Callable, inputs: Sequence[torch.Te
     planner.retarget, planner.autocast = True, options.autocast
     # a plan for an accelerator's profile describes that device's step, not this CPU's kernels
     planner.kernel_temporaries = not options.hardware.async_copies
+    return planner
+
+
+def _traced(model: torch.nn.Module, loss_fn: Callable, inputs: Sequence[torch.Tensor],
+            budget: Budget | None, options: PlanOptions) -> list[Planned]:
+    """Trace the step on fake inputs with the planning-only backend: each region's plan."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    planner = planning_backend(model, budget, options)
     device = device_of(model.parameters())
     # real parameters meet fake activations in the regions run on fakes between graph breaks
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:

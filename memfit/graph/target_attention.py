@@ -75,8 +75,8 @@ def _dense_rules(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) ->
     tensors = (query, key, value)
     if any(t.dim() != 4 for t in tensors) or len({t.dtype for t in tensors}) != 1:
         return False
-    batch_heads = {tuple(t.shape[:2]) for t in tensors}
-    return len(batch_heads) == 1 and all(t.shape[2] > 0 for t in tensors)
+    same_batch_heads = all(tuple(t.shape[:2]) == tuple(query.shape[:2]) for t in tensors)
+    return same_batch_heads and all(t.shape[2] > 0 for t in tensors)  # sizes may be symbolic
 
 
 def _last_stride_one(tensors: tuple[torch.Tensor, ...], ignore_singleton: bool) -> bool:
