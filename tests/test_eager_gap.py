@@ -8,15 +8,12 @@ for it, that iteration says so (``BudgetWarning``). Training stays bit for bit e
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from torch import nn
 
 import memfit
-from memfit.runtime.measure import measure_allocator_peak
-from tests.test_replanning import _assert_same
+from tests.test_replanning import _assert_same, _eager_loss_loop
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compiled_fresh")]
 
@@ -32,32 +29,16 @@ def _build() -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(128, 1024))  # 1 MiB of logits at batch 256
 
 
-def _loop(model, make_optimizer, fraction=None, iterations=4):
-    """Losses and measured peaks of a loop computing ``cross_entropy`` on the model's logits,
-    fitted at ``fraction`` of ``fraction[1]`` bytes where given; and the warnings said."""
+def _loop(model, make_optimizer, budget_bytes=None, iterations=4):
+    """Losses, measured peaks and warnings of a loop computing ``cross_entropy`` on the model's
+    logits, fitted at ``budget_bytes`` where given."""
     generator = torch.Generator().manual_seed(1)
-    x = torch.randn(256, 128, generator=generator)
-    y = torch.randint(0, 1024, (256,), generator=generator)
-    optimizer = make_optimizer(model.parameters())
-    if fraction is not None:
-        memfit.fit(model, budget=int(fraction[0] * fraction[1]), optimizer=optimizer)
-    losses, peaks = [], []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(iterations):
-            def iteration():
-                loss = nn.functional.cross_entropy(model(x), y)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                return loss.detach().clone()
-
-            measured = measure_allocator_peak(iteration, track=(list(model.parameters()),
-                                                                optimizer.state, x, y))
-            losses.append(measured.result)
-            peaks.append(measured.peak_bytes)
-    said = [str(w.message) for w in caught if issubclass(w.category, memfit.BudgetWarning)]
-    return losses, peaks, said
+    inputs = (torch.randn(256, 128, generator=generator),
+              torch.randint(0, 1024, (256,), generator=generator))
+    runner = None if budget_bytes is None else (
+        lambda module, optimizer: memfit.fit(module, budget=budget_bytes, optimizer=optimizer))
+    return _eager_loss_loop(model, runner, inputs, iterations,
+                            loss_fn=nn.functional.cross_entropy, make_optimizer=make_optimizer)
 
 
 def _fitted_beside_eager(make_optimizer):
@@ -65,7 +46,7 @@ def _fitted_beside_eager(make_optimizer):
     reference_losses, eager_peaks, _ = _loop(reference, make_optimizer)
     budget = int(FRACTION * max(eager_peaks))
     model = _build()
-    losses, peaks, said = _loop(model, make_optimizer, (FRACTION, max(eager_peaks)))
+    losses, peaks, said = _loop(model, make_optimizer, budget)
     _assert_same(model, reference, losses, reference_losses)
     first, again = model._memfit_backend.regions
     print(f"budget {budget:,} B, eager {eager_peaks}, measured {peaks}, eager code's peak "

@@ -11,6 +11,7 @@ tests count Dynamo's graphs and AOTAutograd's compiles to show that nothing is t
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -167,26 +168,30 @@ def _running_squared_error(output, target):
 
 
 def _eager_loss_loop(model, runner, inputs, iterations: int = 3,
-                     loss_fn=_running_squared_error):
-    """The user's loop with the loss computed eagerly, outside the compiled model: losses and
-    measured peaks of each iteration."""
+                     loss_fn=_running_squared_error, make_optimizer=torch.optim.AdamW):
+    """The user's loop with the loss computed eagerly, outside the compiled model (``runner``
+    makes the model the loop calls from the model and its optimizer): losses and measured peaks
+    of each iteration, and the messages of the ``BudgetWarning``s said while it ran."""
     x, y = inputs
-    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer = make_optimizer(model.parameters())
     run = runner(model, optimizer) if runner else model
     losses, peaks = [], []
-    for _ in range(iterations):
-        def iteration():
-            loss = loss_fn(run(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return loss.detach().clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(iterations):
+            def iteration():
+                loss = loss_fn(run(x), y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                return loss.detach().clone()
 
-        measured = measure_allocator_peak(iteration, track=(list(model.parameters()),
-                                                            optimizer.state, x, y))
-        losses.append(measured.result)
-        peaks.append(measured.peak_bytes)
-    return losses, peaks
+            measured = measure_allocator_peak(iteration, track=(list(model.parameters()),
+                                                                optimizer.state, x, y))
+            losses.append(measured.result)
+            peaks.append(measured.peak_bytes)
+    said = [str(w.message) for w in caught if issubclass(w.category, memfit.BudgetWarning)]
+    return losses, peaks, said
 
 
 def test_a_loss_outside_the_model_holding_a_large_buffer_is_planned_for_from_the_second_iteration():
@@ -205,11 +210,11 @@ def test_a_loss_outside_the_model_holding_a_large_buffer_is_planned_for_from_the
     inputs = (torch.randn(4096, 64, generator=generator),
               torch.randn(4096, 64, generator=generator))  # the output and target: 1 MiB
     reference = build()
-    reference_losses, eager_peaks = _eager_loss_loop(reference, None, inputs)
+    reference_losses, eager_peaks, _ = _eager_loss_loop(reference, None, inputs)
     budget = int(0.85 * max(eager_peaks))
     model = build()
     fitted = []
-    losses, peaks = _eager_loss_loop(model, lambda m, o: fitted.append(
+    losses, peaks, _ = _eager_loss_loop(model, lambda m, o: fitted.append(
         memfit.fit(m, budget=budget, optimizer=o)) or fitted[0], inputs)
     _assert_same(model, reference, losses, reference_losses)
     planner = fitted[0]._memfit_backend
@@ -250,10 +255,10 @@ def test_without_a_budget_the_prediction_counts_what_an_eager_loss_holds():
               torch.randn(2, 8, 16, 16, 16, generator=generator))  # the output, target: 256 KiB
     reference = build()
     mse = nn.functional.mse_loss
-    reference_losses, eager_peaks = _eager_loss_loop(reference, None, inputs, loss_fn=mse)
+    reference_losses, eager_peaks, _ = _eager_loss_loop(reference, None, inputs, loss_fn=mse)
     model = build()
     fitted = []
-    losses, peaks = _eager_loss_loop(model, lambda m, o: fitted.append(
+    losses, peaks, _ = _eager_loss_loop(model, lambda m, o: fitted.append(
         memfit.fit(m, strategy="keep", optimizer=o)) or fitted[0], inputs, loss_fn=mse)
     _assert_same(model, reference, losses, reference_losses)
     assert peaks[1:] == eager_peaks[1:]  # keep is eager, byte for byte
