@@ -20,6 +20,7 @@ import torch
 
 from memfit.compiler.arguments import check_flags, check_hardware_and_optimizer, the_users_error
 from memfit.compiler.backend import Backend
+from memfit.compiler.callers_compile import own_trace
 from memfit.compiler.closed_loop import CLOSED_LOOP, Loop, Round
 from memfit.compiler.plan_step import BudgetWarning, Planned, analyzed, plan_step, resolve_hardware
 from memfit.compiler.region import Region
@@ -186,7 +187,8 @@ class Step:
         return loss, Timeline("measured", max(peaks), elapsed_s, meta={"measured_by": "ops"})
 
     def _forward_backward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        loss = self._compiled(*inputs)
+        with own_trace():
+            loss = self._compiled(*inputs)
         loss.backward()
         return loss.detach()
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from memfit.compiler.backend import COMPILERS, Backend
+from memfit.compiler.callers_compile import add_hook, own_trace, remove_hook
 from memfit.compiler.plan_step import BudgetWarning
 from memfit.compiler.unit_forward import unit_forward
 from memfit.data.hardware import Hardware
@@ -71,6 +72,7 @@ def fit(model: torch.nn.Module, budget: str | int | float | None = None,
     """
     from memfit.runtime.ranks import agreement_group
 
+    model = _uncompiled(model)  # a torch.compile wrapper's module is fitted in its place
     unfit(model)  # a model fitted before is fitted anew
     fitted = FittedCall(model, FitArguments(budget, strategy, hardware, compiler,
                                             tuple(params.items()), dynamic), optimizer)
@@ -82,9 +84,11 @@ def fit(model: torch.nn.Module, budget: str | int | float | None = None,
 
 def unfit(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` plain again, returned: its call no longer compiled nor planned (its parameters,
-    buffers and hooks are untouched). A model that is not fitted is returned as it is."""
-    state = model.__dict__
+    buffers and the user's hooks are untouched). A model that is not fitted is returned as it
+    is."""
+    state = _uncompiled(model).__dict__
     if isinstance(state.get(FITTED_KEY), FittedCall):
+        remove_hook(_uncompiled(model))
         for key in (FITTED_KEY, BACKEND_KEY, "_compiled_call_impl"):
             state.pop(key, None)  # the class's _compiled_call_impl, None, is seen again
     return model
@@ -106,6 +110,14 @@ class FitArguments:
     def automatic(self) -> bool:
         """Whether the budget is the device's free memory (``device_budget``)."""
         return self.budget == "auto" or (self.budget is None and self.strategy is None)
+
+
+def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile(module)`` wrapped, where ``model`` is such a wrapper; else
+    ``model``."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return model._orig_mod if isinstance(model, OptimizedModule) else model
 
 
 FITTED_KEY = "_memfit_fitted"  # in a fitted model's __dict__: its FittedCall (kept by copies)
@@ -139,10 +151,12 @@ class FittedCall:
         state = self.module.__dict__  # not Module.__setattr__: a copy's state may not be set yet
         state["_compiled_call_impl"] = state[FITTED_KEY] = self
         state[BACKEND_KEY] = self.backend
+        add_hook(self.module)  # refuses a torch.compile of the caller's (callers_compile)
 
     def __reduce__(self) -> tuple:
         return _fitted_copy, (self.module, self.arguments)
 
+    @torch._dynamo.disable  # never traced by a compile of the caller's (callers_compile)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from torch._dynamo.exc import BackendCompilerFailed
 
@@ -170,7 +184,7 @@ class FittedCall:
                 result = self.module._call_impl(*args, **kwargs)
             else:
                 with (_rnn_traced(bool(self.traces_rnns)), _whole_ddp_graph(),
-                      _units_compiled(self)):
+                      _units_compiled(self), own_trace()):
                     result = self._compiled(*args, **kwargs)
         except BaseException as failed:
             if conversion_failed(start):  # Dynamo gave up on a frame of this model

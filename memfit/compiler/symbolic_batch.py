@@ -31,6 +31,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from memfit.compiler.callers_compile import own_trace
 from memfit.compiler.graph_breaks import compiling_site
 from memfit.compiler.plan_step import Planned
 from memfit.compiler.traced import (
@@ -253,7 +254,8 @@ def trace_batch(model: torch.nn.Module, loss_fn: Callable,
     compiled = torch.compile(loss_module(model, loss_fn), backend=recorder, dynamic=False,
                              isolate_recompiles=True)
     try:
-        compiled(*fake)
+        with own_trace():
+            compiled(*fake)
     except Exception as error:  # a specialized batch, a data-dependent shape: Dynamo's words
         found = memfit_error(error)
         first = str(found).strip().splitlines()[0] if str(found).strip() else type(found).__name__

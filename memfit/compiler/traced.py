@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from memfit.compiler.backend import Backend
+from memfit.compiler.callers_compile import own_trace
 from memfit.compiler.graph_breaks import compiling_site
 from memfit.compiler.plan_step import DeviceBudget, Planned, plan_step
 from memfit.compiler.region import Region
@@ -309,7 +310,8 @@ def _traced(model: torch.nn.Module, loss_fn: Callable, inputs: Sequence[torch.Te
     compiled = torch.compile(loss_module(model, loss_fn), backend=planner, dynamic=False,
                              isolate_recompiles=True)
     try:
-        compiled(*fake)
+        with own_trace():
+            compiled(*fake)
     except Exception as error:
         raise memfit_error(error) from None
     finally:
