@@ -72,6 +72,23 @@ def test_trainer_with_default_arguments_trains_bitwise_within_the_budget(tmp_pat
         assert torch.equal(saved[name], parameter), name
 
 
+@pytest.mark.slow
+def test_trainer_with_torch_compile_runs_the_fitted_models_plan(tmp_path):
+    """``torch_compile=True`` wraps the fitted model in ``torch.compile`` (inductor): its graph
+    breaks at the model's call (``memfit.compiler.callers_compile``), so memfit's plan runs."""
+    reference = tiny_gpt2()
+    eager_peak, _ = train(reference, tmp_path / "eager")
+    budget = int(0.8 * eager_peak)
+    fitted = memfit.fit(tiny_gpt2(), budget=budget)
+    peak, trainer = train(fitted, tmp_path / "fitted", torch_compile=True)
+    print(f"Trainer peaks: eager {eager_peak:,d} B, memfit {peak:,d} B, budget {budget:,d} B")
+    assert isinstance(trainer.model_wrapped, torch._dynamo.eval_frame.OptimizedModule)
+    assert fitted._memfit_backend.regions
+    assert all(region.budget_bytes == budget for region in fitted._memfit_backend.regions)
+    assert all(map(torch.equal, fitted.parameters(), reference.parameters()))
+    assert peak <= budget, (peak, budget, eager_peak)
+
+
 def test_a_backend_as_torch_compile_backend_fails_at_once_pointing_to_fit(tmp_path):
     args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none",
                                           torch_compile_backend=memfit.backend(budget=0.5))
