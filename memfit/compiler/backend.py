@@ -41,6 +41,7 @@ from memfit.compiler.graph_breaks import (
     watch_recompile_limit,
 )
 from memfit.compiler.joint_planning import MAX_JOINT_ROUNDS, JointPlanning
+from memfit.compiler.partners import partners_of
 from memfit.compiler.plan_cache import note_stage
 from memfit.compiler.plan_step import (
     BudgetWarning,
@@ -305,7 +306,7 @@ class Backend(EagerWatching, JointPlanning):
         block = CUDA_BLOCK_BYTES if device.type == "cuda" else 1
         eager = max(self.eager_held.get(site, 0), self._eager_now,
                     scalar_output_bytes(joint, num_fwd_outputs, block))
-        resident = resident_bytes(self.model, self.optimizers, device)
+        resident = resident_bytes(self.model, self.optimizers, device, self.partners())
         gathered = fsdp_in_flight_bytes(self.model, device)  # FSDP2's all-gathered parameters
         # regions whose forward ran and whose backward has not hold their saved values meanwhile
         # (a model with graph breaks: the later region plans around the earlier one's saves)
@@ -530,6 +531,11 @@ class Backend(EagerWatching, JointPlanning):
             self.optimizers.append(optimizer)
             self._parameters = None
 
+    def partners(self) -> list[tuple[Any, list]]:
+        """The other fitted models in this loop, with their optimizers (``compiler.partners``):
+        what they keep resident is counted as this model's own is."""
+        return partners_of(self)
+
     def stale(self, device: torch.device, planned_bytes: int) -> bool:
         """Whether more bytes are resident now than a plan made for ``planned_bytes`` left room
         for: optimizer state that was not reserved, gradients kept across micro-batches. Only
@@ -550,10 +556,13 @@ class Backend(EagerWatching, JointPlanning):
             parameters = self._parameters = model + [p for optimizer in self.optimizers
                                                      for g in optimizer.param_groups
                                                      for p in g["params"]]
+        partners = self.partners()
         key = (device, len(self.optimizers), tuple(p.grad is None for p in parameters),
-               tuple((len(o.param_groups), len(o.state)) for o in self.optimizers))
+               tuple((len(o.param_groups), len(o.state)) for o in self.optimizers),
+               tuple((id(model), tuple((len(o.param_groups), len(o.state)) for o in owned))
+                     for model, owned in partners))
         if self._resident_counted is None or self._resident_counted[0] != key:
-            counted = resident_bytes(self.model, self.optimizers, device)
+            counted = resident_bytes(self.model, self.optimizers, device, partners)
             self._resident_counted = (key, agree_max([counted])[0])  # as plan_region counts
         return self._resident_counted[1]
 

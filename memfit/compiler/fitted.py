@@ -27,6 +27,7 @@ import torch
 
 from memfit.compiler.backend import COMPILERS, Backend
 from memfit.compiler.callers_compile import add_hook, own_trace, remove_hook
+from memfit.compiler.partners import note_call, note_fitted
 from memfit.compiler.plan_step import BudgetWarning
 from memfit.compiler.unit_forward import unit_forward
 from memfit.data.hardware import Hardware
@@ -140,6 +141,7 @@ class FittedCall:
         self.module = module
         self.arguments = arguments
         self.backend = _planner(module, arguments, optimizer)
+        note_fitted(self.backend)  # other fitted models count its resident bytes (partners)
         self.traces_rnns: bool | None = None  # read from the model at the first call if unset
         self.unit_forwards: list | None = None  # FSDP2 units compiled (_units_compiled)
         self._compiled: Any = None  # the model's _call_impl compiled, made at the first call
@@ -171,6 +173,7 @@ class FittedCall:
         from memfit.model.schedule import PlanError
 
         planner = self.backend
+        note_call(planner)
         planner.end_eager_watch()
         planner.watch_first_call(self.module)
         if self._compiled is None:

@@ -183,7 +183,9 @@ def resident_alive(planner: Planner) -> list:
         resident_tensors,
     )
 
-    return [*resident_tensors(planner.model, planner.optimizers),
+    partners = [tensor for model, optimizers in planner.partners()
+                for tensor in resident_tensors(model, optimizers)]
+    return [*resident_tensors(planner.model, planner.optimizers), *partners,
             *fsdp_unsharded_tensors(planner.model), *fsdp_gather_buffers(planner.model)]
 
 

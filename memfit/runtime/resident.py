@@ -27,16 +27,30 @@ _HAS_STEP = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.opti
 
 
 def resident_bytes(model: torch.nn.Module | None,
-                   optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> int:
-    """Bytes on ``device`` held by the model and the optimizers, reserved state included."""
+                   optimizers: Iterable[torch.optim.Optimizer], device: torch.device,
+                   partners: Iterable[tuple[torch.nn.Module | None, list]] = ()) -> int:
+    """Bytes on ``device`` held by the model and the optimizers, reserved state included, and by
+    ``partners`` (other models in the loop, with their optimizers: ``compiler.partners``), whose
+    trainable parameters' gradients are reserved too: a partner's backward may run while this
+    model's regions do. Each storage once."""
     optimizers = list(optimizers)
+    partners = list(partners)
     storages: dict[StorageWeakRef, int] = {}
-    for tensor in resident_tensors(model, optimizers):
-        if tensor.device == device:
-            storage = local_tensor(tensor).untyped_storage()
-            storages.setdefault(StorageWeakRef(storage), storage.nbytes())
-    reserved = sum(reserved_state_bytes(optimizer, device) for optimizer in optimizers)
-    return sum(storages.values()) + reserved + bucket_bytes(model, device)
+    owners = [(model, optimizers), *partners]
+    for owner, owned in owners:
+        for tensor in resident_tensors(owner, owned):
+            if tensor.device == device:
+                storage = local_tensor(tensor).untyped_storage()
+                storages.setdefault(StorageWeakRef(storage), storage.nbytes())
+    reserved = sum(reserved_state_bytes(optimizer, device)
+                   for _, owned in owners for optimizer in owned)
+    gradients = sum(local_tensor(parameter).untyped_storage().nbytes()
+                    for owner, _ in partners if owner is not None
+                    for parameter in owner.parameters()
+                    if parameter.requires_grad and parameter.grad is None
+                    and parameter.device == device)
+    return (sum(storages.values()) + reserved + gradients
+            + sum(bucket_bytes(owner, device) for owner, _ in owners))
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
