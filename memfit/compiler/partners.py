@@ -12,28 +12,25 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from memfit.compiler.backend import Backend
+from typing import Any
 
 _SERIAL = itertools.count(1)
-_FITTED: weakref.WeakKeyDictionary[Backend, int] = weakref.WeakKeyDictionary()
-_LAST_SEEN: weakref.WeakKeyDictionary[Backend, int] = weakref.WeakKeyDictionary()
+_FITTED: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_LAST_SEEN: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
-def note_fitted(backend: Backend) -> None:
+def note_fitted(backend: Any) -> None:
     """``backend`` belongs to a model ``memfit.fit`` fitted now."""
     _FITTED[backend] = _LAST_SEEN[backend] = next(_SERIAL)
 
 
-def note_call(backend: Backend) -> None:
+def note_call(backend: Any) -> None:
     """``backend``'s model is being called now."""
     if backend in _FITTED:
         _LAST_SEEN[backend] = next(_SERIAL)
 
 
-def partners_of(backend: Backend) -> list[tuple[Any, list]]:
+def partners_of(backend: Any) -> list[tuple[Any, list]]:
     """(model, optimizers) of each other fitted model fitted or called since ``backend``'s model
     was fitted; none for a backend not made by ``memfit.fit``."""
     since = _FITTED.get(backend)
