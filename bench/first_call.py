@@ -5,16 +5,18 @@ caches and again in a second process with the caches the first one filled.
 Each row is its own child process (``python -m bench.first_call --child ...``), so imports,
 Dynamo's in-memory caches and memfit's plans start empty: *cold* is a process with an empty
 ``MEMFIT_CACHE_DIR`` and an empty ``TORCHINDUCTOR_CACHE_DIR`` (temporary folders), *warm* is a
-second process with the same folders. The loop is GPT-2 (``examples.gpt2``) under AdamW at
-``FRACTION`` of eager's measured peak (memfit: ``memfit.fit(..., budget=, strategy="auto")``;
+second process with the same folders. The loop is GPT-2 (``examples.gpt2``) under AdamW at half
+of eager's measured peak (memfit: ``memfit.fit(..., budget=, strategy="auto")``;
 ``torch.compile``: ``activation_memory_budget`` at the same fraction), on one intra-op thread.
-The first iteration (forward, backward, optimizer step) is split as far as the tools can say:
-Dynamo's trace (``_compile.compile_inner`` less the backend's call, from
+"Launch" counts from the child's start (imports included) on the monotonic clock the processes
+share. The first iteration (forward, backward, optimizer step) is split as far as the tools can
+say: Dynamo's trace (``_compile.compile_inner`` less the backend's call, from
 ``torch._dynamo.utils.compilation_time_metrics``), the backend's call (AOTAutograd,
-partitioning, compiling), and within it memfit's planning (each region's
-``planning.choosing_s``, every plan of the loop) and its analysis and rewriting
-(``planning.around_s``). The steady step is the median of the iterations after memfit's measured
-runs.
+partitioning, compiling), within it memfit's planning (each region's ``planning.choosing_s``,
+every plan of the loop) and its analysis and rewriting (``planning.around_s``), and the rest:
+running the iteration (memfit's first measured run, the optimizer step, inductor's kernels
+finished at their first run). The steady step is the median of the iterations after memfit's
+measured runs.
 
 The second table is issue 30's other first-call figure: process CPU of ``memfit.plan`` with
 ``strategy="auto"`` against the same call with ``"keep"`` on a 48-layer GPT-2 (meta inputs,
