@@ -98,6 +98,7 @@ def cpu_sections() -> list[str]:
     from bench.auto import auto_section
     from bench.cluster import cluster_section
     from bench.distributed import distributed_section
+    from bench.first_call import first_call_section
     from bench.fit import fit_section
     from bench.models import (
         BENCH_MODELS,
@@ -153,6 +154,7 @@ def cpu_sections() -> list[str]:
         "\n" + scaling_markdown(log),
         "\n" + validation_section(log),
         "\n" + time_model_section(log),
+        "\n" + first_call_section(log),
         "\n" + cluster_section(log),
         "\n" + distributed_section(log),
     ]
@@ -167,6 +169,7 @@ def section_builders() -> dict[str, Callable[[], str]]:
     from bench.auto import auto_section
     from bench.cluster import cluster_section
     from bench.distributed import distributed_section
+    from bench.first_call import first_call_section
     from bench.fit import fit_section
     from bench.planning import planning_section
     from bench.planning_scaling import scaling_markdown
@@ -184,13 +187,14 @@ def section_builders() -> dict[str, Callable[[], str]]:
         "scaling": lambda: scaling_markdown(log),
         "validation": lambda: validation_section(log),
         "time_model": lambda: time_model_section(log),
+        "first_call": lambda: first_call_section(log),
         "cluster": lambda: cluster_section(log),
         "distributed": lambda: distributed_section(log),
     }
 
 
 ONLY_CHOICES = ("fit", "transformers", "recompute", "auto", "planning", "scaling", "validation",
-                "time_model", "cluster", "distributed")  # section_builders()'s keys, without importing the sections
+                "time_model", "first_call", "cluster", "distributed")  # section_builders()'s keys, without importing the sections
 
 
 def splice(old: str, section: str, stamp: str) -> str:
