@@ -18,28 +18,13 @@ Note:
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 import memfit
-from tests.test_backend_inductor import train
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
-                       reason="inductor needs a C++ compiler on the CPU (install g++)"),
-]
+from tests.test_backend_inductor import _fresh_dynamo, pytestmark, train  # noqa: F401
 
 STEPS = 3
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def bert():
