@@ -80,6 +80,7 @@ from memfit.graph.joint import (
     as_captured,
     drop_unread_running_statistics,
     elide_clones,
+    realias_views,
     record_scopes,
     split,
 )
@@ -278,6 +279,7 @@ class Backend(EagerWatching, JointPlanning):
         """
         measured = self.hardware_spec is None and device.type not in ("cpu", "meta")
         hardware = agree_on_hardware(resolve_hardware(self.hardware_spec, device), measured)
+        realias_views(joint)  # views left on a copy that inductor's joint-graph passes erased
         elide_clones(joint)
         drop_unread_running_statistics(joint)
         record_scopes(joint, self.scope_prefix)

@@ -24,6 +24,7 @@ Note:
 
 from __future__ import annotations
 
+import operator
 import re
 
 import torch
@@ -152,7 +153,7 @@ def elide_clones(joint: fx.GraphModule) -> int:
         node.replace_all_uses_with(source)
         joint.graph.erase_node(node)
     if elided:
-        _alias_views(joint.graph, elided)
+        realias_views(joint)
         joint.recompile()
     return len(elided)
 
@@ -181,26 +182,54 @@ def drop_unread_running_statistics(joint: fx.GraphModule) -> int:
     return changed
 
 
-def _alias_views(graph: fx.Graph, storages: set) -> None:
-    """Re-derive the fake value of every view that lay in an elided clone's storage, so that it
-    lies in the source's storage, as it will when it runs.
+def realias_views(joint: fx.GraphModule) -> int:
+    """Re-derive the fake value of every view that does not lie in its base's storage, so that
+    it does, as it will when it runs; returns how many values changed.
 
-    ``analyze`` and ``rewrite`` tell storages apart by the fake values' storages: a view left on
-    the erased clone's storage would be taken for a fresh allocation (counted twice, and refused
-    by ``rewrite`` as a reader that is not a view when its source is swapped or recomputed).
+    ``analyze`` and ``rewrite`` tell storages apart by the fake values' storages, so each view
+    (an op whose schema returns an alias of its input: ``view``, ``t``, ``split``...) must share
+    its base's, and each ``getitem`` must hold its tuple's element. A pass that erases a copy and
+    has its readers read the source (memfit's ``elide_clones``; inductor's ``remove_noop_ops``
+    among its joint-graph passes, for a ``clone`` or a no-op ``convert_element_type``) leaves the
+    copy's views on the erased copy's storage: taken for a fresh allocation, such a view is
+    counted twice, and refused by ``rewrite`` as a reader that is not a view when its source is
+    swapped or recomputed. Values are re-derived in program order, so a view of a re-derived
+    view is re-derived after it.
     """
     from torch._guards import detect_fake_mode
 
-    mode = detect_fake_mode([node.meta["val"] for node in graph.nodes if "val" in node.meta])
+    stale = [node for node in joint.graph.nodes if _stale_view(node)]
+    if not stale:
+        return 0
+    mode = detect_fake_mode([node.meta["val"] for node in joint.graph.nodes if "val" in node.meta])
     if mode is None:
-        return
+        return 0
+    changed = 0
     with mode:
-        for node in graph.nodes:
-            if node.op != "call_function" or not any(
-                    storage_key(tensor) in storages for tensor in tensors_in(node.meta.get("val"))):
+        for node in joint.graph.nodes:
+            if not _stale_view(node):
                 continue
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
             node.meta["val"] = node.target(*args, **kwargs)
+            changed += 1
+    return changed
+
+
+def _stale_view(node: fx.Node) -> bool:
+    """``node`` is a view (or a ``getitem`` of one's tuple) whose fake value lies in a storage
+    other than the one its base's value lies in."""
+    if node.op != "call_function" or not isinstance(node.args[0] if node.args else None, fx.Node):
+        return False
+    base = node.args[0].meta.get("val")
+    if node.target is operator.getitem:
+        if not isinstance(base, (list, tuple)) or not isinstance(node.args[1], int):
+            return False
+        base = base[node.args[1]]
+    elif not getattr(node.target, "is_view", False):
+        return False
+    if not isinstance(base, torch.Tensor):
+        return False
+    return any(storage_key(tensor) != storage_key(base) for tensor in tensors_in(node.meta.get("val")))
 
 
 def _mutates(node: fx.Node) -> bool:

@@ -1,0 +1,66 @@
+"""memfit.fit(compiler="inductor") at half of eager's measured peak on transformers: BERT with a
+padded attention mask, and GPT-2.
+
+The budget is half the peak an eager AdamW loop measures; every iteration of the fitted loop, the
+first included, is measured within it by the allocator's own events (AdamW's state counted from
+the first step: the optimizer is handed to ``memfit.fit``), and losses and weights are
+``torch.compile``'s inductor's within ``torch.testing.assert_close``'s float32 defaults (see
+``tests/test_backend_inductor.py``: its min-cut partitioner re-runs other ops, and inductor fuses
+the two programs differently). Dropout is off, so both runs draw no random numbers.
+
+Note:
+    Inductor's joint-graph passes erase BERT's zero-probability dropout copies
+    (``remove_noop_ops``) and leave the views of each copy (the query, key and value
+    projections' ``view``) on the erased copy's fake storage. Before ``realias_views``, a plan
+    that swapped the layer norm's output under them raised ``PlanError: cannot swap or
+    recompute 'view': view_6 reads it without being a view of view``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memfit
+from tests.test_backend_inductor import _fresh_dynamo, pytestmark, train  # noqa: F401
+
+STEPS = 3
+
+
+def bert():
+    from memfit.examples import bert
+
+    return bert(layers=4, width=128, heads=4, vocab=256, sequence=128, batch_size=8)
+
+
+def gpt2():
+    from memfit.examples import gpt2
+
+    return gpt2(layers=4, width=64, heads=4, vocab=128, sequence=256, batch_size=8, dropout=0.0)
+
+
+@pytest.mark.parametrize("build", [bert, gpt2], ids=["bert", "gpt2"])
+def test_inductor_at_half_the_eager_peak_computes_torch_compiles_step(build):
+    example = build()
+    data = [example.make_inputs(example.batch_size) for _ in range(STEPS)]
+    _, eager_peaks, _, _ = train(build().model, example.loss_fn, data)
+    budget = int(0.5 * max(eager_peaks))
+    reference = build().model
+    reference_losses, _, _, _ = train(torch.compile(reference), example.loss_fn, data)
+    torch._dynamo.reset()
+
+    model = build().model
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=budget, compiler="inductor", optimizer=optimizer)
+    losses, peaks, _, code = train(fitted, example.loss_fn, data, optimizer)
+    print(f"budget {budget}, eager peaks {eager_peaks}, memfit inductor peaks {peaks}")
+
+    regions = fitted._memfit_backend.regions
+    assert any(region.plan.swapped or region.plan.recomputed for region in regions)
+    assert all(peak <= budget for peak in peaks), (peaks, budget)
+    assert "cpp_fused_" in code  # inductor's fused kernels are still there
+    for loss, expected in zip(losses, reference_losses, strict=True):
+        torch.testing.assert_close(loss, expected)
+    for (name, parameter), expected in zip(model.named_parameters(), reference.parameters(),
+                                           strict=True):
+        torch.testing.assert_close(parameter, expected, msg=name)
