@@ -254,9 +254,25 @@ def _flash_attention_backward(node: fx.Node) -> int:
     per_thread = (2 * query_block * key_block + query_block) * accumulate
     if query.dtype in (torch.float16, torch.bfloat16):
         per_thread += 2 * query_block * key_block * query.element_size()
-    copied = 0 if gradient.transpose(1, 2).is_contiguous() else (
+    copied = 0 if _contiguous_with_swapped(gradient, 1, 2) else (
         gradient.numel() * gradient.element_size())
     return copied + torch.get_num_threads() * per_thread
+
+
+def _contiguous_with_swapped(value: torch.Tensor, first: int, second: int) -> bool:
+    """Whether ``value.transpose(first, second)`` is contiguous, read off its sizes and strides
+    (no op runs: a fake value may belong to another fake mode than the one active)."""
+    sizes, strides = list(value.shape), list(value.stride())
+    sizes[first], sizes[second] = sizes[second], sizes[first]
+    strides[first], strides[second] = strides[second], strides[first]
+    if any(size == 0 for size in sizes):
+        return True
+    expected = 1
+    for size, stride in zip(reversed(sizes), reversed(strides), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _flash_attention_rule_is_exact(node: fx.Node) -> bool:

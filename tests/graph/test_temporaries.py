@@ -355,6 +355,20 @@ def test_flash_attention_copies_a_transposed_output_gradient():
     assert copied - kernel_temporary_bytes(traced(backward, *strided)) == arguments[0].nbytes
 
 
+def test_attention_rules_read_a_fake_value_under_another_fake_mode():
+    """A region's values may belong to another fake mode than the one active while it is
+    analysed (a dynamic region priced at its bound, in a process that compiled other models
+    first): the rule reads sizes and strides and runs no op on them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _, (backward, arguments) = attention_case((2, 2, 64, 64, 16))
+    strided = (arguments[0].transpose(1, 2).contiguous().transpose(1, 2), *arguments[1:])
+    expected = [kernel_temporary_bytes(traced(backward, *case)) for case in (arguments, strided)]
+    nodes = [traced(backward, *case) for case in (arguments, strided)]
+    with FakeTensorMode():
+        assert [kernel_temporary_bytes(node) for node in nodes] == expected
+
+
 def test_half_precision_attention_is_measured():
     """bfloat16's kernels block differently from the rule's float blocks: the child process
     measures them, as this process's allocator sees them."""
