@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import traceback
 import types
 import warnings
 from dataclasses import dataclass
@@ -195,6 +196,9 @@ class FittedCall:
             inner = getattr(failed, "inner_exception", None)
             if (isinstance(failed, BackendCompilerFailed)
                     and isinstance(inner, (BudgetError, CaptureError, PlanError))):
+                # the frames the error passed through (Dynamo's, the backend's) hold the call's
+                # tensors; the error raised keeps this frame, and with it those, until a gc
+                traceback.clear_frames(failed.__traceback__)
                 raise the_users_error(inner, lambda: self.module._call_impl(*args, **kwargs),
                                       self.module, (args, kwargs)) from None
             raise
