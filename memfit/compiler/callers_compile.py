@@ -1,12 +1,13 @@
-"""A fitted model traced by a ``torch.compile`` of the caller's: refused, not run unplanned.
+"""A fitted model traced by a ``torch.compile`` of the caller's runs its own plan, never unplanned.
 
 Dynamo traces a module's ``forward`` (through ``_call_impl`` and its hooks), never the
 ``_compiled_call_impl`` that ``memfit.fit`` installs. So ``torch.compile(fitted_model)``,
 ``fitted_model.compile()``, a compiled training step or ``Trainer(torch_compile=True)`` would
 trace the model into the caller's graph and compile it with the caller's backend, with no plan
 and no word. A fitted model carries a forward pre-hook that, traced by any compile other than
-memfit's own (``own_trace``), breaks the caller's graph and raises ``CaptureError`` there,
-before the model's forward runs.
+memfit's own (``own_trace``), calls a function Dynamo may not trace: the caller's graph breaks
+at the model's call, which then runs eagerly, through memfit's plan. Where a Dynamo traced on
+past that break, the function runs and raises ``CaptureError`` before the forward does.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def own_trace() -> Iterator[None]:
 
 def refuse_callers_compile(module: torch.nn.Module, args: Any) -> None:
     """Forward pre-hook of a fitted model: nothing when run eagerly or traced by memfit; traced
-    by another compile, a graph break that raises ``CaptureError`` when it runs."""
+    by another compile, a graph break (``CaptureError`` should the function behind it run)."""
     if torch.compiler.is_compiling() and not _OWN_TRACES[0]:
         _raise_traced_by_callers_compile(type(module).__name__)
 

@@ -88,9 +88,10 @@ def unfit(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` plain again, returned: its call no longer compiled nor planned (its parameters,
     buffers and the user's hooks are untouched). A model that is not fitted is returned as it
     is."""
-    state = _uncompiled(model).__dict__
+    module = _uncompiled(model)
+    state = module.__dict__
     if isinstance(state.get(FITTED_KEY), FittedCall):
-        remove_hook(_uncompiled(model))
+        remove_hook(module)
         for key in (FITTED_KEY, BACKEND_KEY, "_compiled_call_impl"):
             state.pop(key, None)  # the class's _compiled_call_impl, None, is seen again
     return model
@@ -154,7 +155,7 @@ class FittedCall:
         state = self.module.__dict__  # not Module.__setattr__: a copy's state may not be set yet
         state["_compiled_call_impl"] = state[FITTED_KEY] = self
         state[BACKEND_KEY] = self.backend
-        add_hook(self.module)  # refuses a torch.compile of the caller's (callers_compile)
+        add_hook(self.module)  # a torch.compile of the caller's breaks here (callers_compile)
 
     def __reduce__(self) -> tuple:
         return _fitted_copy, (self.module, self.arguments)
