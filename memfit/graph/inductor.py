@@ -13,10 +13,12 @@ Note:
     inside AOTAutograd (the backward during ``loss.backward()``, outside the forward's call), so
     each compiled module is wrapped (``inner_compile``) to make the region's engine current
     while it runs, as ``aot_eager``'s runner does. AOTAutograd's cache is off for the compile:
-    a cached region would skip the partitioner, and a plan depends on the budget and on the
-    bytes resident outside the region, not on the graph alone (the partitioner's ``uuid`` is
-    ``None`` for the same reason: inductor's FX graph cache still caches the planned modules,
-    whose code includes every memfit op).
+    a cached region would skip the partitioner and ``inner_compile`` (no region planned,
+    registered or measured, no engine made current), and a plan depends on the budget and on
+    the bytes resident outside the region, not on the graph alone (the partitioner's ``uuid``
+    is ``None`` for the same reason). Inductor's FX graph cache still caches the planned
+    modules, whose code includes every memfit op and ordering pin (``_module_config``), so a
+    second process plans (from memfit's plan cache) and traces, but compiles no kernel.
 
     Inductor's scheduler orders kernels by data dependencies only, and fuses kernels that share
     no data if their loops match (horizontal fusion). A re-run reads only saved values and
@@ -82,18 +84,39 @@ def compile_with_inductor(graph_module: fx.GraphModule, example_inputs: list,
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    # fallback_random: inductor would otherwise draw random numbers from seeds it takes at the
-    # start of each module, which a re-run's replay of the forward's generator state cannot
-    # reach; eager's random kernels draw from the generator memfit saves and restores
-    with inductor_config.patch(custom_partitioner_fn=_Planner(partition), fallback_random=True), \
+    with inductor_config.patch(custom_partitioner_fn=_Planner(partition), **_module_config()), \
             functorch_config.patch(enable_autograd_cache=False):
         return compile_fx(graph_module, example_inputs,
                           inner_compile=_with_engine(engine, wrap))
 
 
+def _module_config() -> dict[str, Any]:
+    """Inductor's settings for each of memfit's planned modules, set where the region is compiled
+    and again where each module is (AOTAutograd compiles the backward at the first
+    ``loss.backward()``, after ``compile_fx`` returned and its settings were undone).
+
+    ``fallback_random``: inductor would otherwise draw random numbers from seeds it takes at the
+    start of each module, which a re-run's replay of the forward's generator state cannot reach;
+    eager's random kernels draw from the generator memfit saves and restores.
+
+    ``control_deps`` marked cacheable: inductor bypasses its FX graph cache for a module with any
+    higher-order operator not so marked, which every module ``pin_planned_order`` pinned has. Its
+    node holds nothing outside the module: the dependencies are arguments, the op it orders is a
+    ``GraphModule`` attribute whose code the cache key includes (the key pickles each
+    submodule's code), so a hit loads the kernels of the same pinned module, in the pinned order.
+    """
+    from torch._inductor import config as inductor_config
+    from torch._inductor.fx_passes.control_dependencies import control_deps
+
+    name = f"{control_deps.__module__}.{control_deps.__name__}"
+    return {"fallback_random": True, "unsafe_marked_cacheable_functions": {
+        **inductor_config.unsafe_marked_cacheable_functions, name: torch.__version__}}
+
+
 def _with_engine(engine: CopyEngine, wrap: Wrap | None = None) -> Callable[..., Any]:
     """Inductor's ``compile_fx_inner``, its compiled module run with ``engine`` current (or as
     ``wrap`` runs it)."""
+    from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
 
     def inner_compile(module: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
@@ -101,7 +124,7 @@ def _with_engine(engine: CopyEngine, wrap: Wrap | None = None) -> Callable[..., 
         if not kwargs.get("is_backward", False):
             host_copies_in_saved_layout(module)
         pin_planned_order(module)
-        with planned_order_kept(module):
+        with inductor_config.patch(_module_config()), planned_order_kept(module):
             compiled = compile_fx_inner(module, example_inputs, **kwargs)
         if wrap is not None:
             return wrap(module, compiled, bool(kwargs.get("is_backward", False)))
