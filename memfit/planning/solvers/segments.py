@@ -37,6 +37,7 @@ import numpy as np
 
 from memfit.data.costgraph import CostGraph
 from memfit.model import separators
+from memfit.model.plan_memo import remembered_result
 from memfit.model.profile import BaseProfile
 
 OPTIONS = ("all", "cheap")
@@ -354,7 +355,15 @@ class _Front:
 def solve_segments(table: Sequence[Segment], count: int, budget_bytes: int
                    ) -> tuple[Segment, ...] | None:
     """The segments covering blocks ``0..count-1`` with the least recompute time whose priced
-    peak fits ``budget_bytes``; ``None`` if none does."""
+    peak fits ``budget_bytes``; ``None`` if none does (once per table, count and budget inside
+    ``memfit.model.plan_memo.plans_remembered``: the candidates of ``auto`` ask for the same
+    budget more than once)."""
+    return remembered_result("solve_segments", (table,), (count, budget_bytes),
+                             lambda: _solved(table, count, budget_bytes))
+
+
+def _solved(table: Sequence[Segment], count: int, budget_bytes: int
+            ) -> tuple[Segment, ...] | None:
     starting: dict[int, list[int]] = {}
     for index, segment in enumerate(table):
         starting.setdefault(segment.first, []).append(index)
