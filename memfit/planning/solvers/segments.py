@@ -377,12 +377,14 @@ def _solved(table: Sequence[Segment], count: int, budget_bytes: int
         fronts.append(front)
         for index in starting.get(first, ()):
             segment = table[index]
-            fits = np.nonzero(front.carried_bytes <= budget_bytes - segment.need_bytes)[0]
-            if fits.size:
+            # a front is sorted by carried bytes: the states that fit are a prefix of it
+            fits = int(np.searchsorted(front.carried_bytes, budget_bytes - segment.need_bytes,
+                                       side="right"))
+            if fits:
                 arriving[segment.last + 1].append(_Front(
-                    front.carried_bytes[fits] + segment.carried_bytes,
-                    front.time_s[fits] + segment.recompute_s,
-                    np.full(fits.size, index), fits))
+                    front.carried_bytes[:fits] + segment.carried_bytes,
+                    front.time_s[:fits] + segment.recompute_s,
+                    np.full(fits, index), np.arange(fits)))
     final = _Front.joined(arriving[count])
     if not final.time_s.size:
         return None
@@ -403,9 +405,17 @@ def _pareto(states: _Front, quantum: int) -> _Front:
     Of states whose carried bytes round up to the same multiple of ``quantum``, the fastest
     stands for all, with the rounded-up bytes: a little pessimistic, never over the budget.
     """
-    rounded = -(-states.carried_bytes // quantum) * quantum
-    order = np.lexsort((states.time_s, rounded))
-    time_s = states.time_s[order]
-    best_before = np.minimum.accumulate(np.concatenate(([np.inf], time_s[:-1])))
-    kept = order[time_s < best_before]
-    return _Front(rounded[kept], states.time_s[kept], states.segment[kept], states.previous[kept])
+    if not states.time_s.size:
+        return states
+    bucket = -(-states.carried_bytes // quantum)
+    order = np.argsort(bucket, kind="stable")  # within a bucket, in the states' order
+    sorted_bucket, time_s = bucket[order], states.time_s[order]
+    starts = np.flatnonzero(np.concatenate(([True], sorted_bucket[1:] != sorted_bucket[:-1])))
+    fastest_s = np.minimum.reduceat(time_s, starts)  # per bucket, in bucket order
+    group = np.repeat(np.arange(starts.size), np.diff(np.append(starts, time_s.size)))
+    at_fastest = np.flatnonzero(time_s == fastest_s[group])
+    first = at_fastest[np.concatenate(([True], group[at_fastest][1:] != group[at_fastest][:-1]))]
+    best_before = np.minimum.accumulate(np.concatenate(([np.inf], fastest_s[:-1])))
+    kept = order[first[fastest_s < best_before]]  # each bucket's first fastest state
+    return _Front(bucket[kept] * quantum, states.time_s[kept], states.segment[kept],
+                  states.previous[kept])
