@@ -34,6 +34,7 @@ from memfit.graph.capture import Captured
 from memfit.graph.rewrite import reorder
 from memfit.model.explain import explain
 from memfit.model.linearize import linearize as as_late_as_possible
+from memfit.model.plan_memo import plans_remembered
 from memfit.model.simulate import simulate
 from memfit.planning.strategies import STRATEGY_STARTED, get_strategy
 from memfit.planning.strategies._budget_checks import require_host
@@ -98,12 +99,22 @@ def plan_step(graph: CostGraph, hardware: Hardware, budget: Budget | None, strat
     A fraction is of the unplanned whole-device peak. The plan carries its ``Explanation``: rows
     per decision and, with ``what_ifs``, the plans at the budget x0.9 and x1.1 (two more plan
     calls: ``memfit.plan`` and ``memfit plan`` explain, so they ask; steps on their way to running
-    do not). A ``fixed`` plan (``compile(plan=...)``) is checked and used as is.
+    do not). A ``fixed`` plan (``compile(plan=...)``) is checked and used as is. Each plan is
+    lowered and simulated once for the whole call (``memfit.model.plan_memo``), however often
+    the strategy, the what-ifs and the explanation ask.
 
     Raises:
         BudgetError: if the strategy cannot fit the budget (whole-device bytes in its message).
         PlanError: if ``fixed`` was made for another graph, input shape or hardware.
     """
+    with plans_remembered():
+        return _plan_step(graph, hardware, budget, strategy, params, outside_bytes, fixed,
+                          what_ifs)
+
+
+def _plan_step(graph: CostGraph, hardware: Hardware, budget: Budget | None, strategy: str,
+               params: Mapping[str, Any], outside_bytes: int, fixed: Plan | None,
+               what_ifs: bool) -> Planned:
     started = time.perf_counter()
     note_stage(f"choosing a plan ({strategy})")
     baseline = simulate(graph, get_strategy("keep")(graph, hardware), hardware)

@@ -75,24 +75,17 @@ class _Rewriter:
         self.reading: dict[str, str] = {}  # tensor -> buffer, for the action being emitted
 
     def root_of(self, name: str) -> fx.Node:
+        """The first node whose value lies in tensor ``name``'s storage (``_roots``).
+
+        Raises:
+            PlanError: if no node's value lies in it.
+        """
+        if not self.roots:
+            self.roots = _roots(self.graph_module, self.owner)
         if name not in self.roots:
-            self.roots[name] = self._root(self.graph_module, name)
+            raise PlanError(f"tensor {name!r} is held by no tensor node of the graph; keep it")
         return self.roots[name]
 
-    def _root(self, graph_module: fx.GraphModule, name: str) -> fx.Node:
-        """The first node whose value lies in tensor ``name``'s storage: its producer's output,
-        or the ``getitem`` that takes it from a tuple. Every later holder is a view of it.
-
-        The root need not cover its storage: ``aten.copy`` into a slice keeps the slice's gapped
-        strides, ``slice_scatter`` into a slice its offset. A re-run of the producer lays the
-        storage out again as the original run did, and a swap moves the whole storage with the
-        root's layout (``memfit::swap_out``), so readers and views see what they saw before.
-        """
-        for node in graph_module.graph.nodes:
-            value = node.meta.get("val")
-            if isinstance(value, torch.Tensor) and self.owner.get(storage_key(value)) == name:
-                return node
-        raise PlanError(f"tensor {name!r} is held by no tensor node of the graph; keep it")
 
     # ---- emitting nodes ------------------------------------------------------------------------
 
@@ -266,3 +259,23 @@ def reorder(graph_module: fx.GraphModule, order: list[str] | tuple[str, ...]) ->
     graph.node_copy(graph_module.graph.find_nodes(op="output")[0], lookup)
     graph.lint()
     return fx.GraphModule(graph_module, graph)
+
+
+def _roots(graph_module: fx.GraphModule, owner: dict) -> dict[str, fx.Node]:
+    """Per tensor, the first node whose value lies in its storage (``owner``: storage key ->
+    tensor name): its producer's output, or the ``getitem`` that takes it from a tuple. Every
+    later holder is a view of it. One pass over the nodes, for every tensor at once.
+
+    The root need not cover its storage: ``aten.copy`` into a slice keeps the slice's gapped
+    strides, ``slice_scatter`` into a slice its offset. A re-run of the producer lays the
+    storage out again as the original run did, and a swap moves the whole storage with the
+    root's layout (``memfit::swap_out``), so readers and views see what they saw before.
+    """
+    roots: dict[str, fx.Node] = {}
+    for node in graph_module.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            name = owner.get(storage_key(value))
+            if name is not None and name not in roots:
+                roots[name] = node
+    return roots

@@ -44,6 +44,7 @@ from memfit.data.plan import Plan, Swap
 from memfit.model import keys, rerun_delta
 from memfit.model.clock import ComputeClock, CopyLink
 from memfit.model.keep import KeepProfile
+from memfit.model.plan_memo import remembered_result
 from memfit.model.recompute import PlannedRerun
 from memfit.model.rerun_delta import FoldedProfile, RerunDelta
 
@@ -107,8 +108,12 @@ class BaseProfile(KeepProfile):
         return rerun_delta.most_change(self, delta, counted)
 
     def rerun_time_s(self, recomputed: Iterable[str]) -> float:
-        """The re-runs' time of recomputing ``recomputed``, without their lifetimes."""
-        return rerun_delta.rerun_time_s(self, recomputed)
+        """The re-runs' time of recomputing ``recomputed``, without their lifetimes (once per
+        set inside ``memfit.model.plan_memo.plans_remembered``: searches at several budgets ask
+        for the same sets)."""
+        recomputed = frozenset(recomputed)
+        return remembered_result("rerun time", (self,), recomputed,
+                                 lambda: rerun_delta.rerun_time_s(self, recomputed))
 
     def swaps(self, decisions: Sequence[tuple[str, Swap]]) -> SwapDelta:
         """The changed lifetimes of ``decisions``, in order.

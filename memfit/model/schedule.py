@@ -23,6 +23,7 @@ import numpy as np
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import PlanError
 from memfit.data.plan import Plan, Recompute, Swap
+from memfit.model.plan_memo import remembered_profile, remembered_schedule
 from memfit.model.recompute import PlannedRerun, planned_reruns, rebuilt_buffer
 
 ActionKind = Literal["compute", "swap_out", "swap_in", "wait", "recompute"]
@@ -226,7 +227,8 @@ def _check_recompute(graph: CostGraph, name: str) -> None:
 
 
 def lower(graph: CostGraph, plan: Plan) -> Schedule:
-    """The actions of ``graph`` rewritten by ``plan``, in program order.
+    """The actions of ``graph`` rewritten by ``plan``, in program order (computed once per plan
+    inside ``memfit.model.plan_memo.plans_remembered``).
 
     A re-run that reads a swapped tensor through a swap-in (see ``SwapIn``) reads the copy's
     buffer, after a wait for that copy; the copy lives until its last reader, re-run or not.
@@ -234,6 +236,10 @@ def lower(graph: CostGraph, plan: Plan) -> Schedule:
     Raises:
         PlanError: if the plan does not fit the graph (see ``check_plan``).
     """
+    return remembered_schedule(graph, plan, lambda: _lowered(graph, plan))
+
+
+def _lowered(graph: CostGraph, plan: Plan) -> Schedule:
     rerun_copies = _check_plan(graph, plan)
     redirect: dict[str, dict[str, str]] = {}  # consumer op -> {tensor: copy buffer it reads}
     waits_before: dict[str, list[Action]] = {}
@@ -365,7 +371,12 @@ class MemoryProfile:
 
 
 def memory_profile(schedule: Schedule) -> MemoryProfile:
-    """Walk the actions with liveness: allocate, note the high-water mark, then free dead buffers."""
+    """Walk the actions with liveness: allocate, note the high-water mark, then free dead buffers
+    (once per schedule inside ``memfit.model.plan_memo.plans_remembered``)."""
+    return remembered_profile(schedule, lambda: _profiled(schedule))
+
+
+def _profiled(schedule: Schedule) -> MemoryProfile:
     actions = schedule.actions
     size = dict(schedule.buffer_bytes)  # a plain dict: this runs once per simulated plan
     outputs = schedule.outputs

@@ -25,6 +25,7 @@ from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan
 from memfit.data.timeline import Interval, Stream, Timeline
 from memfit.model.host_memory import host_peak_bytes
+from memfit.model.plan_memo import remembered_timeline
 from memfit.model.schedule import Action, lower, memory_profile
 from memfit.model.sharding import COLLECTIVE_KINDS, WAIT
 
@@ -32,7 +33,8 @@ from memfit.model.sharding import COLLECTIVE_KINDS, WAIT
 def simulate(
     graph: CostGraph, plan: Plan, hardware: Hardware, record_intervals: bool = True
 ) -> Timeline:
-    """The predicted timeline of one step of ``graph`` run under ``plan`` on ``hardware``.
+    """The predicted timeline of one step of ``graph`` run under ``plan`` on ``hardware``
+    (computed once per plan inside ``memfit.model.plan_memo.plans_remembered``).
 
     Args:
         graph: the step, with ``Op.time_s`` filled in (estimated or measured).
@@ -62,6 +64,12 @@ def simulate(
         >>> timeline.exposed_transfer_s
         0.0
     """
+    return remembered_timeline(graph, plan, hardware, record_intervals,
+                               lambda: _simulated(graph, plan, hardware, record_intervals))
+
+
+def _simulated(graph: CostGraph, plan: Plan, hardware: Hardware, record_intervals: bool
+               ) -> Timeline:
     schedule = lower(graph, plan)
     profile = memory_profile(schedule)
     actions = schedule.actions

@@ -37,6 +37,7 @@ import numpy as np
 
 from memfit.data.costgraph import CostGraph
 from memfit.model import separators
+from memfit.model.plan_memo import remembered_result
 from memfit.model.profile import BaseProfile
 
 OPTIONS = ("all", "cheap")
@@ -354,7 +355,15 @@ class _Front:
 def solve_segments(table: Sequence[Segment], count: int, budget_bytes: int
                    ) -> tuple[Segment, ...] | None:
     """The segments covering blocks ``0..count-1`` with the least recompute time whose priced
-    peak fits ``budget_bytes``; ``None`` if none does."""
+    peak fits ``budget_bytes``; ``None`` if none does (once per table, count and budget inside
+    ``memfit.model.plan_memo.plans_remembered``: the candidates of ``auto`` ask for the same
+    budget more than once)."""
+    return remembered_result("solve_segments", (table,), (count, budget_bytes),
+                             lambda: _solved(table, count, budget_bytes))
+
+
+def _solved(table: Sequence[Segment], count: int, budget_bytes: int
+            ) -> tuple[Segment, ...] | None:
     starting: dict[int, list[int]] = {}
     for index, segment in enumerate(table):
         starting.setdefault(segment.first, []).append(index)
@@ -368,12 +377,14 @@ def solve_segments(table: Sequence[Segment], count: int, budget_bytes: int
         fronts.append(front)
         for index in starting.get(first, ()):
             segment = table[index]
-            fits = np.nonzero(front.carried_bytes <= budget_bytes - segment.need_bytes)[0]
-            if fits.size:
+            # a front is sorted by carried bytes: the states that fit are a prefix of it
+            fits = int(np.searchsorted(front.carried_bytes, budget_bytes - segment.need_bytes,
+                                       side="right"))
+            if fits:
                 arriving[segment.last + 1].append(_Front(
-                    front.carried_bytes[fits] + segment.carried_bytes,
-                    front.time_s[fits] + segment.recompute_s,
-                    np.full(fits.size, index), fits))
+                    front.carried_bytes[:fits] + segment.carried_bytes,
+                    front.time_s[:fits] + segment.recompute_s,
+                    np.full(fits, index), np.arange(fits)))
     final = _Front.joined(arriving[count])
     if not final.time_s.size:
         return None
@@ -394,9 +405,17 @@ def _pareto(states: _Front, quantum: int) -> _Front:
     Of states whose carried bytes round up to the same multiple of ``quantum``, the fastest
     stands for all, with the rounded-up bytes: a little pessimistic, never over the budget.
     """
-    rounded = -(-states.carried_bytes // quantum) * quantum
-    order = np.lexsort((states.time_s, rounded))
-    time_s = states.time_s[order]
-    best_before = np.minimum.accumulate(np.concatenate(([np.inf], time_s[:-1])))
-    kept = order[time_s < best_before]
-    return _Front(rounded[kept], states.time_s[kept], states.segment[kept], states.previous[kept])
+    if not states.time_s.size:
+        return states
+    bucket = -(-states.carried_bytes // quantum)
+    order = np.argsort(bucket, kind="stable")  # within a bucket, in the states' order
+    sorted_bucket, time_s = bucket[order], states.time_s[order]
+    starts = np.flatnonzero(np.concatenate(([True], sorted_bucket[1:] != sorted_bucket[:-1])))
+    fastest_s = np.minimum.reduceat(time_s, starts)  # per bucket, in bucket order
+    group = np.repeat(np.arange(starts.size), np.diff(np.append(starts, time_s.size)))
+    at_fastest = np.flatnonzero(time_s == fastest_s[group])
+    first = at_fastest[np.concatenate(([True], group[at_fastest][1:] != group[at_fastest][:-1]))]
+    best_before = np.minimum.accumulate(np.concatenate(([np.inf], fastest_s[:-1])))
+    kept = order[first[fastest_s < best_before]]  # each bucket's first fastest state
+    return _Front(bucket[kept] * quantum, states.time_s[kept], states.segment[kept],
+                  states.previous[kept])

@@ -39,6 +39,7 @@ from memfit.data.costgraph import CostGraph, Op
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan, Swap, SwapIn
 from memfit.model.host_memory import host_prefix
+from memfit.model.plan_memo import remembered_result
 from memfit.planning.strategies import register
 from memfit.planning.strategies._budget_checks import host_params
 from memfit.planning.strategies.swapping._swap_config import SwapConfig
@@ -76,15 +77,16 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None, 
                              f"with memfit.data.units.parse_bytes), got {budget_bytes!r}")
         budget_bytes = int(budget_bytes)
     config = SwapConfig.from_params(params)
-    planner = _Planner(graph, hardware, budget_bytes)
+    planner = remembered_result("swap planner", (graph, hardware), None,
+                                lambda: _Planner(graph, hardware))
     if budget_bytes is None:  # as given, up to what the host holds (hardware.host_bytes)
         decisions = planner.decisions(config)
         held = host_prefix(graph, decisions, hardware.host_bytes)
-        made = planner.make_plan(config, decisions[:held])
+        made = planner.make_plan(config, decisions[:held], None)
         dropped = tuple(name for name, _ in decisions[held:])
         return replace(made, params={**made.params, **host_params(dropped)})
-    return tune(graph, hardware, budget_bytes, config, frozenset(params),
-                planner.decisions, planner.make_plan)
+    return tune(graph, hardware, budget_bytes, config, frozenset(params), planner.decisions,
+                lambda used, decisions: planner.make_plan(used, decisions, budget_bytes))
 
 
 @dataclass(frozen=True)
@@ -99,23 +101,30 @@ class _Rewrite:
 
 
 class _Planner:
-    """The passes over one graph; rewrites are cached per filter setting, so tuning reuses them."""
+    """The passes over one graph, which no budget changes: rewrites are cached per filter
+    setting and decisions per setting, so tuning reuses them, and inside
+    ``memfit.model.plan_memo.plans_remembered`` so do the tunings at other budgets (``auto``'s
+    what-if budgets). The lists it returns are shared: callers slice them, never change them."""
 
-    def __init__(self, graph: CostGraph, hardware: Hardware, budget_bytes: int | None):
-        self.graph, self.hardware, self.budget_bytes = graph, hardware, budget_bytes
+    def __init__(self, graph: CostGraph, hardware: Hardware):
+        self.graph, self.hardware = graph, hardware
         self.ops = OpGraph(graph)
         self._rewrites: dict[SwapConfig, list[_Rewrite]] = {}
+        self._decisions: dict[SwapConfig, list[tuple[str, Swap]]] = {}
 
     def decisions(self, config: SwapConfig) -> list[tuple[str, Swap]]:
         """Every tensor that ``config`` swaps, in BFS order (``n_tensors`` applied)."""
-        rewrites = self.rewrites(config)
-        if config.n_tensors >= 0:
-            rewrites = rewrites[: config.n_tensors]
-        return [(r.tensor, self.swap(r, config)) for r in rewrites]
+        if config not in self._decisions:
+            rewrites = self.rewrites(config)
+            if config.n_tensors >= 0:
+                rewrites = rewrites[: config.n_tensors]
+            self._decisions[config] = [(r.tensor, self.swap(r, config)) for r in rewrites]
+        return self._decisions[config]
 
-    def make_plan(self, config: SwapConfig, decisions: Iterable[tuple[str, Swap]]) -> Plan:
+    def make_plan(self, config: SwapConfig, decisions: Iterable[tuple[str, Swap]],
+                  budget_bytes: int | None) -> Plan:
         return Plan("swap", dict(decisions), graph_hash=self.graph.structure_hash,
-                    params=config.params(), budget_bytes=self.budget_bytes,
+                    params=config.params(), budget_bytes=budget_bytes,
                     hardware=self.hardware.name)
 
     # ---- candidates -> filter -> order -> rewrite ------------------------------------------------
