@@ -436,19 +436,23 @@ class Backend(EagerWatching, JointPlanning):
                                 self.fixed_plan, self.what_ifs)
         except BudgetError as held_error:
             error = held_error
-            if loop_graph is not None and self.fixed_plan is None:
-                try:
-                    planned = planned_for_the_loop(loop_graph, hardware, held_error, self.strategy,
-                                                   self.params, outside, self.what_ifs)
-                    return planned, planned.budget.device_bytes, None
-                except BudgetError as smaller:
-                    error = smaller
-            if not pending:
-                raise with_eager_note(error, eager) from None
-            if error.minimum_bytes - pending > error.budget_bytes:
-                raise short_even_alone(error, pending, eager) from None
-            planned = self._over_budget(graph, hardware, error, pending, outside, own_open)
-            return planned, error.budget_bytes, error.minimum_bytes
+            try:
+                if loop_graph is not None and self.fixed_plan is None:
+                    try:
+                        planned = planned_for_the_loop(loop_graph, hardware, held_error,
+                                                       self.strategy, self.params, outside,
+                                                       self.what_ifs)
+                        return planned, planned.budget.device_bytes, None
+                    except BudgetError as smaller:
+                        error = smaller
+                if not pending:
+                    raise with_eager_note(error, eager) from None
+                if error.minimum_bytes - pending > error.budget_bytes:
+                    raise short_even_alone(error, pending, eager) from None
+                planned = self._over_budget(graph, hardware, error, pending, outside, own_open)
+                return planned, error.budget_bytes, error.minimum_bytes
+            finally:  # an error kept in this frame would hold, through its traceback, every
+                del error  # frame of the step (the model's outputs in its caller's) until a gc
         return planned, planned.budget.device_bytes, None
 
     def _over_budget(self, graph: CostGraph, hardware: Hardware, error: BudgetError,

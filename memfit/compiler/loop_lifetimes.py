@@ -54,7 +54,10 @@ def planned_for_the_loop(loop_graph: CostGraph, hardware: Hardware, held_error: 
         return plan_step(loop_graph, hardware, Budget(bytes=held_error.budget_bytes), strategy,
                          params, outside_bytes, what_ifs=what_ifs)
     except BudgetError as loop_error:
-        raise min(held_error, loop_error, key=lambda error: error.minimum_bytes) from None
+        try:
+            raise min(held_error, loop_error, key=lambda error: error.minimum_bytes) from None
+        finally:  # the error it raises holds this frame: keeping it here would be a cycle that
+            del held_error  # holds every frame of the step (and the model's outputs) until a gc
 
 
 def check_loop_lifetimes(region: Region, passed: Sequence[tuple[str, object]]) -> None:
