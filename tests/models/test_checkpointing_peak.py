@@ -12,7 +12,8 @@ key/value cache beside the loss: planned with those held to the iteration's end,
 checkpointing's peak. It is planned for the loop as it runs (the loop keeps only ``.loss``:
 ``memfit.compiler.loop_lifetimes``). Its ``BudgetError`` at half that peak names a minimum
 at most the peak, and a loop that keeps its loss, fitted at exactly that minimum, runs every
-iteration within it. GPT-2 with ``labels=`` stands beside it (its loss behind a graph break).
+iteration within it, fitted inside the handler of that error (the failed call's traceback alive).
+GPT-2 with ``labels=`` stands beside it (its loss behind a graph break).
 """
 
 from __future__ import annotations
@@ -81,24 +82,17 @@ def test_llama_fits_at_its_budget_errors_minimum():
     example = MODELS["llama"]()
     inputs = example.inputs()
     _, checkpoint_peaks = _trained(example, inputs, 2, checkpointed=True)
-    minimum = _minimum_at(example, inputs, max(checkpoint_peaks) // 2)
-    assert minimum <= max(checkpoint_peaks)
     eager, _ = _trained(example, inputs, ITERATIONS)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", memfit.BudgetWarning)
-        fitted, peaks = _trained(example, inputs, ITERATIONS, _fitted(minimum))
+    try:
+        _trained(example, inputs, 1, _fitted(max(checkpoint_peaks) // 2))
+    except memfit.BudgetError as error:  # fitted again inside the handler, as a user would:
+        minimum = error.minimum_bytes  # the failed call's traceback is alive meanwhile
+        assert minimum <= max(checkpoint_peaks)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", memfit.BudgetWarning)
+            fitted, peaks = _trained(example, inputs, ITERATIONS, _fitted(minimum))
+    else:
+        pytest.fail("memfit.fit ran at half checkpointing's peak: pick a smaller budget")
     print("checkpointing", checkpoint_peaks, "minimum", minimum, "memfit", peaks)
     assert all(peak <= minimum for peak in peaks), (peaks, minimum)
     _assert_bitwise(fitted, eager)
-
-
-def _minimum_at(example: examples.Example, inputs: tuple, budget_bytes: int) -> int:
-    """The ``BudgetError`` minimum of memfit.fit at ``budget_bytes`` (outside the handler, so
-    that nothing the failed call left in its traceback is alive when the caller fits again)."""
-    try:
-        _trained(example, inputs, 1, _fitted(budget_bytes))
-    except memfit.BudgetError as error:
-        minimum = error.minimum_bytes
-    else:
-        pytest.fail(f"memfit.fit ran at {budget_bytes} B: pick a smaller budget")
-    return minimum
