@@ -41,6 +41,7 @@ from memfit.compiler.graph_breaks import (
     watch_recompile_limit,
 )
 from memfit.compiler.joint_planning import MAX_JOINT_ROUNDS, JointPlanning
+from memfit.compiler.loop_lifetimes import loop_lifetimes_apply, planned_for_the_loop
 from memfit.compiler.partners import partners_of
 from memfit.compiler.plan_cache import note_stage
 from memfit.compiler.plan_step import (
@@ -85,6 +86,7 @@ from memfit.graph.joint import (
     split,
 )
 from memfit.graph.lifetimes import (
+    dropped_outputs_graph,
     output_tangents,
     output_tensor_names,
     scalar_output_bytes,
@@ -338,21 +340,31 @@ class Backend(EagerWatching, JointPlanning):
         held_inputs = (user_input_names(joint, captured.inputs) if after_a_break or repeated
                        else frozenset())
 
-        def lower(plan: Plan) -> tuple[fx.GraphModule, fx.GraphModule, int]:
+        def lower(plan: Plan, planned_on: CostGraph | None = None
+                  ) -> tuple[fx.GraphModule, fx.GraphModule, int]:
             note_stage("rewriting its program")
-            forward, backward = split(rewrite(program, graph, plan),
+            forward, backward = split(rewrite(program, planned_on or graph, plan),
                                       num_fwd_outputs, static_lifetime_input_indices)
             return forward, backward, saved_device_bytes(forward, num_fwd_outputs, held_inputs,
                                                          bound)
 
+        names = output_tensor_names(joint, num_fwd_outputs, owners)
+        tangents = output_tangents(joint, num_fwd_outputs)
+        loop, released = (dropped_outputs_graph(graph, names, tangents)
+                          if scalar_output_bytes(joint, num_fwd_outputs)  # returns its loss
+                          and loop_lifetimes_apply(self.regions, site, pending, repeated, cap)
+                          else (None, frozenset()))
+        loop = loop if released else None
         try:
             planned, budget_bytes, minimum = self._choose(graph, hardware, outside, pending,
-                                                          eager, own_open)
+                                                          eager, own_open, loop_graph=loop)
         except BudgetError as error:
             raise_if_any_failed(error)  # on every rank, so that none waits in a collective
         raise_if_any_failed(None)
         made, predicted = planned.plan, planned.predicted
-        forward, backward, saved = lower(made)
+        if planned.graph is not loop:
+            released = frozenset()
+        forward, backward, saved = lower(made, planned.graph)
         if repeated and budget_bytes is not None:
             made, (forward, backward, saved) = self._fit_copies(repeated, graph, hardware,
                                                                 outside, budget_bytes, lower)
@@ -361,7 +373,6 @@ class Backend(EagerWatching, JointPlanning):
         elif cap is None and minimum is None and budget_bytes is not None:
             cap = first_iteration_cap(self.model, self.regions, site, budget_bytes - outside,
                                       predicted.peak_bytes - saved)
-        names = output_tensor_names(joint, num_fwd_outputs, owners)
         beside_saves = outputs_and_inputs_bytes(joint, graph, names, captured.inputs)
         # room for eager code's own peak between its forward and backward (a loss in the loop);
         # kept apart from ``cap``, which says the region's copies and joint plan were capped
@@ -371,7 +382,7 @@ class Backend(EagerWatching, JointPlanning):
         if not repeated and limit is not None and budget_bytes is not None and saved > limit:
             made, (forward, backward, saved) = self._save_at_most(limit, graph, hardware, outside,
                                                                   budget_bytes, lower)
-            predicted = simulate(graph, made, hardware)
+            predicted, released = simulate(graph, made, hardware), frozenset()
         made, from_rank_0 = agree_on_plan(made)
         if from_rank_0:  # this rank chose otherwise from the same numbers: rank 0's plan runs
             forward, backward, saved = lower(made)
@@ -385,10 +396,11 @@ class Backend(EagerWatching, JointPlanning):
                                        own_copies_bytes(self.regions, site, cap)),
                                    hardware=hardware, bound=predicted,
                                    trainable_bytes=trainable, later_gradient_bytes=later,
-                                   output_names=names,
+                                   output_names=names, output_tangents=tangents,
                                    planned_gap_bytes=self.eager_gap.get(site, 0),
                                    beside_saves_bytes=beside_saves,
-                                   output_tangents=output_tangents(joint, num_fwd_outputs),
+                                   released_outputs=released,
+                                   planned_graph=loop if released else None,
                                    planned_eager_bytes=eager, shape_bound=bound))
         return forward, backward
 
@@ -409,22 +421,38 @@ class Backend(EagerWatching, JointPlanning):
         return max(0, sum(without_grad.values()) - trainable - earlier)
 
     def _choose(self, graph: CostGraph, hardware: Hardware, outside: int, pending: int,
-                eager: int = 0, own_open: int = 0) -> tuple[Planned, int | None, int | None]:
+                eager: int = 0, own_open: int = 0, loop_graph: CostGraph | None = None
+                ) -> tuple[Planned, int | None, int | None]:
         """The strategy's plan under the budget, the whole-device budget, and the region's
         smallest peak where it only misses the budget because of ``pending`` saves of earlier
         regions (``None`` where it fits). ``eager``: bytes eager code holds beside it, named in
-        the error where no plan fits."""
+        the error where no plan fits. Where no plan fits with every output held, ``loop_graph``
+        (the step as a loop that keeps only its loss runs it, ``dropped_outputs_graph``) is
+        planned instead; its ``Planned.graph`` is then ``loop_graph``, and where neither fits
+        the error is the smaller minimum's."""
         budget = self.budget_override or self.budget
         try:
             planned = plan_step(graph, hardware, budget, self.strategy, self.params, outside,
                                 self.fixed_plan, self.what_ifs)
-        except BudgetError as error:
-            if not pending:
-                raise with_eager_note(error, eager) from None
-            if error.minimum_bytes - pending > error.budget_bytes:
-                raise short_even_alone(error, pending, eager) from None
-            planned = self._over_budget(graph, hardware, error, pending, outside, own_open)
-            return planned, error.budget_bytes, error.minimum_bytes
+        except BudgetError as held_error:
+            error = held_error
+            try:
+                if loop_graph is not None and self.fixed_plan is None:
+                    try:
+                        planned = planned_for_the_loop(loop_graph, hardware, held_error,
+                                                       self.strategy, self.params, outside,
+                                                       self.what_ifs)
+                        return planned, planned.budget.device_bytes, None
+                    except BudgetError as smaller:
+                        error = smaller
+                if not pending:
+                    raise with_eager_note(error, eager) from None
+                if error.minimum_bytes - pending > error.budget_bytes:
+                    raise short_even_alone(error, pending, eager) from None
+                planned = self._over_budget(graph, hardware, error, pending, outside, own_open)
+                return planned, error.budget_bytes, error.minimum_bytes
+            finally:  # an error kept in this frame would hold, through its traceback, every
+                del error  # frame of the step (the model's outputs in its caller's) until a gc
         return planned, planned.budget.device_bytes, None
 
     def _over_budget(self, graph: CostGraph, hardware: Hardware, error: BudgetError,

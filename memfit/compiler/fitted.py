@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import traceback
 import types
 import warnings
@@ -170,6 +171,7 @@ class FittedCall:
             call_started,
             conversion_failed,
             dispatch_modes,
+            traced_since,
         )
         from memfit.data.errors import BudgetError, CaptureError
         from memfit.model.schedule import PlanError
@@ -204,6 +206,11 @@ class FittedCall:
                                       self.module, (args, kwargs)) from None
             raise
         call_ended(planner, start, self.module, (args, kwargs))
+        if traced_since(start):
+            # a trace leaves reference cycles (a traced exception's traceback and the closure of
+            # Dynamo's handler) that hold the frames above it, this call's output among their
+            # locals, until a collection; the loop would hold the logits through the backward
+            gc.collect()
         if planner.compiler == "aot_eager":  # its backward modules take None (inductor's do not)
             _lazy_output_gradients(result)
         planner.watch_eager()  # what the loop holds beside the regions (memfit.runtime.outside)

@@ -109,6 +109,16 @@ class Region:
     warned_over: bool = False  # said that a measured run of its plan exceeded budget and prediction
     shape_bound: Any = None  # a dynamic region: each symbolic size at the value it was priced at
     planning: RegionPlanning | None = None  # what planning it cost (``timed_planning``)
+    released_outputs: frozenset[str] = frozenset()  # outputs its plan frees at its forward's end,
+    # their gradients never passed (``memfit.compiler.loop_lifetimes``)
+    loop_refuted: bool = False  # a backward showed the loop holding them or passing a gradient
+    planned_graph: CostGraph | None = None  # the graph its plan was made on, where not ``graph``
+    # (``graph`` with the loop's lifetimes: ``released_outputs``)
+
+    @property
+    def plan_graph(self) -> CostGraph:
+        """The graph ``plan`` was made for and is simulated on."""
+        return self.planned_graph if self.planned_graph is not None else self.graph
 
     @property
     def open_forwards(self) -> int:

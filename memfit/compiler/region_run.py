@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from memfit.compiler.loop_lifetimes import check_loop_lifetimes
 from memfit.compiler.plan_step import BudgetWarning
 from memfit.compiler.region import REGION_KEY, Planner, Region
 from memfit.compiler.repeated_calls import live_forwards, note_forward_saves, storages_of
@@ -79,8 +80,8 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
     the plan with the outputs the loop held and the tangents it passed (``observe_loop``)."""
 
     def run(args: list) -> Any:
-        given = (tangents_given(region, args)
-                 if follow_loop and region is not None and is_backward else ())
+        given = (tangents_given(region, args) if region is not None and is_backward
+                 and (follow_loop or region.released_outputs) else ())
         inputs = storages_of(args) if region is not None and not is_backward else set()
         watch = planner.eager_watch()
         with active_engine(engine), watch.paused() if watch else contextlib.nullcontext():
@@ -94,8 +95,10 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
             if not is_backward:
                 remember_outputs(region, result)
                 note_forward_saves(region, inputs, result)
-            elif follow_loop:
-                observe_loop(region, given)
+            if is_backward and region.released_outputs:
+                check_loop_lifetimes(region, given)
+            if is_backward and follow_loop and not region.loop_refuted:
+                observe_loop(region, given)  # a refuted plan is planned again: nothing to follow
             if is_backward:
                 region.backward_closed(calling_autograd_node())
                 planner.iteration_closed()

@@ -184,7 +184,7 @@ class _ShardedPlanOnly(_PlanOnly):
     sharding = Sharding()
 
     def _choose(self, graph: CostGraph, hardware: Hardware, outside: int, pending: int,
-                eager: int = 0, own_open: int = 0) -> Any:
+                eager: int = 0, own_open: int = 0, loop_graph: CostGraph | None = None) -> Any:
         state = sum(reserved_state_bytes(optimizer, device_of(self.model.parameters()))
                     for optimizer in self.optimizers) if self.model is not None else 0
         raise _ShardedStop(plan_step(shard_graph(graph, self.sharding, hardware), hardware,
@@ -371,6 +371,6 @@ def _fake(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def as_planned(region: Region) -> Planned:
     """A region's plan as ``plan_step`` returns one."""
-    return Planned(region.graph, region.plan, region.baseline, region.predicted,
+    return Planned(region.plan_graph, region.plan, region.baseline, region.predicted,
                    DeviceBudget(region.budget_bytes, region.outside_bytes))
 

@@ -45,6 +45,7 @@ class CallStart:
     forward_runs: int  # planned region forwards run before the call
     unsupported: frozenset[str]  # what Dynamo could not trace before the call
     failed_conversions: int  # frames Dynamo failed to convert before the call
+    conversions: int  # frames Dynamo set out to convert before the call
 
 
 def call_started(planner: Backend) -> CallStart:
@@ -53,7 +54,14 @@ def call_started(planner: Backend) -> CallStart:
 
     planner.codes_run.clear()
     return CallStart(planner.forward_runs, frozenset(counters["unimplemented"]),
-                     _failed_conversions())
+                     _failed_conversions(), counters["frames"]["total"])
+
+
+def traced_since(start: CallStart) -> bool:
+    """Whether Dynamo traced a frame since ``start``."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"] > start.conversions
 
 
 def conversion_failed(start: CallStart) -> bool:

@@ -237,3 +237,34 @@ def loop_graph(graph: CostGraph, output_alive: dict[str | None, bool],
             absent.add(name)
     held = frozenset(name for name in tangent_kept if tangent_given.get(name))
     return with_loop_lifetimes(graph, arriving, released, frozenset(absent), held)
+
+
+def dropped_outputs_graph(graph: CostGraph, output_names: Sequence[str | None],
+                          tangents: Sequence[str | None]) -> tuple[CostGraph, frozenset[str]]:
+    """``graph`` as a loop that keeps only its loss runs it, and the outputs it frees: each
+    user-visible output with more than a loss's scalar seed for a tangent (``output_tangents``:
+    a language model's logits, its key/value cache) freed when the forward ends, or after its
+    last backward reader, and its tangent never passed (``None``: zeros made before its first
+    reader, ``memfit.compiler.region_run.zeros_at_first_use``). The loss and every other output
+    stay held to the step's end. A tangent whose first reader is the backward's first op stays
+    resident (made before it, it would be a forward value a plan could swap or re-run).
+    ``(graph, frozenset())`` where no output is freed."""
+    first_backward = next((i for i, op in enumerate(graph.ops) if op.phase == "backward"), None)
+    if first_backward is None:
+        return graph, frozenset()
+    phase = {op.name: op.phase for op in graph.ops}
+    released: dict[str | None, bool] = {}
+    tangent_given: dict[str, bool] = {}
+    for output, tangent in zip(output_names, tangents, strict=False):
+        found = graph.tensors.get(output) if output is not None else None
+        if (tangent is None or found is None or not found.is_output or found.producer is None
+                or phase[found.producer] != "forward" or tangent not in graph.tensors):
+            continue
+        released[output] = False
+        readers = graph.tensors[tangent].consumers
+        if not readers or graph.index[readers[0]] > first_backward:
+            tangent_given[tangent] = False
+    if not released:
+        return graph, frozenset()
+    return (loop_graph(graph, released, tangent_given),
+            frozenset(name for name in released if name is not None))

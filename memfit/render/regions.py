@@ -125,7 +125,7 @@ def _eager_note(region: Region) -> str:
 def _row(region: Region) -> tuple:
     from memfit.model.explain import tally
 
-    plan, graph = region.plan, region.graph
+    plan, graph = region.plan, region.plan_graph
     counted = tally(graph, plan, region.predicted)
     budget = format_bytes(region.budget_bytes) if region.budget_bytes else "none"
     if region.saves_cap_bytes is not None:

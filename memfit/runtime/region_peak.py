@@ -252,6 +252,7 @@ def freed_output_bytes(region: Region) -> int:
     to the step's end, so these are room the plan counts that eager code's bytes may take."""
     names = {name for name, reference in zip(region.output_names, region.output_storages,
                                              strict=False)
-             if name is not None and reference is not None and reference.expired()}
+             if name is not None and reference is not None and reference.expired()
+             and name not in region.released_outputs}  # those its plan did not hold
     return sum(region.graph.tensors[name].size_bytes for name in names
                if name in region.graph.tensors and region.graph.tensors[name].is_output)

@@ -27,7 +27,7 @@ def checkpointed_region(index: int = 0) -> SimpleNamespace:
     baseline = simulate(graph, Plan("keep"), HARDWARE)
     predicted = simulate(graph, plan, HARDWARE)
     return SimpleNamespace(
-        index=index, replaced=False, plan=plan, graph=graph, baseline=baseline,
+        index=index, replaced=False, plan=plan, graph=graph, plan_graph=graph, baseline=baseline,
         predicted=predicted, budget_bytes=None, outside_bytes=0, saves_cap_bytes=None,
         baseline_peak_bytes=baseline.peak_bytes, predicted_peak_bytes=predicted.peak_bytes,
         measured_peak_bytes=predicted.peak_bytes, measured_by="tracker",
