@@ -10,10 +10,11 @@ iterations unfitted; deterministic algorithms on); no ``BudgetWarning``.
 Llama computes its ``labels=`` loss inside one compiled region and returns its logits and its
 key/value cache beside the loss: planned with those held to the iteration's end, no plan fit
 checkpointing's peak. It is planned for the loop as it runs (the loop keeps only ``.loss``:
-``memfit.compiler.loop_lifetimes``). Its ``BudgetError`` at half that peak names a minimum
-at most the peak, and a loop that keeps its loss, fitted at exactly that minimum, runs every
-iteration within it, fitted inside the handler of that error (the failed call's traceback alive).
-GPT-2 with ``labels=`` stands beside it (its loss behind a graph break).
+``memfit.compiler.loop_lifetimes``). GPT-2 with ``labels=`` (its loss behind a graph break) and
+BERT with a padded mask stand beside it. Per model, too: the ``BudgetError`` at half that peak
+names a minimum at most the peak, and a loop that keeps its loss, fitted at exactly that minimum,
+runs every iteration within it, fitted inside the handler of that error (the failed call's
+traceback alive).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ MODELS = {
                                vocab=1024, sequence=256, batch_size=8),  # bench's
     "gpt2": functools.partial(examples.gpt2, layers=2, width=64, heads=4, vocab=1024,
                               sequence=128, batch_size=4),
+    "bert": functools.partial(examples.bert, layers=2, width=64, heads=2, vocab=1024,
+                              sequence=128, batch_size=8),  # a padded mask
 }
 ITERATIONS = 3
 
@@ -78,8 +81,9 @@ def test_fit_holds_checkpointings_measured_peak(name):
     _assert_bitwise(fitted, eager)
 
 
-def test_llama_fits_at_its_budget_errors_minimum():
-    example = MODELS["llama"]()
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_fits_at_its_budget_errors_minimum(name):
+    example = MODELS[name]()
     inputs = example.inputs()
     _, checkpoint_peaks = _trained(example, inputs, 2, checkpointed=True)
     eager, _ = _trained(example, inputs, ITERATIONS)
@@ -93,6 +97,6 @@ def test_llama_fits_at_its_budget_errors_minimum():
             fitted, peaks = _trained(example, inputs, ITERATIONS, _fitted(minimum))
     else:
         pytest.fail("memfit.fit ran at half checkpointing's peak: pick a smaller budget")
-    print("checkpointing", checkpoint_peaks, "minimum", minimum, "memfit", peaks)
+    print(name, "checkpointing", checkpoint_peaks, "minimum", minimum, "memfit", peaks)
     assert all(peak <= minimum for peak in peaks), (peaks, minimum)
     _assert_bitwise(fitted, eager)
