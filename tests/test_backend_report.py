@@ -150,8 +150,35 @@ def test_each_call_past_dynamos_recompile_limit_warns_and_is_reported():
     assert "ran outside any plan: 2 call(s)" in memfit.report(fitted)
 
 
-def test_a_found_optimizer_replans_every_region_of_a_graph_broken_model():
-    """No optimizer= given: its state appears at the first step, and every region, the ones
+class LazyAdamW:
+    """AdamW made at the loop's first step, after the model's first call: memfit finds it by
+    that step."""
+
+    def __init__(self, parameters) -> None:
+        self.parameters = list(parameters)
+        self.inner: torch.optim.AdamW | None = None
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups if self.inner else [{"params": self.parameters}]
+
+    @property
+    def state(self) -> dict:
+        return self.inner.state if self.inner else {}
+
+    def step(self) -> None:
+        if self.inner is None:
+            self.inner = torch.optim.AdamW(self.parameters)
+        self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.inner is not None:
+            self.inner.zero_grad(set_to_none=set_to_none)
+
+
+def test_an_optimizer_made_at_the_first_step_replans_every_region_of_a_graph_broken_model():
+    """No optimizer= given, and none made before the first call: its state appears at the first
+    step, and every region, the ones
     after the graph break included (the plan-count guard does not reach them), is planned
     again, so the iterations after it fit the budget. (The region after the break then counts
     the batch the loop holds beside it and the first region's output it saves, and is short
@@ -161,7 +188,7 @@ def test_a_found_optimizer_replans_every_region_of_a_graph_broken_model():
     data = batches(count=3, size=4096)
     reference, reference_losses, eager_peak = eager_reference(Broken, data)
     model = Broken()
-    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer = LazyAdamW(model.parameters())
     budget = int(0.8 * eager_peak)
     fitted = memfit.fit(model, budget=budget)
     losses, peaks = train(fitted, optimizer, data)
@@ -181,6 +208,29 @@ class WideAfterTheBreak(Broken):
     def __init__(self):
         super().__init__()
         self.second = nn.Sequential(nn.Linear(128, 8192), nn.ReLU(), nn.Linear(8192, 1))
+
+
+def test_an_optimizer_made_before_the_first_call_is_reserved_by_the_first_plans():
+    """No optimizer= given, but the loop made its AdamW before the model's first call: the first
+    plans of both regions reserve the state its first step makes, and nothing is planned again
+    for it. At this budget the region after the break fits beside the earlier one's saves only
+    without that state: the first iteration, which has none yet (it appears at the step, after
+    the backward), runs with no warning, and the regions are planned jointly after it. Every
+    iteration, the first included, fits the budget."""
+    data = batches(count=3, size=4096)
+    reference, reference_losses, eager_peak = eager_reference(Broken, data)
+    model = Broken()
+    optimizer = torch.optim.AdamW(model.parameters())
+    budget = int(0.82 * eager_peak)
+    fitted = memfit.fit(model, budget=budget)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memfit.BudgetWarning)
+        losses, peaks = train(fitted, optimizer, data)
+    assert_same_training(model, reference, losses, reference_losses)
+    planner = fitted._memfit_backend
+    assert planner.optimizers == [optimizer] and planner.replans == 0
+    assert planner.joint_rounds == 1
+    assert max(peaks) <= budget, (peaks, budget)
 
 
 def test_a_region_that_cannot_fit_even_alone_raises_and_its_minimum_trains():

@@ -1,5 +1,6 @@
 """Plans made again when more stays resident than they left room for, on Hugging Face GPT-2:
-no ``optimizer=`` (AdamW's state appears at the first step), gradients kept across
+no ``optimizer=`` (an optimizer that exists at the first call is reserved for from the start;
+one made later is found by its first step), gradients kept across
 micro-batches, and no other model re-traced by it.
 
 GPT-2's compiled frame is transformers' decorator wrapper around ``forward``: a guard in a
@@ -39,18 +40,56 @@ def _assert_same(model, reference, losses, reference_losses) -> None:
         assert torch.equal(parameter, expected)
 
 
-def test_gpt2_without_optimizer_is_planned_again_after_its_first_step():
-    example = _gpt2()
+def _eager_at_half(example: examples.Example) -> tuple[nn.Module, list, int]:
+    """Eager's model and losses after three AdamW iterations, and half its largest peak."""
     reference = copy.deepcopy(example.model)
     reference_losses, eager_peaks = train(example, reference, iterations=3)
-    budget = int(0.5 * max(eager_peaks))
+    return reference, reference_losses, int(0.5 * max(eager_peaks))
+
+
+def test_gpt2_without_optimizer_counts_the_optimizer_its_loop_made_from_the_first_iteration():
+    example = _gpt2()
+    reference, reference_losses, budget = _eager_at_half(example)
     model = copy.deepcopy(example.model)
     fitted = []
-    counters.clear()
-    losses, peaks = train(example, model, iterations=3, runner=lambda m, _: fitted.append(
-        memfit.fit(m, budget=budget)) or fitted[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memfit.BudgetWarning)
+        losses, peaks = train(example, model, iterations=3, runner=lambda m, _: fitted.append(
+            memfit.fit(m, budget=budget)) or fitted[0])  # AdamW made before the first call
     _assert_same(model, reference, losses, reference_losses)
     planner = fitted[0]._memfit_backend
+    (region,) = planner.regions  # its state reserved by the first plan: nothing planned again
+    assert planner.replans == 0 and not region.replaced
+    assert max(peaks) <= budget, (peaks, budget)
+
+
+def test_gpt2_with_an_optimizer_made_after_its_first_call_is_planned_again_after_its_step():
+    example = _gpt2()
+    reference, reference_losses, budget = _eager_at_half(example)
+    model = copy.deepcopy(example.model)
+    fitted = memfit.fit(model, budget=budget)
+    inputs = example.inputs()
+    optimizers: list[torch.optim.Optimizer] = []
+    losses, peaks = [], []
+    counters.clear()
+    for index in range(3):
+        def iteration(index=index):
+            torch.manual_seed(100 + index)
+            loss = example.loss_fn(fitted, *inputs)
+            loss.backward()
+            if not optimizers:  # made lazily, once the first call has run
+                optimizers.append(torch.optim.AdamW(model.parameters()))
+            optimizers[0].step()
+            optimizers[0].zero_grad(set_to_none=True)
+            return loss.detach().clone()
+
+        measured = measure_allocator_peak(iteration, track=(
+            list(model.parameters()), list(model.buffers()),
+            optimizers[0].state if optimizers else {}, inputs))
+        losses.append(measured.result)
+        peaks.append(measured.peak_bytes)
+    _assert_same(model, reference, losses, reference_losses)
+    planner = fitted._memfit_backend
     first, again = planner.regions  # planned once more, after the first step, and then stable
     assert planner.replans == 1 and first.replaced and not again.replaced
     state_bytes = again.resident_bytes - first.resident_bytes  # AdamW's, found by its step

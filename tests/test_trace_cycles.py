@@ -14,6 +14,7 @@ that process does; memfit collects fully after a call that traced.
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -43,3 +44,43 @@ def test_the_output_a_loop_drops_is_freed_after_the_call_that_traced():
             gc.enable()
     loss.backward()
     assert not alive, "the call's logits outlived the loop's last reference to them"
+
+
+def _minimum_bytes(example: examples.Example, input_ids, labels) -> int:
+    """The smallest peak memfit.backend names for the example's ``labels=`` step."""
+    compiled = torch.compile(example.model, backend=memfit.backend(budget=1000, model=example.model))
+    with pytest.raises(Exception) as refused:
+        compiled(input_ids=input_ids, labels=labels)
+    error = getattr(refused.value, "inner_exception", refused.value)
+    assert isinstance(error, memfit.BudgetError), refused.value
+    torch._dynamo.reset()
+    return error.minimum_bytes
+
+
+def test_a_backend_region_planned_for_the_loop_runs_as_planned_after_a_trace():
+    """``torch.compile(model, backend=memfit.backend(...))`` has no fitted call to collect after
+    it: at its smallest peak, GPT-2's region is planned with its logits and key/value cache freed
+    after its forward; with the trace's cycles left alive, its backward still runs that plan
+    (no ``BudgetWarning``: no refuted lifetimes, no measured peak above the prediction), and the
+    outputs nothing used reach its backward as ``None``, not as zeros autograd made."""
+    example = examples.gpt2(layers=1, width=32, heads=2, vocab=512, sequence=64, batch_size=4)
+    input_ids, labels = example.inputs()
+    minimum = _minimum_bytes(example, input_ids, labels)
+    backend = memfit.backend(budget=minimum, model=example.model)
+    compiled = torch.compile(example.model, backend=backend)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", memfit.BudgetWarning)
+            with torch._dynamo.config.patch(run_gc_after_compile=False):
+                output = compiled(input_ids=input_ids, labels=labels)
+            loss = output.loss
+            del output
+            loss.backward()
+    finally:
+        if was_enabled:
+            gc.enable()
+    (region,) = backend.regions
+    assert region.released_outputs, "the plan did not free the outputs: nothing was tested"
+    assert not region.loop_refuted

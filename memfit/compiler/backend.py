@@ -105,7 +105,13 @@ from memfit.runtime.ranks import (
     agree_on_plan,
     raise_if_any_failed,
 )
-from memfit.runtime.resident import device_of, fsdp_in_flight_bytes, local_tensor, resident_bytes
+from memfit.runtime.resident import (
+    device_of,
+    fsdp_in_flight_bytes,
+    local_tensor,
+    reserved_state_bytes,
+    resident_bytes,
+)
 from memfit.runtime.streams import CopyEngine
 
 COMPILERS = ("aot_eager", "inductor")
@@ -350,7 +356,8 @@ class Backend(EagerWatching, JointPlanning):
 
         names = output_tensor_names(joint, num_fwd_outputs, owners)
         tangents = output_tangents(joint, num_fwd_outputs)
-        loop, released = (dropped_outputs_graph(graph, names, tangents)
+        loop, released = (dropped_outputs_graph(graph, names, tangents,
+                                                tangents_as_none=self.compiler == "aot_eager")
                           if scalar_output_bytes(joint, num_fwd_outputs)  # returns its loss
                           and loop_lifetimes_apply(self.regions, site, pending, repeated, cap)
                           else (None, frozenset()))
@@ -461,7 +468,14 @@ class Backend(EagerWatching, JointPlanning):
         break), or its own earlier forwards (``own_open`` bytes of ``pending``: the model called
         again before its backward), still hold their saves: at its smallest peak, with a
         warning, so training goes on exactly; after this iteration the regions are planned again
-        jointly (``memfit.compiler.joint_planning``)."""
+        jointly (``memfit.compiler.joint_planning``). No warning where this iteration fits
+        without the optimizer state the plan reserves but no step has made yet (an optimizer
+        found at the first call: its state appears at its step, after the backward)."""
+        to_come = (sum(reserved_state_bytes(optimizer, device_of(self.model.parameters()))
+                       for optimizer in self.optimizers) if self.model is not None else 0)
+        if error.minimum_bytes - to_come <= error.budget_bytes:
+            return plan_step(graph, hardware, Budget(bytes=error.minimum_bytes), self.strategy,
+                             self.params, outside)
         again = ("memfit plans the regions again jointly after this iteration"
                  if self.joint_rounds < MAX_JOINT_ROUNDS else
                  "planning the regions jointly did not make it fit")

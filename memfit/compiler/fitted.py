@@ -182,6 +182,8 @@ class FittedCall:
         planner.watch_first_call(self.module)
         if self._compiled is None:
             self._first_call(args, kwargs)
+            if not planner.optimizers:
+                _adopt_existing_optimizers(planner)
         planner.note_call_arguments((args, kwargs))
         if self.arguments.dynamic is None:
             self.shapes = _dynamic_on_change(self.shapes, (args, kwargs))
@@ -211,8 +213,6 @@ class FittedCall:
             # Dynamo's handler) that hold the frames above it, this call's output among their
             # locals, until a collection; the loop would hold the logits through the backward
             gc.collect()
-        if planner.compiler == "aot_eager":  # its backward modules take None (inductor's do not)
-            _lazy_output_gradients(result)
         planner.watch_eager()  # what the loop holds beside the regions (memfit.runtime.outside)
         return result
 
@@ -323,10 +323,29 @@ def _call_device(module: torch.nn.Module, values: Any) -> torch.device:
     return torch.device("cpu")
 
 
+def _adopt_existing_optimizers(planner: Backend) -> None:
+    """Adopt the optimizer that exists at the model's first call and holds its parameters (a loop
+    that made its optimizer before training and did not pass ``optimizer=``), so that the first
+    plan reserves the state it allocates at its first step. Where several do, which one the loop
+    steps is unknown: none is adopted before its first step (``_watch_optimizers``). A wrapper
+    (accelerate's ``AcceleratedOptimizer``, its ``optimizer`` one of them) stands for the one
+    it wraps."""
+    mine = {id(parameter) for parameter in planner.model.parameters()} if planner.model else set()
+    holding = [candidate for candidate in gc.get_objects()
+               # ``type``: an ``isinstance`` may run a ``__class__`` property
+               if issubclass(type(candidate), torch.optim.Optimizer)
+               and any(id(parameter) in mine for group in candidate.param_groups
+                       for parameter in group["params"])]
+    holding = [candidate for candidate in holding
+               if not any(getattr(candidate, "optimizer", None) is inner for inner in holding)]
+    if len(holding) == 1:
+        planner.adopt(holding[0])
+
+
 def _watch_optimizers(planner: Backend) -> None:
-    """Find the loop's optimizer by its first step, when ``optimizer=`` was not given, so that
-    its state counts from the next iteration on (a global post-step hook, held weakly); after a
-    step, the watch of eager code leaves the mode stack once measuring has ended
+    """Find the loop's optimizer by its first step, when ``optimizer=`` was not given and it did
+    not exist at the first call, so that its state counts from the next iteration on (a global
+    post-step hook, held weakly); after a step, the watch of eager code leaves the mode stack once measuring has ended
     (``Backend.end_eager_watch``)."""
     import weakref
 
@@ -421,18 +440,6 @@ def _traces_rnns(model: torch.nn.Module, compiler: str) -> bool:
                   "Dynamo skips the code that calls them, so that memory is not planned and a "
                   "measured peak may exceed the budget", BudgetWarning, stacklevel=3)
     return False
-
-
-def _lazy_output_gradients(result: Any) -> None:
-    """Let the backward of each compiled region that produced ``result`` receive ``None`` for
-    outputs nothing used, instead of zeros autograd makes before it starts (see
-    ``memfit.compiler.region_run.zeros_at_first_use``). All outputs of a region share one backward node."""
-    from torch.utils._pytree import tree_leaves
-
-    for leaf in tree_leaves(result):
-        node = getattr(leaf, "grad_fn", None) if isinstance(leaf, torch.Tensor) else None
-        if node is not None and type(node).__name__ == "CompiledFunctionBackward":
-            node.set_materialize_grads(False)
 
 
 def backend(budget: str | int | float | None = None, strategy: str | None = None,

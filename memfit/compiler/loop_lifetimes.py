@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -60,6 +61,23 @@ def planned_for_the_loop(loop_graph: CostGraph, hardware: Hardware, held_error: 
             del held_error  # holds every frame of the step (and the model's outputs) until a gc
 
 
+def _released_but_alive(region: Region) -> list[str]:
+    """The outputs ``region``'s plan freed after its forward that something still references."""
+    return [name for name, reference in zip(region.output_names, region.output_storages,
+                                            strict=False)
+            if name in region.released_outputs and reference is not None
+            and not reference.expired()]
+
+
+def collect_before_backward(region: Region) -> None:
+    """Before ``region``'s backward runs: where an output its plan freed is still alive, run a
+    full collection, so that what only reference cycles hold (the frames a Dynamo trace leaves
+    behind, the call's output among their locals) is freed before the backward's peak, and
+    ``check_loop_lifetimes`` judges what the loop itself holds."""
+    if region.released_outputs and not region.loop_refuted and _released_but_alive(region):
+        gc.collect()
+
+
 def check_loop_lifetimes(region: Region, passed: Sequence[tuple[str, object]]) -> None:
     """After ``region``'s backward ran with tangents ``passed`` (``tangents_given``): where its
     plan freed outputs the loop in fact held through the backward, or whose gradients it
@@ -67,10 +85,7 @@ def check_loop_lifetimes(region: Region, passed: Sequence[tuple[str, object]]) -
     if not region.released_outputs or region.loop_refuted:
         return
     given = {name for name, storage in passed if storage is not None}
-    held = [name for name, reference in zip(region.output_names, region.output_storages,
-                                            strict=False)
-            if name in region.released_outputs and reference is not None
-            and not reference.expired()]
+    held = _released_but_alive(region)
     graded = [output for output, tangent in zip(region.output_names, region.output_tangents,
                                                 strict=False)
               if output in region.released_outputs and tangent in given]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from memfit.compiler.loop_lifetimes import check_loop_lifetimes
+from memfit.compiler.loop_lifetimes import check_loop_lifetimes, collect_before_backward
 from memfit.compiler.plan_step import BudgetWarning
 from memfit.compiler.region import REGION_KEY, Planner, Region
 from memfit.compiler.repeated_calls import live_forwards, note_forward_saves, storages_of
@@ -83,6 +83,8 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
         given = (tangents_given(region, args) if region is not None and is_backward
                  and (follow_loop or region.released_outputs) else ())
         inputs = storages_of(args) if region is not None and not is_backward else set()
+        if region is not None and is_backward:
+            collect_before_backward(region)
         watch = planner.eager_watch()
         with active_engine(engine), watch.paused() if watch else contextlib.nullcontext():
             if region is not None and region.measured_runs < 2 * planner.measure_runs:
@@ -91,6 +93,11 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
                     warn_if_over_its_prediction(region, is_backward)
             else:
                 result = forward(args)
+        node = calling_autograd_node() if region is not None or follow_loop else None
+        if follow_loop and not is_backward and node is not None:
+            # the backward module takes ``None`` for an output nothing used (``zeros_at_first_use``),
+            # not the zeros autograd would otherwise make before it starts
+            node.set_materialize_grads(False)
         if region is not None:
             if not is_backward:
                 remember_outputs(region, result)
@@ -100,10 +107,10 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
             if is_backward and follow_loop and not region.loop_refuted:
                 observe_loop(region, given)  # a refuted plan is planned again: nothing to follow
             if is_backward:
-                region.backward_closed(calling_autograd_node())
+                region.backward_closed(node)
                 planner.iteration_closed()
             else:
-                region.forward_opened(calling_autograd_node())
+                region.forward_opened(node)
                 planner.forward_ran(region)
                 region.most_open_forwards = max(region.most_open_forwards,
                                                 open_forwards_of_its_code(planner, region))

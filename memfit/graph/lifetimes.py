@@ -240,14 +240,17 @@ def loop_graph(graph: CostGraph, output_alive: dict[str | None, bool],
 
 
 def dropped_outputs_graph(graph: CostGraph, output_names: Sequence[str | None],
-                          tangents: Sequence[str | None]) -> tuple[CostGraph, frozenset[str]]:
+                          tangents: Sequence[str | None], tangents_as_none: bool = True,
+                          ) -> tuple[CostGraph, frozenset[str]]:
     """``graph`` as a loop that keeps only its loss runs it, and the outputs it frees: each
     user-visible output with more than a loss's scalar seed for a tangent (``output_tangents``:
     a language model's logits, its key/value cache) freed when the forward ends, or after its
     last backward reader, and its tangent never passed (``None``: zeros made before its first
     reader, ``memfit.compiler.region_run.zeros_at_first_use``). The loss and every other output
     stay held to the step's end. A tangent whose first reader is the backward's first op stays
-    resident (made before it, it would be a forward value a plan could swap or re-run).
+    resident (made before it, it would be a forward value a plan could swap or re-run), as does
+    every tangent where the backward cannot take ``None`` (``tangents_as_none`` false:
+    inductor's, whose zeros autograd makes when the backward starts).
     ``(graph, frozenset())`` where no output is freed."""
     first_backward = next((i for i, op in enumerate(graph.ops) if op.phase == "backward"), None)
     if first_backward is None:
@@ -262,7 +265,7 @@ def dropped_outputs_graph(graph: CostGraph, output_names: Sequence[str | None],
             continue
         released[output] = False
         readers = graph.tensors[tangent].consumers
-        if not readers or graph.index[readers[0]] > first_backward:
+        if tangents_as_none and (not readers or graph.index[readers[0]] > first_backward):
             tangent_given[tangent] = False
     if not released:
         return graph, frozenset()
