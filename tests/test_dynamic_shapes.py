@@ -168,3 +168,34 @@ def test_bert_fine_tuned_on_padded_batches_of_13_lengths_is_planned_twice_within
     print(f"budget {budget:,} B, peaks {peaks}\n{report}")
     assert len(fitted._memfit_backend.regions) <= 2
     assert "2 plans made" in report
+
+
+@pytest.mark.slow
+def test_bert_on_padded_batches_with_inductor_is_planned_twice_within_budget_close_to_compile():
+    """The same fine-tune with ``compiler="inductor"``: every iteration within 0.7 of eager's
+    largest peak, two plans, no ``BudgetWarning``; losses and weights close to
+    ``torch.compile(dynamic=True)``'s, dropout drawn as eager draws it in both (memfit compiles
+    with ``fallback_random``, so the reference does too)."""
+    lengths = [200, 96, 40, 64, 128, 80, 112, 56, 144, 176, 160, 48, 120]
+    data = _padded_batches(lengths)
+    reference = _bert()
+    _, eager_peaks = _train_hf(reference, torch.optim.AdamW(reference.parameters()), data)
+    budget = int(0.7 * max(eager_peaks))
+    compiled_reference = _bert()
+    with torch._inductor.config.patch(fallback_random=True):
+        reference_losses, _ = _train_hf(torch.compile(compiled_reference, dynamic=True),
+                                        torch.optim.AdamW(compiled_reference.parameters()), data)
+    torch._dynamo.reset()
+    model = _bert()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=budget, optimizer=optimizer, compiler="inductor")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memfit.BudgetWarning)
+        losses, peaks = _train_hf(fitted, optimizer, data)
+    for loss, expected in zip(losses, reference_losses, strict=True):
+        torch.testing.assert_close(loss, expected)
+    for parameter, expected in zip(model.parameters(), compiled_reference.parameters(),
+                                   strict=True):
+        torch.testing.assert_close(parameter, expected)
+    assert max(peaks) <= budget, (peaks, budget)
+    assert "2 plans made" in memfit.report(fitted)

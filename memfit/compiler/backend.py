@@ -437,30 +437,37 @@ class Backend(EagerWatching, JointPlanning):
         (the step as a loop that keeps only its loss runs it, ``dropped_outputs_graph``) is
         planned instead; its ``Planned.graph`` is then ``loop_graph``, and where neither fits
         the error is the smaller minimum's."""
-        budget = self.budget_override or self.budget
+        planned, error = self._plan_held_or_for_the_loop(graph, hardware, outside, loop_graph)
+        if planned is not None:
+            return planned, planned.budget.device_bytes, None
+        assert error is not None
         try:
-            planned = plan_step(graph, hardware, budget, self.strategy, self.params, outside,
-                                self.fixed_plan, self.what_ifs)
+            if not pending:
+                raise with_eager_note(error, eager) from None
+            if error.minimum_bytes - pending > error.budget_bytes:
+                raise short_even_alone(error, pending, eager) from None
+            planned = self._over_budget(graph, hardware, error, pending, outside, own_open)
+            return planned, error.budget_bytes, error.minimum_bytes
+        finally:  # an error kept in this frame would hold, through its traceback, every frame
+            del error  # of the step (the model's outputs in its caller's) until a gc
+
+    def _plan_held_or_for_the_loop(self, graph: CostGraph, hardware: Hardware, outside: int,
+                                   loop_graph: CostGraph | None,
+                                   ) -> tuple[Planned | None, BudgetError | None]:
+        """The strategy's plan with every output held; where none fits, ``loop_graph``'s; where
+        neither does, the error with the smaller minimum (``planned_for_the_loop``)."""
+        try:
+            return plan_step(graph, hardware, self.budget_override or self.budget,
+                             self.strategy, self.params, outside, self.fixed_plan,
+                             self.what_ifs), None
         except BudgetError as held_error:
-            error = held_error
+            if loop_graph is None or self.fixed_plan is not None:
+                return None, held_error
             try:
-                if loop_graph is not None and self.fixed_plan is None:
-                    try:
-                        planned = planned_for_the_loop(loop_graph, hardware, held_error,
-                                                       self.strategy, self.params, outside,
-                                                       self.what_ifs)
-                        return planned, planned.budget.device_bytes, None
-                    except BudgetError as smaller:
-                        error = smaller
-                if not pending:
-                    raise with_eager_note(error, eager) from None
-                if error.minimum_bytes - pending > error.budget_bytes:
-                    raise short_even_alone(error, pending, eager) from None
-                planned = self._over_budget(graph, hardware, error, pending, outside, own_open)
-                return planned, error.budget_bytes, error.minimum_bytes
-            finally:  # an error kept in this frame would hold, through its traceback, every
-                del error  # frame of the step (the model's outputs in its caller's) until a gc
-        return planned, planned.budget.device_bytes, None
+                return planned_for_the_loop(loop_graph, hardware, held_error, self.strategy,
+                                            self.params, outside, self.what_ifs), None
+            except BudgetError as smaller:
+                return None, smaller
 
     def _over_budget(self, graph: CostGraph, hardware: Hardware, error: BudgetError,
                      pending: int, outside: int, own_open: int = 0) -> Planned:
