@@ -15,7 +15,8 @@ a second; the median of several runs of each probe is what a step sees):
   (``Hardware.element_rates``): transcendental functions (``tanh``, ``exp``, ``erf``), random
   draws (``bernoulli_``, dropout's mask), and batch norm and layer norm in training, each over
   a forward and its backward (a training step runs both);
-- the per-op overhead of eager dispatch (tiny adds back to back), and the copy speed (a memcpy
+- the per-op overhead of eager dispatch (tiny adds back to back, called as an ``OpOverload``
+  as compiled code calls them), and the copy speed (a memcpy
   of the same size: "device" and "host" are one memory, copies run on the compute thread).
 
 Sizes are those of the small models memfit plans on a CPU; the profile is measured on the
@@ -144,9 +145,12 @@ def elementwise_bytes_per_s(size_bytes: int = ELEMENTWISE_BYTES) -> tuple[float,
 
 
 def op_overhead_s() -> float:
-    """The time of a tiny op back to back: the dispatcher's fixed cost per eager op."""
+    """The time of a tiny op back to back, called as ``aot_eager``'s generated code calls each
+    op (an ``OpOverload``, ``torch.ops.aten.add.Tensor``, a Python call before the dispatcher):
+    the fixed cost per eager op."""
     one = torch.ones(1)
-    return median_time_s(lambda: torch.add(one, one), inner=200)
+    add = torch.ops.aten.add.Tensor
+    return median_time_s(lambda: add(one, one), inner=200)
 
 
 def measure_cpu() -> Hardware:

@@ -98,3 +98,12 @@ def test_layer_norm_and_safe_softmax_are_priced_by_their_families():
                                          "aten.native_layer_norm_backward"}
     for op in norms:
         assert op.time_s == pytest.approx(64 / 1e6 + hardware.op_overhead_s)
+
+
+def test_the_op_overhead_is_timed_as_compiled_code_calls_an_op(fixed_clock):
+    """``aot_eager``'s generated code calls ``torch.ops.aten.<op>.<overload>``, a Python call
+    before the dispatcher that ``torch.add`` skips."""
+    assert cpu_probe.op_overhead_s() == PROBE_S
+    (operation,) = fixed_clock
+    called = [cell.cell_contents for cell in operation.__closure__ or ()]
+    assert torch.ops.aten.add.Tensor in called
