@@ -59,12 +59,15 @@ def op_class(kind: str) -> str:
 # element runs a polynomial (transcendental functions, softmax's exp), a random generator, or
 # a normalization's statistics and affine map (batch norm's per-channel passes, layer norm's
 # per-row ones), each normalization family priced over its forward and backward together.
+# ``aten.pow`` is arithmetic: models raise to small whole powers (GELU's cube, a square), which
+# ATen computes by multiplying (the kind does not say the exponent: a fractional one is
+# underpriced).
 # ``Hardware.element_rates`` gives each family's elements per second where a profile measured
 # them; an op of no family ("arithmetic") is priced by its bytes alone.
 TRANSCENDENTAL = frozenset({
     "aten.exp", "aten.exp2", "aten.expm1", "aten.log", "aten.log1p", "aten.log2", "aten.tanh",
     "aten.sigmoid", "aten.erf", "aten.erfc", "aten.gelu", "aten.gelu_backward", "aten.silu",
-    "aten.silu_backward", "aten.pow", "aten.sin", "aten.cos", "aten._softmax", "aten._log_softmax",
+    "aten.silu_backward", "aten.sin", "aten.cos", "aten._softmax", "aten._log_softmax",
     "aten.softplus", "aten.mish", "aten.elu", "aten.atan", "aten.tan", "aten._safe_softmax",
 })
 RANDOM = frozenset({

@@ -86,10 +86,11 @@ def test_a_cnn_step_prices_its_convolutions_and_batch_norms_at_the_measured_rate
         assert op.time_s == pytest.approx(op.elements / 1e6 + hardware.op_overhead_s)
 
 
-def test_layer_norm_and_safe_softmax_are_priced_by_their_families():
+def test_layer_norm_safe_softmax_and_pow_are_priced_by_their_families():
     assert element_family("aten.native_layer_norm") == "layer_norm"
     assert element_family("aten.native_layer_norm_backward") == "layer_norm"
     assert element_family("aten._safe_softmax") == "transcendental"
+    assert element_family("aten.pow") == "arithmetic"  # GELU's cube: multiplications
     hardware = PROFILES["cpu"].with_(element_rates={"layer_norm": 1e6})
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))
     ops = _captured_ops(model, lambda model, x: model(x).sum(), (torch.randn(4, 16),), hardware)
