@@ -7,7 +7,7 @@ a second; the median of several runs of each probe is what a step sees):
   and backward: ``MATMUL_SHAPES``; bfloat16 where this CPU has a fast path), and a small one's
   time beyond that rate (``compute_ramp_s``);
 - convolution FLOP/s over a forward and its backward (both gradients), as a training step runs
-  them: the float32 peak is the faster of matmul's and convolution's rates, each
+  them, the median over a small CNN's stages (``CONVOLUTION_SHAPES``): the float32 peak is the faster of matmul's and convolution's rates, each
   class at its fraction of it (``compute_efficiency``);
 - memory bandwidth as an elementwise add of activations' size sees it (what a memory-bound op
   of a step reaches, caches included);
@@ -41,8 +41,9 @@ ELEMENTS = 2**20  # the elements of each per-element probe
 SMALL_MATMUL_SIDE = 48  # a small one: its time beyond the rate is the ramp
 ELEMENTWISE_BYTES = 4 * 2**20  # each operand of the add and the copy
 COMPILED_KERNEL_OVERHEAD_S = 2e-6  # estimate: a generated C++ kernel called from inductor's wrapper
-# a convolution the size of a small CNN's layer: batch, channels in and out, side, kernel side
-CONVOLUTION_SHAPE = (8, 64, 64, 28, 3)
+# convolutions of a small CNN's stages (the side halves as the channels double): batch, channels
+# in and out, side, kernel side; a convolution's rate depends on its channels (oneDNN's blocks)
+CONVOLUTION_SHAPES = ((8, 16, 16, 56, 3), (8, 32, 32, 28, 3), (8, 64, 64, 14, 3))
 LAYER_NORM_SHAPE = (4096, 256)  # rows (batch x sequence) and width of a small transformer's
 
 
@@ -89,29 +90,36 @@ def element_rates() -> dict[str, float]:
             for family, family_probes in probes.items()}
 
 
-def convolution_flops_per_s() -> float:
-    """A 3x3 float32 convolution's rate over its forward and its backward (the input's and the
-    weight's gradients, twice the forward's FLOPs): ``CONVOLUTION_SHAPE``, padded to keep its
-    size."""
-    batch, channels_in, channels_out, side, kernel = CONVOLUTION_SHAPE
+def convolution_time_s(shape: tuple[int, int, int, int, int]) -> float:
+    """The median time of a 3x3-style float32 convolution's forward plus its backward (the
+    input's and the weight's gradients) at ``shape`` (batch, channels in and out, side, kernel
+    side), padded to keep its size."""
+    batch, channels_in, channels_out, side, kernel = shape
     images = torch.randn(batch, channels_in, side, side)
     weight = torch.randn(channels_out, channels_in, kernel, kernel)
     padding = [kernel // 2] * 2
     gradient = torch.randn(batch, channels_out, side, side)
-    flops = 2 * batch * channels_out * side * side * channels_in * kernel * kernel
     forward_s = median_time_s(lambda: torch.nn.functional.conv2d(images, weight,
                                                                  padding=kernel // 2))
-    backward_s = median_time_s(lambda: torch.ops.aten.convolution_backward(
+    return forward_s + median_time_s(lambda: torch.ops.aten.convolution_backward(
         gradient, images, weight, None, [1, 1], padding, [1, 1], False, [0, 0], 1,
         [True, True, False]))
-    return 3 * flops / (forward_s + backward_s)
+
+
+def convolution_flops_per_s(shapes=CONVOLUTION_SHAPES) -> float:
+    """The median over ``shapes`` of a convolution's rate over its forward and its backward
+    (three times the forward's FLOPs: the forward, the input's gradient, the weight's)."""
+    return statistics.median(
+        3 * 2 * batch * channels_out * side * side * channels_in * kernel * kernel
+        / convolution_time_s((batch, channels_in, channels_out, side, kernel))
+        for batch, channels_in, channels_out, side, kernel in shapes)
 
 
 def normalization_rates() -> dict[str, float]:
-    """Elements per second of batch norm (``CONVOLUTION_SHAPE``'s output, per channel) and layer
-    norm (``LAYER_NORM_SHAPE``, per row) in training: each family's forward and backward output
+    """Elements per second of batch norm (the middle of ``CONVOLUTION_SHAPES``' outputs, per
+    channel) and layer norm (``LAYER_NORM_SHAPE``, per row) in training: each family's forward and backward output
     as many elements as their input, so the rate is twice the elements over the two times."""
-    batch, _, channels, side, _ = CONVOLUTION_SHAPE
+    batch, _, channels, side, _ = CONVOLUTION_SHAPES[1]
     images = torch.randn(batch, channels, side, side)
     scale, shift = torch.ones(channels), torch.zeros(channels)
     mean, variance = torch.zeros(channels), torch.ones(channels)
