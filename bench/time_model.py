@@ -6,8 +6,9 @@ row with that profile: ``memfit.fit`` with ``compiler="aot_eager"`` and ``"induc
 unplanned (no budget: ``keep``) and planned (``auto`` at 0.5 of the unplanned peak, 0.85 for
 the MLP, or at 1.05x the smallest peak where that is above).
 The predicted step time is the simulator's for the plan each compiled region runs (summed over
-regions), priced on the median of profiles measured once per timed round (beside the
-iterations, under the same load); the measured one is the median wall time of interleaved
+the regions an iteration runs: the newest plan of each compiled code, ``latest_regions``),
+priced on the median of profiles measured once per timed round (beside the iterations, under
+the same load); the measured one is the median wall time of interleaved
 forward-and-backward iterations (``loss_fn(model, *inputs).backward()``, no optimizer step: the
 planned graph is the forward and backward), after warm-ups that compile, plan and finish
 memfit's measured runs. The error is (predicted - measured) / measured.
@@ -30,6 +31,7 @@ import memfit
 from bench.common import interleaved_medians_s, ms
 from bench.recompute_methods import SINGLE_THREAD_NOTE
 from memfit import examples
+from memfit.compiler.graph_breaks import latest_regions
 from memfit.model.kernels import kernel_count, repriced
 from memfit.model.simulate import simulate
 
@@ -132,7 +134,7 @@ def model_rows(timed: TimedModel, log: Callable[[str], None]) -> tuple[list[tupl
     rows: list[tuple] = []
     for (compiler, plan), model, run_times in zip(labels, fitted, times, strict=True):
         measured_s = statistics.median(run_times)
-        regions = model._memfit_backend.regions  # type: ignore[union-attr]
+        regions = latest_regions(model._memfit_backend.regions)  # type: ignore[union-attr]
         predicted_s = sum(simulate(repriced(region.graph, hardware, compiler), region.plan,
                                    hardware, record_intervals=False).step_time_s
                           for region in regions)
@@ -198,9 +200,29 @@ def isolated(timed: TimedModel) -> tuple[list[tuple], str]:
                      f"the bench's process failed: {type(error).__name__}: {error}")], "-"
 
 
+MODELS_VARIABLE = "MEMFIT_TIME_MODELS"  # comma-separated parts of model names: run those alone
+
+
+def selected_models(models: tuple[TimedModel, ...] = TIME_MODELS) -> tuple[TimedModel, ...]:
+    """The models whose names contain one of the comma-separated parts of ``$MEMFIT_TIME_MODELS``
+    (case-insensitive), or all of ``models`` where it is unset or empty: a row can be rerun
+    without the whole table (``MEMFIT_TIME_MODELS=cnn python -m bench.run --only time_model``)."""
+    parts = [part.strip().lower() for part in os.environ.get(MODELS_VARIABLE, "").split(",")
+             if part.strip()]
+    if not parts:
+        return models
+    chosen = tuple(timed for timed in models if any(part in timed.name.lower() for part in parts))
+    if not chosen:
+        raise ValueError(f"${MODELS_VARIABLE}={os.environ[MODELS_VARIABLE]!r} names none of "
+                         f"{[timed.name for timed in models]}")
+    return chosen
+
+
 def time_model_section(log: Callable[[str], None],
-                       models: tuple[TimedModel, ...] = TIME_MODELS) -> str:
-    """The Markdown section: one table over the models, each measured in its own process."""
+                       models: tuple[TimedModel, ...] | None = None) -> str:
+    """The Markdown section: one table over the models (``selected_models`` by default), each
+    measured in its own process."""
+    models = selected_models() if models is None else models
     load_before = os.getloadavg()
     rows, profiles = [], []
     for timed in models:
@@ -215,7 +237,7 @@ def time_model_section(log: Callable[[str], None],
         TIME_MODEL_TITLE + "\n",
         __doc__.split("\n\n", 1)[1].strip() + "\n",
         SINGLE_THREAD_NOTE + "\n",
-        f"Command: `python -m bench.run --only time_model`. Load average (1, 5, 15 min) before: "
+        f"Command: `{_command()}`. Load average (1, 5, 15 min) before: "
         f"{_load(load_before)}, after: {_load(load_after)}, on {os.cpu_count()} cores: other "
         "jobs shared the machine, so measured times carry their noise. Goal (issue 30): every "
         f"row within {TARGET:.0%}; {within} of {len(errors)} rows are.\n",
@@ -227,6 +249,12 @@ def time_model_section(log: Callable[[str], None],
         "round:\n",
         *profiles,
     ])
+
+
+def _command() -> str:
+    chosen = os.environ.get(MODELS_VARIABLE, "").strip()
+    prefix = f"{MODELS_VARIABLE}={chosen} " if chosen else ""
+    return prefix + "python -m bench.run --only time_model"
 
 
 def _load(load: tuple[float, float, float]) -> str:

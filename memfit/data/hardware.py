@@ -12,9 +12,10 @@ rate and its bytes at the sustained memory bandwidth, plus a fixed launch overhe
     time_s    = max(compute_s, memory_s) + op_overhead_s
 
 ``class`` is the op's class (``memfit.data.op_classes``: matmul, convolution, attention, rnn,
-else memory). A memory-bound op of an element family (transcendental, random) also takes at
-least ``elements / element_rates[family]``: on a CPU core a ``tanh`` or a dropout mask computes
-longer than it moves its bytes. This prices each op as eager runs it; inductor's fused kernels
+else memory). A memory-bound op of an element family (transcendental, random, batch_norm,
+layer_norm) also takes at least ``elements / element_rates[family]``: on a CPU core a ``tanh``,
+a dropout mask or a batch norm's per-channel statistics compute longer than they move their
+bytes. This prices each op as eager runs it; inductor's fused kernels
 are priced from these op by op (``memfit.model.kernels``), each paying ``kernel_overhead_s``
 instead of ``op_overhead_s``. ``compute_ramp_s`` makes small kernels reach a lower fraction of the peak: an op
 of ``x`` FLOPs runs at ``efficiency * x / (x + x_half)`` of the peak, with
@@ -120,7 +121,8 @@ class Hardware:
             given runs at 1.0, the peak.
         memory_efficiency: the fraction of ``memory_bytes_per_s`` memory-bound ops sustain.
         element_rates: elements per second a memory-bound op of each element family
-            (``memfit.data.op_classes.ELEMENT_FAMILIES``: ``"transcendental"``, ``"random"``)
+            (``memfit.data.op_classes.ELEMENT_FAMILIES``: ``"transcendental"``, ``"random"``,
+            ``"batch_norm"``, ``"layer_norm"``)
             computes, where that takes longer than its bytes (a CPU core); a family not given is
             priced by its bytes alone, as every op on a GPU profile.
         compute_ramp_s: time a compute op takes beyond its FLOPs at the sustained rate; 0 runs

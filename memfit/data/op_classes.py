@@ -56,22 +56,38 @@ def op_class(kind: str) -> str:
 
 
 # Memory-bound ops whose elements cost more than the bytes they move on a CPU core: each
-# element runs a polynomial (transcendental functions, softmax's exp) or a random generator.
+# element runs a polynomial (transcendental functions, softmax's exp), a random generator, or
+# a normalization's statistics and affine map (batch norm's per-channel passes, layer norm's
+# per-row ones), each normalization family priced over its forward and backward together.
+# ``aten.pow`` is arithmetic: models raise to small whole powers (GELU's cube, a square), which
+# ATen computes by multiplying (the kind does not say the exponent: a fractional one is
+# underpriced).
 # ``Hardware.element_rates`` gives each family's elements per second where a profile measured
 # them; an op of no family ("arithmetic") is priced by its bytes alone.
 TRANSCENDENTAL = frozenset({
     "aten.exp", "aten.exp2", "aten.expm1", "aten.log", "aten.log1p", "aten.log2", "aten.tanh",
     "aten.sigmoid", "aten.erf", "aten.erfc", "aten.gelu", "aten.gelu_backward", "aten.silu",
-    "aten.silu_backward", "aten.pow", "aten.sin", "aten.cos", "aten._softmax", "aten._log_softmax",
-    "aten.softplus", "aten.mish", "aten.elu", "aten.atan", "aten.tan",
+    "aten.silu_backward", "aten.sin", "aten.cos", "aten._softmax", "aten._log_softmax",
+    "aten.softplus", "aten.mish", "aten.elu", "aten.atan", "aten.tan", "aten._safe_softmax",
 })
 RANDOM = frozenset({
     "aten.bernoulli", "aten.native_dropout", "aten.rand", "aten.rand_like", "aten.randn",
     "aten.randn_like", "aten.uniform", "aten.normal", "aten.randint", "aten.randint_like",
     "prims.inductor_random", "rngprims.philox_rand", "aten.philox_rand",
 })
+BATCH_NORM = frozenset({
+    "aten._native_batch_norm_legit_functional", "aten._native_batch_norm_legit",
+    "aten.native_batch_norm", "aten._batch_norm_with_update",
+    "aten._batch_norm_with_update_functional", "aten.native_batch_norm_backward",
+    "aten.batch_norm_backward",
+})
+LAYER_NORM = frozenset({
+    "aten.native_layer_norm", "aten.native_layer_norm_backward", "aten._fused_rms_norm",
+    "aten._fused_rms_norm_backward",
+})
 ELEMENT_FAMILIES: Mapping[str, frozenset[str]] = MappingProxyType({
-    "transcendental": TRANSCENDENTAL, "random": RANDOM,
+    "transcendental": TRANSCENDENTAL, "random": RANDOM, "batch_norm": BATCH_NORM,
+    "layer_norm": LAYER_NORM,
 })
 ARITHMETIC = "arithmetic"
 _FAMILY_OF = {kind: name for name, kinds in ELEMENT_FAMILIES.items() for kind in kinds}

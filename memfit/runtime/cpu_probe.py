@@ -6,14 +6,17 @@ a second; the median of several runs of each probe is what a step sees):
 - matmul FLOP/s per dtype (the median over matmuls shaped as a small model's layers, forward
   and backward: ``MATMUL_SHAPES``; bfloat16 where this CPU has a fast path), and a small one's
   time beyond that rate (``compute_ramp_s``);
-- convolution FLOP/s: the float32 peak is the faster of matmul's and convolution's rates, each
+- convolution FLOP/s over a forward and its backward (both gradients), as a training step runs
+  them, the median over a small CNN's stages (``CONVOLUTION_SHAPES``): the float32 peak is the faster of matmul's and convolution's rates, each
   class at its fraction of it (``compute_efficiency``);
 - memory bandwidth as an elementwise add of activations' size sees it (what a memory-bound op
   of a step reaches, caches included);
 - elements per second of memory-bound ops that compute more than they move
-  (``Hardware.element_rates``): transcendental functions (``tanh``, ``exp``, ``erf``) and random
-  draws (``bernoulli_``, dropout's mask);
-- the per-op overhead of eager dispatch (tiny adds back to back), and the copy speed (a memcpy
+  (``Hardware.element_rates``): transcendental functions (``tanh``, ``exp``, ``erf``), random
+  draws (``bernoulli_``, dropout's mask), and batch norm and layer norm in training, each over
+  a forward and its backward (a training step runs both);
+- the per-op overhead of eager dispatch (tiny adds back to back, called as an ``OpOverload``
+  as compiled code calls them), and the copy speed (a memcpy
   of the same size: "device" and "host" are one memory, copies run on the compute thread).
 
 Sizes are those of the small models memfit plans on a CPU; the profile is measured on the
@@ -38,8 +41,10 @@ ELEMENTS = 2**20  # the elements of each per-element probe
 SMALL_MATMUL_SIDE = 48  # a small one: its time beyond the rate is the ramp
 ELEMENTWISE_BYTES = 4 * 2**20  # each operand of the add and the copy
 COMPILED_KERNEL_OVERHEAD_S = 2e-6  # estimate: a generated C++ kernel called from inductor's wrapper
-# a convolution the size of a small CNN's layer: batch, channels in and out, side, kernel side
-CONVOLUTION_SHAPE = (8, 64, 64, 28, 3)
+# convolutions of a small CNN's stages (the side halves as the channels double): batch, channels
+# in and out, side, kernel side; a convolution's rate depends on its channels (oneDNN's blocks)
+CONVOLUTION_SHAPES = ((8, 16, 16, 56, 3), (8, 32, 32, 28, 3), (8, 64, 64, 14, 3))
+LAYER_NORM_SHAPE = (4096, 256)  # rows (batch x sequence) and width of a small transformer's
 
 
 def median_time_s(operation: Callable[[], object], repeats: int = REPEATS,
@@ -85,14 +90,56 @@ def element_rates() -> dict[str, float]:
             for family, family_probes in probes.items()}
 
 
-def convolution_flops_per_s() -> float:
-    """A 3x3 float32 convolution's rate (``CONVOLUTION_SHAPE``, padded to keep its size)."""
-    batch, channels_in, channels_out, side, kernel = CONVOLUTION_SHAPE
+def convolution_time_s(shape: tuple[int, int, int, int, int]) -> float:
+    """The median time of a 3x3-style float32 convolution's forward plus its backward (the
+    input's and the weight's gradients) at ``shape`` (batch, channels in and out, side, kernel
+    side), padded to keep its size."""
+    batch, channels_in, channels_out, side, kernel = shape
     images = torch.randn(batch, channels_in, side, side)
     weight = torch.randn(channels_out, channels_in, kernel, kernel)
-    flops = 2 * batch * channels_out * side * side * channels_in * kernel * kernel
-    return flops / median_time_s(
-        lambda: torch.nn.functional.conv2d(images, weight, padding=kernel // 2))
+    padding = [kernel // 2] * 2
+    gradient = torch.randn(batch, channels_out, side, side)
+    forward_s = median_time_s(lambda: torch.nn.functional.conv2d(images, weight,
+                                                                 padding=kernel // 2))
+    return forward_s + median_time_s(lambda: torch.ops.aten.convolution_backward(
+        gradient, images, weight, None, [1, 1], padding, [1, 1], False, [0, 0], 1,
+        [True, True, False]))
+
+
+def convolution_flops_per_s(shapes=CONVOLUTION_SHAPES) -> float:
+    """The median over ``shapes`` of a convolution's rate over its forward and its backward
+    (three times the forward's FLOPs: the forward, the input's gradient, the weight's)."""
+    return statistics.median(
+        3 * 2 * batch * channels_out * side * side * channels_in * kernel * kernel
+        / convolution_time_s((batch, channels_in, channels_out, side, kernel))
+        for batch, channels_in, channels_out, side, kernel in shapes)
+
+
+def normalization_rates() -> dict[str, float]:
+    """Elements per second of batch norm (the middle of ``CONVOLUTION_SHAPES``' outputs, per
+    channel) and layer norm (``LAYER_NORM_SHAPE``, per row) in training: each family's forward and backward output
+    as many elements as their input, so the rate is twice the elements over the two times."""
+    batch, _, channels, side, _ = CONVOLUTION_SHAPES[1]
+    images = torch.randn(batch, channels, side, side)
+    scale, shift = torch.ones(channels), torch.zeros(channels)
+    mean, variance = torch.zeros(channels), torch.ones(channels)
+    _, saved_mean, saved_inverse, _, _ = torch.ops.aten._native_batch_norm_legit_functional(
+        images, scale, shift, mean, variance, True, 0.1, 1e-5)
+    batch_norm_s = median_time_s(lambda: torch.ops.aten._native_batch_norm_legit_functional(
+        images, scale, shift, mean, variance, True, 0.1, 1e-5)) + median_time_s(
+        lambda: torch.ops.aten.native_batch_norm_backward(
+            images, images, scale, mean, variance, saved_mean, saved_inverse, True, 1e-5,
+            [True, True, True]))
+    rows = torch.randn(*LAYER_NORM_SHAPE)
+    width = [LAYER_NORM_SHAPE[-1]]
+    weight, bias = torch.ones(width), torch.zeros(width)
+    _, row_mean, row_inverse = torch.ops.aten.native_layer_norm(rows, width, weight, bias, 1e-5)
+    layer_norm_s = median_time_s(lambda: torch.ops.aten.native_layer_norm(
+        rows, width, weight, bias, 1e-5)) + median_time_s(
+        lambda: torch.ops.aten.native_layer_norm_backward(
+            rows, rows, width, row_mean, row_inverse, weight, bias, [True, True, True]))
+    return {"batch_norm": 2 * images.numel() / batch_norm_s,
+            "layer_norm": 2 * rows.numel() / layer_norm_s}
 
 
 def elementwise_bytes_per_s(size_bytes: int = ELEMENTWISE_BYTES) -> tuple[float, float]:
@@ -106,9 +153,12 @@ def elementwise_bytes_per_s(size_bytes: int = ELEMENTWISE_BYTES) -> tuple[float,
 
 
 def op_overhead_s() -> float:
-    """The time of a tiny op back to back: the dispatcher's fixed cost per eager op."""
+    """The time of a tiny op back to back, called as ``aot_eager``'s generated code calls each
+    op (an ``OpOverload``, ``torch.ops.aten.add.Tensor``, a Python call before the dispatcher):
+    the fixed cost per eager op."""
     one = torch.ones(1)
-    return median_time_s(lambda: torch.add(one, one), inner=200)
+    add = torch.ops.aten.add.Tensor
+    return median_time_s(lambda: add(one, one), inner=200)
 
 
 def measure_cpu() -> Hardware:
@@ -135,7 +185,7 @@ def measure_cpu() -> Hardware:
         compute_ramp_s=ramp_s,
         memory_bytes_per_s=memory_bytes_per_s,
         memory_efficiency=1.0,
-        element_rates=element_rates(),
+        element_rates={**element_rates(), **normalization_rates()},
         d2h_bytes_per_s=copy_bytes_per_s,
         h2d_bytes_per_s=copy_bytes_per_s,
         duplex=False,

@@ -1,0 +1,113 @@
+"""What the CPU profile measures is what prices a step's ops: a convolution at the convolution
+rate ``measure_cpu`` timed over a forward and its backward, batch norm and layer norm (forward
+and backward) and ``_safe_softmax`` at their element families' measured rates. Structural: the
+probes' clock is replaced by a fixed one, so no assertion depends on this machine's speed."""
+
+import pytest
+import torch
+
+from memfit.api import analyzed
+from memfit.data.hardware import PROFILES
+from memfit.data.op_classes import element_family, op_class
+from memfit.graph.capture import capture
+from memfit.runtime import cpu_probe
+
+PROBE_S = 1e-3  # every probe's median, by the fixed clock
+
+
+@pytest.fixture
+def fixed_clock(monkeypatch):
+    """Every probe's median time is ``PROBE_S``; records the operations timed."""
+    timed: list = []
+
+    def median_time_s(operation, repeats=cpu_probe.REPEATS, inner=1):
+        timed.append(operation)
+        return PROBE_S
+
+    monkeypatch.setattr(cpu_probe, "median_time_s", median_time_s)
+    return timed
+
+
+def test_the_convolution_rate_is_timed_over_a_forward_and_its_backward(fixed_clock):
+    rates = []
+    for shape in cpu_probe.CONVOLUTION_SHAPES:
+        batch, channels_in, channels_out, side, kernel = shape
+        forward_flops = 2 * batch * channels_out * side**2 * channels_in * kernel**2
+        rates.append(3 * forward_flops / (2 * PROBE_S))  # two timed calls, PROBE_S each
+    assert cpu_probe.convolution_flops_per_s() == pytest.approx(sorted(rates)[1])
+    assert len(fixed_clock) == 2 * len(cpu_probe.CONVOLUTION_SHAPES)  # forward, both gradients
+    batch, channels_in, channels_out, side, kernel = cpu_probe.CONVOLUTION_SHAPES[-1]
+    gradients = fixed_clock[-1]()
+    assert gradients[0].shape == (batch, channels_in, side, side)
+    assert gradients[1].shape == (channels_out, channels_in, kernel, kernel)
+
+
+def test_normalization_rates_are_elements_over_a_forward_and_its_backward(fixed_clock):
+    rates = cpu_probe.normalization_rates()
+    batch, _, channels, side, _ = cpu_probe.CONVOLUTION_SHAPES[1]
+    rows, width = cpu_probe.LAYER_NORM_SHAPE
+    assert rates == pytest.approx({"batch_norm": batch * channels * side**2 / PROBE_S,
+                                   "layer_norm": rows * width / PROBE_S})
+    assert len(fixed_clock) == 4
+    for operation in fixed_clock:  # each probe runs (the backward probes on saved statistics)
+        operation()
+
+
+def test_the_measured_profile_carries_the_convolution_and_normalization_rates(fixed_clock):
+    measured = cpu_probe.measure_cpu()
+    convolution = measured.flops_per_s["float32"] * measured.compute_efficiency["convolution"]
+    assert convolution == pytest.approx(cpu_probe.convolution_flops_per_s())
+    assert {"transcendental", "random", "batch_norm", "layer_norm"} <= set(measured.element_rates)
+
+
+def _captured_ops(model, loss_fn, inputs, hardware):
+    graph = analyzed(capture(model, loss_fn, *inputs, hardware=hardware), hardware, "", False)[1]
+    return graph.ops
+
+
+def test_a_cnn_step_prices_its_convolutions_and_batch_norms_at_the_measured_rates():
+    hardware = PROFILES["cpu"].with_(
+        compute_efficiency={"convolution": 0.25, "matmul": 1.0},
+        element_rates={"batch_norm": 1e6})  # far slower than the bytes: the rate decides
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8 * 64, 4))
+
+    def loss_fn(model, images):
+        return model(images).square().mean()
+
+    ops = _captured_ops(model, loss_fn, (torch.randn(2, 3, 8, 8),), hardware)
+    convolutions = [op for op in ops if op_class(op.kind) == "convolution"]
+    assert {op.kind for op in convolutions} == {"aten.convolution", "aten.convolution_backward"}
+    peak = hardware.flops_rate("float32")
+    for op in convolutions:
+        compute_s = op.flops / (peak * 0.25) + hardware.compute_ramp_s
+        assert op.time_s >= compute_s + hardware.op_overhead_s - 1e-12
+    norms = [op for op in ops if element_family(op.kind) == "batch_norm"]
+    assert len(norms) == 2  # the forward (training: statistics) and its backward
+    for op in norms:
+        assert op.elements == 2 * 8 * 8 * 8
+        assert op.time_s == pytest.approx(op.elements / 1e6 + hardware.op_overhead_s)
+
+
+def test_layer_norm_safe_softmax_and_pow_are_priced_by_their_families():
+    assert element_family("aten.native_layer_norm") == "layer_norm"
+    assert element_family("aten.native_layer_norm_backward") == "layer_norm"
+    assert element_family("aten._safe_softmax") == "transcendental"
+    assert element_family("aten.pow") == "arithmetic"  # GELU's cube: multiplications
+    hardware = PROFILES["cpu"].with_(element_rates={"layer_norm": 1e6})
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))
+    ops = _captured_ops(model, lambda model, x: model(x).sum(), (torch.randn(4, 16),), hardware)
+    norms = [op for op in ops if element_family(op.kind) == "layer_norm"]
+    assert {op.kind for op in norms} == {"aten.native_layer_norm",
+                                         "aten.native_layer_norm_backward"}
+    for op in norms:
+        assert op.time_s == pytest.approx(64 / 1e6 + hardware.op_overhead_s)
+
+
+def test_the_op_overhead_is_timed_as_compiled_code_calls_an_op(fixed_clock):
+    """``aot_eager``'s generated code calls ``torch.ops.aten.<op>.<overload>``, a Python call
+    before the dispatcher that ``torch.add`` skips."""
+    assert cpu_probe.op_overhead_s() == PROBE_S
+    (operation,) = fixed_clock
+    called = [cell.cell_contents for cell in operation.__closure__ or ()]
+    assert torch.ops.aten.add.Tensor in called
