@@ -13,7 +13,7 @@ from functools import cached_property
 
 import numpy as np
 
-from memfit.data.costgraph import CostGraph
+from memfit.data.costgraph import CostGraph, Op
 from memfit.data.plan import Plan, Swap
 from memfit.model.keys import COMPUTE, STRIDE, SWAP_IN, SWAP_OUT, RangeMax
 from memfit.model.recompute import first_late_readers
@@ -67,6 +67,17 @@ class KeepProfile:
         index = self.graph.index
         return {name: sorted(index[c] for c in t.consumers)
                 for name, t in self.graph.tensors.items()}
+
+    @cached_property
+    def op_named(self) -> dict[str, Op]:
+        """Op name -> the op (a plain dict: the re-run walks look ops up by name in their hot
+        loops)."""
+        return {op.name: op for op in self.graph.ops}
+
+    @cached_property
+    def size_bytes(self) -> dict[str, int]:
+        """Tensor -> its bytes (for the re-run walks' hot loops)."""
+        return {name: t.size_bytes for name, t in self.graph.tensors.items()}
 
     @cached_property
     def first_late_reader(self) -> dict[str, int]:
