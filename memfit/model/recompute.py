@@ -78,6 +78,11 @@ def first_late_readers(graph: CostGraph) -> dict[str, int]:
     return found
 
 
+def late_readers(graph: CostGraph) -> dict[str, int]:
+    """``first_late_readers(graph)``, once per graph (shared: its readers must not change it)."""
+    return graph.remembered("first late readers", lambda: first_late_readers(graph))
+
+
 def rerun_deadlines(graph: CostGraph, recomputed: set[str],
                first_late_reader: dict[str, int] | None = None) -> dict[str, int]:
     """Producer -> position of the first backward op needing it (directly or through a re-run),
@@ -87,7 +92,7 @@ def rerun_deadlines(graph: CostGraph, recomputed: set[str],
     its recomputed outputs, or the earliest deadline of a re-run reading them, and every such
     re-run comes later in the program, so it is settled first.
     """
-    late_reader = first_late_readers(graph) if first_late_reader is None else first_late_reader
+    late_reader = late_readers(graph) if first_late_reader is None else first_late_reader
     produced_at, consumers_of = _producers_and_consumers(graph)
     ops, end = graph.ops, len(graph.ops)
     late, consumed = late_reader.get, consumers_of.__getitem__
