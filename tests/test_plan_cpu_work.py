@@ -89,10 +89,15 @@ def test_auto_with_what_ifs_finds_late_readers_once_and_never_collects(monkeypat
 
     monkeypatch.setattr(recompute_module, "first_late_readers", counted)
     monkeypatch.setattr(plan_step_module, "explain", explained)
-    assert gc.isenabled()
-    planned = plan_step(graph, hardware, Budget(fraction=0.5), "auto", {}, 1 << 20,
-                        what_ifs=True)
+    was_enabled = gc.isenabled()
+    gc.enable()
+    try:
+        planned = plan_step(graph, hardware, Budget(fraction=0.5), "auto", {}, 1 << 20,
+                            what_ifs=True)
+        assert gc.isenabled()  # on again once the call ends
+    finally:
+        if not was_enabled:
+            gc.disable()
     assert len(planned.plan.explanation.what_if) == 2
     assert found == {graph.name: 1}  # three auto searches, every re-run priced on one table
     assert collector_on == [False, False]  # between the strategies too
-    assert gc.isenabled()  # on again once the call ends
