@@ -36,7 +36,7 @@ from memfit.model.explain import explain
 from memfit.model.linearize import linearize as as_late_as_possible
 from memfit.model.plan_memo import plans_remembered
 from memfit.model.simulate import simulate
-from memfit.planning.strategies import STRATEGY_STARTED, get_strategy
+from memfit.planning.strategies import STRATEGY_STARTED, collector_paused, get_strategy
 from memfit.planning.strategies._budget_checks import require_host
 
 
@@ -101,13 +101,16 @@ def plan_step(graph: CostGraph, hardware: Hardware, budget: Budget | None, strat
     calls: ``memfit.plan`` and ``memfit plan`` explain, so they ask; steps on their way to running
     do not). A ``fixed`` plan (``compile(plan=...)``) is checked and used as is. Each plan is
     lowered and simulated once for the whole call (``memfit.model.plan_memo``), however often
-    the strategy, the what-ifs and the explanation ask.
+    the strategy, the what-ifs and the explanation ask; Python's cyclic collector stays paused
+    for the whole call, not only inside each strategy (``collector_paused``: between the
+    strategies, the simulations and the explanation it ran full collections over the objects
+    the call remembers, which the call's end frees anyway).
 
     Raises:
         BudgetError: if the strategy cannot fit the budget (whole-device bytes in its message).
         PlanError: if ``fixed`` was made for another graph, input shape or hardware.
     """
-    with plans_remembered():
+    with plans_remembered(), collector_paused():
         return _plan_step(graph, hardware, budget, strategy, params, outside_bytes, fixed,
                           what_ifs)
 

@@ -8,16 +8,16 @@ other's queries.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from functools import cached_property
 
 import numpy as np
 
-from memfit.data.costgraph import CostGraph
+from memfit.data.costgraph import CostGraph, Op
 from memfit.data.plan import Plan, Swap
 from memfit.model.keys import COMPUTE, STRIDE, SWAP_IN, SWAP_OUT, RangeMax
-from memfit.model.recompute import first_late_readers
-from memfit.model.schedule import lower, memory_profile
+from memfit.model.recompute import late_readers
+from memfit.model.schedule import lower, memory_profile, tensor_bytes
 from memfit.model.sharding import COLLECTIVE_KINDS
 from memfit.model.sharding import WAIT as COMM_WAIT
 
@@ -69,9 +69,20 @@ class KeepProfile:
                 for name, t in self.graph.tensors.items()}
 
     @cached_property
+    def op_named(self) -> dict[str, Op]:
+        """Op name -> the op (a plain dict: the re-run walks look ops up by name in their hot
+        loops)."""
+        return {op.name: op for op in self.graph.ops}
+
+    @cached_property
+    def size_bytes(self) -> Mapping[str, int]:
+        """Tensor -> its bytes (for the re-run walks' hot loops)."""
+        return tensor_bytes(self.graph)
+
+    @cached_property
     def first_late_reader(self) -> dict[str, int]:
         """Tensor -> position of its first reader outside the forward pass."""
-        return first_late_readers(self.graph)
+        return late_readers(self.graph)
 
     def swap_lifetimes(self, name: str, swap: Swap, first: list[int], last: list[int],
                        size: list[int]) -> None:

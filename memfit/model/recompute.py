@@ -59,11 +59,12 @@ def decided_reruns(graph: CostGraph, recomputed: set[str],
             (computed here when not given; planners pricing many plans pass it in).
     """
     deadline = rerun_deadlines(graph, recomputed, first_late_reader)
-    ops, index = graph.ops, graph.index
+    names, outputs_of = _names_and_outputs(graph)
+    # rerun_deadlines settles producers in reverse program order: reversed, in program order
     return [
-        PlannedRerun(producer, ops[position].name,
-                     frozenset(recomputed.intersection(ops[index[producer]].outputs)))
-        for producer, position in sorted(deadline.items(), key=lambda item: index[item[0]])
+        PlannedRerun(producer, names[position],
+                     frozenset(recomputed.intersection(outputs_of[producer])))
+        for producer, position in reversed(deadline.items())
     ]
 
 
@@ -77,31 +78,63 @@ def first_late_readers(graph: CostGraph) -> dict[str, int]:
     return found
 
 
+def late_readers(graph: CostGraph) -> dict[str, int]:
+    """``first_late_readers(graph)``, once per graph (shared: its readers must not change it)."""
+    return graph.remembered("first late readers", lambda: first_late_readers(graph))
+
+
 def rerun_deadlines(graph: CostGraph, recomputed: set[str],
                first_late_reader: dict[str, int] | None = None) -> dict[str, int]:
-    """Producer -> position of the first backward op needing it (directly or through a re-run).
+    """Producer -> position of the first backward op needing it (directly or through a re-run),
+    in reverse program order of the producers.
 
     One sweep in reverse program order: a producer's deadline is the earliest late reader of
     its recomputed outputs, or the earliest deadline of a re-run reading them, and every such
     re-run comes later in the program, so it is settled first.
     """
-    late_reader = first_late_readers(graph) if first_late_reader is None else first_late_reader
-    tensors, index, ops = graph.tensors, graph.index, graph.ops
-    end = len(ops)
-    positions = {index[p] for name in recomputed if (p := tensors[name].producer) is not None}
+    late_reader = late_readers(graph) if first_late_reader is None else first_late_reader
+    produced_at, consumers_of = _producers_and_consumers(graph)
+    ops, end = graph.ops, len(graph.ops)
+    late, consumed = late_reader.get, consumers_of.__getitem__
     deadline: dict[str, int] = {}
-    for position in sorted(positions, reverse=True):  # the hot loop of recompute pricing
+    settled = deadline.get
+    # the hot loop of recompute pricing: comparisons, not min(), and no per-tensor lookups
+    for position in sorted({produced_at[name] for name in recomputed if name in produced_at},
+                           reverse=True):
         op = ops[position]
         earliest = end
         for name in op.outputs:
             if name not in recomputed:
                 continue
-            earliest = min(earliest, late_reader.get(name, end))
-            for consumer in tensors[name].consumers:
-                earliest = min(earliest, deadline.get(consumer, end))
+            found = late(name, end)
+            if found < earliest:
+                earliest = found
+            for consumer in consumed(name):
+                found = settled(consumer, end)
+                if found < earliest:
+                    earliest = found
         if earliest < end:
             deadline[op.name] = earliest
     return deadline
+
+
+def _names_and_outputs(graph: CostGraph) -> tuple[list[str], dict[str, tuple[str, ...]]]:
+    """Op names in program order, and op name -> its outputs (once per graph)."""
+    return graph.remembered("op names and outputs", lambda: (
+        [op.name for op in graph.ops], {op.name: op.outputs for op in graph.ops}))
+
+
+def _producers_and_consumers(graph: CostGraph) -> tuple[dict[str, int], dict[str, tuple[str, ...]]]:
+    """Tensor -> its producer's position (tensors with a producer), and tensor -> its consumers
+    (once per graph: the recompute planners price thousands of sets of one graph)."""
+
+    def make() -> tuple[dict[str, int], dict[str, tuple[str, ...]]]:
+        index = graph.index
+        return ({name: index[t.producer] for name, t in graph.tensors.items()
+                 if t.producer is not None},
+                {name: tuple(t.consumers) for name, t in graph.tensors.items()})
+
+    return graph.remembered("producers and consumers", make)
 
 
 def memory_poor_reruns(graph: CostGraph) -> tuple[tuple[str, str], ...]:

@@ -165,7 +165,7 @@ class _Lifetimes:
 
 def _rerun_delta(base: KeepProfile, grouped: Grouped, lifetimes: _Lifetimes) -> RerunDelta:
     """``lifetimes`` plus those ``grouped``'s re-runs change, walked in program order."""
-    index, op = base.graph.index, base.graph.op
+    index, op_named = base.graph.index, base.op_named
     walk = _RerunWalk(base)
     actions = lifetimes.actions
     for before in sorted(grouped, key=index.__getitem__):  # the hot loop of segment pricing
@@ -178,7 +178,7 @@ def _rerun_delta(base: KeepProfile, grouped: Grouped, lifetimes: _Lifetimes) -> 
     first, last, size = (np.asarray(v, dtype=np.int64)
                          for v in (lifetimes.first, lifetimes.last, lifetimes.size))
     return RerunDelta(first, last, size, np.sort(np.asarray(lifetimes.actions, dtype=np.int64)),
-                      sum(op(r.op).time_s for reruns in grouped.values() for r in reruns),
+                      sum(op_named[r.op].time_s for reruns in grouped.values() for r in reruns),
                       sum(len(reruns) for reruns in grouped.values()))
 
 
@@ -196,15 +196,16 @@ class _RerunWalk:
     def rerun(self, rerun: PlannedRerun, before_index: int, action: int) -> None:
         """Note re-run ``rerun`` at key ``action``; re-runs come in program order, so each read
         is the latest so far."""
-        graph = self.base.graph
-        op = graph.op(rerun.op)
+        op = self.base.op_named[rerun.op]
         newest, rerun_reads, replaced = self.newest, self.rerun_reads, self.replaced
+        size_bytes, allocated, replaces = self.base.size_bytes, self.allocated, rerun.replaces
+        newest_of = newest.get
         for tensor in op.inputs:
-            rerun_reads[newest.get(tensor, tensor)] = action
+            rerun_reads[newest_of(tensor, tensor)] = action
         for tensor in op.outputs:
             instance = f"{tensor}#{action}"
-            self.allocated[instance] = (action, graph.tensors[tensor].size_bytes)
-            if tensor in rerun.replaces:
+            allocated[instance] = (action, size_bytes[tensor])
+            if tensor in replaces:
                 newest[tensor] = instance
                 if tensor in replaced:
                     self.earlier.setdefault(tensor, []).append(replaced[tensor])
@@ -214,26 +215,29 @@ class _RerunWalk:
         """Add every changed lifetime to ``lifetimes``: the originals re-runs read later or
         replace (removed, re-added to their new last read) and the new instances."""
         base = self.base
-        produced_at, keep_last, tensors = base.produced_at, base.last_key, base.graph.tensors
+        produced_at, keep_last, bytes_of = base.produced_at, base.last_key, base.size_bytes
         last_read = self._last_reads()
+        read_last = last_read.get
         first, last, size = lifetimes.first, lifetimes.last, lifetimes.size
-        for tensor in {*self.replaced, *(b for b in self.rerun_reads if b in keep_last)}:
+        replaced = self.replaced
+        for tensor in {*replaced, *(b for b in self.rerun_reads if b in keep_last)}:
             old_end = keep_last.get(tensor)
             if old_end is None:
                 continue  # step outputs and resident tensors are never freed
             start = produced_at[tensor] * STRIDE + COMPUTE
-            if tensor in self.replaced:
-                new_end = max(start, last_read.get(tensor, start))
+            if tensor in replaced:
+                new_end = max(start, read_last(tensor, start))
             else:  # only re-runs read it again, later
                 new_end = max(start, last_read[tensor], old_end)
             if new_end != old_end:
-                size_bytes = tensors[tensor].size_bytes
+                size_bytes = bytes_of[tensor]
                 first += (start, start)
                 last += (old_end, new_end)
                 size += (-size_bytes, size_bytes)
-        for instance, (action, size_bytes) in self.allocated.items():
+        for instance, (action, size_bytes) in self.allocated.items():  # the hot loop
+            end = read_last(instance, action)
             first.append(action)
-            last.append(max(action, last_read.get(instance, action)))
+            last.append(end if end > action else action)
             size.append(size_bytes)
 
     def _last_reads(self) -> dict[str, int]:
@@ -241,19 +245,22 @@ class _RerunWalk:
         it finds (the original before the first rebuild, from each rebuild on its instance)."""
         readers_of, bisect_left, earlier = self.base.readers, bisect.bisect_left, self.earlier
         last_read = dict(self.rerun_reads)
+        read_last = last_read.get
         for tensor, last_rebuild in self.replaced.items():
             readers = readers_of[tensor]
             rebuilds = [*earlier[tensor], last_rebuild] if tensor in earlier else [last_rebuild]
             cut = bisect_left(readers, rebuilds[0][0])
             if cut:  # readers before the first rebuild read the original
-                last_read[tensor] = max(readers[cut - 1] * STRIDE + COMPUTE,
-                                        last_read.get(tensor, -1))
+                read = readers[cut - 1] * STRIDE + COMPUTE
+                before = read_last(tensor, -1)
+                last_read[tensor] = read if read > before else before
             for number, (_, instance) in enumerate(rebuilds):  # one, for ``Recompute``
                 end = (bisect_left(readers, rebuilds[number + 1][0], cut)
                        if number + 1 < len(rebuilds) else len(readers))
                 if end > cut:
-                    last_read[instance] = max(readers[end - 1] * STRIDE + COMPUTE,
-                                              last_read.get(instance, -1))
+                    read = readers[end - 1] * STRIDE + COMPUTE
+                    before = read_last(instance, -1)
+                    last_read[instance] = read if read > before else before
                 cut = end
         return last_read
 

@@ -244,7 +244,7 @@ def _lowered(graph: CostGraph, plan: Plan) -> Schedule:
     redirect: dict[str, dict[str, str]] = {}  # consumer op -> {tensor: copy buffer it reads}
     waits_before: dict[str, list[Action]] = {}
     swap_ins_after: dict[str, list[Action]] = {}
-    buffer_bytes = {name: t.size_bytes for name, t in graph.tensors.items()}
+    buffer_bytes = dict(tensor_bytes(graph))  # this plan's own: copies and re-runs add buffers
     swapped = {name for name, d in plan.decisions.items() if isinstance(d, Swap)}
     for name, decision in plan.decisions.items():
         if isinstance(decision, Swap):
@@ -281,6 +281,12 @@ def _lowered(graph: CostGraph, plan: Plan) -> Schedule:
             actions.extend(swap_ins_after[op.name])
     outputs = frozenset(name for name, t in graph.tensors.items() if t.is_output)
     return Schedule(tuple(actions), MappingProxyType(buffer_bytes), graph.resident_bytes, outputs)
+
+
+def tensor_bytes(graph: CostGraph) -> Mapping[str, int]:
+    """Tensor -> its bytes, once per graph (shared: its readers must not change it)."""
+    return graph.remembered("tensor bytes", lambda: {
+        name: t.size_bytes for name, t in graph.tensors.items()})
 
 
 def _lower_swap(graph: CostGraph, name: str, decision: Swap, redirect: dict[str, dict[str, str]],
@@ -386,11 +392,14 @@ def _profiled(schedule: Schedule) -> MemoryProfile:
             last_read[buffer] = index
     allocated = [0] * len(actions)  # bytes each action allocates
     freed = [0] * len(actions)  # bytes freed right after each action
-    for index, action in enumerate(actions):
+    read_last = last_read.get
+    for index, action in enumerate(actions):  # the hot loop of every simulation
         for buffer in action.allocates:
-            allocated[index] += size[buffer]
+            buffer_bytes = size[buffer]
+            allocated[index] += buffer_bytes
             if buffer not in outputs:
-                freed[max(index, last_read.get(buffer, index))] += size[buffer]
+                end = read_last(buffer, index)
+                freed[end if end > index else index] += buffer_bytes
     freed_after = np.asarray(freed, dtype=np.int64)
     live = schedule.resident_bytes + np.cumsum(np.asarray(allocated, dtype=np.int64) - freed_after)
     high = live + freed_after

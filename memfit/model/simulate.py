@@ -75,7 +75,7 @@ def _simulated(graph: CostGraph, plan: Plan, hardware: Hardware, record_interval
     actions = schedule.actions
     labels = tuple(action.label for action in actions) if record_intervals else None
     intervals: list[Interval] = []
-    time_s = {op.name: op.time_s for op in graph.ops}
+    time_s = graph.remembered("op times", lambda: {op.name: op.time_s for op in graph.ops})
     run = _run_async if hardware.async_copies else _run_sync
     communication = _communication(graph)
     step_time_s, exposed_s, recompute_s = run(

@@ -315,6 +315,9 @@ class _Pricing:
         self._owned = [np.nonzero(owner == block)[0] for block in range(blocks.count)]
         # per last block: how many of ops 0..i-1 a later segment owns
         self._later = [np.concatenate(([0], np.cumsum(owner > last))) for last in range(blocks.count)]
+        graph = model.graph  # tensor -> what its producer reads (a segment's re-runs read them)
+        self._producer_inputs = {name: graph.op(t.producer).inputs
+                                 for name, t in graph.tensors.items() if t.producer}
 
     def priced(self, first: int, last: int, option: str, recomputed: frozenset[str]) -> Segment:
         model = self.model
@@ -326,9 +329,9 @@ class _Pricing:
         else:
             own_delta, time_s, carried = np.zeros(len(own), dtype=np.int64), 0.0, 0
         need = int((model.high_bytes[own] + own_delta).max(initial=0))
-        graph = model.graph
-        read = {t for name in recomputed if (p := graph.tensors[name].producer)
-                for t in graph.op(p).inputs}
+        producer_inputs = self._producer_inputs
+        read = set().union(*(producer_inputs[name] for name in recomputed
+                             if name in producer_inputs))
         return Segment(first, last, option, recomputed, time_s, need, carried, own, own_delta,
                        frozenset(recomputed | read))
 

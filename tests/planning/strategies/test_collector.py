@@ -13,7 +13,9 @@ def collector_on():
     was_enabled = gc.isenabled()
     gc.enable()
     yield
-    if not was_enabled:
+    if was_enabled:  # as it was: a test that switched it off must not leave it off
+        gc.enable()
+    else:
         gc.disable()
 
 

@@ -29,7 +29,6 @@ import numpy as np
 
 from memfit.model import separators
 from memfit.model.profile import BaseProfile
-from memfit.model.recompute import first_late_readers
 from memfit.model.rerun_delta import FoldedProfile
 
 
@@ -55,7 +54,7 @@ class CountBounds:
                  held: Sequence[frozenset[str]]) -> None:
         graph = model.graph
         self.model, self.droppable, self.held = model, droppable, tuple(held)
-        late = first_late_readers(graph)
+        late = model.first_late_reader
         self._late_outputs = {  # producer -> its droppable outputs a backward op reads
             op.name: frozenset(t for t in op.outputs if t in droppable and t in late)
             for op in graph.forward_ops
