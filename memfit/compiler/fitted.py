@@ -345,8 +345,8 @@ def _adopt_existing_optimizers(planner: Backend) -> None:
 def _watch_optimizers(planner: Backend) -> None:
     """Find the loop's optimizer by its first step, when ``optimizer=`` was not given and it did
     not exist at the first call, so that its state counts from the next iteration on (a global
-    post-step hook, held weakly); after a step, the watch of eager code leaves the mode stack once measuring has ended
-    (``Backend.end_eager_watch``)."""
+    post-step hook, held weakly); after a step, the watch of eager code leaves the mode stack
+    once measuring has ended (``Backend.end_eager_watch``)."""
     import weakref
 
     from torch.optim.optimizer import register_optimizer_step_post_hook

@@ -95,8 +95,8 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
                 result = forward(args)
         node = calling_autograd_node() if region is not None or follow_loop else None
         if follow_loop and not is_backward and node is not None:
-            # the backward module takes ``None`` for an output nothing used (``zeros_at_first_use``),
-            # not the zeros autograd would otherwise make before it starts
+            # the backward module takes ``None`` for an output nothing used, not the zeros
+            # autograd would otherwise make before it starts (``zeros_at_first_use``)
             node.set_materialize_grads(False)
         if region is not None:
             if not is_backward:
