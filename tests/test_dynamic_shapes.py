@@ -72,6 +72,14 @@ def _assert_same_training(model, reference, losses, reference_losses):
         assert torch.equal(parameter, expected), name
 
 
+def _assert_close_training(model, reference, losses, reference_losses):
+    """Losses and weights within ``assert_close``'s float32 defaults (inductor's kernels)."""
+    for loss, expected in zip(losses, reference_losses, strict=True):
+        torch.testing.assert_close(loss, expected)
+    for parameter, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(parameter, expected)
+
+
 def test_a_varying_batch_size_is_planned_twice_and_fits_every_iteration():
     """Batch sizes 2048, then 12 smaller ones, then a smaller last batch: the first shape is
     planned as it is, the second traces the region with a symbolic batch size, priced at that
@@ -120,11 +128,7 @@ def test_inductor_serves_changing_batch_sizes_within_budget_close_to_torch_compi
     optimizer = torch.optim.AdamW(model.parameters())
     fitted = memfit.fit(model, budget=budget, optimizer=optimizer, compiler="inductor")
     losses, peaks = _train(fitted, optimizer, data)
-    for loss, expected in zip(losses, reference_losses, strict=True):
-        torch.testing.assert_close(loss, expected)
-    for parameter, expected in zip(model.parameters(), compiled_reference.parameters(),
-                                   strict=True):
-        torch.testing.assert_close(parameter, expected)
+    _assert_close_training(model, compiled_reference, losses, reference_losses)
     assert len(fitted._memfit_backend.regions) == 2
     assert max(peaks) <= budget, (peaks, budget)
 
@@ -192,10 +196,6 @@ def test_bert_on_padded_batches_with_inductor_is_planned_twice_within_budget_clo
     with warnings.catch_warnings():
         warnings.simplefilter("error", memfit.BudgetWarning)
         losses, peaks = _train_hf(fitted, optimizer, data)
-    for loss, expected in zip(losses, reference_losses, strict=True):
-        torch.testing.assert_close(loss, expected)
-    for parameter, expected in zip(model.parameters(), compiled_reference.parameters(),
-                                   strict=True):
-        torch.testing.assert_close(parameter, expected)
+    _assert_close_training(model, compiled_reference, losses, reference_losses)
     assert max(peaks) <= budget, (peaks, budget)
     assert "2 plans made" in memfit.report(fitted)

@@ -478,9 +478,7 @@ class Backend(EagerWatching, JointPlanning):
         jointly (``memfit.compiler.joint_planning``). No warning where this iteration fits
         without the optimizer state the plan reserves but no step has made yet (an optimizer
         found at the first call: its state appears at its step, after the backward)."""
-        to_come = (sum(reserved_state_bytes(optimizer, device_of(self.model.parameters()))
-                       for optimizer in self.optimizers) if self.model is not None else 0)
-        if error.minimum_bytes - to_come <= error.budget_bytes:
+        if error.minimum_bytes - self.state_to_come_bytes() <= error.budget_bytes:
             return plan_step(graph, hardware, Budget(bytes=error.minimum_bytes), self.strategy,
                              self.params, outside)
         again = ("memfit plans the regions again jointly after this iteration"
@@ -574,13 +572,28 @@ class Backend(EagerWatching, JointPlanning):
     # ---- re-planning when more stays resident ---------------------------------------------------
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
-        """Count ``optimizer``'s state from now on (found by its first ``step``)."""
-        if self.model is None or any(known is optimizer for known in self.optimizers):
+        """Count ``optimizer``'s state from now on (found at the model's first call or by its
+        first ``step``) where it holds the model's parameters."""
+        if any(known is optimizer for known in self.optimizers):
             return
-        mine = {id(parameter) for parameter in self.model.parameters()}
-        if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+        if self.steps_my_parameters(optimizer):
             self.optimizers.append(optimizer)
             self._parameters = None
+
+    def steps_my_parameters(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` holds any of the model's parameters."""
+        if self.model is None:
+            return False
+        mine = {id(parameter) for parameter in self.model.parameters()}
+        return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
+
+    def state_to_come_bytes(self) -> int:
+        """The state the adopted optimizers allocate at their first step, not yet made
+        (``reserved_state_bytes``)."""
+        if self.model is None:
+            return 0
+        device = device_of(self.model.parameters())
+        return sum(reserved_state_bytes(optimizer, device) for optimizer in self.optimizers)
 
     def partners(self) -> list[tuple[Any, list]]:
         """The other fitted models in this loop, with their optimizers (``compiler.partners``):

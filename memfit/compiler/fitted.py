@@ -330,12 +330,10 @@ def _adopt_existing_optimizers(planner: Backend) -> None:
     steps is unknown: none is adopted before its first step (``_watch_optimizers``). A wrapper
     (accelerate's ``AcceleratedOptimizer``, its ``optimizer`` one of them) stands for the one
     it wraps."""
-    mine = {id(parameter) for parameter in planner.model.parameters()} if planner.model else set()
     holding = [candidate for candidate in gc.get_objects()
                # ``type``: an ``isinstance`` may run a ``__class__`` property
                if issubclass(type(candidate), torch.optim.Optimizer)
-               and any(id(parameter) in mine for group in candidate.param_groups
-                       for parameter in group["params"])]
+               and planner.steps_my_parameters(candidate)]
     holding = [candidate for candidate in holding
                if not any(getattr(candidate, "optimizer", None) is inner for inner in holding)]
     if len(holding) == 1:

@@ -38,7 +38,7 @@ from memfit.graph.capture import refuse_meta_parameters
 from memfit.graph.target import check_autocast
 from memfit.model.schedule import PlanError
 from memfit.model.sharding import Sharding, shard_graph
-from memfit.runtime.resident import device_of, reserved_state_bytes
+from memfit.runtime.resident import device_of
 
 MEMFIT_ERRORS = (BudgetError, CaptureError, PlanError)
 
@@ -185,8 +185,7 @@ class _ShardedPlanOnly(_PlanOnly):
 
     def _choose(self, graph: CostGraph, hardware: Hardware, outside: int, pending: int,
                 eager: int = 0, own_open: int = 0, loop_graph: CostGraph | None = None) -> Any:
-        state = sum(reserved_state_bytes(optimizer, device_of(self.model.parameters()))
-                    for optimizer in self.optimizers) if self.model is not None else 0
+        state = self.state_to_come_bytes()
         raise _ShardedStop(plan_step(shard_graph(graph, self.sharding, hardware), hardware,
                                      self.budget_override or self.budget, self.strategy,
                                      self.params, self.sharding.outside_bytes(outside, state),

@@ -7,8 +7,9 @@ a second; the median of several runs of each probe is what a step sees):
   and backward: ``MATMUL_SHAPES``; bfloat16 where this CPU has a fast path), and a small one's
   time beyond that rate (``compute_ramp_s``);
 - convolution FLOP/s over a forward and its backward (both gradients), as a training step runs
-  them, the median over a small CNN's stages (``CONVOLUTION_SHAPES``): the float32 peak is the faster of matmul's and convolution's rates, each
-  class at its fraction of it (``compute_efficiency``);
+  them, the median over a small CNN's stages (``CONVOLUTION_SHAPES``): the float32 peak is the
+  faster of matmul's and convolution's rates, each class at its fraction of it
+  (``compute_efficiency``);
 - memory bandwidth as an elementwise add of activations' size sees it (what a memory-bound op
   of a step reaches, caches included);
 - elements per second of memory-bound ops that compute more than they move
@@ -117,8 +118,9 @@ def convolution_flops_per_s(shapes=CONVOLUTION_SHAPES) -> float:
 
 def normalization_rates() -> dict[str, float]:
     """Elements per second of batch norm (the middle of ``CONVOLUTION_SHAPES``' outputs, per
-    channel) and layer norm (``LAYER_NORM_SHAPE``, per row) in training: each family's forward and backward output
-    as many elements as their input, so the rate is twice the elements over the two times."""
+    channel) and layer norm (``LAYER_NORM_SHAPE``, per row) in training: a forward and its
+    backward each make as many elements as their input, so the rate is twice the elements over
+    the two times together."""
     batch, _, channels, side, _ = CONVOLUTION_SHAPES[1]
     images = torch.randn(batch, channels, side, side)
     scale, shift = torch.ones(channels), torch.zeros(channels)
