@@ -96,18 +96,53 @@ def test_measuring_can_be_turned_off():
         memfit.fit(mlp(depth=2), measure_runs=-1)
 
 
-def test_graph_broken_regions_are_planned_jointly_and_fit_from_the_second_iteration():
+def test_graph_broken_regions_are_planned_jointly_before_the_first_iteration():
     """At 0.76 of eager's peak the second region cannot fit beside the first region's saves
-    (planned alone, the first keeps everything; it just fits, with the second region's gradients
-    counted in its backward: from 0.757 to 0.761 of eager's peak, measured, this happens; below
-    it the first region saves less on its own, above it the second fits beside it): the first
-    iteration runs it at its minimum with a warning; then both are planned again, the first
-    saving less than alone (at most its share where a plan can), and from the
-    second iteration on every region's prediction and every measured peak are within the budget,
-    with eager's losses and weights bit for bit."""
+    where the first is planned alone (it keeps everything: measured, from 0.757 to 0.761 of
+    eager's peak). The first region's compile sees the graph break after it, so the call is
+    traced on fake inputs first and both regions planned jointly: the first saves at most its
+    share, and every iteration, the first included, fits the budget with no warning and no
+    plan made again, with eager's losses and weights bit for bit."""
     data = batches(count=3, size=4096)
     reference, reference_losses, eager_peak = eager_reference(Broken, data)
     model = Broken()
+    optimizer = torch.optim.AdamW(model.parameters())
+    budget = int(0.76 * eager_peak)
+    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BudgetWarning)
+        losses, peaks = train(fitted, optimizer, data)
+    assert_same_training(model, reference, losses, reference_losses)
+    planner = fitted._memfit_backend
+    first, second = planner.regions  # no region planned again
+    assert planner.joint_first_regions == 2 and planner.joint_rounds == 0
+    assert first.saves_cap_bytes is not None and first.saved_bytes <= first.saves_cap_bytes
+    assert second.minimum_bytes is None and second.pending_bytes == first.saved_bytes
+    assert max(first.predicted_peak_bytes, second.predicted_peak_bytes) <= budget
+    assert max(peaks) <= budget, (peaks, budget)
+    assert "planned jointly before the first run" in memfit.report(fitted)
+
+
+class ReadsBetween(Broken):
+    """``Broken`` whose code between its regions reads a value (``.item()``): a trace on fake
+    inputs cannot run it."""
+
+    def forward(self, x):
+        hidden = self.first(x)
+        if hidden.abs().max().item() < 0:  # never: a data-dependent check, as loops have
+            hidden = -hidden
+        return self.second(hidden)
+
+
+def test_where_the_trace_on_fakes_fails_the_first_iteration_warns_and_the_next_fit():
+    """Where the code between the regions reads a value, the trace on fakes cannot plan them
+    jointly before the first run: the regions are planned one by one, the second runs at its
+    smallest peak with a warning in the first iteration, and, planned again jointly after it,
+    from the second iteration on every region's prediction and every measured peak are within
+    the budget, bit for bit; the report says both."""
+    data = batches(count=3, size=4096)
+    reference, reference_losses, eager_peak = eager_reference(ReadsBetween, data)
+    model = ReadsBetween()
     optimizer = torch.optim.AdamW(model.parameters())
     budget = int(0.76 * eager_peak)
     fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
@@ -131,7 +166,9 @@ def test_graph_broken_regions_are_planned_jointly_and_fit_from_the_second_iterat
     assert second.minimum_bytes is None
     assert max(first.predicted_peak_bytes, second.predicted_peak_bytes) <= budget
     assert max(peaks[1:]) <= budget, (peaks, budget)
-    assert "planned jointly 1 time(s)" in memfit.report(fitted)
+    report = memfit.report(fitted)
+    assert "planned jointly 1 time(s)" in report
+    assert "not planned jointly before the first run: the trace on fake inputs failed" in report
 
 
 def test_each_call_past_dynamos_recompile_limit_warns_and_is_reported():
@@ -214,9 +251,9 @@ def test_an_optimizer_made_before_the_first_call_is_reserved_by_the_first_plans(
     """No optimizer= given, but the loop made its AdamW before the model's first call: the first
     plans of both regions reserve the state its first step makes, and nothing is planned again
     for it. At this budget the region after the break fits beside the earlier one's saves only
-    without that state: the first iteration, which has none yet (it appears at the step, after
-    the backward), runs with no warning, and the regions are planned jointly after it. Every
-    iteration, the first included, fits the budget."""
+    where the earlier one saves less: both are planned jointly before the first run (traced on
+    fake inputs), with that state reserved, and nothing is planned again after it. Every
+    iteration, the first included, fits the budget, with no warning."""
     data = batches(count=3, size=4096)
     reference, reference_losses, eager_peak = eager_reference(Broken, data)
     model = Broken()
@@ -229,7 +266,8 @@ def test_an_optimizer_made_before_the_first_call_is_reserved_by_the_first_plans(
     assert_same_training(model, reference, losses, reference_losses)
     planner = fitted._memfit_backend
     assert planner.optimizers == [optimizer] and planner.replans == 0
-    assert planner.joint_rounds == 1
+    assert planner.joint_first_regions == 2 and planner.joint_rounds == 0
+    assert len(planner.regions) == 2 and planner.regions[0].saves_cap_bytes is not None
     assert max(peaks) <= budget, (peaks, budget)
 
 

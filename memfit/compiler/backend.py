@@ -33,9 +33,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memfit.compiler.eager_watching import EagerWatching
 from memfit.compiler.graph_breaks import (
+    JointFirst,
     compiling_site,
     extra_copies,
     first_iteration_cap,
+    graph_break_follows,
     own_copies_bytes,
     site_code,
     watch_recompile_limit,
@@ -138,6 +140,12 @@ class Backend(EagerWatching, JointPlanning):
         self.measure_runs = measure_runs  # forward+backward runs measured per region
         self.warn_over_prediction = True  # off where a closed loop re-plans (memfit.compile)
         self.saves_caps: dict[Any, int] = {}  # site -> most bytes its forward may save
+        # memfit.fit's backend: a first region followed by a graph break stops the call, which
+        # plans the regions jointly on fakes first (memfit.compiler.joint_first)
+        self.joint_first_pending = False
+        self.joint_first_eager_bytes = 0  # eager code's bytes at that stop, for the trace
+        self.joint_first_regions = 0  # regions the trace on fakes planned jointly
+        self.joint_first_note = ""  # why they were not, where the trace failed
         self.joint_rounds = 0  # times the regions were planned again jointly
         self.joint_failed = False  # planning jointly could not make a region fit (said once)
         self.replanned_beside_copies: set[Any] = set()  # sites, in this iteration
@@ -206,6 +214,12 @@ class Backend(EagerWatching, JointPlanning):
         first = len(self.regions)
         sizes = InputSizes.of(graph_module)  # where a dynamic region's sizes are read
         bound = sizes.first_bound() if sizes else None
+        if (self.joint_first_pending and not self.regions and self.budget is not None
+                and graph_break_follows(graph_module, example_inputs)):
+            self.joint_first_pending = False
+            self.device = device
+            self.joint_first_eager_bytes = self.eager_bytes_now(example_inputs)
+            raise JointFirst  # memfit.fit's call plans the regions on fakes, then calls again
         compiled = self.compile_region(graph_module, example_inputs, device, site, bound)
         self.limit_codes.pop(site_code(site), None)  # compiled again: planned from here on
         if len(self.regions) == first:  # no joint graph (an inference region): nothing planned

@@ -192,9 +192,7 @@ class FittedCall:
             if dispatch_modes():  # Dynamo would run it eagerly and skip its entry for good
                 result = self.module._call_impl(*args, **kwargs)
             else:
-                with (_rnn_traced(bool(self.traces_rnns)), _whole_ddp_graph(),
-                      _units_compiled(self), own_trace()):
-                    result = self._compiled(*args, **kwargs)
+                result = self._run_compiled(args, kwargs)
         except BaseException as failed:
             if conversion_failed(start):  # Dynamo gave up on a frame of this model
                 self.compile_anew()
@@ -216,12 +214,40 @@ class FittedCall:
         planner.watch_eager()  # what the loop holds beside the regions (memfit.runtime.outside)
         return result
 
+    def _run_compiled(self, args: tuple, kwargs: dict) -> Any:
+        """The compiled call; where its first region stops it because a graph break follows
+        (``JointFirst``, before anything ran), the regions are planned jointly on fakes and the
+        call is compiled anew with each region's saves capped (``memfit.compiler.joint_first``)."""
+        from torch._dynamo.exc import BackendCompilerFailed
+
+        from memfit.compiler.graph_breaks import JointFirst
+        from memfit.compiler.joint_first import plan_regions_on_fakes
+
+        try:
+            return self._call_compiled(args, kwargs)
+        except BackendCompilerFailed as failed:
+            if not isinstance(failed.inner_exception, JointFirst):
+                raise
+            traceback.clear_frames(failed.__traceback__)
+        planner = self.backend
+        self.compile_anew()  # the stopped trace left its frame skipped
+        self._first_call(args, kwargs)
+        planner.joint_first_pending = False  # planned jointly once, whatever the trace gives
+        with _rnn_traced(bool(self.traces_rnns)), _whole_ddp_graph():
+            planner.saves_caps.update(plan_regions_on_fakes(
+                planner, self._call_traced(), args, kwargs, self.arguments.dynamic,
+                planner.joint_first_eager_bytes))
+        return self._call_compiled(args, kwargs)
+
+    def _call_compiled(self, args: tuple, kwargs: dict) -> Any:
+        with (_rnn_traced(bool(self.traces_rnns)), _whole_ddp_graph(), _units_compiled(self),
+              own_trace()):
+            return self._compiled(*args, **kwargs)
+
     def _first_call(self, args: tuple, kwargs: dict) -> None:
         """Compile the model's call, as ``torch.compile(model)`` does: Dynamo skips the frames of
         ``torch.nn``'s own modules, so one of those is called through a frame it traces. An
         automatic budget is read from the device now (``device_budget``)."""
-        from torch._dynamo import external_utils, trace_rules
-
         from memfit.compiler.device_budget import fit_device
 
         module = self.module
@@ -231,11 +257,20 @@ class FittedCall:
             self.device_fitted = True  # read once: a compile anew keeps the budget it had
             fit_device(self.backend, _call_device(module, (args, kwargs)),
                        self.arguments.strategy, dict(self.arguments.params))
-        call = module._call_impl
+        self._compiled = torch.compile(self._call_traced(), backend=self.backend,
+                                       dynamic=self.arguments.dynamic, **own_recompiles())
+        self.backend.joint_first_pending = not (self.backend.regions or _fsdp_units(module)
+                                                or _distributed())
+
+    def _call_traced(self) -> Any:
+        """What Dynamo traces for the model's call: its ``_call_impl``, through a frame Dynamo
+        traces where the module is one of ``torch.nn``'s own (whose frames it skips)."""
+        from torch._dynamo import external_utils, trace_rules
+
+        module, call = self.module, self.module._call_impl
         if isinstance(module.forward, types.MethodType) and trace_rules.check(module.forward):
             call = external_utils.wrap_inline(call)
-        self._compiled = torch.compile(call, backend=self.backend, dynamic=self.arguments.dynamic,
-                                       **own_recompiles())
+        return call
 
     def compile_anew(self) -> None:
         """Fresh compiled entries, traced and planned at the next call, in place of those an
@@ -393,6 +428,24 @@ def _units_compiled(fitted: FittedCall) -> Any:
     finally:
         for unit, _ in compiled:
             del unit.forward
+
+
+def _fsdp_units(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has FSDP2 units, which plan their first iteration their own way
+    (``memfit.compiler.graph_breaks.first_iteration_cap``)."""
+    from memfit.runtime.resident import fsdp_unit_modules
+
+    return bool(fsdp_unit_modules(module))
+
+
+def _distributed() -> bool:
+    """Whether this process is one rank of several: each rank plans its regions with the others
+    (collectives in ``plan_region``), which a trace on fakes that fails on one rank only would
+    leave waiting; there the regions are planned one by one, then jointly after the first
+    iteration."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _rnn_traced(traced: bool) -> contextlib.AbstractContextManager:

@@ -8,10 +8,12 @@ both run while every earlier region's saves wait for their backward). Once an it
 every region and one of them could not fit, ``saves_caps`` gives each earlier region a share of
 what the short region leaves for them, and each region is planned anew before its next run
 (``Backend.replan_regions``, ``memfit.compiler.replanning``), each earlier one saving at most its share:
-from the next iteration on the whole iteration fits. Where the regions are FSDP2's units (a
-transformer's blocks), the first iteration need not wait for that: a unit's region is planned
-knowing how many units are still to run beside its saves, and saves at most its share of the
-room (``regions_ahead``, ``units_ahead_cap``).
+from the next iteration on the whole iteration fits. The first iteration need not wait for
+that: ``memfit.fit`` traces the call on fakes before it first runs and gives the same caps from
+the regions planned there (``JointFirst``, ``memfit.compiler.joint_first``); where the regions
+are FSDP2's units (a transformer's blocks), a unit's region is planned knowing how many units
+are still to run beside its saves, and saves at most its share of the room (``regions_ahead``,
+``units_ahead_cap``).
 
 Example:
     >>> caps = saves_caps(latest_regions(backend.regions))  # {site: most bytes it may save}
@@ -55,6 +57,23 @@ def compiling_site() -> Any:
 
 
 _REGIONS_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per Dynamo compile
+
+
+class JointFirst(Exception):
+    """Raised by a fitted model's backend at the compile of its first region where a graph break
+    follows it: the call stops before anything runs, and the regions are planned jointly on
+    fakes first (``memfit.compiler.joint_first``)."""
+
+
+def graph_break_follows(graph_module: Any, example_inputs: list) -> bool:
+    """Whether Dynamo compiles this training region because a graph break ends it (more of the
+    model runs after it, possibly more regions), rather than because its frame returns."""
+    import torch
+
+    reason = getattr(graph_module, "compile_subgraph_reason", None)
+    trains = torch.is_grad_enabled() and any(
+        isinstance(value, torch.Tensor) and value.requires_grad for value in example_inputs)
+    return bool(trains and reason is not None and reason.graph_break)
 
 
 def site_code(site: Any) -> Any:

@@ -14,9 +14,10 @@ is traced and planned in the order it runs, each beside the saves of the regions
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import types
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -309,7 +310,7 @@ def _traced(model: torch.nn.Module, loss_fn: Callable, inputs: Sequence[torch.Te
     compiled = torch.compile(loss_module(model, loss_fn), backend=planner, dynamic=False,
                              isolate_recompiles=True)
     try:
-        with own_trace():
+        with own_trace(), buffers_kept(model):
             compiled(*fake)
     except Exception as error:
         raise memfit_error(error) from None
@@ -325,6 +326,24 @@ def _traced(model: torch.nn.Module, loss_fn: Callable, inputs: Sequence[torch.Te
         raise CaptureError("torch.compile found no region with gradients in the step: "
                            "loss_fn(model, *inputs) must return a loss that requires grad")
     return planner.stopped
+
+
+@contextlib.contextmanager
+def buffers_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Put back the model's buffers that a trace on fake inputs wrote: the regions run on
+    fakes with the real buffers, and a write that reads no fake value (batch norm's
+    ``num_batches_tracked += 1``) lands in the real buffer (a ``memfit.plan`` of a batch-norm
+    model counted a batch it never trained on)."""
+    with torch.no_grad():
+        kept = [(buffer, buffer._version, buffer.clone()) for buffer in model.buffers()
+                if not isinstance(buffer, torch._subclasses.FakeTensor)]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, version, value in kept:
+                if buffer._version != version:
+                    buffer.copy_(value)
 
 
 def whole_step(regions: Sequence[Planned]) -> Planned:

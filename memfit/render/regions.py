@@ -51,6 +51,12 @@ def _notes(planner: Planner) -> list[str]:
     if planner.bound_replans:
         notes.append(f"planned again {planner.bound_replans} time(s): a shape was past the "
                      "largest sizes a dynamic region's plan was priced at")
+    if planner.joint_first_regions:
+        notes.append(f"planned jointly before the first run: its {planner.joint_first_regions} "
+                     "regions (graph breaks) traced on fake inputs, the earlier ones saving at "
+                     "most their share ('saves <=' in budget) where a later one was short")
+    elif planner.joint_first_note:
+        notes.append(planner.joint_first_note)
     if planner.joint_rounds:
         notes.append(f"planned jointly {planner.joint_rounds} time(s): a region could not fit "
                      "beside the saves of the regions before its graph break, so those save "
