@@ -8,6 +8,9 @@ Dynamo's in-memory caches and memfit's plans start empty: *cold* is a process wi
 second process with the same folders. The loop is GPT-2 (``examples.gpt2``) under AdamW at half
 of eager's measured peak (memfit: ``memfit.fit(..., budget=, strategy="auto")``;
 ``torch.compile``: ``activation_memory_budget`` at the same fraction), on one intra-op thread.
+The rows marked "graph break" run the same model with transformers' default loss
+(``loss_type`` unset), behind a graph break: two compiled regions, which memfit plans jointly
+on fake inputs before the first run (one more Dynamo trace, ``memfit.compiler.joint_first``).
 "Launch" counts from the child's start (imports included) on the monotonic clock the processes
 share. The first iteration (forward, backward, optimizer step) is split as far as the tools can
 say: Dynamo's trace (``_compile.compile_inner`` less the backend's call, from
@@ -46,8 +49,12 @@ FRACTION = 0.5  # of eager's measured peak
 ITERATIONS = 6  # the first, memfit's second measured run, then steady ones
 STEADY_FROM = 3  # iterations from this index on are steady
 LOOP_MODEL = dict(layers=4, width=128, heads=4, vocab=256, sequence=128, batch_size=4)
-LOOPS = (("memfit", "aot_eager"), ("memfit", "inductor"), ("torch.compile", "aot_eager"),
-         ("torch.compile", "inductor"))
+# (kind, compiler, graph break): with a graph break, GPT-2's loss is transformers' own default
+# (``loss_type`` unset: a logger call Dynamo breaks at), so memfit traces the call on fakes first
+LOOPS = (("memfit", "aot_eager", False), ("memfit", "inductor", False),
+         ("torch.compile", "aot_eager", False), ("torch.compile", "inductor", False),
+         ("memfit", "aot_eager", True), ("torch.compile", "aot_eager", True))
+BREAK_LABEL = ", graph break"
 WARM_GOAL = 0.10  # issue 30: the second process's planning at most 10% of the first's
 PLAN_MODEL = dict(layers=48, width=256, heads=4, vocab=1024, sequence=1024)
 PLAN_BATCH = 4
@@ -93,9 +100,10 @@ def _metric_s(name: str) -> float:
     return sum(compilation_time_metrics.get(name, ()))
 
 
-def loop_child(kind: str, compiler: str, budget_bytes: int) -> dict:
+def loop_child(kind: str, compiler: str, budget_bytes: int, graph_break: bool = False) -> dict:
     """One loop in this process: the first iteration split into its parts, the plans, the steady
-    step (seconds)."""
+    step (seconds). ``graph_break``: the model's loss as transformers computes it by default,
+    behind a graph break (two compiled regions)."""
     import memfit
     from memfit import examples
     from memfit.compiler.fitted import BACKEND_KEY
@@ -103,6 +111,8 @@ def loop_child(kind: str, compiler: str, budget_bytes: int) -> dict:
     torch.set_num_threads(1)
     example = examples.gpt2(**LOOP_MODEL)
     model = example.model
+    if graph_break:
+        model.loss_type = None
     optimizer = torch.optim.AdamW(model.parameters())
     if kind == "memfit":
         called = memfit.fit(model, budget=budget_bytes, optimizer=optimizer, compiler=compiler,
@@ -176,14 +186,16 @@ def loop_rows(log: Callable[[str], None]) -> list[tuple[str, str, dict]]:
     """Every loop of ``LOOPS`` cold, then warm, each in its own process."""
     budget_bytes = int(FRACTION * eager_peak_bytes())
     rows = []
-    for kind, compiler in LOOPS:
+    for kind, compiler, graph_break in LOOPS:
+        loop = f"{kind} {compiler}{BREAK_LABEL if graph_break else ''}"
         with tempfile.TemporaryDirectory() as plans, tempfile.TemporaryDirectory() as kernels:
             environment = {"MEMFIT_CACHE": "1", "MEMFIT_CACHE_DIR": plans,
                            "TORCHINDUCTOR_CACHE_DIR": kernels}
             for cache in ("cold", "warm"):
-                measured = run_child([kind, compiler, str(budget_bytes)], environment)
-                log(f"first call: {kind} {compiler} {cache}: {measured}")
-                rows.append((f"{kind} {compiler}", cache, measured))
+                measured = run_child([kind, compiler, str(budget_bytes),
+                                      *(["graph-break"] if graph_break else [])], environment)
+                log(f"first call: {loop} {cache}: {measured}")
+                rows.append((loop, cache, measured))
     return rows
 
 
@@ -279,7 +291,7 @@ def main(argv: Sequence[str]) -> None:
     if argv[:2] == ["--child", "plan"]:
         print(json.dumps(plan_child(argv[2])))
     elif argv[:1] == ["--child"]:
-        print(json.dumps(loop_child(argv[1], argv[2], int(argv[3]))))
+        print(json.dumps(loop_child(argv[1], argv[2], int(argv[3]), argv[4:] == ["graph-break"])))
     else:
         print(first_call_section(lambda message: print(message, file=sys.stderr)))
 
