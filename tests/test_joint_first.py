@@ -12,7 +12,14 @@ from torch import nn
 
 import memfit
 from memfit.compiler.plan_step import BudgetWarning
-from tests.test_backend import mlp, train
+from tests.test_backend import (
+    Broken,
+    assert_same_training,
+    batches,
+    eager_reference,
+    mlp,
+    train,
+)
 
 pytestmark = pytest.mark.usefixtures("compiled_fresh")
 
@@ -89,3 +96,33 @@ def test_a_model_without_a_graph_break_is_traced_once():
     planner = fitted._memfit_backend
     assert planner.joint_first_regions == 0 and not planner.joint_first_note
     assert len(planner.regions) == 1
+
+
+def test_a_ctrl_c_in_the_first_call_leaves_the_next_call_planned_jointly():
+    """A ``KeyboardInterrupt`` from a forward hook in the first call (while the call is traced
+    on fakes, or after): the loop catches it, and the next call is compiled anew and traced on
+    fakes again, so its regions are planned jointly and every iteration fits, bitwise eager's."""
+    data = batches(count=3, size=4096)
+    reference, reference_losses, eager_peak = eager_reference(Broken, data)
+    model = Broken()
+    optimizer = torch.optim.AdamW(model.parameters())
+    budget = int(0.76 * eager_peak)
+    fitted = memfit.fit(model, budget=budget)
+    interrupts = [KeyboardInterrupt()]
+
+    def interrupt_once(module, inputs, output):
+        if interrupts:
+            raise interrupts.pop()
+
+    hook = model.second.register_forward_hook(interrupt_once)
+    with pytest.raises(KeyboardInterrupt):
+        fitted(data[0][0])
+    assert all(parameter.grad is None for parameter in model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BudgetWarning)
+        losses, peaks = train(fitted, optimizer, data)
+    hook.remove()
+    assert_same_training(model, reference, losses, reference_losses)
+    planner = fitted._memfit_backend
+    assert planner.joint_first_regions == 2 and planner.joint_rounds == 0
+    assert max(peaks) <= budget, (peaks, budget)

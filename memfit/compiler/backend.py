@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -33,11 +33,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memfit.compiler.eager_watching import EagerWatching
 from memfit.compiler.graph_breaks import (
-    JointFirst,
     compiling_site,
     extra_copies,
     first_iteration_cap,
     graph_break_follows,
+    latest_regions,
     own_copies_bytes,
     site_code,
     watch_recompile_limit,
@@ -140,10 +140,11 @@ class Backend(EagerWatching, JointPlanning):
         self.measure_runs = measure_runs  # forward+backward runs measured per region
         self.warn_over_prediction = True  # off where a closed loop re-plans (memfit.compile)
         self.saves_caps: dict[Any, int] = {}  # site -> most bytes its forward may save
-        # memfit.fit's backend: a first region followed by a graph break stops the call, which
-        # plans the regions jointly on fakes first (memfit.compiler.joint_first)
-        self.joint_first_pending = False
-        self.joint_first_eager_bytes = 0  # eager code's bytes at that stop, for the trace
+        # memfit.fit's backend: a first region followed by a graph break has the call traced on
+        # fakes before it first runs, and the regions planned jointly (memfit.compiler.joint_first)
+        self.joint_first_trace: Callable[[int], dict[Any, int]] | None = None  # set by fit
+        self.joint_first_site: Any = None  # the first region's, until its first run
+        self.joint_first_eager_bytes = 0  # eager code's bytes at its compile, for the trace
         self.joint_first_regions = 0  # regions the trace on fakes planned jointly
         self.joint_first_note = ""  # why they were not, where the trace failed
         self.joint_rounds = 0  # times the regions were planned again jointly
@@ -214,13 +215,12 @@ class Backend(EagerWatching, JointPlanning):
         first = len(self.regions)
         sizes = InputSizes.of(graph_module)  # where a dynamic region's sizes are read
         bound = sizes.first_bound() if sizes else None
-        if (self.joint_first_pending and not self.regions and self.budget is not None
-                and graph_break_follows(graph_module, example_inputs)):
-            self.joint_first_pending = False
-            self.device = device
-            self.joint_first_eager_bytes = self.eager_bytes_now(example_inputs)
-            raise JointFirst  # memfit.fit's call plans the regions on fakes, then calls again
+        joint_first = (self.joint_first_trace is not None and not latest_regions(self.regions)
+                       and self.budget is not None
+                       and graph_break_follows(graph_module, example_inputs))
         compiled = self.compile_region(graph_module, example_inputs, device, site, bound)
+        if joint_first and len(self.regions) > first:  # traced on fakes before its first run
+            self.joint_first_site, self.joint_first_eager_bytes = site, self._eager_now
         self.limit_codes.pop(site_code(site), None)  # compiled again: planned from here on
         if len(self.regions) == first:  # no joint graph (an inference region): nothing planned
             return compiled
@@ -649,6 +649,10 @@ class Backend(EagerWatching, JointPlanning):
         runs: a newer plan was asked for (``replan_regions``), its own earlier forwards' saves
         are alive beside it (``beside_own_copies``), or more is resident than its plan left room
         for, which asks for a newer plan of every current region (``replans``)."""
+        if self.joint_first_site is not None and regions[0].site == self.joint_first_site:
+            self.joint_first_site = None
+            if self._capped_jointly(regions):
+                return True
         if any(region.replaced for region in regions) or self.beside_own_copies(regions):
             return True
         if not self.stale(device, min(region.resident_bytes for region in regions)):
@@ -656,6 +660,26 @@ class Backend(EagerWatching, JointPlanning):
         self.replans += 1
         self.replan_regions()
         for region in regions:  # a region of another shape of the same code is not "current"
+            region.replaced = True
+        return True
+
+
+    def _capped_jointly(self, regions: list[Region]) -> bool:
+        """Before the first run of a fitted model's first region, where a graph break follows
+        it: trace the call on fakes, plan every region (``memfit.compiler.joint_first``), and
+        take the caps on the earlier regions' saves; whether this region saves more than its
+        cap, and is planned again with it before it runs."""
+        trace, self.joint_first_trace = self.joint_first_trace, None
+        if trace is None:
+            return False
+        device = self.device
+        cuda = [device.index or 0] if device is not None and device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):  # a trace draws nothing, whatever it runs
+            self.saves_caps.update(trace(self.joint_first_eager_bytes))
+        cap = self.saves_caps.get(regions[0].site)
+        if cap is None or regions[-1].saved_bytes <= cap:
+            return False
+        for region in regions:
             region.replaced = True
         return True
 

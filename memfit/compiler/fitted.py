@@ -29,6 +29,7 @@ import torch
 
 from memfit.compiler.backend import COMPILERS, Backend
 from memfit.compiler.callers_compile import add_hook, own_trace, remove_hook
+from memfit.compiler.graph_breaks import latest_regions
 from memfit.compiler.partners import note_call, note_fitted
 from memfit.compiler.plan_step import BudgetWarning
 from memfit.compiler.unit_forward import unit_forward
@@ -148,6 +149,7 @@ class FittedCall:
         self.traces_rnns: bool | None = None  # read from the model at the first call if unset
         self.unit_forwards: list | None = None  # FSDP2 units compiled (_units_compiled)
         self._compiled: Any = None  # the model's _call_impl compiled, made at the first call
+        self.joint_first = False  # its regions may be planned jointly on fakes (joint_first)
         self.shapes: tuple | None = None  # the last call's input shapes (_dynamic_on_change)
         self.device_fitted = False  # whether an automatic budget was read from the device
 
@@ -192,7 +194,7 @@ class FittedCall:
             if dispatch_modes():  # Dynamo would run it eagerly and skip its entry for good
                 result = self.module._call_impl(*args, **kwargs)
             else:
-                result = self._run_compiled(args, kwargs)
+                result = self._call_compiled(args, kwargs)
         except BaseException as failed:
             if conversion_failed(start):  # Dynamo gave up on a frame of this model
                 self.compile_anew()
@@ -214,35 +216,23 @@ class FittedCall:
         planner.watch_eager()  # what the loop holds beside the regions (memfit.runtime.outside)
         return result
 
-    def _run_compiled(self, args: tuple, kwargs: dict) -> Any:
-        """The compiled call; where its first region stops it because a graph break follows
-        (``JointFirst``, before anything ran), the regions are planned jointly on fakes and the
-        call is compiled anew with each region's saves capped (``memfit.compiler.joint_first``)."""
-        from torch._dynamo.exc import BackendCompilerFailed
-
-        from memfit.compiler.graph_breaks import JointFirst
+    def _call_compiled(self, args: tuple, kwargs: dict) -> Any:
+        """The compiled call. Until a region is planned, its first region, where a graph break
+        follows it, has the call traced on fakes before it first runs
+        (``Backend._capped_jointly``, ``memfit.compiler.joint_first``)."""
         from memfit.compiler.joint_first import plan_regions_on_fakes
 
-        try:
-            return self._call_compiled(args, kwargs)
-        except BackendCompilerFailed as failed:
-            if not isinstance(failed.inner_exception, JointFirst):
-                raise
-            traceback.clear_frames(failed.__traceback__)
         planner = self.backend
-        self.compile_anew()  # the stopped trace left its frame skipped
-        self._first_call(args, kwargs)
-        planner.joint_first_pending = False  # planned jointly once, whatever the trace gives
-        with _rnn_traced(bool(self.traces_rnns)), _whole_ddp_graph():
-            planner.saves_caps.update(plan_regions_on_fakes(
-                planner, self._call_traced(), args, kwargs, self.arguments.dynamic,
-                planner.joint_first_eager_bytes))
-        return self._call_compiled(args, kwargs)
-
-    def _call_compiled(self, args: tuple, kwargs: dict) -> Any:
-        with (_rnn_traced(bool(self.traces_rnns)), _whole_ddp_graph(), _units_compiled(self),
-              own_trace()):
-            return self._compiled(*args, **kwargs)
+        if self.joint_first and not latest_regions(planner.regions):  # none, or compiled anew
+            planner.joint_first_trace = functools.partial(
+                plan_regions_on_fakes, planner, self._call_traced(), args, kwargs,
+                self.arguments.dynamic)
+        try:
+            with (_rnn_traced(bool(self.traces_rnns)), _whole_ddp_graph(),
+                  _units_compiled(self), own_trace()):
+                return self._compiled(*args, **kwargs)
+        finally:
+            planner.joint_first_trace = None  # it holds the call's arguments
 
     def _first_call(self, args: tuple, kwargs: dict) -> None:
         """Compile the model's call, as ``torch.compile(model)`` does: Dynamo skips the frames of
@@ -259,8 +249,8 @@ class FittedCall:
                        self.arguments.strategy, dict(self.arguments.params))
         self._compiled = torch.compile(self._call_traced(), backend=self.backend,
                                        dynamic=self.arguments.dynamic, **own_recompiles())
-        self.backend.joint_first_pending = not (self.backend.regions or _fsdp_units(module)
-                                                or _distributed())
+        self.joint_first = not (latest_regions(self.backend.regions) or _fsdp_units(module)
+                                or _distributed())
 
     def _call_traced(self) -> Any:
         """What Dynamo traces for the model's call: its ``_call_impl``, through a frame Dynamo

@@ -10,7 +10,7 @@ what the short region leaves for them, and each region is planned anew before it
 (``Backend.replan_regions``, ``memfit.compiler.replanning``), each earlier one saving at most its share:
 from the next iteration on the whole iteration fits. The first iteration need not wait for
 that: ``memfit.fit`` traces the call on fakes before it first runs and gives the same caps from
-the regions planned there (``JointFirst``, ``memfit.compiler.joint_first``); where the regions
+the regions planned there (``graph_break_follows``, ``memfit.compiler.joint_first``); where the regions
 are FSDP2's units (a transformer's blocks), a unit's region is planned knowing how many units
 are still to run beside its saves, and saves at most its share of the room (``regions_ahead``,
 ``units_ahead_cap``).
@@ -57,12 +57,6 @@ def compiling_site() -> Any:
 
 
 _REGIONS_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per Dynamo compile
-
-
-class JointFirst(Exception):
-    """Raised by a fitted model's backend at the compile of its first region where a graph break
-    follows it: the call stops before anything runs, and the regions are planned jointly on
-    fakes first (``memfit.compiler.joint_first``)."""
 
 
 def graph_break_follows(graph_module: Any, example_inputs: list) -> bool:

@@ -1,14 +1,15 @@
 """The regions of a graph-broken model planned jointly before its first iteration runs.
 
 Dynamo compiles a model with a graph break as several regions, each when the iteration reaches
-it, so the first would be planned before the later ones exist and could keep saves that a later
-region cannot fit beside. So at a fitted model's first training call, the first region's compile
-checks whether a graph break follows it (``graph_break_follows``); where one does, it stops the
-call before anything runs (``JointFirst``). The fitted model then traces the whole call on fake
-copies of its inputs with a planning-only backend (``plan_regions_on_fakes``, as ``memfit.plan``
-traces a step), which plans every region beside the saves of the regions before it and gives
-each earlier region its share of the room the short ones leave (``saves_caps``, by the code it
-runs from). The call is then compiled for real, each region planned within its cap.
+it, so the first is planned before the later ones exist and may keep saves that a later region
+cannot fit beside. So at a fitted model's first training call, the first region's compile checks
+whether a graph break follows it (``graph_break_follows``); where one does, before that region
+first runs (``Backend._capped_jointly``), the fitted model's call is traced on fake copies of
+its arguments with a planning-only backend (``plan_regions_on_fakes``, as ``memfit.plan`` traces
+a step), which plans every region beside the saves of the regions before it and gives each
+earlier region its share of the room the short ones leave (``saves_caps``, by the code it runs
+from). The first region is planned again within its cap if it saves more, and each later region
+is planned within its own when Dynamo compiles it.
 
 Where the trace on fakes fails (eager code between the regions that reads a value, ``.item()``),
 nothing is capped: the regions are planned one by one, a region that misses the budget says so
