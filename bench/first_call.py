@@ -147,8 +147,8 @@ def loop_child(kind: str, compiler: str, budget_bytes: int, graph_break: bool = 
 
 def plan_child(strategy: str) -> dict:
     """Process CPU and wall seconds of ``memfit.plan`` with ``strategy`` (``auto`` at
-    ``FRACTION``, ``keep`` with no budget: it fits none smaller) on the 48-layer GPT-2 and its ``explain()``, after a one-layer call of the same (imports, first
-    calls)."""
+    ``FRACTION``, ``keep`` with no budget: it fits none smaller) on the 48-layer GPT-2 and its
+    ``explain()``, after a one-layer call of the same (imports, first calls)."""
     import memfit
     from memfit import examples
     from memfit.search import meta_inputs

@@ -663,7 +663,6 @@ class Backend(EagerWatching, JointPlanning):
             region.replaced = True
         return True
 
-
     def _capped_jointly(self, regions: list[Region]) -> bool:
         """Before the first run of a fitted model's first region, where a graph break follows
         it: trace the call on fakes, plan every region (``memfit.compiler.joint_first``), and

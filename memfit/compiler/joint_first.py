@@ -53,7 +53,6 @@ class _OnFakes(_PlanOnly):
     fitted_backend: Backend | None = None  # the fitted model's backend this trace plans for
     eager_seen_bytes = 0
     arguments: tuple[torch.Tensor, ...] = ()  # the call's tensor arguments, as fakes
-
     first_inputs: frozenset[int] = frozenset()  # ids of the first region's inputs
 
     def eager_bytes_now(self, example_inputs: list) -> int:
@@ -68,11 +67,12 @@ class _OnFakes(_PlanOnly):
             if id(argument) in self.first_inputs and id(argument) not in inputs)
 
     def partners(self) -> list[tuple[Any, list]]:
-        """The fitted model's partners (other fitted models), counted as its backend counts them."""
+        """The fitted model's partners (other fitted models), as its backend counts them."""
         return self.fitted_backend.partners() if self.fitted_backend is not None else []
 
     def _over_budget(self, graph: CostGraph, hardware: Hardware, error: BudgetError,
                      pending: int, outside: int, own_open: int = 0) -> Planned:
+        """The region at its smallest peak, as the fitted model's backend would run it."""
         return plan_step(graph, hardware, Budget(bytes=error.minimum_bytes), self.strategy,
                          self.params, outside)
 
