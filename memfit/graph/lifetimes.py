@@ -147,10 +147,11 @@ def remember_outputs(region: Region, outputs: Sequence) -> None:
     sizes = {StorageWeakRef(value.untyped_storage()): value.untyped_storage().nbytes()
              for value in outputs[visible:] if isinstance(value, torch.Tensor)
              and not is_host_storage(value.untyped_storage())}
-    alive = tuple(reference for reference in region.saved_storages if not reference.expired())
-    region.saved_storages = alive + tuple(sizes)
     region.saved_sizes = {**{reference: size for reference, size in region.saved_sizes.items()
                              if not reference.expired()}, **sizes}
+    # one reference per storage: a parameter saved by every forward (a weight's transpose view)
+    # never expires, and a tuple of every forward's references grew by it each iteration
+    region.saved_storages = tuple(region.saved_sizes)
 
 
 def tangents_given(region: Region, args: Sequence) -> tuple[tuple[str, object], ...]:
