@@ -44,7 +44,7 @@ __all__ = ["Step", "Round", "BudgetWarning", "CLOSED_LOOP", "compile", "plan", "
 class _SharedExclusive:
     """Steps run side by side in threads (shared); a call that may trace and plan, or that is
     measured, runs alone (exclusive). Tracing uses process-wide torch state (a capture beside a
-    run in another thread failed now and then with functorch's "Expected current_level > 0"),
+    run in another thread can fail with functorch's "Expected current_level > 0"),
     and the profiler whose allocator events measure a step sees every thread's allocations."""
 
     def __init__(self) -> None:

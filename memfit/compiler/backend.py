@@ -625,8 +625,8 @@ class Backend(EagerWatching, JointPlanning):
     def _resident_now(self, device: torch.device) -> int:
         """``resident_bytes`` of the model and optimizers, counted again only when what can
         change between calls did: which parameters have a gradient, the optimizers' state
-        entries and groups (counting walks every module and storage: ~0.9 ms per call for a
-        2-layer BERT, which each region's run would pay). A new parameter or buffer shape is a
+        entries and groups (counting walks every module and storage, which each region's run
+        would pay otherwise). A new parameter or buffer shape is a
         new Dynamo trace, which compiles a region and counts afresh."""
         parameters = self._parameters
         if parameters is None:

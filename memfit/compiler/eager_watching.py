@@ -73,9 +73,8 @@ class EagerWatching:
         """Note the tensors the loop passes to the compiled model as eager code's, on a CPU:
         the loop holds its batch over the whole iteration, beside every region, but no eager op
         reads it when the model's first op is a compiled region's (a CUDA allocator counts it
-        anyway). The region given it counts it as its argument, the others as eager bytes.
-        Measured: the U-Net under FSDP2 (2 ranks, channels 4-16, 16^3) ran 32,368 B over its
-        last stage's plan, the 32,768 B input volume that no plan counted."""
+        anyway). The region given it counts it as its argument, the others as eager bytes, so
+        that a later stage's plan (FSDP2's, say) counts the batch too."""
         watch = self.eager_watch()
         if watch is not None and watch.recording:
             watch.note_call_arguments(values)
@@ -84,10 +83,9 @@ class EagerWatching:
         """Before the compiled model's first call, on a CPU: watch it already, so that what eager
         code makes in the first forward (code at graph breaks: an embedding before FSDP2's first
         block, the blocks' inputs that their backward reads) is read at the regions' runs of the
-        first iteration, and the plans made after it count it (measured on GPT-2 under FSDP2,
-        2 ranks: without it, the last block's plan after the first iteration counted 68,872 B
-        of eager code where 505,344 B were held at its forward's start, and the second and third
-        iterations ran 45,756 B over the budget, 15,844,312 B at 15,798,556 B)."""
+        first iteration, and the plans made after it count it: otherwise they count only what
+        eager code holds after the first iteration, and the next iterations run over the
+        budget."""
         if self.regions or self.device is not None:
             return
         device = next((local_tensor(p).device for p in model.parameters()), None)

@@ -394,10 +394,8 @@ def _units_compiled(fitted: FittedCall) -> Any:
     unit's call and the unit runs from eager code; Dynamo then compiles the frames it meets
     inside, but not those of files it skips, such as ``torch.nn``'s containers and layers. A
     unit that is an ``nn.Sequential`` (MONAI's U-Net stages, a plain ``Sequential`` of blocks)
-    ran its convolutions, norms and activations eagerly, outside any plan: on the U-Net (2
-    ranks, channels 4-16, 16^3) its last stage's transposed convolution, norm and activation
-    held 196,608 B of activations no plan could drop, and memfit measured eager's peak at
-    every budget.
+    would run its convolutions, norms and activations eagerly, outside any plan, holding
+    activations no plan could drop: the step would peak at eager's peak whatever the budget.
     """
     from torch._dynamo import trace_rules
 

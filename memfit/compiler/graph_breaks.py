@@ -148,12 +148,9 @@ def own_copies_bytes(regions: Sequence[Region], site: Any, cap_bytes: int | None
     one compiled code runs for several blocks (``Region.most_open_forwards`` of its site's
     earlier regions), each earlier run holds its saves, at most ``cap_bytes`` each once joint
     planning capped them. Before a cap there is no bound to count (the first plan of a site
-    does not know its copies yet; joint planning then finds them short).
-
-    Measured on GPT-2 (4 blocks, width 128, sequence 256, batch 4, ``use_cache=False``) under
-    FSDP2 on 2 ranks at 62,723,228 B: one region ran all four blocks (23,871,488 B saved each
-    time); with its copies neither in the caps nor here, joint planning found nothing to cap
-    and every iteration measured 108,538,072 B; with both, 26,510,564 B from the second.
+    does not know its copies yet; joint planning then finds them short). Under FSDP2 one
+    region may run every block of a model, so left out of the caps and of this count, its
+    copies would go unplanned and the step would hold every block's saves at once.
     """
     if cap_bytes is None or site is None:
         return 0
@@ -168,11 +165,10 @@ def extra_copies(regions: Sequence[Region], site: Any) -> int:
 
 def first_iteration_cap(model: Any, regions: Sequence[Region], site: Any, room_bytes: int,
                         transient_bytes: int) -> int | None:
-    """The most an FSDP2 unit's region may save so that the units after it in this iteration
-    fit beside its saves (``units_ahead_cap``); ``None`` for other regions. Without it the
-    first units, planned before the later ones exist, kept what the last could not fit beside
-    (GPT-2, 4 blocks, 2 ranks, at 0.5: 18,577,732 B at 15,698,588 B in the first iteration).
-    Every rank counts the same units and open regions."""
+    """The most an FSDP2 unit's region may save so that the units after it in this iteration fit
+    beside its saves (``units_ahead_cap``); ``None`` for other regions. Without it the first units,
+    planned before the later ones exist, would keep what the last cannot fit beside, and the first
+    iteration would run over the budget. Every rank counts the same units and open regions."""
     from memfit.runtime.resident import fsdp_unit_modules
 
     units = [id(unit) for unit in fsdp_unit_modules(model)]

@@ -115,9 +115,8 @@ class JointPlanning:
         """Have each region whose forward ran again before its backward, where its plan did
         not fit beside the copies of its saves that its iteration held (``uncounted_copies``),
         planned for them (``fit_copies``), and every region planned again; whether any was.
-        Measured: six MLP blocks called twice per step (a siamese loss, batch 1024) at 0.6 of
-        eager's peak, 103,316,366 B: every iteration measured 157,464,728 B, and a warning
-        blamed the simulator."""
+        A block called twice per step (a siamese loss) holds the first call's saves while the
+        second runs; unplanned, those copies put every iteration over the budget."""
         copied = [region for region in current
                   if region.budget_bytes is not None and uncounted_copies(region)]
         if not copied or self.fixed_plan is not None:

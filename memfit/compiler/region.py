@@ -234,9 +234,8 @@ def saved_device_bytes(forward: fx.GraphModule, num_fwd_outputs: int,
 
     An input the loop passed in is alive anyway; but a region that runs after a graph break
     gets its inputs from the region before it, whose output eager code drops once the call
-    returns, so one it saves is alive because of it alone. Left out, the U-Net under FSDP2 (2
-    ranks, channels 4-16, 16^3) measured 48,288 B more than its plans: its middle and last
-    stages save the stage outputs before them (16,384 B and 32,768 B), counted by no plan.
+    returns, so one it saves is alive because of it alone, and counted here (a pipeline of
+    stages under FSDP2 saves the stage outputs before them).
     """
     from memfit.graph.analyze import inserted_kind, storage_key, tensors_in
     from memfit.graph.shapes import evaluate

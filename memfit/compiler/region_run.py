@@ -59,9 +59,8 @@ def inductor_runner(engine: CopyEngine, planner: Planner):
     same runs as ``aot_eager``'s (``region_run``: measured first runs, the eager code beside
     them read and planned for, open forwards, the iteration closed), without re-simulating the
     plan with the loop's lifetimes (inductor's kernels are bounded by the plan, not predicted
-    from them). Before, inductor regions ran none of it: a loss outside the model was never
-    planned for (``examples.unet3d()``'s CPU ``mse_loss`` buffer: auto at 8,198,548 B measured
-    8,508,468 B every iteration, 524,292 B above its prediction)."""
+    from them). So a loss computed outside the model (a CPU ``mse_loss``'s input-sized buffer)
+    is planned for under inductor as under ``aot_eager``."""
 
     def wrap(module: fx.GraphModule, compiled: Callable[[list], Any], is_backward: bool) -> Any:
         index = module.meta.get(REGION_KEY)
@@ -149,7 +148,7 @@ def open_forwards_of_its_code(planner: Planner, region: Region) -> int:
     return sum(live_forwards(other) for other in planner.regions if other.site == region.site)
 
 
-OVER_PREDICTION_FRACTION = 0.01  # the memory model's stated accuracy (issue 12: within 1%)
+OVER_PREDICTION_FRACTION = 0.01  # the memory model's stated accuracy, a fraction of the peak
 
 
 def warn_if_over_its_prediction(region: Region, is_backward: bool = False) -> None:
@@ -159,10 +158,9 @@ def warn_if_over_its_prediction(region: Region, is_backward: bool = False) -> No
     The saves of its own earlier forwards still open are set aside too where its plan did not
     count them: joint planning plans for those (``JointPlanning.plan_for_copies``).
 
-    Why: measured on GPT-2 (4 layers, width 128, batch 8) at 0.3 of eager's peak with
-    ``compiler="inductor"``: auto's ``vdnn_dyn`` plan predicted 69.82 MiB and measured 193.57
-    MiB against a 71.11 MiB budget (with aot_eager, and with ``vdnn_all`` under inductor, the
-    plans measure within it). The step's gradients are right; its memory is not what was asked.
+    Why: under ``compiler="inductor"`` a plan's kernels are inductor's, ordered by their data
+    dependencies, and a plan can run far above what was simulated while the step's gradients
+    stay right; the user is told that its memory is not what was asked.
     """
     measured = region.measured_backward_bytes if is_backward else region.measured_forward_bytes
     if region.warned_over or measured is None or region.budget_bytes is None:
@@ -188,8 +186,8 @@ def zeros_at_first_use(graph: fx.Graph) -> None:
     the traced layout are made where the gradient is first read.
 
     Autograd otherwise materializes these zeros before the backward starts (a Llama's unused
-    key/value cache and logits: 256 KB at a peak that eager does not have, since in eager no one
-    asks for them), and they live until the backward reads them, for a cached key or value in the
+    key/value cache and logits, at a peak that eager does not have, since in eager no one asks
+    for them), and they live until the backward reads them, for a cached key or value in the
     last layer the backward reaches. ``memfit.compiler.fitted`` turns materialization off for its regions.
     """
     for placeholder in graph.find_nodes(op="placeholder"):

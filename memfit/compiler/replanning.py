@@ -160,9 +160,8 @@ def count_eager_in_prediction(regions: list[Region]) -> None:
     Without a budget a plan does not depend on the room left beside it, so it is not made
     again; but its peak is the whole device's, and a loss computed outside the model holds its
     bytes there while the region's backward runs (a CPU ``mse_loss``'s input-sized buffer under
-    the 0-dim loss, the target). Left out, ``keep`` on ``examples.unet3d()`` (32^3 volumes,
-    batch 2, loss outside) predicted 524,292 B (that buffer and the loss) below the measured
-    peak, which is eager's.
+    the 0-dim loss, the target). Left out, the prediction would be below the measured peak by
+    that buffer and the loss.
     """
     for region in regions:
         held = eager_bytes_to_plan(region)

@@ -1,7 +1,7 @@
 """One planning trace with a symbolic batch, planned at any batch without tracing again.
 
-``max_batch_size`` prices many batches of one step. Each used to be a trace of its own (Dynamo,
-then AOTAutograd, then memfit's partitioner); here the step is traced once with the batch
+``max_batch_size`` prices many batches of one step. Rather than a trace per batch (Dynamo, then
+AOTAutograd, then memfit's partitioner), the step is traced once with the batch
 dimension of its inputs marked dynamic (``torch._dynamo.mark_dynamic``), each region's joint
 graph is kept with its sizes as expressions in the batch symbol, and a batch is planned by
 pricing those graphs at it (``memfit.graph.shapes.at_bound``: every size, and so every FLOP

@@ -179,8 +179,7 @@ class Explanation:
 
         Note:
             The strategies are heuristics: re-planned for a looser budget, one may find a
-            slower plan than for a tighter one (``auto`` on a 4-layer GPT-2 at 30% of its peak
-            on h100-pcie: its 90% plan was 0.21% faster than its 100% plan). That tighter plan
+            slower plan than for a tighter one. That tighter plan
             fits the looser budget too, so its row shows it and says whose it is.
         """
         if self.budget_bytes is None:

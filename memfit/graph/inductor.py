@@ -20,19 +20,18 @@ Note:
     modules, whose code includes every memfit op and ordering pin (``_module_config``), so a
     second process plans (from memfit's plan cache) and traces, but compiles no kernel.
 
-    Inductor's scheduler orders kernels by data dependencies only, and fuses kernels that share
-    no data if their loops match (horizontal fusion). A re-run reads only saved values and
-    parameters, so nothing keeps it where the plan put it: inductor fused the second re-run of
-    a CNN's first block with the first (the same conv, batch norm and ReLU over the same inputs),
-    which hoisted every later re-run chain to the start of the backward (measured 9.9 MB, planned
-    5.5 MB). ``pin_planned_order`` gives each re-run chain and each swap-in an ordering-only
-    dependency (inductor's ``control_deps``) on the op that last consumed what the previous pinned
-    op made, so pinned ops keep their planned order and a chain starts only once the one before
-    it has been used; inductor still fuses within and around them. Readers of a swapped-in
-    tensor are not ordered after its ``memfit::wait`` (a no-op on the CPU): giving them that
-    dependency the same way (tried: the readers wrapped too) raised a CNN's peak from 4.8 to
-    7.2 MB and moved its parameters up to 3.6e-5 from ``torch.compile``'s after two AdamW steps
-    (within 1e-5 without), so ``memfit.backend`` warns for inductor on an accelerator instead.
+    Inductor's scheduler orders kernels by data dependencies only, and fuses kernels that share no
+    data if their loops match (horizontal fusion). A re-run reads only saved values and parameters,
+    so nothing keeps it where the plan put it: inductor may fuse a second re-run of a block with the
+    first (the same ops over the same inputs), which hoists every later re-run chain to the start of
+    the backward, all alive at once. ``pin_planned_order`` gives each re-run chain and each swap-in
+    an ordering-only dependency (inductor's ``control_deps``) on the op that last consumed what the
+    previous pinned op made, so pinned ops keep their planned order and a chain starts only once the
+    one before it has been used; inductor still fuses within and around them. Readers of a
+    swapped-in tensor are not ordered after its ``memfit::wait`` (a no-op on the CPU): that
+    dependency, given the same way, raises the peak and moves the parameters away from
+    ``torch.compile``'s (other kernels, other roundings), so ``memfit.backend`` warns for inductor
+    on an accelerator instead.
 """
 
 from __future__ import annotations
@@ -193,11 +192,8 @@ def host_copies_in_saved_layout(module: fx.GraphModule) -> int:
     optimization prefers channels last for a 4-D value downstream of a convolution (then those):
     a host copy in any other layout is copied again, on the device, and that copy is what the
     backward reads, so the swap frees nothing. ``memfit::swap_out`` converts the layout while it
-    copies, to the ``stride`` argument this sets. Measured (auto's ``vdnn_dyn`` plans, inductor):
-    GPT-2 at 0.3 of eager's peak, 71.95 MiB with the host copy in the swapped tensor's own
-    layout, 70.95 MiB with the graph's (69.82 predicted); the ResNet-50-shaped model at 0.5,
-    14.58 MiB with the graph's layout, which is not channels last. Returns the number of
-    swap-outs whose layout changed from the graph's.
+    copies, to the ``stride`` argument this sets. Returns the number of swap-outs whose layout
+    changed from the graph's.
     """
     from torch._inductor.graph import GraphLowering
 
@@ -243,19 +239,16 @@ def pin_planned_order(module: fx.GraphModule) -> int:
     Returns the number of ops pinned; a module without re-runs or swap-ins (``keep``) is left as
     it is, so it compiles to exactly ``torch.compile``'s kernels.
 
-    Anchors used to be readers of the *previous* pinned op only. vDNN's plans bring several
-    tensors back in a row, and the one after them, before anyone read the last, was anchored on
-    that last swap-in, and so on down the chain: inductor ran them all at the start of GPT-2's
-    backward (183.7 MiB measured there against a 69.8 MiB plan; 70.9 MiB with this rule).
+    Anchors read what *any* pinned op made, not only the previous one: vDNN's plans bring
+    several tensors back in a row, and anchoring each swap-in on the one before it (unread yet)
+    would chain them all to the start of the backward, every copy alive at once.
 
     Note:
         The anchor must be a tensor that inductor can realize (``control_deps`` lowers it to a
         buffer): not a view, not a ``getitem``. An elementwise anchor becomes a buffer where
-        inductor would have fused it into its readers. Measured both ways: GPT-2's swap-ins
-        anchored on the last reader, 6,042,744 B, on the last reader that is not elementwise,
-        5,518,456 B (predicted 6,030,456 B); the CNN's re-run chains the same two ways,
-        4,673,796 B and 5,721,452 B (predicted 5,524,260 B): a re-run's elementwise ops are
-        what inductor fuses across chains, so a chain waits for the very last reader.
+        inductor would have fused it into its readers, so a swap-in is anchored on the last reader
+        that is not elementwise, a buffer anyway. A re-run chain waits for the very last reader: a
+        re-run's elementwise ops are what inductor fuses across chains.
     """
     from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
     from torch.utils._ordered_set import OrderedSet

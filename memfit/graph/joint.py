@@ -134,8 +134,8 @@ def elide_clones(joint: fx.GraphModule) -> int:
 
     Decompositions add copies that eager does not make: ``dropout`` with ``p=0`` (or in eval)
     decomposes to ``input.clone()`` where eager returns the input itself, so a transformer with
-    zero dropout would keep each attention probability and hidden state twice (BERT: 440 KB
-    more than eager at its peak). The joint graph is functional, so a clone whose readers only
+    zero dropout would keep each attention probability and hidden state twice, above eager's
+    peak. The joint graph is functional, so a clone whose readers only
     read it is its source: it is elided unless it changes strides, feeds an output (outputs must
     not alias what they did not alias when traced), feeds an op that mutates, or copies a
     storage that some op mutates (an input updated in place, as BatchNorm's running statistics).
@@ -166,8 +166,8 @@ def drop_unread_running_statistics(joint: fx.GraphModule) -> int:
     tensors, copies them into the buffers, and hands those tensors to
     ``native_batch_norm_backward``, which with ``train=True`` normalizes by the saved mean and
     inverse standard deviation and never reads them. Saved for the backward, they are two
-    per-channel tensors per layer eager does not hold (eager saves the buffers themselves; a
-    3-layer CNN: 256 B above eager at its peak). Without readers after the forward's ``copy_``
+    per-channel tensors per layer eager does not hold (eager saves the buffers themselves).
+    Without readers after the forward's ``copy_``
     they die there, as in eager.
     """
     changed = 0
@@ -297,13 +297,12 @@ _REPLAY_KINDS = ("rng_replay_begin", "rng_replay_end")
 
 def _defer_reruns(graph: fx.Graph, forward_nodes: set[fx.Node]) -> None:
     """Move to the backward side the re-runs placed just before the cut: those of the values the
-    first backward ops read (the rewrite re-runs an op right before its first backward reader,
-    which is then before the first original backward node). Left in the forward, the forward
-    returns the rebuilt value and it stays alive from the forward's end to the backward's start,
-    across every region run in between: the U-Net's first stage under FSDP2 saved 393,216 B
-    that its plan re-ran (a normalized and activated 4 x 16^3 volume, its norm's views and
-    statistics), GPT-2's blocks re-run whole 6 MB each. A random op's re-run moves with the
-    replay of its random state around it; what a node left in the forward reads stays there."""
+    first backward ops read (the rewrite re-runs an op right before its first backward reader, which
+    is then before the first original backward node). Left in the forward, the forward returns the
+    rebuilt value and it stays alive from the forward's end to the backward's start, across every
+    region run in between (under FSDP2, where each stage or block is a region of its own, that is a
+    whole re-run stage held through the others). A random op's re-run moves with the replay of its
+    random state around it; what a node left in the forward reads stays there."""
     moved: set[fx.Node] = set()
     for node in reversed(graph.nodes):
         if node not in forward_nodes or inserted_kind(node) not in _RERUN_KINDS or not node.users:

@@ -179,13 +179,13 @@ def observe_loop(region: Region, given: tuple[tuple[str, object], ...]) -> None:
     Note:
         A tangent whose storage is gone once the backward has returned was freed after its last
         reader: torch's autograd passes the compiled backward its gradients in a list
-        (``boxed_grads_call``) that the backward's boxed code empties, freeing each input after
-        its last use (measured on ``examples.lstm()``: the logits' gradient, 32,768 B, freed
-        right after the head's gradient ``mm``, long before the LSTM layers' backward where the
-        step peaks). One still alive is held beyond the backward (a ``retain_grad``, a hook, or
-        a torch that passes the gradients in a tuple its caller holds): counted to the end.
-        The plan itself was checked with every output held and every tangent resident
-        (``Region.bound``): what is seen here moves the prediction, never the plan's check.
+        (``boxed_grads_call``) that the backward's boxed code empties, freeing each input after its
+        last use (an LSTM's logits' gradient is freed right after the head's gradient ``mm``, long
+        before the LSTM layers' backward where the step peaks). One still alive is held beyond the
+        backward (a ``retain_grad``, a hook, or a torch that passes the gradients in a tuple its
+        caller holds): counted to the end. The plan itself was checked with every output held and
+        every tangent resident (``Region.bound``): what is seen here moves the prediction, never the
+        plan's check.
     """
     if not region.output_storages or region.hardware is None:
         return

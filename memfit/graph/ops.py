@@ -60,9 +60,7 @@ def swap_out(x: torch.Tensor, key: int, stride: list[int] | None = None) -> torc
             (``memfit.graph.inductor.host_copies_in_saved_layout``). Inductor lays out a value
             as it likes (an attention ``clone`` in its source's order), and a saved host copy
             whose strides differ from the required ones is copied again, on the device, so the
-            swap frees nothing (GPT-2 at 0.3 of eager's peak under inductor: 71.95 MiB measured
-            with the host copy in the swapped tensor's layout, 70.95 MiB in the graph's; 69.82
-            predicted). The copy to the host converts the layout instead.
+            swap frees nothing. The copy to the host converts the layout instead.
 
     Note:
         On an accelerator the d2h stream first waits for the compute stream (``x`` must be

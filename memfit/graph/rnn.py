@@ -15,7 +15,7 @@ projections): one ``mkldnn_rnn_layer`` per layer and direction, whose autograd f
    without grad, where the kernel returns no workspace (and rounds differently).
    ``run_rnn_layers_for_training`` makes each layer of a training region run as eager's does.
 3. The op's meta kernel gives the workspace 0 bytes; oneDNN's holds every gate value and state
-   of the sequence (520 KB for 16 steps of 8 x 64). ``size_lstm_buffers`` gives the traced
+   of the sequence. ``size_lstm_buffers`` gives the traced
    workspace its real size, so the planner counts, swaps and frees it; the kernels' own
    buffers are ``RNN_TEMPORARIES`` (``memfit.graph.temporaries`` counts them).
 

@@ -12,27 +12,23 @@ Convolutions on the CPU go through oneDNN (mkldnn), which computes in channel-bl
 the input, weight and output are reordered into copies whose channels are rounded up to the
 vector width (8 floats on AVX2), the result is reordered back into the plain output, and the
 copies are freed. Batch-norm keeps two per-channel buffers beside its outputs in the forward and
-an input-sized one in the backward. The rules below were measured on torch 2.13 with AVX2
-(``bench/kernel_survey.py`` runs every op of a captured graph alone under the allocator).
+an input-sized one in the backward. The rules below hold where ``test_temporaries`` checks them
+against the allocator (torch 2.13, AVX2; ``bench/kernel_survey.py`` runs every op of a captured
+graph alone under the allocator).
 
 Convolutions the rules are not exact for are measured instead (``kernel_probe.py``: the op run
 once at its exact shapes in a child process): transposed convolutions, 3D backward, bias
 gradients, strided data gradients, ATen's slow (non-oneDNN) paths. Their scratch follows oneDNN's
 choice of implementation, its cache-sized blocking and the thread count, not a formula in the
-shapes: measured on AVX2, the 3D 3x3x3 weight gradient (gemm-based, per-thread im2col blocks and
-weight-gradient copies) of 8 to 16 channels at 4^3 voxels holds 69,376 B at one thread and
-138,496 B at two; of 16 to 16 channels 276,736 B at batch 2 and at batch 8 alike, and at 8^3
-voxels 442,624 B, half of one whole im2col buffer; a transposed 3D forward (24 to 4 channels,
-4^3 to 8^3) holds 94,640 B beside its 16,384 B output.
+shapes (it changes with the thread count, and not with the batch), so no rule is written for them.
 
 Attention on the CPU (``_scaled_dot_product_flash_attention_for_cpu`` and its backward, what
 SDPA runs without dropout) works in query blocks of 32, 64 or 256 rows (by the query length) and
 key blocks of up to 512, with one scratch block per thread: the forward holds the block's scores,
 row maxima, row sums and output rows, the backward its probabilities and their gradient, a row
 sum per thread and a contiguous copy of a transposed output gradient (float32 and float64; half
-types are measured). On ViT's attention (8x4x65x16 at two threads) the forward's 21,248 B, run
-again inside the backward by a recomputing plan, were the whole of a measured peak over its
-prediction.
+types are measured). A recomputing plan runs the forward again inside the backward, so its
+scratch can be the whole of what a peak adds there.
 
 ``analyze(..., kernel_temporaries=True)`` adds these bytes to each op as a storage nobody reads,
 so every memory profile counts them while the op runs and frees them right after. It also counts
@@ -130,12 +126,10 @@ def _uses_mkldnn(node: fx.Node, values: torch.Tensor, weight: torch.Tensor) -> b
 
 
 def _forward_rule_is_exact(node: fx.Node) -> bool:
-    """oneDNN's plain (not transposed, one group) float32 forward, 2D and 3D, at stride 1:
-    measured exact on AVX2, and on AVX-512 for kernels wider than 1x1. Strided 1x1 forwards hold
-    a few KiB more (a ResNet-50-shaped model's downsampling convolutions: 286,848 B measured
-    against 270,336 B by the rule); on AVX-512 oneDNN's 1x1 kernels hold more at stride 1 too (a
-    3D 1x1x1 convolution of 8 to 16 channels at 4^3 voxels, batch 2: 9,216 B against 8,192 B by
-    the rule), so those are measured there (``kernel_probe``)."""
+    """oneDNN's plain (not transposed, one group) float32 forward, 2D and 3D, at stride 1: exact
+    on AVX2, and on AVX-512 for kernels wider than 1x1. Strided 1x1 forwards hold a few KiB more
+    than the rule, and on AVX-512 oneDNN's 1x1 kernels hold more at stride 1 too, so those are
+    measured (``kernel_probe``)."""
     weight = _argument(node, "weight")
     one_by_one = all(size == 1 for size in weight.shape[2:])
     measured_here = torch.backends.cpu.get_cpu_capability() == "AVX2" or not one_by_one
@@ -145,10 +139,9 @@ def _forward_rule_is_exact(node: fx.Node) -> bool:
 
 def _backward_rule_is_exact(node: fx.Node) -> bool:
     """Never: the rule below is an estimate, and every backward is measured (``kernel_probe``).
-    It was exact on the shapes first checked (2D, stride 1, from 5 input channels, no bias
-    gradient), but not in general: on a ResNet-50-shaped model at small spatial sizes oneDNN
-    holds far more (8x64x2x2 input, 3x3 weight: 1,198,336 B measured against 147,456 B by the
-    rule; 8x8x16x16, 3x3: 145,664 against 131,072), so a plan trusting it ran over budget."""
+    It is exact on 2D, stride-1 convolutions from a full channel block without a bias gradient,
+    but at small spatial sizes oneDNN holds several times more, and a plan that trusted the rule
+    there would run over its budget."""
     del node
     return False
 
@@ -246,7 +239,7 @@ def _flash_attention_backward(node: fx.Node) -> int:
     Note:
         Each OpenMP thread allocates its own row sum; the profiler's allocator events show the
         calling thread's only, so at two threads the allocator is seen to hold one row sum
-        (128 B at 32 query rows) less than this rule counts, and than the process holds."""
+        (a float per query row) less than this rule counts, and than the process holds."""
     query, key = _argument(node, "query"), _argument(node, "key")
     gradient = _argument(node, "grad_out")
     query_block, key_block = _attention_blocks(query.shape[2], key.shape[2])
@@ -276,9 +269,8 @@ def _contiguous_with_swapped(value: torch.Tensor, first: int, second: int) -> bo
 
 
 def _flash_attention_rule_is_exact(node: fx.Node) -> bool:
-    """float32 and float64, measured exact (``test_temporaries``). Half types are measured: their
-    kernels block and pack differently (bfloat16's forward on AVX2 held 168,000 B at 8x4x65x16
-    and two threads, where the blocks above hold 29,568 B)."""
+    """float32 and float64, exact (``test_temporaries``). Half types are measured: their kernels
+    block and pack differently and hold several times what the blocks above count."""
     return _argument(node, "query").dtype in (torch.float32, torch.float64)
 
 
@@ -318,8 +310,8 @@ def kernel_output_storage_bytes(node: fx.Node) -> int | None:
 
     A reduced ``mse_loss``, ``smooth_l1_loss`` or ``binary_cross_entropy`` on the CPU computes the
     elementwise loss into a buffer of the broadcast inputs' size and returns the reduced loss as a
-    0-dim tensor on that buffer, so the whole buffer lives as long as the loss (measured:
-    65,536 bytes under a float32 loss of a 2x2x16^3 volume; the fake value's storage is 4).
+    0-dim tensor on that buffer, so the whole buffer lives as long as the loss (where the fake
+    value's storage is one element).
     """
     if node.target not in _REDUCED_LOSSES or not _on_cpu(node):
         return None

@@ -176,9 +176,9 @@ class BaseProfile(KeepProfile):
         return int(max(self.resident_bytes, at_compute.max()))
 
     def _sparse_pays(self, changes: int) -> bool:
-        """Measured (``bench/profile_speed.py``): the sparse path's fixed cost (~40 us) loses to
-        the dense one's pass below ~10,000 ops; on 24,450 ops it won up to ~40 changes (10
-        swaps: 51 vs 90 us) and lost at ~400 (100 swaps: 168 vs 97 us)."""
+        """The sparse path has a fixed cost per query and one that grows with the changes; the
+        dense one a pass over every op. So sparse only on long steps with few changes (the
+        thresholds from ``bench/profile_speed.py``; both paths give the same peak)."""
         return self.op_count > 8192 and 256 * changes < self.op_count
 
     def _dense_peak(self, first: np.ndarray, last: np.ndarray, size: np.ndarray) -> int:

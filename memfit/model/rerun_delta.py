@@ -3,11 +3,11 @@ program-order keys (``memfit.model.keys``), and the per-op figures the recompute
 
 Why: the segment planner (``memfit.planning.solvers.segments``) prices about a thousand candidate
 segments of a captured step, each a plan that recomputes a few dozen tensors; the checkpoint and
-optimal-recompute strategies price a few whole plans. Lowering the program for each costs ~10 ms;
-this walks only the re-runs, what they read and what they replace, and reads the change against
-the Keep plan's profile (``KeepProfile``) with numpy. It follows ``lower`` and ``memory_profile``
-rule for rule (program order, the newest instance read, freed after the last reader), and
-``tests/model/test_rerun_delta.py`` holds every figure ``==`` to a lowering.
+optimal-recompute strategies price a few whole plans. Lowering the whole program for each would
+dominate planning; this walks only the re-runs, what they read and what they replace, and reads the
+change against the Keep plan's profile (``KeepProfile``) with numpy. It follows ``lower`` and
+``memory_profile`` rule for rule (program order, the newest instance read, freed after the last
+reader), and ``tests/model/test_rerun_delta.py`` holds every figure ``==`` to a lowering.
 
 Keys do not move when re-runs are inserted (a re-run before op ``p`` is ``key(p, rank)``), so a
 change is a plain list of lifetimes, and a base other than Keep (a swap plan) is one more set of

@@ -1,9 +1,9 @@
-"""The planner's tuning constants in one place, each with the measurement or the reason that chose it.
+"""The planner's tuning constants in one place, each with the reason that chose it.
 
 A tuning constant trades a plan's quality against planning time, or picks between plans; units,
 formats and API limits are not tuning and stay where they are used. Modules read these from
-``TUNING``; the old module-level names that other modules, tests or benchmarks import
-(``milp.NODE_LIMIT``, ``optimal_recompute.MILP_MAX_OPS`` and ``POOR_MAX_FORWARD_OPS``) stay as
+``TUNING``; the module-level names that other modules, tests or benchmarks import
+(``milp.NODE_LIMIT``, ``optimal_recompute.MILP_MAX_OPS`` and ``POOR_MAX_FORWARD_OPS``) are
 references to it.
 
 Note:
@@ -24,8 +24,8 @@ class Tuning:
     """The planner's tuning constants (``TUNING``); each comment says what chose the value."""
 
     # --- solvers: the MILPs (solvers/milp.py, solvers/_milp_swap_model.py)
-    # HiGHS's branch-and-bound nodes: the 96-op 6-layer MLP proves its optimum in 39-67; each
-    # node of a 100-op model costs ~0.1-1 s on a shared 2-core CPU, so this bounds minutes
+    # HiGHS's branch-and-bound nodes: enough for a small MLP to prove its optimum; a node of
+    # a 100-op model can take most of a second, so this bounds planning to minutes
     milp_node_limit: int = 200
     # the swap MILP's cost of one copy, in mean op times: a tie-break, so no copy is made that
     # the optimum does not need
@@ -65,7 +65,8 @@ class Tuning:
     auto_min_swap_bytes: int = 1 << 16
     # the hybrid's budget relaxations, shares of what free swaps save
     auto_hybrid_shares: tuple[float, ...] = (1.25, 1.0, 0.75, 0.5, 0.25, 0.0)
-    # recompute-then-swap rounds of swapped checkpoints; GPT-2 settles (or cycles) within five
+    # recompute-then-swap rounds of swapped checkpoints; a captured GPT-2 settles (or cycles)
+    # before this
     auto_checkpoint_rounds: int = 6
 
     def __post_init__(self) -> None:

@@ -11,9 +11,9 @@ Example:
 
 Note:
     It runs under ``torch.no_grad()``: the graph already contains the backward pass, and with
-    grad mode on autograd would keep every intermediate alive (193.8 MiB instead of 108.95 MiB on
-    a small GPT-2). A multi-output node's value is a tuple that keeps all its outputs alive
-    until the last ``getitem`` of it runs; the planner models exactly that.
+    grad mode on autograd would keep every intermediate alive until the step ends. A
+    multi-output node's value is a tuple that keeps all its outputs alive until the last
+    ``getitem`` of it runs; the planner models exactly that.
 """
 
 from __future__ import annotations

@@ -229,9 +229,9 @@ def outside_plans_bytes(planner: Planner, device: torch.device, counted: list,
     open regions' saves: from CUDA's allocator, or on a CPU from the backend's ``EagerWatch``
     (0 where this thread has none), less the storages of those saves (``saved``, weakly) that
     eager code touched (``own_saved``: the measured region's own, see
-    ``EagerWatch.held_bytes``). Measured: FSDP2's hooks between GPT-2's per-block regions pass
-    each block's input (saved by that block) through eager ops, which counted 4.4 MiB of saves
-    a second time, as eager code's."""
+    ``EagerWatch.held_bytes``): FSDP2's hooks between per-block regions pass each block's
+    input, saved by that block, through eager ops, and those saves are the plan's, not eager
+    code's."""
     from memfit.runtime.outside import cuda_outside_bytes
 
     if device.type == "cuda":

@@ -56,8 +56,7 @@ def resident_bytes(model: torch.nn.Module | None,
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this process holds: a ``DTensor``'s local shard (FSDP2's
     parameters, their gradients and optimizer state), whose own ``untyped_storage()`` has the
-    whole tensor's size (measured: 32,768 B for a [128, 64] float32 parameter sharded over two
-    ranks, whose shard is 16,384 B); any other tensor itself."""
+    whole tensor's size, not the shard's; any other tensor itself."""
     if _DTENSOR is not None and isinstance(tensor, _DTENSOR):
         return tensor._local_tensor  # its shard itself (to_local() dispatches ops)
     return tensor
@@ -226,11 +225,8 @@ def fsdp_gather_buffers(model: torch.nn.Module | None) -> list[torch.Tensor]:
     """The flat all-gather buffers FSDP2 holds for units whose parameters it gathered ahead
     (its forward and backward prefetch) but has not yet copied out into their unsharded
     parameters: counted by the plans as FSDP2's in-flight bytes (``fsdp_in_flight_bytes``'s
-    prefetched unit), not as eager code's.
-
-    Measured on MONAI's U-Net (2 ranks, channels 4-16, 16^3): at the start of the last stage's
-    backward FSDP2 had all-gathered the middle stage's 68,272 B into such a buffer, which the
-    eager watch counted as the loop's, beside the plan's own count of it."""
+    prefetched unit), not as eager code's, so that no byte is counted twice (at a stage's
+    backward start the stage before it may already sit in such a buffer)."""
     found = []
     for group in fsdp_param_groups(model):
         pending = getattr(group, "_all_gather_result", None)
@@ -245,10 +241,8 @@ def fsdp_in_flight_bytes(model: torch.nn.Module | None, device: torch.device) ->
     forward and backward: those unsharded now (the block in flight, whose parameters the region
     reads, and the root, which FSDP2 keeps unsharded from its forward to the end of backward),
     plus the largest unit not unsharded now, which FSDP2 all-gathers ahead while the region's
-    backward runs (its backward prefetch of the block before, in forward order).
-
-    Measured on GPT-2 (4 blocks of width 64, 2 ranks): each block unsharded is 199,936 B; during
-    block 3's backward blocks 3 and 2 were unsharded, and the root's 132,096 B."""
+    backward runs (its backward prefetch of the block before, in forward order): during a
+    block's backward, that block, the one before it and the root are unsharded at once."""
     sizes: dict[StorageWeakRef, int] = {}
     for tensor in fsdp_unsharded_tensors(model):
         if tensor.device == device:

@@ -2,9 +2,9 @@
 
 Why. The segment DP (``memfit.planning.solvers.segments``) rebuilds each segment in one go from the kept
 separator before it: one level of checkpoints, whose smallest peak holds about 2 sqrt(blocks)
-separators and a whole segment. Below it the only recomputation plan left was memory-poor's
-(rebuild from the inputs before every backward op: O(n^2) re-runs, eight times the step on a
-16-layer MLP). Revolve's schedules sit between: separators rebuilt from separators, as many
+separators and a whole segment. Below it the only other recomputation plan is memory-poor's
+(rebuild from the inputs before every backward op: O(n^2) re-runs, many times the step).
+Revolve's schedules sit between: separators rebuilt from separators, as many
 levels deep as the budget needs, for a few extra forward passes. The chain DP
 (``memfit.planning.solvers.chain``) finds the one of least recompute time on a chain of unequal steps;
 here the steps are the blocks.

@@ -232,8 +232,7 @@ def solve_chain(
             budget share a divisor that gives at most this many units the DP is exact; otherwise
             sizes are rounded *up* to units of ceil(budget / memory_units) bytes, so the schedule
             always fits but may recompute a little more than the true optimum. Time and memory
-            grow linearly with it: O(l³ units) time, O(l² units) memory (l = 100 with 400
-            units: about 1 s and 50 MB; l = 200: about 7 s and 200 MB).
+            grow linearly with it: O(l³ units) time, O(l² units) memory.
 
     Example:
         >>> schedule = solve_chain([1.0] * 4, [2.0] * 4, [10] * 4, budget_bytes=30)
@@ -263,7 +262,7 @@ def solve_chain_costs(costs: ChainCosts, budget_bytes: int, memory_units: int = 
 
 
 # ---- the article's fixed schedules ----------------------------------------------------------------
-# Measured by ``simulate_chain`` with unit activations and no gradient bytes (the pebble game):
+# As ``simulate_chain`` counts them, with unit activations and no gradient bytes (the pebble game):
 # default: peak l, 0 extra steps; memory_poor: peak 2 (F's input and output), l (l - 1) / 2;
 # sqrt (k = ⌈√l⌉): peak max(k + 1, 2k - 2) for l = k², l - ⌈l / k⌉ extra (< one forward pass).
 

@@ -138,8 +138,8 @@ def _nested(undirected: nx.Graph, candidates: Sequence[tuple[str, ...]]
     A candidate's closure is the input's component once its ops are removed, plus its ops.
     Closures grow along the chain, so each is found by growing the last accepted one's
     interior (``_grown``), and a closure is never copied: ``entered`` holds them all (node ->
-    the first cut whose closure holds it). On a 5,000-op chain, a whole-graph search or a copy
-    per candidate was quadratic.
+    the first cut whose closure holds it): a whole-graph search or a copy per candidate would be
+    quadratic in the chain's length.
     """
     nested: list[tuple[str, ...]] = []
     entered: dict[str, int] = {}  # the last accepted closure is entered's keys
@@ -212,7 +212,8 @@ def _thinned(graph: CostGraph, nested: Sequence[tuple[str, ...]],
     """Indices of ``cuts`` separators to keep: merge the lightest neighbouring blocks first.
 
     Blocks are merged in order of the bytes of the pair (ties: the pair nearer the input),
-    found with a heap whose stale pairs are skipped: a linear scan per merge was quadratic.
+    found with a heap whose stale pairs are skipped (a linear scan per merge would be
+    quadratic).
     """
     span_bytes = [0] * (len(nested) + 1)  # span (named by its first block) -> its bytes
     for op in graph.forward_ops:
@@ -278,8 +279,8 @@ def segment_table(graph: CostGraph, blocks: Blocks, cheap_kept: Iterable[str],
             more at once than it saves in kept separators). A ``"cheap"`` segment's rebuilds
             are short chains whose cost does not grow with its length, but two neighbouring
             ones price the same plan as one spanning both, save the separator between them:
-            so the same bound loses little (one budget in about 300 of the benchmark sweeps
-            recomputed 0.15% more) and keeps the table near ``4 * blocks**1.5`` entries
+            so the same bound loses little (rarely a plan that recomputes slightly more) and
+            keeps the table near ``4 * blocks**1.5`` entries
             instead of ``blocks**2``.
     """
     pricing = _Pricing(BaseProfile.of(graph), blocks)

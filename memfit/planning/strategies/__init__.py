@@ -124,9 +124,9 @@ def collector_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector while planning (threads and nesting included).
 
     Why: planners build and drop hundreds of thousands of small objects (actions, plans), and
-    each burst triggers full collections that walk every object the process holds: with a
-    transformers model and its captured graphs loaded that is ~450,000 objects, and a
-    simulation of GPT-2 small took 30 ms instead of 6. Planning makes no reference cycles
+    each burst triggers full collections that walk every object the process holds (with a
+    transformers model and its captured graphs loaded, hundreds of thousands), which can cost
+    more than the planning itself. Planning makes no reference cycles
     worth collecting early; the collector resumes (if it was on) when the last plan in
     progress, in any thread, ends.
     """

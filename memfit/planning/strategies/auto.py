@@ -2,7 +2,7 @@
 
 Why a portfolio with hybrids. Swapping costs only the transfer time the copy streams cannot
 hide, and the link carries a fixed number of bytes while the forward pass computes (a PCIe
-Gen5 H100 moves ~52 GB/s against hundreds of TFLOP/s; a GH200's NVLink-C2C ~300 GB/s):
+host link tens of GB/s against hundreds of TFLOP/s; a GH200's NVLink-C2C several times more):
 swapping beyond that stalls the step. Recomputation costs its run time, cheapest per byte
 first. So the fastest plan swaps what the link can carry and recomputes the rest, and where the
 balance lies depends on the hardware profile, not on a rule of thumb.
@@ -23,8 +23,8 @@ The candidates, each simulated exactly by ``simulate`` (memory is program-order 
 6. per-block checkpoints (``block-checkpoints``): each numbered block of the model's stacks
    (``transformer.h.*``, ``model.layers.*``, ``layer1.*``) keeps its output, the rest is
    recomputed, as ``torch.utils.checkpoint`` around every block does (torchtitan's default);
-   the DP prices recomputation per separator block and can miss this plan by a little (a 7B
-   Llama on 8xH100 at checkpointing's batch: auto without it was 0.7% slower than it);
+   the DP prices recomputation per separator block and can miss this plan by a little, so it
+   is priced as a candidate of its own;
 7. swapped checkpoints (Capuchin's swap + recompute): the same DP, then every free swap given
    its re-runs, checkpoints included: a value that re-runs read leaves the device during the
    forward pass and comes back just before the first re-run that reads it (a ``SwapIn`` that

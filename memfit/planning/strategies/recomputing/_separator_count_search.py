@@ -2,9 +2,9 @@
 
 Every count of evenly spaced separators is a plan (recompute every forward tensor but the
 kept separators); with a budget the mode wants the count that fits with the least recompute
-time. Pricing one count exactly (the memory model, ``BaseProfile.recomputes``) walks its re-runs, tens of milliseconds on a
-10,000-op step with a thousand separators, so pricing all of them took half a minute. Two cheap
-lower bounds per count make it a branch and bound, with the same answer as pricing all:
+time. Pricing one count exactly (the memory model, ``BaseProfile.recomputes``) walks its
+re-runs, and a long step has a thousand counts, so pricing all of them would dominate planning.
+Two cheap lower bounds per count make it a branch and bound, with the same answer as pricing all:
 
 - time: every producer of a recomputed tensor that a backward op reads is re-run, so the sum of
   their times is at most the plan's recompute time (re-runs that rebuild inputs of re-runs
@@ -17,8 +17,8 @@ lower bounds per count make it a branch and bound, with the same answer as prici
 Counts are priced in order of their time bound, skipping those whose peak bound is over the
 budget, until the bound passes the best time that fits. Once one fits, a count is priced only if
 its exact recompute time (``BaseProfile.rerun_time_s``: which producers re-run, without the
-lifetimes, a fifth of the cost) does not rule it out: where the bounds are loose (a 48-layer
-GPT-2, whose rebuilds re-run chains of cheap ops), every count was priced.
+lifetimes, a fraction of the cost) does not rule it out: where the bounds are loose (a deep
+transformer, whose rebuilds re-run chains of cheap ops), pricing every count would dominate.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ class CountBounds:
 
     When no two separators hold the same tensor and no producer's late outputs are spread over
     two separators (a chain's articulation points, a ResNet's block outputs), each separator's
-    share of both bounds is its own, and the bounds of all counts are sums over arrays: on a
-    5,000-op chain, pricing each count's kept set in Python was quadratic (12 s).
+    share of both bounds is its own, and the bounds of all counts are sums over arrays (pricing
+    each count's kept set one by one would be quadratic in the chain's length).
 
     Args:
         droppable: the tensors a count recomputes unless its separators keep them.

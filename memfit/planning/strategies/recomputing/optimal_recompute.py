@@ -19,8 +19,9 @@ Two solvers, picked by size (``method="auto"``):
 
 Below the DP's reach, when the peak sits in the forward pass (branchy graphs), forward values
 are freed and re-run too (``recompute_in_forward``); otherwise separators are rebuilt from
-separators, revolve over the blocks (``memfit.planning.solvers.block_chain``: on the 16-layer MLP at 47% of
-its peak, 0.5 of a step's time where memory-poor took 9 steps); memory-poor is the last resort.
+separators, revolve over the blocks (``memfit.planning.solvers.block_chain``: a fraction of a
+step's time where memory-poor re-runs the forward pass many times); memory-poor is the last
+resort.
 
 The answer is never slower than the article's two fixed modes at the same budget: the
 ``checkpoint`` strategy's ``"memory"`` and ``"speed"`` plans are priced too, and one of them is

@@ -60,8 +60,8 @@ def free_swaps(graph: CostGraph, hardware: Hardware, exclude: Iterable[str] = ()
             read come back before the first of them, for them. ``None`` (default): no re-runs.
         packed: queue out only values that can come back in time, and pack the copies back
             as late as the link allows, latest need first (``_copies_back_packed``): more bytes
-            where the link is the bottleneck (GPT-2 medium on PCIe at half its peak: the
-            recomputation's budget relaxes by 29 GiB, not 5). ``False`` (default): every
+            where the link is the bottleneck (the recomputation's budget relaxes by several
+            times more on a large model over PCIe). ``False`` (default): every
             candidate queued out, each copy back just in time in order of need, skipping one
             the link cannot fit behind the previous one. On a half-duplex link both modes
             queue out only values that can come back: every copy back waits for every copy

@@ -10,9 +10,8 @@ residual add's backward and again by the query, key and value projections' backw
 once per run of adjacent readers, so no copy waits on the device between them. On a CPU the
 copies are synchronous anyway; on a GPU each copy back stalls the step by its transfer time,
 which auto weighs against the other candidates: it wins where it is the fastest that fits,
-typically where nothing else fits. Measured in the user's loop (``bench/auto_floors.py``), it
-lowers auto's smallest peak on transformers BERT from 2,688,908 B (reached by recomputation) to
-2,298,508 B.
+typically where nothing else fits: it lowers the smallest peak auto reaches below what
+recomputation reaches on some models (``bench/auto_floors.py`` measures it in the user's loop).
 
 A run of readers that starts right after the original's last forward read is served by the
 original (a copy made there would live as long, and free nothing), and a value with no other
