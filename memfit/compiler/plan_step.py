@@ -103,8 +103,8 @@ def plan_step(graph: CostGraph, hardware: Hardware, budget: Budget | None, strat
     lowered and simulated once for the whole call (``memfit.model.plan_memo``), however often
     the strategy, the what-ifs and the explanation ask; Python's cyclic collector stays paused
     for the whole call, not only inside each strategy (``collector_paused``: between the
-    strategies, the simulations and the explanation it ran full collections over the objects
-    the call remembers, which the call's end frees anyway).
+    strategies, the simulations and the explanation it would run full collections over the
+    objects the call remembers, which the call's end frees anyway).
 
     Raises:
         BudgetError: if the strategy cannot fit the budget (whole-device bytes in its message).

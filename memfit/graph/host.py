@@ -7,7 +7,7 @@ tracker can leave it out of the device bytes.
 
 It sits with the ops of a rewritten graph (``memfit.graph.ops``, ``memfit.graph.rng``), which
 allocate such buffers, below the runtime (streams, tracker) that reads them: the ops import
-nothing from ``memfit.runtime``. ``memfit.runtime.host`` is an alias of it (``memfit.moved``).
+nothing from ``memfit.runtime``.
 
 Note:
     On a CPU-only machine "device" and "host" are the same memory, so the only way to tell a

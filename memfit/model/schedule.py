@@ -33,7 +33,7 @@ class Action(NamedTuple):
     """One step of the rewritten program.
 
     A named tuple, not a dataclass: ``lower`` makes tens of thousands per simulated plan, and a
-    frozen dataclass costs three times as much to build.
+    frozen dataclass costs several times as much to build.
 
     Args:
         kind: ``"compute"`` runs ``op``; ``"swap_out"`` copies ``tensor`` to the host after its

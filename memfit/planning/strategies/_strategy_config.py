@@ -1,10 +1,9 @@
 """A strategy's parameters as a frozen dataclass that checks itself when built.
 
-Why: a hand-written ``check_params(**params)`` beside ``plan`` repeated each default twice and
-checked the values in a second place from the code that reads them; a config is the one list of
-parameters, their defaults and their checks, and the registry builds it to check parameters
-without a graph (``register(name, config=...)``). ``SwapConfig`` was the first such config; every
-registered strategy has one now.
+Why: a config is the one list of a strategy's parameters, their defaults and their checks, next
+to the code that reads them; the registry builds it to check parameters without a graph
+(``register(name, config=...)``), so a mistake fails when the strategy is named. Every registered
+strategy has one.
 """
 
 from __future__ import annotations
