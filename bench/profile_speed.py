@@ -7,7 +7,8 @@ Run: ``python -m bench.profile_speed OPS_IN_FORWARD OLD_SWAP_TUNE_PY`` (seconds)
 (2,007 ops) and a file made by
 ``git show 2419219:memfit/planning/strategies/swapping/_swap_tune.py > /tmp/old_swap_tune.py``.
 Prints medians of repeated timings; every answer is checked equal (peaks to the byte, times to the
-bit) before it is timed. Not part of ``bench/run.py``: see ``docs/design/memory_model.md``.
+bit) before it is timed. Not part of ``bench/run.py`` (``docs/memory-model.md`` describes the
+model).
 """
 
 from __future__ import annotations

@@ -91,8 +91,8 @@ class KeepProfile:
         lists). (The tuner's hot loop: keys are computed inline.)
 
         Raises:
-            ValueError: for a swap-in that feeds re-runs (not modelled yet: the plan of
-                ``docs/design/memory_model.md``, step 3)."""
+            ValueError: for a swap-in that feeds re-runs (not modelled: ``simulate`` prices
+                those plans)."""
         index = self.graph.index
         tensor = self.graph.tensors[name]
         produced_at, size_bytes = self.produced_at[name], tensor.size_bytes

@@ -2,10 +2,9 @@
 decisions makes to it, priced in numpy without lowering the whole program.
 
 Why: ``lower`` + ``memory_profile`` (and ``simulate``) are the truth, but they build every action of
-the step, so the planners that price hundreds of plans grew their own fast copies of the model
-(``RerunProfiler``, ``_free_swaps``' queue replay, ``_separator_count_search``'s bounds, and
-``_swap_tune``'s ``PeakModel`` and ``step_time_s``), which this model replaced (the plan:
-``docs/design/memory_model.md``). It prices swap decisions (each copy serving ops that run after
+the step, and the planners price hundreds of plans: the TFLMS tuner, the segment DP, the
+checkpoint count search and ``free_swaps`` ask this model instead, which gives the truth's answers
+(``docs/memory-model.md``). It prices swap decisions (each copy serving ops that run after
 its control op: the TFLMS tuner's questions) and re-runs (``memfit.model.rerun_delta``: the
 recompute planners' questions), on the Keep plan or on a swap plan.
 
@@ -119,8 +118,8 @@ class BaseProfile(KeepProfile):
         """The changed lifetimes of ``decisions``, in order.
 
         Raises:
-            ValueError: for a swap-in that feeds re-runs (not modelled yet: the plan of
-                ``docs/design/memory_model.md``, step 3).
+            ValueError: for a swap-in that feeds re-runs (not modelled: ``simulate`` prices
+                those plans).
         """
         first: list[int] = []
         last: list[int] = []

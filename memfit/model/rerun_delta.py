@@ -123,7 +123,7 @@ def plan_delta(base: KeepProfile, plan: Plan) -> RerunDelta:
 
     Raises:
         ValueError: for re-runs that read or rebuild a swapped tensor, and swap-ins that feed
-            re-runs (copies feeding re-runs: ``docs/design/memory_model.md``, step 3).
+            re-runs (not modelled: ``simulate`` prices those plans).
     """
     graph, index = base.graph, base.graph.index
     grouped = planned_reruns(graph, plan)
