@@ -8,10 +8,11 @@ the MLP, or at 1.05x the smallest peak where that is above).
 The predicted step time is the simulator's for the plan each compiled region runs (summed over
 the regions an iteration runs: the newest plan of each compiled code, ``latest_regions``),
 priced on the median of profiles measured once per timed round (beside the iterations, under
-the same load); the measured one is the median wall time of interleaved
-forward-and-backward iterations (``loss_fn(model, *inputs).backward()``, no optimizer step: the
-planned graph is the forward and backward), after warm-ups that compile, plan and finish
-memfit's measured runs. The error is (predicted - measured) / measured.
+the same load); the measured one is the median over rounds of each method's steady step (the
+median of 3 forward-and-backward iterations in a row after an untimed one:
+``loss_fn(model, *inputs).backward()``, no optimizer step: the planned graph is the forward and
+backward), the methods taking turns within each round, after warm-ups that compile, plan and
+finish memfit's measured runs. The error is (predicted - measured) / measured.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 import memfit
-from bench.common import interleaved_medians_s, ms
+from bench.common import median_time_s, ms
 from bench.recompute_methods import SINGLE_THREAD_NOTE
 from memfit import examples
 from memfit.compiler.graph_breaks import latest_regions
@@ -41,6 +42,7 @@ HEADERS = ("model", "compiler", "plan", "kernels", "predicted step", "measured s
 COMPILERS = ("aot_eager", "inductor")
 WARM_UPS = 4  # compile, plan, memfit's two measured runs, one steady run
 TIMED_REPEATS = 7
+STEADY_STEPS = 3  # timed in a row per round, after one untimed step
 MINIMUM_MARGIN = 1.05
 TARGET = 0.25  # issue 30: predicted within 25% of measured on every row
 RECOMPILE_LIMIT = 64  # every fitted copy adds a Dynamo cache entry to the same code objects
@@ -103,6 +105,14 @@ def _fitted_run(example: examples.Example, inputs: tuple, hardware: memfit.Hardw
     return model, run
 
 
+def steady_step_s(run: Callable[[], None]) -> float:
+    """The median of ``STEADY_STEPS`` steps of ``run`` in a row, after one untimed step: a
+    training loop's steady step, not the first after another model's step or a profile's
+    probes (caches and the allocator's free lists then hold the other's tensors)."""
+    run()
+    return median_time_s(run, STEADY_STEPS)
+
+
 def model_rows(timed: TimedModel, log: Callable[[str], None]) -> tuple[list[tuple], str]:
     """The model's rows, and a line describing the profile they are predicted with.
 
@@ -128,8 +138,8 @@ def model_rows(timed: TimedModel, log: Callable[[str], None]) -> tuple[list[tupl
         times: list[list[float]] = [[] for _ in runs]
         for _ in range(TIMED_REPEATS):
             profiles.append(memfit.measure_hardware("cpu"))
-            for index, measured_s in enumerate(interleaved_medians_s(runs, 1)):
-                times[index].append(measured_s)
+            for index, run in enumerate(runs):
+                times[index].append(steady_step_s(run))
     hardware = median_profile(profiles)
     rows: list[tuple] = []
     for (compiler, plan), model, run_times in zip(labels, fitted, times, strict=True):
@@ -164,7 +174,7 @@ def median_profile(profiles: list[memfit.Hardware]) -> memfit.Hardware:
         element_rates=median_of("element_rates"),
         **{key: statistics.median(getattr(p, key) for p in profiles)
            for key in ("memory_bytes_per_s", "d2h_bytes_per_s", "h2d_bytes_per_s",
-                       "op_overhead_s", "compute_ramp_s")})
+                       "copy_latency_s", "op_overhead_s", "compute_ramp_s")})
 
 
 def profile_line(hardware: memfit.Hardware) -> str:
@@ -177,7 +187,9 @@ def profile_line(hardware: memfit.Hardware) -> str:
                        for family, rate in hardware.element_rates.items())
     return (f"{rates} ({classes or 'every class at 1'} of it); small-op ramp "
             f"{hardware.compute_ramp_s * 1e6:.1f} us; memory {hardware.memory_bytes_per_s / 1e9:.1f}"
-            f" GB/s; copy {hardware.d2h_bytes_per_s / 1e9:.1f} GB/s; eager op overhead "
+            f" GB/s; swaps {hardware.d2h_bytes_per_s / 1e9:.1f} GB/s out, "
+            f"{hardware.h2d_bytes_per_s / 1e9:.1f} GB/s in, {hardware.copy_latency_s * 1e6:.1f} us"
+            f" per copy; eager op overhead "
             f"{hardware.op_overhead_s * 1e6:.1f} us; compiled kernel overhead "
             f"{hardware.kernel_overhead_s * 1e6:.1f} us{elements}")
 

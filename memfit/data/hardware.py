@@ -11,9 +11,10 @@ rate and its bytes at the sustained memory bandwidth, plus a fixed launch overhe
     memory_s  = bytes_accessed / (memory_bytes_per_s * memory_efficiency)
     time_s    = max(compute_s, memory_s) + op_overhead_s
 
-``class`` is the op's class (``memfit.data.op_classes``: matmul, convolution, attention, rnn,
+``class`` is the op's class (``memfit.data.op_classes``: matmul, batched matmul, convolution,
+attention, rnn,
 else memory). A memory-bound op of an element family (transcendental, random, batch_norm,
-layer_norm) also takes at least ``elements / element_rates[family]``: on a CPU core a ``tanh``,
+layer_norm, softmax, ...) also takes at least ``elements / element_rates[family]``: on a CPU core a ``tanh``,
 a dropout mask or a batch norm's per-channel statistics compute longer than they move their
 bytes. This prices each op as eager runs it; inductor's fused kernels
 are priced from these op by op (``memfit.model.kernels``), each paying ``kernel_overhead_s``
@@ -83,7 +84,10 @@ from memfit.data.files import write_text
 from memfit.data.hardware_json import FORMAT, FORMAT_VERSION, hardware_fields
 from memfit.data.op_classes import (
     COMPUTE_CLASSES,
+    EAGER_FAMILIES,
     ELEMENT_FAMILIES,
+    FALLBACK_CLASS,
+    FALLBACK_FAMILY,
     MEMORY,
     element_family,
     op_class,
@@ -117,13 +121,14 @@ class Hardware:
             kernels, a launch without the dispatcher; ``memfit.model.kernels``).
         copy_latency_s: fixed time per copy.
         compute_efficiency: the fraction of the peak a large op of each compute class
-            sustains (``"matmul"``, ``"convolution"``, ``"attention"``, ``"rnn"``); a class not
-            given runs at 1.0, the peak.
+            sustains (``"matmul"``, ``"batched_matmul"``, ``"convolution"``, ``"attention"``,
+            ``"rnn"``); a class not given runs at its ``FALLBACK_CLASS``'s fraction, else at
+            1.0, the peak.
         memory_efficiency: the fraction of ``memory_bytes_per_s`` memory-bound ops sustain.
         element_rates: elements per second a memory-bound op of each element family
             (``memfit.data.op_classes.ELEMENT_FAMILIES``: ``"transcendental"``, ``"random"``,
-            ``"batch_norm"``, ``"layer_norm"``)
-            computes, where that takes longer than its bytes (a CPU core); a family not given is
+            ``"batch_norm"``, ``"layer_norm"``, and eager kernels' ``"softmax"``,
+            ``"safe_softmax"`` and ``"dropout_backward"``) computes, where that takes longer than its bytes (a CPU core); a family not given is
             priced by its bytes alone, as every op on a GPU profile.
         compute_ramp_s: time a compute op takes beyond its FLOPs at the sustained rate; 0 runs
             every size at the class's fraction (see the module docstring for the curve).
@@ -222,6 +227,13 @@ class Hardware:
             if not 0 < value <= 1:
                 raise ValueError(f"Hardware.{key} must be a fraction in (0, 1], got {value}")
 
+    def class_efficiency(self, kind_class: str) -> float:
+        """The fraction of the peak ops of ``kind_class`` sustain: the profile's figure, else
+        its ``FALLBACK_CLASS``'s, else 1.0."""
+        while kind_class not in self.compute_efficiency and kind_class in FALLBACK_CLASS:
+            kind_class = FALLBACK_CLASS[kind_class]
+        return self.compute_efficiency.get(kind_class, 1.0)
+
     def flops_rate(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype``, falling back to the float32 rate, then to the slowest known."""
         if dtype in self.flops_per_s:
@@ -250,15 +262,20 @@ class Hardware:
         compute_s = self.elements_time_s(kind, elements) if kind_class == MEMORY else 0.0
         if flops > 0:
             rate = self.flops_rate(self.compute_dtype(dtype, kind_class))
-            efficiency = self.compute_efficiency.get(kind_class, 1.0)
+            efficiency = self.class_efficiency(kind_class)
             ramp_s = self.compute_ramp_s if kind_class != MEMORY else 0.0
             compute_s = flops / (rate * efficiency) + ramp_s
         return max(compute_s, memory_s) + self.op_overhead_s
 
-    def elements_time_s(self, kind: str, elements: int) -> float:
+    def elements_time_s(self, kind: str, elements: int, fused: bool = False) -> float:
         """The time a memory-bound op of ``kind`` computes ``elements`` elements, at its
-        element family's rate (``element_rates``); 0 for a family the profile has no rate for."""
-        rate = self.element_rates.get(element_family(kind))
+        element family's rate (``element_rates``). An eager kernel's own family
+        (``EAGER_FAMILIES``) inside a fused kernel, or one the profile has no rate for, is
+        priced as its ``FALLBACK_FAMILY``; 0 where the chain ends without a rate."""
+        family = element_family(kind)
+        while family in EAGER_FAMILIES and (fused or family not in self.element_rates):
+            family = FALLBACK_FAMILY[family]
+        rate = self.element_rates.get(family)
         return elements / rate if rate else 0.0
 
     def d2h_time_s(self, size_bytes: int, pinned: bool = True) -> float:

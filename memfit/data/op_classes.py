@@ -15,9 +15,12 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 MATMUL = frozenset({
-    "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.addbmm", "aten._addmm_activation",
-    "aten.mv", "aten.addmv", "aten.dot", "aten._scaled_mm", "aten._int_mm",
+    "aten.mm", "aten.addmm", "aten.addbmm", "aten._addmm_activation", "aten.mv", "aten.addmv",
+    "aten.dot", "aten._scaled_mm", "aten._int_mm",
 })
+# many small matmuls in one call (attention's scores and their product with the values, a
+# head's width deep): a CPU's library runs them further below its peak than one large matmul
+BATCHED_MATMUL = frozenset({"aten.bmm", "aten.baddbmm"})
 CONVOLUTION = frozenset({
     "aten.convolution", "aten._convolution", "aten.convolution_overrideable",
     "aten.convolution_backward", "aten.cudnn_convolution", "aten.cudnn_convolution_transpose",
@@ -44,9 +47,12 @@ RNN = frozenset({
 
 # class name -> the op kinds in it; every kind here must get a FLOP count from the capture
 COMPUTE_CLASSES: Mapping[str, frozenset[str]] = MappingProxyType({
-    "matmul": MATMUL, "convolution": CONVOLUTION, "attention": ATTENTION, "rnn": RNN,
+    "matmul": MATMUL, "batched_matmul": BATCHED_MATMUL, "convolution": CONVOLUTION,
+    "attention": ATTENTION, "rnn": RNN,
 })
 MEMORY = "memory"
+# the class whose efficiency a class takes where a profile gives it none
+FALLBACK_CLASS: Mapping[str, str] = MappingProxyType({"batched_matmul": "matmul"})
 _CLASS_OF = {kind: name for name, kinds in COMPUTE_CLASSES.items() for kind in kinds}
 
 
@@ -59,6 +65,11 @@ def op_class(kind: str) -> str:
 # element runs a polynomial (transcendental functions, softmax's exp), a random generator, or
 # a normalization's statistics and affine map (batch norm's per-channel passes, layer norm's
 # per-row ones), each normalization family priced over its forward and backward together.
+# Three families are eager kernels' own, each several passes where a fused kernel makes one:
+# softmax over its forward and backward (a max, an exp, a sum and a scale per row),
+# ``_safe_softmax`` (softmax, then a check for rows masked whole and a ``where`` over its
+# output) and dropout's backward (its mask converted to the gradient's dtype, then multiplied).
+# A fused kernel prices them as their ``FALLBACK_FAMILY``.
 # ``aten.pow`` is arithmetic: models raise to small whole powers (GELU's cube, a square), which
 # ATen computes by multiplying (the kind does not say the exponent: a fractional one is
 # underpriced).
@@ -67,9 +78,15 @@ def op_class(kind: str) -> str:
 TRANSCENDENTAL = frozenset({
     "aten.exp", "aten.exp2", "aten.expm1", "aten.log", "aten.log1p", "aten.log2", "aten.tanh",
     "aten.sigmoid", "aten.erf", "aten.erfc", "aten.gelu", "aten.gelu_backward", "aten.silu",
-    "aten.silu_backward", "aten.sin", "aten.cos", "aten._softmax", "aten._log_softmax",
-    "aten.softplus", "aten.mish", "aten.elu", "aten.atan", "aten.tan", "aten._safe_softmax",
+    "aten.silu_backward", "aten.sin", "aten.cos", "aten.softplus", "aten.mish", "aten.elu",
+    "aten.atan", "aten.tan",
 })
+SOFTMAX = frozenset({
+    "aten._softmax", "aten._log_softmax", "aten._softmax_backward_data",
+    "aten._log_softmax_backward_data",
+})
+SAFE_SOFTMAX = frozenset({"aten._safe_softmax"})
+DROPOUT_BACKWARD = frozenset({"aten.native_dropout_backward"})
 RANDOM = frozenset({
     "aten.bernoulli", "aten.native_dropout", "aten.rand", "aten.rand_like", "aten.randn",
     "aten.randn_like", "aten.uniform", "aten.normal", "aten.randint", "aten.randint_like",
@@ -87,9 +104,16 @@ LAYER_NORM = frozenset({
 })
 ELEMENT_FAMILIES: Mapping[str, frozenset[str]] = MappingProxyType({
     "transcendental": TRANSCENDENTAL, "random": RANDOM, "batch_norm": BATCH_NORM,
-    "layer_norm": LAYER_NORM,
+    "layer_norm": LAYER_NORM, "softmax": SOFTMAX, "safe_softmax": SAFE_SOFTMAX,
+    "dropout_backward": DROPOUT_BACKWARD,
 })
 ARITHMETIC = "arithmetic"
+EAGER_FAMILIES = frozenset({"safe_softmax", "softmax", "dropout_backward"})
+# what an eager kernel's family is priced as where a profile has no rate for it, or inside a
+# fused kernel (one pass over the elements): each chain ends outside ``EAGER_FAMILIES``
+FALLBACK_FAMILY: Mapping[str, str] = MappingProxyType({
+    "safe_softmax": "softmax", "softmax": "transcendental", "dropout_backward": ARITHMETIC,
+})
 _FAMILY_OF = {kind: name for name, kinds in ELEMENT_FAMILIES.items() for kind in kinds}
 
 

@@ -1,7 +1,7 @@
 """The swap ops a rewritten graph calls: ``memfit::swap_out``, ``memfit::swap_in``, ``memfit::wait``.
 
-Each is a ``torch.library.custom_op`` with a fake implementation, so a rewritten graph still runs
-under ``FakeTensorMode`` (shape propagation, the static liveness check). They find the copy
+Each is an op of the ``memfit`` library (``define``) with a fake implementation, so a rewritten
+graph still runs under ``FakeTensorMode`` (shape propagation, the static liveness check). They find the copy
 streams, events and host pool through ``memfit.graph.engine_slot.current_engine()``.
 
 In a rewritten graph::
@@ -23,10 +23,28 @@ Note:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.fx.node
 
 from memfit.graph.engine_slot import current_engine
+
+_LIBRARY = torch.library.Library("memfit", "FRAGMENT")  # kept: its registrations live with it
+
+
+def define(schema: str, kernel: Callable, fake: Callable) -> torch._ops.OpOverload:
+    """``memfit::<schema>``, run by ``kernel`` on every device and by ``fake`` on fake tensors.
+
+    A call is the dispatcher's and one Python call: a ``torch.library.custom_op``'s Python
+    layers (its autograd wrapper, its checks of the outputs) cost several times that per call,
+    which a step pays for every swap. Nothing differentiates through these ops: they run inside
+    compiled forward and backward graphs."""
+    name = schema.split("(", 1)[0]
+    _LIBRARY.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
+    _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"memfit::{name}", fake, lib=_LIBRARY)
+    return getattr(torch.ops.memfit, name).default
 
 
 def whole_storage(x: torch.Tensor) -> torch.Tensor:
@@ -48,7 +66,6 @@ def same_layout(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return flat.as_strided(*layout)
 
 
-@torch.library.custom_op("memfit::swap_out", mutates_args=())
 def swap_out(x: torch.Tensor, key: int, stride: list[int] | None = None) -> torch.Tensor:
     """A host copy of ``x``; on an accelerator the copy runs on the d2h stream.
 
@@ -92,14 +109,12 @@ def _relaid(x: torch.Tensor, stride: list[int] | None) -> torch.Tensor | None:
     return torch.empty_strided(x.shape, stride, dtype=x.dtype, device="meta")
 
 
-@swap_out.register_fake
-def _(x: torch.Tensor, key: int, stride: list[int] | None = None) -> torch.Tensor:
+def _swap_out_fake(x: torch.Tensor, key: int, stride: list[int] | None = None) -> torch.Tensor:
     if stride is None:
         return torch.empty_like(x, device="cpu")
     return torch.empty_strided(x.shape, stride, dtype=x.dtype, device="cpu")
 
 
-@torch.library.custom_op("memfit::swap_in", mutates_args=())
 def swap_in(host: torch.Tensor, out_key: int, key: int, device: torch.device) -> torch.Tensor:
     """A copy of ``host`` on ``device``; on an accelerator the copy runs on the h2d stream.
 
@@ -131,12 +146,11 @@ def swap_in(host: torch.Tensor, out_key: int, key: int, device: torch.device) ->
     return same_layout(result, host)
 
 
-@swap_in.register_fake
-def _(host: torch.Tensor, out_key: int, key: int, device: torch.device) -> torch.Tensor:
+def _swap_in_fake(host: torch.Tensor, out_key: int, key: int,
+                  device: torch.device) -> torch.Tensor:
     return torch.empty_like(host, device=device)
 
 
-@torch.library.custom_op("memfit::wait", mutates_args=())
 def wait(x: torch.Tensor, key: int) -> None:
     """Make the compute stream wait for the copy event ``key`` (a no-op on the CPU).
 
@@ -148,12 +162,13 @@ def wait(x: torch.Tensor, key: int) -> None:
     engine.wait(key, engine.compute_stream())
 
 
-@wait.register_fake
-def _(x: torch.Tensor, key: int) -> None:
+def _wait_fake(x: torch.Tensor, key: int) -> None:
     return None
 
 
-SWAP_OUT = torch.ops.memfit.swap_out.default
-SWAP_IN = torch.ops.memfit.swap_in.default
-WAIT = torch.ops.memfit.wait.default
+SWAP_OUT = define("swap_out(Tensor x, SymInt key, SymInt[]? stride=None) -> Tensor", swap_out,
+                  _swap_out_fake)
+SWAP_IN = define("swap_in(Tensor host, SymInt out_key, SymInt key, Device device) -> Tensor",
+                 swap_in, _swap_in_fake)
+WAIT = define("wait(Tensor x, SymInt key) -> ()", wait, _wait_fake)
 torch.fx.node._side_effectful_functions.add(WAIT)

@@ -21,6 +21,7 @@ import torch.fx.node
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memfit.graph.host import host_copy
+from memfit.graph.ops import define
 
 
 def is_random(node: torch.fx.Node) -> bool:
@@ -47,7 +48,6 @@ def _state_bytes(device: torch.device) -> int:
         return _get_state(device).numel()
 
 
-@torch.library.custom_op("memfit::rng_save", mutates_args=())
 def rng_save(anchor: torch.Tensor) -> torch.Tensor:
     """The generator state of ``anchor``'s device, as a host-tier byte tensor.
 
@@ -60,12 +60,10 @@ def rng_save(anchor: torch.Tensor) -> torch.Tensor:
     return host_copy(_get_state(anchor.device))
 
 
-@rng_save.register_fake
-def _(anchor: torch.Tensor) -> torch.Tensor:
+def _rng_save_fake(anchor: torch.Tensor) -> torch.Tensor:
     return torch.empty(_state_bytes(anchor.device), dtype=torch.uint8, device="cpu")
 
 
-@torch.library.custom_op("memfit::rng_replay_begin", mutates_args=())
 def rng_replay_begin(anchor: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """Set the generator to ``state``; return the state it had (for ``rng_replay_end``)."""
     stashed = host_copy(_get_state(anchor.device))
@@ -73,23 +71,22 @@ def rng_replay_begin(anchor: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     return stashed
 
 
-@rng_replay_begin.register_fake
-def _(anchor: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+def _rng_replay_begin_fake(anchor: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(state)
 
 
-@torch.library.custom_op("memfit::rng_replay_end", mutates_args=())
 def rng_replay_end(anchor: torch.Tensor, stashed: torch.Tensor) -> None:
     """Restore the state stashed by ``rng_replay_begin``, so later random ops are unaffected."""
     _set_state(anchor.device, stashed)
 
 
-@rng_replay_end.register_fake
-def _(anchor: torch.Tensor, stashed: torch.Tensor) -> None:
+def _rng_replay_end_fake(anchor: torch.Tensor, stashed: torch.Tensor) -> None:
     return None
 
 
-RNG_SAVE = torch.ops.memfit.rng_save.default
-RNG_REPLAY_BEGIN = torch.ops.memfit.rng_replay_begin.default
-RNG_REPLAY_END = torch.ops.memfit.rng_replay_end.default
+RNG_SAVE = define("rng_save(Tensor anchor) -> Tensor", rng_save, _rng_save_fake)
+RNG_REPLAY_BEGIN = define("rng_replay_begin(Tensor anchor, Tensor state) -> Tensor",
+                          rng_replay_begin, _rng_replay_begin_fake)
+RNG_REPLAY_END = define("rng_replay_end(Tensor anchor, Tensor stashed) -> ()", rng_replay_end,
+                        _rng_replay_end_fake)
 torch.fx.node._side_effectful_functions.update({RNG_REPLAY_BEGIN, RNG_REPLAY_END})

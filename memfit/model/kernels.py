@@ -71,12 +71,14 @@ def fused_kernels(graph: CostGraph) -> list[list[int]]:
 
 
 def kernel_time_s(graph: CostGraph, kernel: list[int], hardware: Hardware) -> float:
-    """One kernel's time. A single op: its eager time less the dispatcher's overhead plus a
-    compiled kernel's. A fused group: the slower of the bytes it reads from outside the group and
-    writes for readers outside it (or as step outputs) at the memory bandwidth, and its ops'
-    per-element work (``Hardware.elements_time_s``), plus one kernel overhead."""
+    """One kernel's time. A library call (an op inductor does not fuse): its eager time less
+    the dispatcher's overhead plus a compiled kernel's. A generated kernel (a fused group, or
+    one fusible op): the slower of the bytes it reads from outside the group and writes for
+    readers outside it (or as step outputs) at the memory bandwidth, and its ops' per-element
+    work (``Hardware.elements_time_s``, an eager kernel's several passes as one), plus one
+    kernel overhead."""
     ops = [graph.ops[index] for index in kernel]
-    if len(ops) == 1:
+    if len(ops) == 1 and not fusible(ops[0]):
         return max(0.0, ops[0].time_s - hardware.op_overhead_s) + hardware.kernel_overhead_s
     names = {op.name for op in ops}
     made = {name for op in ops for name in op.outputs}
@@ -86,7 +88,7 @@ def kernel_time_s(graph: CostGraph, kernel: list[int], hardware: Hardware) -> fl
                or any(reader not in names for reader in graph.tensors[name].consumers)}
     moved = sum(graph.tensors[name].size_bytes for name in read | written)
     memory_s = moved / (hardware.memory_bytes_per_s * hardware.memory_efficiency)
-    compute_s = sum(hardware.elements_time_s(op.kind, op.elements) for op in ops)
+    compute_s = sum(hardware.elements_time_s(op.kind, op.elements, fused=True) for op in ops)
     return max(memory_s, compute_s) + hardware.kernel_overhead_s
 
 

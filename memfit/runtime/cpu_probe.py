@@ -4,21 +4,24 @@ What it times, each the median of interleaved repeats (a shared machine's load c
 a second; the median of several runs of each probe is what a step sees):
 
 - matmul FLOP/s per dtype (the median over matmuls shaped as a small model's layers, forward
-  and backward: ``MATMUL_SHAPES``; bfloat16 where this CPU has a fast path), and a small one's
-  time beyond that rate (``compute_ramp_s``);
+  and backward, on operands no cache holds: ``MATMUL_SHAPES``; bfloat16 where this CPU has a
+  fast path), the batched matmuls of attention as a fraction of it
+  (``BATCHED_MATMUL_SHAPES``), and a small one's time beyond that rate (``compute_ramp_s``);
 - convolution FLOP/s over a forward and its backward (both gradients), as a training step runs
   them, the median over a small CNN's stages (``CONVOLUTION_SHAPES``): the float32 peak is the
   faster of matmul's and convolution's rates, each class at its fraction of it
   (``compute_efficiency``);
-- memory bandwidth as an elementwise add of activations' size sees it (what a memory-bound op
-  of a step reaches, caches included);
+- memory bandwidth as an elementwise add of activations' size sees it in a step: operands
+  written a while before, a new output (what a memory-bound op of a step reaches);
 - elements per second of memory-bound ops that compute more than they move
   (``Hardware.element_rates``): transcendental functions (``tanh``, ``exp``, ``erf``), random
-  draws (``bernoulli_``, dropout's mask), and batch norm and layer norm in training, each over
-  a forward and its backward (a training step runs both);
-- the per-op overhead of eager dispatch (tiny adds back to back, called as an ``OpOverload``
-  as compiled code calls them), and the copy speed (a memcpy
-  of the same size: "device" and "host" are one memory, copies run on the compute thread).
+  draws (``bernoulli_``, dropout's mask), batch norm and layer norm in training, each over
+  a forward and its backward (a training step runs both), and eager kernels of several passes
+  (softmax, ``_safe_softmax``, dropout's backward);
+- the per-op overhead of eager dispatch (a tiny transformer layer's ops back to back, called
+  as ``OpOverload``s as compiled code calls them, per kernel), and a swap's fixed time and
+  speed each way as memfit's swap ops run it ("device" and "host" are one memory: a copy is
+  a memcpy on the compute thread).
 
 Sizes are those of the small models memfit plans on a CPU; the profile is measured on the
 threads the caller runs (``torch.get_num_threads()``), which the notes record.
@@ -26,6 +29,7 @@ threads the caller runs (``torch.get_num_threads()``), which the notes record.
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import time
@@ -34,10 +38,19 @@ from collections.abc import Callable
 import torch
 
 from memfit.data.hardware import PROFILES, Hardware, available_host_bytes
+from memfit.graph.engine_slot import active_engine
+from memfit.graph.ops import SWAP_IN, SWAP_OUT, WAIT
+from memfit.runtime.streams import CopyEngine
 
 REPEATS = 7  # timed runs of each probe; the median is kept
-# (rows, inner, columns): a layer's forward, its input gradient and its weight gradient
-MATMUL_SHAPES = ((2048, 128, 512), (2048, 512, 128), (128, 2048, 512))
+# (batch, rows, inner, columns) of a small model's matmuls: a transformer's projections (a
+# layer's forward, its input gradient and its weight gradient) and an MLP's
+MATMUL_SHAPES = ((1, 2048, 128, 512), (1, 2048, 512, 128), (1, 128, 2048, 512),
+                 (1, 512, 256, 256), (1, 256, 512, 256), (1, 2048, 128, 384))
+# attention's batched matmuls at a head width of 32: scores, scores times values, a gradient
+BATCHED_MATMUL_SHAPES = ((32, 256, 32, 256), (32, 256, 256, 32), (32, 32, 256, 256))
+OPERAND_POOL_BYTES = 32 * 2**20  # more than a core's caches: each matmul reads cold operands
+MAX_POOL_PAIRS = 16
 ELEMENTS = 2**20  # the elements of each per-element probe
 SMALL_MATMUL_SIDE = 48  # a small one: its time beyond the rate is the ramp
 ELEMENTWISE_BYTES = 4 * 2**20  # each operand of the add and the copy
@@ -46,6 +59,7 @@ COMPILED_KERNEL_OVERHEAD_S = 2e-6  # estimate: a generated C++ kernel called fro
 # in and out, side, kernel side; a convolution's rate depends on its channels (oneDNN's blocks)
 CONVOLUTION_SHAPES = ((8, 16, 16, 56, 3), (8, 32, 32, 28, 3), (8, 64, 64, 14, 3))
 LAYER_NORM_SHAPE = (4096, 256)  # rows (batch x sequence) and width of a small transformer's
+ATTENTION_SCORES_SHAPE = (8, 4, 256, 256)  # batch, heads, queries, keys of a small transformer's
 
 
 def median_time_s(operation: Callable[[], object], repeats: int = REPEATS,
@@ -62,33 +76,60 @@ def median_time_s(operation: Callable[[], object], repeats: int = REPEATS,
     return max(statistics.median(times), 1e-9)
 
 
-def matmul_time_s(shape: tuple[int, int, int], dtype: torch.dtype) -> float:
-    """The median time of one (rows x inner) @ (inner x columns) matmul in ``dtype``."""
-    rows, inner, columns = shape
-    left = torch.randn(rows, inner).to(dtype)
-    right = torch.randn(inner, columns).to(dtype)
-    calls = max(1, int(2e7 // (rows * inner * columns)))
-    return median_time_s(lambda: torch.mm(left, right), inner=calls)
+def matmul_time_s(shape: tuple[int, int, int, int], dtype: torch.dtype) -> float:
+    """The median time of one (rows x inner) @ (inner x columns) matmul in ``dtype``, batched
+    ``batch`` times (``shape``: batch, rows, inner, columns; a batch of 1 is ``torch.mm``).
+
+    A step's matmul reads operands another op wrote a while before, not the ones it read a
+    moment ago: each call takes the next operand pair of a pool of ``OPERAND_POOL_BYTES``, so
+    no call finds its operands in a cache the previous call warmed."""
+    batch, rows, inner, columns = shape
+    pair_bytes = batch * (rows * inner + inner * columns) * torch.empty((), dtype=dtype).itemsize
+    pairs = [(torch.randn(batch, rows, inner).to(dtype), torch.randn(batch, inner, columns)
+              .to(dtype)) for _ in range(max(2, min(MAX_POOL_PAIRS,
+                                                     OPERAND_POOL_BYTES // pair_bytes)))]
+    if batch == 1:
+        pairs = [(left[0], right[0]) for left, right in pairs]
+    multiply = torch.mm if batch == 1 else torch.bmm
+    operands = itertools.cycle(pairs)
+    return median_time_s(lambda: multiply(*next(operands)))
 
 
 def matmul_flops_per_s(dtype: torch.dtype, shapes=MATMUL_SHAPES) -> float:
     """The median rate over ``shapes``."""
-    return statistics.median(2 * rows * inner * columns / matmul_time_s((rows, inner, columns),
-                                                                         dtype)
-                             for rows, inner, columns in shapes)
+    return statistics.median(2 * batch * rows * inner * columns
+                             / matmul_time_s((batch, rows, inner, columns), dtype)
+                             for batch, rows, inner, columns in shapes)
 
 
 def element_rates() -> dict[str, float]:
     """Elements per second of each element family: the median over a few of its ops."""
     values = torch.randn(ELEMENTS)
     out = torch.empty_like(values)
+    kept = values > 0
     probes = {
         "transcendental": (lambda: torch.tanh(values, out=out), lambda: torch.exp(values, out=out),
                            lambda: torch.erf(values, out=out)),
         "random": (lambda: out.bernoulli_(0.5), lambda: out.uniform_()),
+        "dropout_backward": (
+            lambda: torch.ops.aten.native_dropout_backward(values, kept, 2.0),),
     }
     return {family: ELEMENTS / statistics.median(median_time_s(probe) for probe in family_probes)
             for family, family_probes in probes.items()}
+
+
+def softmax_rates() -> dict[str, float]:
+    """Elements per second of eager softmax over ``ATTENTION_SCORES_SHAPE`` (last dimension):
+    ``_softmax`` and its backward as a training step runs both (twice the elements over the two
+    times together), and ``_safe_softmax``'s forward alone (its backward is softmax's)."""
+    scores = torch.randn(*ATTENTION_SCORES_SHAPE)
+    probabilities = torch.softmax(scores, -1)
+    softmax_s = median_time_s(lambda: torch.ops.aten._softmax(scores, -1, False)) + median_time_s(
+        lambda: torch.ops.aten._softmax_backward_data(probabilities, probabilities, -1,
+                                                      torch.float32))
+    safe_softmax_s = median_time_s(lambda: torch.ops.aten._safe_softmax(scores, -1))
+    return {"softmax": 2 * scores.numel() / softmax_s,
+            "safe_softmax": scores.numel() / safe_softmax_s}
 
 
 def convolution_time_s(shape: tuple[int, int, int, int, int]) -> float:
@@ -144,23 +185,70 @@ def normalization_rates() -> dict[str, float]:
             "layer_norm": 2 * rows.numel() / layer_norm_s}
 
 
-def elementwise_bytes_per_s(size_bytes: int = ELEMENTWISE_BYTES) -> tuple[float, float]:
-    """Memory bandwidth as an elementwise add sees it (reads two operands, writes one), and a
-    copy's rate in bytes copied per second (a memcpy reads and writes each byte)."""
-    left = torch.randn(size_bytes // 4)
-    right, out = torch.randn_like(left), torch.empty_like(left)
-    add_s = median_time_s(lambda: torch.add(left, right, out=out), inner=4)
-    copy_s = median_time_s(lambda: out.copy_(left), inner=4)
-    return 3 * size_bytes / add_s, size_bytes / copy_s
+def elementwise_bytes_per_s(size_bytes: int = ELEMENTWISE_BYTES) -> float:
+    """Memory bandwidth as a step's elementwise add sees it: it reads two operands another op
+    wrote a while before (the next pair of a pool of ``OPERAND_POOL_BYTES``) into a new
+    output."""
+    pairs = [(torch.randn(size_bytes // 4), torch.randn(size_bytes // 4))
+             for _ in range(max(2, OPERAND_POOL_BYTES // (2 * size_bytes)))]
+    operands = itertools.cycle(pairs)
+    return 3 * size_bytes / median_time_s(lambda: torch.add(*next(operands)))
+
+
+def swap_costs(size_bytes: int = ELEMENTWISE_BYTES) -> tuple[float, float, float]:
+    """A swap as a rewritten graph runs it on this CPU: memfit's ``swap_out`` (into a new host
+    buffer), then ``swap_in`` and ``wait`` (into a new tensor), each called as an op.
+
+    Returns:
+        The fixed time per copy (half of a tiny tensor's round trip: the ops' dispatch), and the
+        bytes per second of a copy to the host and of one back, beyond that fixed time.
+    """
+    engine = CopyEngine("cpu")
+    device = torch.device("cpu")
+    tiny, values = torch.ones(1), torch.randn(size_bytes // 4)
+    with active_engine(engine):
+        tiny_host, host = SWAP_OUT(tiny, 0), SWAP_OUT(values, 0)
+
+        def back(copy: torch.Tensor) -> torch.Tensor:
+            result = SWAP_IN(copy, 0, 1, device)
+            WAIT(result, 1)
+            return result
+
+        round_trip_s = median_time_s(lambda: SWAP_OUT(tiny, 0), inner=20) + median_time_s(
+            lambda: back(tiny_host), inner=20)
+        out_s = median_time_s(lambda: SWAP_OUT(values, 0))
+        in_s = median_time_s(lambda: back(host))
+    latency_s = round_trip_s / 2
+    return (latency_s, size_bytes / max(out_s - latency_s, 1e-9),
+            size_bytes / max(in_s - latency_s, 1e-9))
+
+
+def _tiny_layer(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """A transformer layer's ops on tiny tensors, called as ``aot_eager``'s generated code calls
+    them (``OpOverload``s, a Python call before the dispatcher each), views among its kernels
+    as a captured graph has them: ``TINY_LAYER_KERNELS`` kernels, 6 views."""
+    aten = torch.ops.aten
+    rows = aten.view.default(inputs, [-1, inputs.shape[-1]])
+    projected = aten.addmm.default(bias, rows, aten.t.default(weight))
+    summed = aten.add.Tensor(aten.view.default(projected, list(inputs.shape)), inputs)
+    normed = aten.native_layer_norm.default(summed, [inputs.shape[-1]], bias, bias, 1e-5)[0]
+    heads = aten.clone.default(aten.transpose.int(normed, 1, 2),
+                               memory_format=torch.contiguous_format)
+    scaled = aten.mul.Tensor(aten._softmax.default(heads, -1, False), 0.5)
+    flat = aten._unsafe_view.default(aten.clone.default(aten.expand.default(
+        scaled, list(scaled.shape))), [-1, scaled.shape[-1]])
+    return aten.sum.dim_IntList(aten.relu.default(flat), [0], True)
+
+
+TINY_LAYER_KERNELS = 9  # addmm, add, layer norm, clone, softmax, mul, clone, relu, sum
 
 
 def op_overhead_s() -> float:
-    """The time of a tiny op back to back, called as ``aot_eager``'s generated code calls each
-    op (an ``OpOverload``, ``torch.ops.aten.add.Tensor``, a Python call before the dispatcher):
-    the fixed cost per eager op."""
-    one = torch.ones(1)
-    add = torch.ops.aten.add.Tensor
-    return median_time_s(lambda: add(one, one), inner=200)
+    """The fixed cost per eager kernel: a tiny transformer layer's ops (``_tiny_layer``) back
+    to back, per kernel, the views' calls counted in their kernels' share (a priced graph
+    gives views no time)."""
+    inputs, weight, bias = torch.randn(2, 4, 8), torch.randn(8, 8), torch.randn(8)
+    return median_time_s(lambda: _tiny_layer(inputs, weight, bias), inner=20) / TINY_LAYER_KERNELS
 
 
 def measure_cpu() -> Hardware:
@@ -171,15 +259,19 @@ def measure_cpu() -> Hardware:
     tiny = torch.randn(32, 32, dtype=torch.bfloat16)
     if median_time_s(lambda: tiny @ tiny, repeats=1) < 1e-3:  # slow bf16 paths take seconds
         flops_per_s["bfloat16"] = matmul_flops_per_s(torch.bfloat16, MATMUL_SHAPES[:1])
-    small = (SMALL_MATMUL_SIDE,) * 3
+    small = (1,) + (SMALL_MATMUL_SIDE,) * 3
     small_s = matmul_time_s(small, torch.float32)
     ramp_s = max(0.0, small_s - 2 * SMALL_MATMUL_SIDE**3 / flops_per_s["float32"] - overhead_s)
     # the float32 peak is the faster of the two classes, each class at its fraction of it
     matmul_rate, convolution_rate = flops_per_s["float32"], convolution_flops_per_s()
     flops_per_s["float32"] = max(matmul_rate, convolution_rate)
     efficiency = {"matmul": matmul_rate / flops_per_s["float32"],
+                  "batched_matmul": min(1.0, matmul_flops_per_s(torch.float32,
+                                                                BATCHED_MATMUL_SHAPES)
+                                        / flops_per_s["float32"]),
                   "convolution": convolution_rate / flops_per_s["float32"]}
-    memory_bytes_per_s, copy_bytes_per_s = elementwise_bytes_per_s()
+    memory_bytes_per_s = elementwise_bytes_per_s()
+    copy_latency_s, d2h_bytes_per_s, h2d_bytes_per_s = swap_costs()
     return base.with_(
         name="measured-cpu",
         flops_per_s=flops_per_s,
@@ -187,9 +279,10 @@ def measure_cpu() -> Hardware:
         compute_ramp_s=ramp_s,
         memory_bytes_per_s=memory_bytes_per_s,
         memory_efficiency=1.0,
-        element_rates={**element_rates(), **normalization_rates()},
-        d2h_bytes_per_s=copy_bytes_per_s,
-        h2d_bytes_per_s=copy_bytes_per_s,
+        element_rates={**element_rates(), **normalization_rates(), **softmax_rates()},
+        d2h_bytes_per_s=d2h_bytes_per_s,
+        h2d_bytes_per_s=h2d_bytes_per_s,
+        copy_latency_s=copy_latency_s,
         duplex=False,
         async_copies=False,
         device_type="cpu",

@@ -15,7 +15,7 @@ from memfit.data.hardware import (
     available_host_bytes,
     get_hardware,
 )
-from memfit.data.op_classes import COMPUTE_CLASSES
+from memfit.data.op_classes import COMPUTE_CLASSES, FALLBACK_CLASS
 
 NAMES = ["a100", "cpu", "gh200", "h100-pcie", "h100-sxm", "h200"]
 
@@ -121,8 +121,9 @@ def test_gpu_profiles_have_tensor_core_peaks_and_efficiencies(name):
     assert 1.9 < peaks["bfloat16"] / peaks["tfloat32"] < 2.1
     assert 7 < peaks["tfloat32"] / peaks["float32"] < 8.1
     hardware = PROFILES[name]
-    assert set(hardware.compute_efficiency) == set(COMPUTE_CLASSES)
+    assert set(hardware.compute_efficiency) == set(COMPUTE_CLASSES) - set(FALLBACK_CLASS)
     assert all(0 < value < 1 for value in hardware.compute_efficiency.values())
+    assert hardware.class_efficiency("batched_matmul") == hardware.compute_efficiency["matmul"]
     assert 0 < hardware.memory_efficiency < 1 and hardware.compute_ramp_s > 0
 
 

@@ -1,7 +1,8 @@
 """What the CPU profile measures is what prices a step's ops: a convolution at the convolution
 rate ``measure_cpu`` timed over a forward and its backward, batch norm and layer norm (forward
-and backward) and ``_safe_softmax`` at their element families' measured rates. Structural: the
-probes' clock is replaced by a fixed one, so no assertion depends on this machine's speed."""
+and backward), softmax, ``_safe_softmax`` and dropout's backward at their element families'
+measured rates. Structural: the probes' clock is replaced by a fixed one, so no assertion
+depends on this machine's speed."""
 
 import pytest
 import torch
@@ -57,7 +58,8 @@ def test_the_measured_profile_carries_the_convolution_and_normalization_rates(fi
     measured = cpu_probe.measure_cpu()
     convolution = measured.flops_per_s["float32"] * measured.compute_efficiency["convolution"]
     assert convolution == pytest.approx(cpu_probe.convolution_flops_per_s())
-    assert {"transcendental", "random", "batch_norm", "layer_norm"} <= set(measured.element_rates)
+    assert {"transcendental", "random", "batch_norm", "layer_norm", "softmax", "safe_softmax",
+            "dropout_backward"} <= set(measured.element_rates)
 
 
 def _captured_ops(model, loss_fn, inputs, hardware):
@@ -92,7 +94,7 @@ def test_a_cnn_step_prices_its_convolutions_and_batch_norms_at_the_measured_rate
 def test_layer_norm_safe_softmax_and_pow_are_priced_by_their_families():
     assert element_family("aten.native_layer_norm") == "layer_norm"
     assert element_family("aten.native_layer_norm_backward") == "layer_norm"
-    assert element_family("aten._safe_softmax") == "transcendental"
+    assert element_family("aten._safe_softmax") == "safe_softmax"
     assert element_family("aten.pow") == "arithmetic"  # GELU's cube: multiplications
     hardware = PROFILES["cpu"].with_(element_rates={"layer_norm": 1e6})
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))
@@ -104,10 +106,84 @@ def test_layer_norm_safe_softmax_and_pow_are_priced_by_their_families():
         assert op.time_s == pytest.approx(64 / 1e6 + hardware.op_overhead_s)
 
 
-def test_the_op_overhead_is_timed_as_compiled_code_calls_an_op(fixed_clock):
-    """``aot_eager``'s generated code calls ``torch.ops.aten.<op>.<overload>``, a Python call
-    before the dispatcher that ``torch.add`` skips."""
-    assert cpu_probe.op_overhead_s() == PROBE_S
+def test_an_eager_kernels_family_falls_back_without_a_rate_and_inside_a_fused_kernel():
+    """``_safe_softmax`` runs several passes as its own eager kernel, one in a fused one."""
+    measured = PROFILES["cpu"].with_(element_rates={"safe_softmax": 1e6, "softmax": 2e6,
+                                                    "transcendental": 4e6})
+    assert measured.elements_time_s("aten._safe_softmax", 100) == pytest.approx(100 / 1e6)
+    assert measured.elements_time_s("aten._safe_softmax", 100, fused=True) == pytest.approx(
+        100 / 4e6)
+    assert measured.elements_time_s("aten._softmax_backward_data", 100) == pytest.approx(
+        100 / 2e6)
+    transcendental_only = PROFILES["cpu"].with_(element_rates={"transcendental": 4e6})
+    assert transcendental_only.elements_time_s("aten._safe_softmax", 100) == pytest.approx(
+        100 / 4e6)
+    dropout = PROFILES["cpu"].with_(element_rates={"dropout_backward": 1e6})
+    assert dropout.elements_time_s("aten.native_dropout_backward", 100) == pytest.approx(1e-4)
+    assert dropout.elements_time_s("aten.native_dropout_backward", 100, fused=True) == 0.0
+
+
+def test_softmax_rates_are_elements_over_the_times_of_their_passes(fixed_clock):
+    elements = 1
+    for size in cpu_probe.ATTENTION_SCORES_SHAPE:
+        elements *= size
+    assert cpu_probe.softmax_rates() == pytest.approx(
+        {"softmax": 2 * elements / (2 * PROBE_S), "safe_softmax": elements / PROBE_S})
+    assert len(fixed_clock) == 3  # softmax, its backward, _safe_softmax
+    for operation in fixed_clock:
+        assert operation().shape == cpu_probe.ATTENTION_SCORES_SHAPE
+
+
+def test_matmuls_are_timed_on_operands_the_last_call_did_not_read(fixed_clock):
+    cpu_probe.matmul_time_s((2, 8, 4, 8), torch.float32)
     (operation,) = fixed_clock
-    called = [cell.cell_contents for cell in operation.__closure__ or ()]
-    assert torch.ops.aten.add.Tensor in called
+    first, second = operation(), operation()
+    assert first.shape == second.shape == (2, 8, 8)
+    assert not torch.equal(first, second)  # another pair of operands
+    assert cpu_probe.matmul_time_s((1, 8, 4, 8), torch.float32) == PROBE_S
+    assert fixed_clock[-1]().shape == (8, 8)
+
+
+def test_the_op_overhead_is_timed_per_kernel_as_compiled_code_calls_a_layers_ops(fixed_clock):
+    """``aot_eager``'s generated code calls ``torch.ops.aten.<op>.<overload>``, a Python call
+    before the dispatcher that ``torch.add`` skips, and views between kernels."""
+    assert cpu_probe.op_overhead_s() == pytest.approx(PROBE_S / cpu_probe.TINY_LAYER_KERNELS)
+    (operation,) = fixed_clock
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorded(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            read = {tensor.untyped_storage().data_ptr() for tensor in args
+                    if isinstance(tensor, torch.Tensor)}
+            output = result[0] if isinstance(result, tuple) else result
+            self.calls.append(output.untyped_storage().data_ptr() not in read)  # allocates
+            return result
+
+    with Recorded() as recorded:
+        operation()
+    assert sum(recorded.calls) == cpu_probe.TINY_LAYER_KERNELS
+    assert len(recorded.calls) > cpu_probe.TINY_LAYER_KERNELS  # views between them
+
+
+def test_a_swap_is_priced_as_memfits_swap_ops_run_it(monkeypatch):
+    """The fixed time per copy is half a tiny round trip; each way's rate is its bytes over the
+    time beyond that."""
+    times = iter([1e-5, 2e-5, 5e-4, 6e-4])  # tiny out, tiny back, large out, large back
+    results = []
+
+    def median_time_s(operation, repeats=cpu_probe.REPEATS, inner=1):
+        results.append(operation())  # runs inside the probe's copy engine
+        return next(times)
+
+    monkeypatch.setattr(cpu_probe, "median_time_s", median_time_s)
+    size_bytes = 2**16
+    latency_s, out_rate, in_rate = cpu_probe.swap_costs(size_bytes)
+    assert latency_s == pytest.approx(1.5e-5)
+    assert out_rate == pytest.approx(size_bytes / (5e-4 - 1.5e-5))
+    assert in_rate == pytest.approx(size_bytes / (6e-4 - 1.5e-5))
+    assert [result.numel() for result in results] == [1, 1, size_bytes // 4, size_bytes // 4]
