@@ -170,6 +170,7 @@ def test_a_layer_frozen_between_steps_gets_no_gradient_as_in_eager():
     assert all(p.grad is None for p in example.model[0].parameters())
 
 
+@pytest.mark.slow
 def test_planning_allocates_no_input_memory():
     """memfit.plan traces fake tensors: a batch of 4 GiB of inputs is planned in a few MiB."""
     from memfit.runtime.measure import measure_allocator_peak
@@ -204,6 +205,7 @@ def _tiny_gpt2():
     return examples.gpt2(layers=1, width=32, heads=2, sequence=16, batch_size=2)
 
 
+@pytest.mark.slow
 def test_a_plan_for_a_gpus_step_is_refused_on_cpu_and_a_cpu_plan_runs():
     """memfit.plan for a GPU profile captures that GPU's step (CUDA's attention kernel, its
     autocast dtypes): compile(plan=...) on CPU tensors refuses it, naming the cause; a plan for
@@ -222,6 +224,7 @@ def test_a_plan_for_a_gpus_step_is_refused_on_cpu_and_a_cpu_plan_runs():
     assert step.plan is cpu_plan
 
 
+@pytest.mark.slow
 def test_max_batch_size_under_a_gpus_bf16_autocast_fits_more():
     """Half-width activations: at one budget the bf16 step of the GPU fits a larger batch."""
     example = examples.gpt2(layers=2, width=64, heads=4, sequence=128, batch_size=2)

@@ -70,6 +70,7 @@ def assert_same_training(model, reference, losses, reference_losses):
         assert torch.equal(parameter, expected), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, fraction", [("keep", None), ("auto", 0.5), ("swap", 0.6),
                                                 ("checkpoint", 0.85)])
 def test_fit_trains_as_eager_within_the_budget_from_the_first_iteration(strategy, fraction):
@@ -290,6 +291,7 @@ def test_bert_with_a_padded_attention_mask_trains_as_eager_at_half_its_peak():
     assert max(peaks) <= budget, (peaks, budget)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_and_a_found_optimizer_replan_within_the_budget():
     """No optimizer= given: the first step reveals AdamW (a global post-step hook) and its state,
     and the second micro-batch finds gradients kept from the first: each makes the next call
@@ -340,6 +342,7 @@ class Broken(nn.Module):
         return self.second(hidden)
 
 
+@pytest.mark.slow
 def test_a_graph_break_region_plans_around_the_saves_of_the_region_before_it():
     data = batches(count=2, size=4096)
     reference, reference_losses, eager_peak = eager_reference(Broken, data)
@@ -364,6 +367,7 @@ def _cnn() -> nn.Module:
                          nn.Flatten(), nn.Linear(8 * 16 * 16, 1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["keep", "swap"])
 def test_batchnorm_statistics_update_in_the_forward_as_in_eager(strategy):
     """AOTAutograd traces the running-statistics copies after the backward; memfit moves them

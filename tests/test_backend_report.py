@@ -55,6 +55,7 @@ def test_the_measured_peak_is_an_independent_measurement_of_the_iteration():
     assert "measured" in report and f"{region.measured_peak_bytes - region.predicted_peak_bytes:+,d} B" in report
 
 
+@pytest.mark.slow
 def test_without_a_profiler_of_the_users_the_allocator_is_read_kernel_scratch_included():
     """With no profiler of the user's on, a region's run is measured from the profiler's CPU
     allocator events: a oneDNN convolution's scratch buffers (inside the op, unseen by a dispatch
@@ -96,6 +97,7 @@ def test_measuring_can_be_turned_off():
         memfit.fit(mlp(depth=2), measure_runs=-1)
 
 
+@pytest.mark.slow
 def test_graph_broken_regions_are_planned_jointly_before_the_first_iteration():
     """At 0.76 of eager's peak the second region cannot fit beside the first region's saves
     where the first is planned alone (it keeps everything: measured, from 0.757 to 0.761 of
@@ -136,6 +138,7 @@ class ReadsBetween(Broken):
         return self.second(hidden)
 
 
+@pytest.mark.slow
 def test_where_the_trace_on_fakes_fails_the_first_iteration_warns_and_the_next_fit():
     """Where the code between the regions reads a value, the trace on fakes cannot plan them
     jointly before the first run: the regions are planned one by one, the second runs at its
@@ -215,6 +218,7 @@ class LazyAdamW:
             self.inner.zero_grad(set_to_none=set_to_none)
 
 
+@pytest.mark.slow
 def test_an_optimizer_made_at_the_first_step_replans_every_region_of_a_graph_broken_model():
     """No optimizer= given, and none made before the first call: its state appears at the first
     step, and every region, the ones
@@ -250,6 +254,7 @@ class WideAfterTheBreak(Broken):
         self.second = nn.Sequential(nn.Linear(128, 8192), nn.ReLU(), nn.Linear(8192, 1))
 
 
+@pytest.mark.slow
 def test_an_optimizer_made_before_the_first_call_is_reserved_by_the_first_plans():
     """No optimizer= given, but the loop made its AdamW before the model's first call: the first
     plans of both regions reserve the state its first step makes, and nothing is planned again
@@ -275,6 +280,7 @@ def test_an_optimizer_made_before_the_first_call_is_reserved_by_the_first_plans(
     assert max(peaks) <= budget, (peaks, budget)
 
 
+@pytest.mark.slow
 def test_a_region_that_cannot_fit_even_alone_raises_and_its_minimum_trains():
     """The wide region after the break misses 0.9 of eager's peak even without the first
     region's saves, so no joint plan can fit it: planning it raises ``BudgetError`` (once it

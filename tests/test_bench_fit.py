@@ -31,6 +31,7 @@ def rows_and_log():
     return {row[1]: row for row in rows}, messages
 
 
+@pytest.mark.slow
 def test_every_method_has_a_row(rows_and_log):
     rows, _ = rows_and_log
     assert list(rows)[:2] == [fit.EAGER, fit.CHECKPOINT]

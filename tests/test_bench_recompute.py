@@ -20,6 +20,7 @@ def result():
                          compile_budgets=(0.5,), repeats=1)
 
 
+@pytest.mark.slow
 def test_every_method_has_a_row(result):
     names = [row.name for row in result.rows]
     assert names[0] == "eager"

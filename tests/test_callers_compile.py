@@ -67,6 +67,7 @@ CALLERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("caller", CALLERS)
 def test_a_fitted_model_inside_the_callers_compile_runs_its_own_plan(caller):
     reference = _build()

@@ -127,6 +127,7 @@ def test_wide_tables_turn_on_their_side():
     assert "a long column name" in turned
 
 
+@pytest.mark.slow
 def test_demo_core_is_sound_at_a_tiny_size(tmp_path):
     from memfit.demo import DemoConfig, demo_report, run_demo, write_outputs
 
@@ -201,6 +202,7 @@ def test_max_batch_size_prints_the_frontier(capsys):
     assert "largest batch: 16" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_autocast_plans_the_targets_graph(capsys, tmp_path):
     """--autocast bf16 plans another graph than float32 (CUDA's autocast policy), for plan and
     for max-batch-size."""

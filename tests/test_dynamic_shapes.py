@@ -80,6 +80,7 @@ def _assert_close_training(model, reference, losses, reference_losses):
         torch.testing.assert_close(parameter, expected)
 
 
+@pytest.mark.slow
 def test_a_varying_batch_size_is_planned_twice_and_fits_every_iteration():
     """Batch sizes 2048, then 12 smaller ones, then a smaller last batch: the first shape is
     planned as it is, the second traces the region with a symbolic batch size, priced at that
@@ -98,6 +99,7 @@ def test_a_varying_batch_size_is_planned_twice_and_fits_every_iteration():
     assert "2 plans made" in memfit.report(fitted)
 
 
+@pytest.mark.slow
 def test_a_larger_shape_plans_once_more_at_the_raised_bound():
     """Past the bound the plan was priced at, the region is planned again from the same trace
     before the run, so that run is within the budget too; smaller shapes after it run that plan."""

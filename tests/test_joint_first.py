@@ -53,6 +53,7 @@ def _batches(count: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(count)]
 
 
+@pytest.mark.slow
 def test_the_trace_on_fakes_leaves_buffers_and_random_draws_as_eager_has_them():
     """The regions run on fakes with the real buffers before the first iteration: batch norm's
     ``num_batches_tracked`` must not count that run, and dropout must draw as eager does. After
@@ -98,6 +99,7 @@ def test_a_model_without_a_graph_break_is_traced_once():
     assert len(planner.regions) == 1
 
 
+@pytest.mark.slow
 def test_a_ctrl_c_in_the_first_call_leaves_the_next_call_planned_jointly():
     """A ``KeyboardInterrupt`` from a forward hook in the first call (while the call is traced
     on fakes, or after): the loop catches it, and the next call is compiled anew and traced on

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -65,6 +66,7 @@ def _fitted_siamese(fraction: float):
     return peaks, budget, said
 
 
+@pytest.mark.slow
 def test_the_second_call_is_planned_beside_the_first_calls_saves_from_the_first_iteration():
     # measured: 7,238,920 / 7,769,936 / 5,406,544 B at 8,106,662 B; with the second call run
     # on the plan made for one call, the first iteration measured 9,336,072 B (both calls kept
@@ -74,6 +76,7 @@ def test_the_second_call_is_planned_beside_the_first_calls_saves_from_the_first_
     assert not said, said
 
 
+@pytest.mark.slow
 def test_a_model_called_twice_per_step_fits_its_budget_from_the_second_iteration():
     # the second call cannot fit beside the first call's saves (planned before it was known),
     # so the first iteration runs over, said; planned for both copies after it, the rest fit

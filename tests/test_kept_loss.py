@@ -54,6 +54,7 @@ def _loop(model, optimizer, keep: str, iterations: int = 4):
     return [loss.detach() for loss in kept], peaks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep", ["last", "list"])
 def test_fitting_at_the_stated_minimum_runs_every_iteration_of_a_loop_keeping_its_loss(keep):
     torch.use_deterministic_algorithms(True)

@@ -143,6 +143,7 @@ def test_the_fastest_batch_is_found_in_a_few_plans(full_speed_up_to):
         assert best is largest and not planned
 
 
+@pytest.mark.slow
 def test_no_plan_swaps_more_than_the_host_holds():
     """``host_bytes`` on the profile: the strategies plan within it, so every batch on the
     frontier holds at most that on the host, and the largest batch is no larger than with an

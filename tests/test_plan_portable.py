@@ -159,6 +159,7 @@ def _incompatible(kind, model, loss_fn, inputs, tmp_path):
     return Plan.load(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, message", [
     ("another graph", "made for another graph"),
     ("another shape", "other input shapes"),

@@ -51,6 +51,7 @@ def test_default_units_are_the_decoder_layers(llama):
         fsdp_units(example.model, torch.nn.Conv2d)
 
 
+@pytest.mark.slow
 def test_one_rank_holds_a_world_size_share_of_parameters_and_adam_state(llama):
     example, inputs = llama
     optimizer = torch.optim.AdamW(example.model.parameters())
@@ -97,6 +98,7 @@ def test_gathered_bytes_at_the_peak_are_the_hand_count(llama):
     assert sum(gathered_at(first).values()) == root + 2 * layer
 
 
+@pytest.mark.slow
 def test_one_rank_plans_exactly_as_one_device(llama):
     example, inputs = llama
     plain = memfit.plan(example.model, example.loss_fn, *inputs, budget=0.6, hardware=HARDWARE)
@@ -107,6 +109,7 @@ def test_one_rank_plans_exactly_as_one_device(llama):
             json.dumps(plain.to_json(), sort_keys=True)
 
 
+@pytest.mark.slow
 def test_sharded_plans_fit_their_per_rank_budget_and_repeat(llama):
     example, inputs = llama
     unplanned = traced(example, inputs)
@@ -122,6 +125,7 @@ def test_sharded_plans_fit_their_per_rank_budget_and_repeat(llama):
     assert peak_bytes <= budget < unplanned.baseline_peak_bytes
 
 
+@pytest.mark.slow
 def test_ddp_rank_holds_whole_parameters_and_the_buckets(llama):
     example, inputs = llama
     whole, ddp = traced(example, inputs, "none", 1), traced(example, inputs, "ddp")
@@ -138,6 +142,7 @@ def test_max_batch_size_answers_per_rank_and_is_not_verified(llama):
                               max_batch=4)
 
 
+@pytest.mark.slow
 def test_cli_plans_one_rank(capsys):
     pytest.importorskip("transformers")
     common = ["plan", "--model", "llama", "--hardware", "h100-sxm", "--strategy", "keep"]
@@ -173,6 +178,7 @@ def test_a_model_on_the_meta_device_is_refused_not_planned_without_its_backward(
     assert planned.explanation is not None
 
 
+@pytest.mark.slow
 def test_cli_searches_one_rank_s_batch(capsys):
     pytest.importorskip("transformers")
     assert main(["max-batch-size", "--model", "llama", "--budget", "64MiB", "--hardware",

@@ -493,8 +493,7 @@ class Backend(EagerWatching, JointPlanning):
         without the optimizer state the plan reserves but no step has made yet (an optimizer
         found at the first call: its state appears at its step, after the backward)."""
         if error.minimum_bytes - self.state_to_come_bytes() <= error.budget_bytes:
-            return plan_step(graph, hardware, Budget(bytes=error.minimum_bytes), self.strategy,
-                             self.params, outside)
+            return self._at_minimum(graph, hardware, error, outside)
         again = ("memfit plans the regions again jointly after this iteration"
                  if self.joint_rounds < MAX_JOINT_ROUNDS else
                  "planning the regions jointly did not make it fit")
@@ -509,6 +508,11 @@ class Backend(EagerWatching, JointPlanning):
             f"{holders} hold {format_bytes(pending)} of saved values; it runs at its smallest "
             f"peak, {format_bytes(error.minimum_bytes)}, and {again}. {fix}.", BudgetWarning,
             stacklevel=2)
+        return self._at_minimum(graph, hardware, error, outside)
+
+    def _at_minimum(self, graph: CostGraph, hardware: Hardware, error: BudgetError,
+                    outside: int) -> Planned:
+        """The region planned at its smallest peak (``error.minimum_bytes``)."""
         return plan_step(graph, hardware, Budget(bytes=error.minimum_bytes), self.strategy,
                          self.params, outside)
 

@@ -33,12 +33,11 @@ import torch
 from memfit.compiler.backend import Backend
 from memfit.compiler.callers_compile import own_trace
 from memfit.compiler.graph_breaks import latest_regions, saves_caps
-from memfit.compiler.plan_step import Planned, plan_step
-from memfit.compiler.traced import _PlanOnly, buffers_kept
+from memfit.compiler.plan_step import Planned
+from memfit.compiler.traced import _PlanOnly, buffers_kept, fake_like
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError
 from memfit.data.hardware import Hardware
-from memfit.data.units import Budget
 from memfit.model.schedule import PlanError
 
 LOG = logging.getLogger(__name__)
@@ -73,8 +72,7 @@ class _OnFakes(_PlanOnly):
     def _over_budget(self, graph: CostGraph, hardware: Hardware, error: BudgetError,
                      pending: int, outside: int, own_open: int = 0) -> Planned:
         """The region at its smallest peak, as the fitted model's backend would run it."""
-        return plan_step(graph, hardware, Budget(bytes=error.minimum_bytes), self.strategy,
-                         self.params, outside)
+        return self._at_minimum(graph, hardware, error, outside)
 
 
 def plan_regions_on_fakes(planner: Backend, call: Callable, args: tuple, kwargs: dict,
@@ -129,11 +127,6 @@ def plan_regions_on_fakes(planner: Backend, call: Callable, args: tuple, kwargs:
 
 
 def _fake(value: Any) -> Any:
-    """A fake copy of a tensor argument (same shape, strides, dtype, device and
-    ``requires_grad``); anything else as it is."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    fake = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype,
-                               device=value.device)
-    return fake.requires_grad_(value.requires_grad)
+    """A fake copy of a tensor argument (``fake_like``); anything else as it is."""
+    return fake_like(value) if isinstance(value, torch.Tensor) else value
 

@@ -36,12 +36,12 @@ from memfit.compiler.graph_breaks import compiling_site
 from memfit.compiler.plan_step import Planned
 from memfit.compiler.traced import (
     PlanOptions,
-    _fake,
     _PlanOnly,
     _RunOnFakes,
     _ShardedStop,
     _Stop,
     as_planned,
+    fake_like,
     loss_module,
     memfit_error,
     planning_backend,
@@ -247,7 +247,7 @@ def trace_batch(model: torch.nn.Module, loss_fn: Callable,
     recorder.joints, recorder.refusals = [], []
     device = device_of(model.parameters())
     with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = tuple(_fake(t, device) if isinstance(t, torch.Tensor) else t for t in inputs)
+        fake = tuple(fake_like(t, device) if isinstance(t, torch.Tensor) else t for t in inputs)
     for value, dims in zip(fake, dimensions, strict=True):
         for dimension in dims:
             torch._dynamo.mark_dynamic(value, dimension)

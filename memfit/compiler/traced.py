@@ -303,7 +303,7 @@ def _traced(model: torch.nn.Module, loss_fn: Callable, inputs: Sequence[torch.Te
     device = device_of(model.parameters())
     # real parameters meet fake activations in the regions run on fakes between graph breaks
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = tuple(_fake(t, device) for t in inputs)
+        fake = tuple(fake_like(t, device) for t in inputs)
     del mode
     # its own recompile count: each planning trace brings a new backend, and shared code (a
     # model's forward resumed after a graph break) would reach Dynamo's recompile limit
@@ -380,8 +380,10 @@ def _joined(hashes: Iterable[str]) -> str:
     return hashlib.sha256("/".join(hashes).encode()).hexdigest()[:16]
 
 
-def _fake(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    where = device if tensor.device.type == "meta" else tensor.device
+def fake_like(tensor: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """An empty tensor with ``tensor``'s shape, strides, dtype and ``requires_grad``, on its
+    device (``device`` for a meta tensor, where given)."""
+    where = device if tensor.device.type == "meta" and device is not None else tensor.device
     fake = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype,
                                device=where)
     return fake.requires_grad_(tensor.requires_grad)

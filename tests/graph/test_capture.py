@@ -141,6 +141,7 @@ def test_non_scalar_loss_and_non_tensor_inputs_are_refused():
         capture(model, lambda m, x, k: m(x).sum() * k, torch.randn(2, 4), 3)
 
 
+@pytest.mark.slow
 def test_real_models_plan_from_meta_inputs():
     """A CPU laptop plans a GPU step without data: meta inputs, no allocation of activations."""
     import memfit

@@ -126,6 +126,7 @@ def _conv_batch_norm() -> nn.Module:
         nn.Conv2d(width, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("training", [True, False])
 def test_batch_norm_backward_saves_no_running_statistics_in_training(training):
     """In training the backward normalizes by the saved mean and inverse deviation, so the

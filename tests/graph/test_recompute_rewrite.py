@@ -49,6 +49,7 @@ def test_dropout_is_replayed_bit_for_bit_and_rng_ops_bracket_the_rerun():
     assert saves == len(reruns)
 
 
+@pytest.mark.slow
 def test_values_rebuilt_many_times_stay_bitwise_and_predicted():
     """memory-poor re-runs each forward value before every backward reader (dropout included)."""
     example = examples.gpt2(layers=2, width=32, sequence=32, batch_size=2, dropout=0.3)
@@ -96,6 +97,7 @@ def checkpoints_fed_from_host(graph, plan):
     return Plan("fed", {**plan.decisions, **swaps}, graph_hash=graph.structure_hash)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build, params, lowers_the_peak", [
     # block inputs fed to re-runs of GPT-2 blocks, dropout replayed; its peak is the last block
     # rebuilt, with every weight gradient made, where no checkpoint is left to swap

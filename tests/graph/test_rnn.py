@@ -56,6 +56,7 @@ def new_storage_bytes(results, arguments) -> int:
     return sum(owned.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("strided_gradient, shared_state", [(False, False), (True, True)])
 def test_layer_temporaries_match_the_allocator(shape, strided_gradient, shared_state):

@@ -28,6 +28,7 @@ def storage_bytes(value) -> int:
     return sum(v.untyped_storage().nbytes() for v in values)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("shape", [(512, 64), (3, 5)])
 def test_dropout_temporaries_match_the_allocator(dtype, shape):
@@ -62,6 +63,7 @@ def convolution_arguments(batch, inputs, outputs, size, kernel, stride, padding,
     return values, weight, torch.randn(outputs) if bias else None, [stride] * dims, [padding] * dims
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", CONVOLUTIONS)
 def test_convolution_forward_temporaries_match_the_allocator(shape):
     values, weight, bias, stride, padding = convolution_arguments(*shape)
@@ -118,6 +120,7 @@ def predicted_backward():
     return predictions({case: backward_case(*case) for case in _backward_cases()})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("shape", "mask"), list(_backward_cases()))
 def test_convolution_backward_temporaries_match_the_allocator(shape, mask, predicted_backward):
     """The input gradient's and the weight gradient's blocked copies, by the allocator."""
@@ -169,6 +172,7 @@ def predicted_measured():
     return predictions({case: measured_case(*case) for case in MEASURED_CASES})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("shape", "call", "bias"), MEASURED_CASES)
 def test_measured_convolution_temporaries_match_the_allocator(shape, call, bias,
                                                               predicted_measured):
@@ -199,6 +203,7 @@ def _forward(stride, padding):
     return forward
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(8, 64, 64, 2, 3, 1, 1, 2, False),
                                    (8, 8, 8, 16, 3, 1, 1, 2, False)])
 def test_small_resnet_backwards_are_measured_as_the_allocator_sees_them(shape):
@@ -220,6 +225,7 @@ def test_a_failed_measurement_warns_and_estimates(monkeypatch):
     assert estimated == temporaries._convolution_backward(node)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(8, 16, 32, 32), (2, 4, 16, 16, 16), (3, 5, 7)])
 def test_batch_norm_temporaries_match_the_allocator(shape):
     values, channels = torch.randn(shape), shape[1]
@@ -323,6 +329,7 @@ def attention_case(shape, dtype=torch.float32, causal=False, masked=False):
             (backward, (gradient, query, key, value, output, logsumexp, mask)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ATTENTIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(("causal", "masked"), [(False, False), (True, False), (False, True)])

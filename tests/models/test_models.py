@@ -87,6 +87,7 @@ def assert_peak_within(step):
     assert_measured_as_predicted(step)
 
 
+@pytest.mark.slow
 def test_unplanned_step_matches_eager(reference):
     """The captured step is eager PyTorch's bit for bit: the same aten kernels in the same order
     (``mse_loss`` decomposed into the very ops its CPU kernel runs; tied weights' partial
@@ -165,6 +166,7 @@ def run_at_fraction_or_minimum(reference, fraction, **compile_args):
                                  budget=error.minimum_bytes, **compile_args))
 
 
+@pytest.mark.slow
 def test_swap_at_half_the_peak(reference):
     model, step, loss = run_at_fraction_or_minimum(reference, 0.5, strategy="swap")
     assert step.plan.swapped
@@ -177,6 +179,7 @@ def test_swap_at_half_the_peak(reference):
 KEPT_LOSS_BYTES = 4
 
 
+@pytest.mark.slow
 def test_swap_at_the_smallest_budget_it_reaches(reference):
     example, keep = reference["example"], reference["keep"]
     with pytest.raises(memfit.BudgetError) as error:
@@ -223,10 +226,12 @@ def auto_step_is_bitwise_and_within(reference, budget):
     assert_peak_within(step)
 
 
+@pytest.mark.slow
 def test_auto_at_half_the_peak(reference):
     auto_step_is_bitwise_and_within(reference, 0.5)
 
 
+@pytest.mark.slow
 def test_auto_at_thirty_percent_or_at_the_floor(reference):
     """At 30% of the peak; where no plan can reach that (the floor above it, e.g. ResNet's stem
     operands), auto must say so with a minimum at or above the floor and below the unplanned
@@ -254,6 +259,7 @@ BLOCKS = {  # module-path globs of each model's repeated blocks, as torch.utils.
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["memory", "speed", "blocks"])
 def test_checkpoint_modes_are_bitwise_and_predicted(reference, mode):
     example, keep = reference["example"], reference["keep"]
@@ -267,6 +273,7 @@ def test_checkpoint_modes_are_bitwise_and_predicted(reference, mode):
     assert step.measured.peak_bytes <= keep.measured.peak_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["memory", "speed"])
 def test_optimal_recompute_never_recomputes_more_than_a_checkpoint_mode(reference, mode):
     """At the peak of a checkpoint mode, optimal-recompute fits with no more recompute.
@@ -290,6 +297,7 @@ def test_optimal_recompute_never_recomputes_more_than_a_checkpoint_mode(referenc
 NESTED = {"mlp", "gpt2"}  # where revolve over the blocks reaches below the segment DP today
 
 
+@pytest.mark.slow
 def test_below_the_segment_dp_nested_blocks_run_bit_for_bit(reference):
     """Between memory-poor's peak and the segment DP's smallest: a plan that fits and never
     recomputes more than memory-poor. Just below the segment DP's smallest, on the chain-like MLP
@@ -332,6 +340,7 @@ def test_below_the_segment_dp_nested_blocks_run_bit_for_bit(reference):
     assert_within_budget(step, budget)
 
 
+@pytest.mark.slow
 def test_hundred_layer_mlp_memory_mode_is_sqrt_n():
     """Activation peak within 2x of 2 sqrt(n) layer outputs, for at most one extra forward."""
     example = examples.mlp(depth=100, width=64, batch_size=512)
@@ -358,6 +367,7 @@ AUTO_ALTERNATIVES = {"swap": {}, "optimal-recompute": {"method": "segments"}, "v
                      "vdnn_conv": {}, "vdnn_dyn": {}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("profile", ["h100-pcie", "gh200"])
 def test_auto_is_never_slower_than_one_technique_alone(reference, profile):
     """The captured step on a GPU profile, from 90% of its unplanned peak down to auto's minimum:

@@ -103,6 +103,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("graph", "hardware", "fraction"), CASES,
                          ids=[f"{g.name}-{h.name}-{f}" for g, h, f in CASES])
 def test_never_slower_than_recompute_only_or_the_swap_strategy(graph, hardware, fraction):

@@ -45,6 +45,7 @@ def test_two_towers_are_cut_by_pairs():
     assert any(len(separator) == 2 for separator in blocks.separators)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(GRAPHS))
 def test_plans_fit_exactly_and_never_beat_the_milp(name):
     graph = GRAPHS[name]()

@@ -38,6 +38,7 @@ def budgets(graph, hardware):
     return sorted({*fractions, minimum}, reverse=True), minimum
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("profile", ["h100-pcie", "gh200"])
 @pytest.mark.parametrize("name", sorted(GRAPHS))
 def test_auto_is_within_five_percent_of_the_milp(name, profile):
