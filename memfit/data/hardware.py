@@ -26,48 +26,9 @@ peaks are dense (no sparsity) tensor-core rates per dtype; a float32 matmul runs
 off by default), a float32 convolution or RNN when ``tf32_cudnn`` (``torch.backends.cudnn
 .allow_tf32``, on by default), else at the ``"float32"`` rate, without tensor cores.
 
-Sources of the built-in GPU profiles (facts; the numbers below restate them):
-
-- Peaks, memory bandwidth and capacity: NVIDIA's datasheets. H100 SXM5 80GB: 67 TFLOPS
-  FP64 tensor core and FP32, 494.7 TF32, 989.4 BF16/FP16, 1979 FP8, 3.35 TB/s HBM3. H100 PCIe
-  80GB: 51 FP64 tensor core and FP32, 378 TF32, 756 BF16/FP16, 1513 FP8, 2.0 TB/s HBM2e. H200:
-  H100 SXM5's rates, 141 GB HBM3e at 4.8 TB/s. GH200: H100 SXM5's rates, 96 GB HBM3 at 4.0 TB/s,
-  NVLink-C2C at 900 GB/s total, 450 GB/s each way. A100 SXM 80GB: 19.5 FP64 tensor core and
-  FP32, 156 TF32, 312 BF16/FP16, 2,039 GB/s HBM2e. (Datasheets list sparse rates too, twice
-  the dense ones; dense is what training runs.)
-- Matmul efficiency: the largest BF16 matmul rates found by Stas Bekman's "Maximum Achievable
-  Matmul FLOPS" search (ml-engineering, compute/accelerator): A100 SXM 267.9 of 312 TFLOPS
-  (85.9%), H100 SXM 792.1 of 989 (80.1%), GH200 821.0 of 989 (83.0%); H100 PCIe and H200 take
-  H100 SXM's fraction (not measured there).
-- Attention efficiency: PyTorch's flash SDPA backend is FlashAttention-2, which its paper
-  (Dao, 2023) reports at 50-73% of the A100's peak in the forward pass, and which the
-  FlashAttention-3 paper (Shah et al., 2024) reports at 35% utilisation on H100. The papers
-  count a causal kernel's FLOPs as half the scores, as memfit counts the unmasked ones
-  (``memfit.graph.flops.causal_share``).
-- Host link (pinned): a PCIe Gen5 x16 host moves about 52 GB/s each way with pinned
-  ``copy_(non_blocking=True)`` (the figure this project's issues record; 63 GB/s raw), a Gen4
-  host about 25 GB/s (31.5 raw).
-  Pageable copies go through a staging buffer on the host: DeepSpeed's PR #5301 measured its
-  host-to-device copies 6x faster on one GPU (4-5x on an 8-GPU node) once pinned, so the
-  profiles take a quarter of the pinned rate for pageable memory.
-
-- Host memory (``host_bytes``, what swapped tensors may take on the host): a stated
-  assumption, one GPU's share of a typical host of its class, not a property of the GPU. DGX
-  H100, DGX H200 and DGX A100 (80GB GPUs) datasheets: 2 TB of system memory for 8 GPUs, so
-  256 GiB each for ``h100-sxm``, ``h200`` and ``a100``; ``h100-pcie``: half that, 128 GiB, for
-  a PCIe server with 1 TB for 8 GPUs (no reference system; PCIe hosts vary most); ``gh200``:
-  the Grace CPU's 480 GB of LPDDR5X beside its one GPU. Set yours with
-  ``hardware.with_(host_bytes=...)``; ``measure_hardware()`` takes the machine's available RAM
-  (``available_host_bytes``).
-
-Estimates, not measurements (on a real GPU ``measure_hardware()`` measures the ramp, the
-overhead and the memory bandwidth; the other classes' fractions it keeps relative to matmul's):
-convolution (cuDNN) at 0.5-0.6 of peak and cuDNN/oneDNN RNNs at 0.3; memory-bound ops at 0.8 of
-the HBM bandwidth (a large device copy reaches about 0.9; PyTorch's elementwise and reduction
-kernels less); ``compute_ramp_s`` of 4 us (a small kernel fills the GPU's waves only partly);
-``op_overhead_s`` of 5 us per op (kernel launch and dispatch), ``kernel_overhead_s`` of 5 us per
-compiled kernel (a launch); GH200's host link at 300 GB/s,
-under the 450 GB/s C2C spec.
+The built-in profiles' figures and their sources (datasheets, published measurements, and
+which figures are estimates): ``docs/planning-ahead.md``, "The built-in profiles and their
+sources".
 """
 
 from __future__ import annotations
