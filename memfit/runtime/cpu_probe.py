@@ -84,13 +84,12 @@ def matmul_time_s(shape: tuple[int, int, int, int], dtype: torch.dtype) -> float
     moment ago: each call takes the next operand pair of a pool of ``OPERAND_POOL_BYTES``, so
     no call finds its operands in a cache the previous call warmed."""
     batch, rows, inner, columns = shape
-    pair_bytes = batch * (rows * inner + inner * columns) * torch.empty((), dtype=dtype).itemsize
-    pairs = [(torch.randn(batch, rows, inner).to(dtype), torch.randn(batch, inner, columns)
-              .to(dtype)) for _ in range(max(2, min(MAX_POOL_PAIRS,
-                                                     OPERAND_POOL_BYTES // pair_bytes)))]
-    if batch == 1:
-        pairs = [(left[0], right[0]) for left, right in pairs]
-    multiply = torch.mm if batch == 1 else torch.bmm
+    lead = (batch,) if batch > 1 else ()
+    pair_bytes = batch * (rows * inner + inner * columns) * dtype.itemsize
+    count = max(2, min(MAX_POOL_PAIRS, OPERAND_POOL_BYTES // pair_bytes))
+    pairs = [(torch.randn(*lead, rows, inner).to(dtype), torch.randn(*lead, inner, columns).to(dtype))
+             for _ in range(count)]
+    multiply = torch.bmm if batch > 1 else torch.mm
     operands = itertools.cycle(pairs)
     return median_time_s(lambda: multiply(*next(operands)))
 

@@ -6,6 +6,7 @@ depends on this machine's speed."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.api import analyzed
 from memfit.data.hardware import PROFILES
@@ -149,7 +150,6 @@ def test_the_op_overhead_is_timed_per_kernel_as_compiled_code_calls_a_layers_ops
     before the dispatcher that ``torch.add`` skips, and views between kernels."""
     assert cpu_probe.op_overhead_s() == pytest.approx(PROBE_S / cpu_probe.TINY_LAYER_KERNELS)
     (operation,) = fixed_clock
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     class Recorded(TorchDispatchMode):
         def __init__(self):
