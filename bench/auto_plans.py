@@ -2,9 +2,9 @@
 fraction of the unplanned peak, auto's minimum, the largest batch in 80 GiB, planning times.
 
 Everything is captured on meta inputs (the models' weights are real, on the CPU: a meta model
-cannot be traced, see ``memfit.graph.capture._fake_inputs``), so nothing of the size of an
+cannot be traced, see ``memfit.tracing.capture._fake_inputs``), so nothing of the size of an
 activation is ever allocated; every step time is the simulator's. The graphs are the ones a
-CUDA GPU runs in float32 (CUDA's attention kernels, ``memfit.graph.target``); the bf16 graphs
+CUDA GPU runs in float32 (CUDA's attention kernels, ``memfit.tracing.target``); the bf16 graphs
 and the goals restated on them are in ``bench/validation.py``.
 """
 
@@ -23,10 +23,10 @@ from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError
 from memfit.data.hardware import Hardware, get_hardware
 from memfit.data.plan import Plan
-from memfit.graph.capture import capture
 from memfit.model.simulate import simulate
 from memfit.planning.strategies import get_strategy
 from memfit.search import meta_inputs
+from memfit.tracing.capture import capture
 
 PROFILES = ("h100-pcie", "gh200")
 FRACTIONS = (0.9, 0.7, 0.5, 0.3)  # of the unplanned (keep) simulated peak
@@ -204,7 +204,7 @@ def measure_model(bench: AutoModel, example: examples.Example, log: Callable[[st
                   profiles: Sequence[str] = PROFILES,
                   fractions: Sequence[float] = FRACTIONS) -> ModelResult:
     """Capture ``example`` (built by ``bench``) once on meta inputs as a CUDA GPU runs it in
-    float32 (its attention kernels, ``memfit.graph.target``; every profile here is a CUDA GPU),
+    float32 (its attention kernels, ``memfit.tracing.target``; every profile here is a CUDA GPU),
     then analyze and plan it on every profile."""
     started = time.perf_counter()
     captured = capture(example.model, example.loss_fn,

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from memfit.data.units import format_bytes
-from memfit.runtime.measure import _allocator_peak_above_start, measure_peak
+from memfit.runtime.measure import allocator_peak_above_start, measure_peak
 
 REPEATS = 3  # timed runs per figure after one warm-up; the median is reported
 
@@ -69,7 +69,7 @@ def tracked_peak_above_start(run: Callable[[], object], model: torch.nn.Module,
 def profiled_peak_above_start(run: Callable[[], object]) -> int:
     """Bytes ``run`` adds at its peak by the CPU allocator's own statistics (the profiler's
     ``[memory]`` events): how compiled runs are measured, since a dispatch mode disables them."""
-    return _allocator_peak_above_start(run)[1]
+    return allocator_peak_above_start(run)[1]
 
 
 def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ of eager's measured peak (memfit: ``memfit.fit(..., budget=, strategy="auto")``;
 ``torch.compile``: ``activation_memory_budget`` at the same fraction), on one intra-op thread.
 The rows marked "graph break" run the same model with transformers' default loss
 (``loss_type`` unset), behind a graph break: two compiled regions, which memfit plans jointly
-on fake inputs before the first run (one more Dynamo trace, ``memfit.compiler.joint_first``).
+on fake inputs before the first run (one more Dynamo trace, ``memfit.fitting.joint_first``).
 "Launch" counts from the child's start (imports included) on the monotonic clock the processes
 share. The first iteration (forward, backward, optimizer step) is split as far as the tools can
 say: Dynamo's trace (``_compile.compile_inner`` less the backend's call, from
@@ -106,7 +106,7 @@ def loop_child(kind: str, compiler: str, budget_bytes: int, graph_break: bool = 
     behind a graph break (two compiled regions)."""
     import memfit
     from memfit import examples
-    from memfit.compiler.fitted import BACKEND_KEY
+    from memfit.fitting.fitted import BACKEND_KEY
 
     torch.set_num_threads(1)
     example = examples.gpt2(**LOOP_MODEL)

@@ -17,8 +17,8 @@ import torch
 import memfit
 from bench.common import median_time_s, mib, ms
 from memfit import examples
-from memfit.compiler.traced import trace_plan
 from memfit.data.hardware import Hardware
+from memfit.fitting.traced import trace_plan
 from memfit.render.text import table
 from memfit.runtime.probe import measure_link
 

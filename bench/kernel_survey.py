@@ -4,7 +4,7 @@ For each ``call_function`` node of an example's captured fwd+bwd graph, real inp
 the node's fake values (random floats, zeros for integer tensors so indices stay in range), the op
 runs once under the profiler's CPU allocator events, and the bytes the allocator held at its
 high-water mark above the outputs' storages are reported beside what
-``memfit.graph.temporaries`` predicts. Ops whose measured and predicted extra bytes differ are
+``memfit.tracing.temporaries`` predicts. Ops whose measured and predicted extra bytes differ are
 the ones a rule is missing for (or has wrong).
 
 Usage:
@@ -22,10 +22,10 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map
 
 from memfit import examples
-from memfit.graph.capture import capture
-from memfit.graph.kernel_probe import new_storage_bytes, real_like
-from memfit.graph.temporaries import kernel_temporary_bytes_of
-from memfit.runtime.measure import _allocator_peak_above_start
+from memfit.runtime.measure import allocator_peak_above_start
+from memfit.tracing.capture import capture
+from memfit.tracing.kernel_probe import new_storage_bytes, real_like
+from memfit.tracing.temporaries import kernel_temporary_bytes_of
 
 EXAMPLES = {"cnn": examples.cnn, "unet3d": lambda: examples.unet3d(channels=(4, 8, 16), size=16)}
 
@@ -53,7 +53,7 @@ def survey(graph_module: fx.GraphModule) -> Iterator[Finding]:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
         args, kwargs = _argument(node.args), _argument(node.kwargs)
-        result, peak_bytes = _allocator_peak_above_start(
+        result, peak_bytes = allocator_peak_above_start(
             lambda op=node.target, args=args, kwargs=kwargs: op(*args, **kwargs))
         output_bytes = new_storage_bytes(result, (args, kwargs))
         yield Finding(node.name, str(node.target), output_bytes, peak_bytes - output_bytes,

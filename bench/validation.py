@@ -2,7 +2,7 @@
 
 Issue 13's validation: memfit plans on a CPU for a GPU it does not have, so its predicted step
 times are only as good as the graph it captures for the target (``autocast=``, CUDA's attention
-kernels: ``memfit.graph.target``) and the profile's rates. This section puts the simulator's
+kernels: ``memfit.tracing.target``) and the profile's rates. This section puts the simulator's
 unplanned step time for ResNet-50 (AMP and TF32) and GPT-2 (bf16) on the built-in profiles
 beside throughputs people measured on those GPUs, with the ratio, and replans GPT-2 medium with
 the profile's op speed and host link halved and doubled to show how far auto's overhead at 50%
@@ -34,11 +34,11 @@ from memfit.api import analyzed
 from memfit.data.costgraph import CostGraph
 from memfit.data.hardware import Hardware, get_hardware
 from memfit.data.plan import Plan
-from memfit.graph.capture import Captured, capture
 from memfit.model.kernels import COMPILERS, priced_for
 from memfit.model.simulate import simulate
 from memfit.render.text import table
 from memfit.search import meta_inputs
+from memfit.tracing.capture import Captured, capture
 
 VALIDATION_TITLE = "## The cost model against published throughput (simulated, bf16 / AMP graphs)"
 SENSITIVITY_PROFILE = "h100-pcie"

@@ -20,9 +20,9 @@ _plan_methods.attach()  # Plan.explain/to_json/from_json/save/load: see memfit.p
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "fit": "memfit.compiler.fitted",
-    "unfit": "memfit.compiler.fitted",
-    "backend": "memfit.compiler.fitted",
+    "fit": "memfit.fitting.fitted",
+    "unfit": "memfit.fitting.fitted",
+    "backend": "memfit.fitting.fitted",
     "report": "memfit.api",
     "Backend": "memfit.compiler.backend",
     "compile": "memfit.api",
@@ -34,7 +34,7 @@ _EXPORTS = {
     "max_batch_size": "memfit.search",
     "BatchSearch": "memfit.search",
     "FrontierPoint": "memfit.planning.batches",
-    "capture": "memfit.graph.capture",
+    "capture": "memfit.tracing.capture",
     "measure_hardware": "memfit.runtime.probe",
     "BudgetError": "memfit.data.errors",
     "CaptureError": "memfit.data.errors",

@@ -18,24 +18,24 @@ from typing import Any
 
 import torch
 
-from memfit.compiler.arguments import check_flags, check_hardware_and_optimizer, the_users_error
 from memfit.compiler.backend import Backend
-from memfit.compiler.callers_compile import own_trace
 from memfit.compiler.closed_loop import CLOSED_LOOP, Loop, Round
 from memfit.compiler.plan_step import BudgetWarning, Planned, analyzed, plan_step, resolve_hardware
 from memfit.compiler.region import Region
-from memfit.compiler.sharding import FsdpBlock, resolve_sharding
-from memfit.compiler.traced import as_planned, loss_module, memfit_error, trace_plan
 from memfit.data.costgraph import CostGraph
 from memfit.data.hardware import PROFILES, Hardware, get_hardware
 from memfit.data.plan import Plan
 from memfit.data.timeline import Timeline
 from memfit.data.units import Budget
-from memfit.graph.capture import check_inputs, input_signature
+from memfit.fitting.arguments import check_flags, check_hardware_and_optimizer, the_users_error
+from memfit.fitting.callers_compile import own_trace
+from memfit.fitting.cluster import FsdpBlock, resolve_sharding
+from memfit.fitting.traced import as_planned, loss_module, memfit_error, trace_plan
 from memfit.model.sharding import DEFAULT_BUCKET_BYTES
 from memfit.planning.strategies import resolve_budget_and_strategy
 from memfit.runtime.measure import measure_allocator_peak, profiler_running
 from memfit.runtime.resident import device_of
+from memfit.tracing.capture import check_inputs, input_signature
 
 __all__ = ["Step", "Round", "BudgetWarning", "CLOSED_LOOP", "compile", "plan", "measure_peak",
            "analyzed", "resolve_hardware"]
@@ -345,7 +345,7 @@ def plan(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor,
     lists each with its share of the budget, and ``compile(..., plan=plan)`` gives each region
     its own.
 
-    The graph planned is the one ``hardware``'s device runs (``memfit.graph.target``): planned
+    The graph planned is the one ``hardware``'s device runs (``memfit.tracing.target``): planned
     from CPU or meta tensors for a GPU profile, the step's attention is CUDA's kernel (flash or
     memory-efficient: no S x S scores kept) and ``autocast`` (``torch.bfloat16`` or
     ``torch.float16``) applies CUDA's autocast policy, as ``torch.autocast("cuda", dtype)``
@@ -412,9 +412,8 @@ def report(model_or_backend: torch.nn.Module | Backend) -> str:
     """What memfit planned for a model from ``memfit.fit`` (or a ``memfit.backend``): per
     compiled region its budget, unplanned, predicted and measured peak (and the gap), what was
     swapped and recomputed; then how often plans were remade, and which code ran outside any
-    plan (``memfit.render.regions``). A surface function: the backend (torch side) never
-    imports a renderer."""
-    from memfit.render.regions import regions_report
+    plan (``memfit.compiler.report``)."""
+    from memfit.compiler.report import regions_report
 
     planner = model_or_backend
     if not isinstance(planner, Backend):

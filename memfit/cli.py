@@ -236,7 +236,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"memfit plan: {error}", file=sys.stderr)
         return 2
     from memfit.data.errors import BudgetError
-    from memfit.render.summary import plan_example, plan_summary
+    from memfit.examples import plan_example
+    from memfit.render.summary import plan_summary
 
     try:
         planned = plan_example(args.model, args.batch, dict(args.model_arg), args.budget,
@@ -276,7 +277,7 @@ def cmd_max_batch_size(args: argparse.Namespace) -> int:
         return 2
     from memfit import examples
     from memfit.data.errors import BudgetError
-    from memfit.render.summary import autocast_dtype
+    from memfit.examples import autocast_dtype
     from memfit.search import max_batch_size
 
     example = examples.EXAMPLES[args.model](**dict(args.model_arg))

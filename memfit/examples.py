@@ -8,11 +8,16 @@ transformers and MONAI are optional dependencies (``pip install memfit[models]``
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+
+from memfit.data.hardware import Hardware
+from memfit.data.units import Budget
+from memfit.render.summary import Planned
 
 
 @dataclass
@@ -350,3 +355,45 @@ EXAMPLES: dict[str, Callable[..., Example]] = {
     "cnn": cnn,
     "lstm": lstm,
 }
+
+
+def plan_example(model: str, batch_size: int | None, model_args: Mapping[str, Any],
+                 budget: str | Budget | None, hardware: str | Hardware, strategy: str | None,
+                 params: Mapping[str, Any], autocast: str | None = None, world_size: int = 1,
+                 sharding: str = "none") -> Planned:
+    """Build ``examples.<model>``, capture its step and plan it for ``hardware``, under the
+    target's autocast (``"bf16"``, ``"fp16"``, ``None``; ``memfit.plan``'s ``autocast=``), one
+    rank of ``world_size`` under ``sharding``, as ``memfit.plan``.
+
+    Note:
+        The model is built on the CPU with random weights; its inputs are meta tensors, traced
+        as fake ones the way ``memfit.compile`` would trace the step (``memfit.fitting.traced``), so no
+        step runs.
+
+    Raises:
+        ValueError: unknown model argument, strategy, parameter or hardware; a bad budget.
+        BudgetError: if the strategy cannot reach the budget.
+    """
+    from memfit.data.hardware import get_hardware
+    from memfit.fitting.cluster import resolve_sharding
+    from memfit.fitting.traced import trace_plan
+    from memfit.planning.strategies import resolve_budget_and_strategy
+
+    parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
+    profile = get_hardware(hardware)
+    try:
+        example = EXAMPLES[model](**model_args)
+    except TypeError as error:
+        raise ValueError(f"bad --model-arg for {model}: {error}") from None
+    batch = batch_size or example.batch_size
+    inputs = tuple(t.to("meta") for t in example.inputs(batch))  # shapes only: nothing runs
+    spread = resolve_sharding(example.model, sharding, world_size)
+    planned = trace_plan(example.model, example.loss_fn, inputs, parsed, chosen, profile, params,
+                         what_ifs=True, autocast=autocast_dtype(autocast), sharding=spread)
+    return Planned(model, batch, planned.graph, planned.plan, planned.baseline, planned.predicted,
+                   planned.budget.device_bytes)
+
+
+def autocast_dtype(name: str | None) -> Any:
+    """The torch dtype of a command line's ``--autocast`` (``"bf16"``, ``"fp16"``), or ``None``."""
+    return {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]

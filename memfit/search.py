@@ -27,14 +27,14 @@ import torch
 
 from memfit.api import Step
 from memfit.compiler.plan_step import Planned, resolve_hardware
-from memfit.compiler.sharding import FsdpBlock, resolve_sharding
-from memfit.compiler.symbolic_batch import SymbolicBatch, trace_batch
-from memfit.compiler.traced import PlanOptions, trace_plan, whole_step
 from memfit.data.errors import BudgetError
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan
 from memfit.data.timeline import Timeline
 from memfit.data.units import Budget, format_bytes
+from memfit.fitting.cluster import FsdpBlock, resolve_sharding
+from memfit.fitting.symbolic_batch import SymbolicBatch, trace_batch
+from memfit.fitting.traced import PlanOptions, trace_plan, whole_step
 from memfit.model.sharding import DEFAULT_BUCKET_BYTES, Sharding
 from memfit.planning.batches import (
     FrontierPoint,
@@ -322,7 +322,7 @@ def _planned_batch(batch: int, planned: Planned) -> PlannedBatch:
 
 class BatchPlanner:
     """Plans the batches of one search: each on the one trace with a symbolic batch where that
-    trace serves it (``memfit.compiler.symbolic_batch``), else by a trace of its own.
+    trace serves it (``memfit.fitting.symbolic_batch``), else by a trace of its own.
 
     ``confirmed`` plans the chosen batch by its own trace; where its peak differs from the
     symbolic pricing, ``mismatch`` says so and the search is done again a trace per batch."""

@@ -14,8 +14,8 @@ from torch._dynamo.utils import counters
 
 import memfit
 from memfit import examples
-from memfit.compiler.fitted import BACKEND_KEY
-from memfit.graph import inductor
+from memfit.fitting.fitted import BACKEND_KEY
+from memfit.lowering import inductor
 from tests.plan_cache_child import iteration_peaks
 
 MODEL = dict(layers=2, width=64, heads=2, vocab=128, sequence=64)

@@ -2,7 +2,7 @@
 
 A step runs compiled (``memfit.compile`` on the torch.compile backend) and is measured by the CPU
 allocator's own events (``measure_allocator_peak``). Those also see what CPU kernels allocate and
-free inside one op, which the graph has no node for unless ``memfit/graph/temporaries.py`` models
+free inside one op, which the graph has no node for unless ``memfit/tracing/temporaries.py`` models
 it: a Python scalar of ``aten::mul`` / ``aten::add`` wrapped as a 0-d tensor and cast (4-8 B
 each; 48 B at the peak of a 2-layer GPT-2, 96 B on 4 layers), and kernel buffers not modelled yet
 (5,148 B, 0.04%, on a 4-layer GPT-2 under auto at half its peak; 21 KiB, 1.2%, on T5 under

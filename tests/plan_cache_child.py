@@ -12,7 +12,7 @@ import torch
 
 import memfit
 from memfit import examples
-from memfit.compiler.fitted import BACKEND_KEY
+from memfit.fitting.fitted import BACKEND_KEY
 from memfit.runtime.measure import measure_allocator_peak
 
 ITERATIONS = 2

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.graph.lifetimes import eager_beyond_plan_bytes
+from memfit.compiler.region_lifetimes import eager_beyond_plan_bytes
 from memfit.runtime.measure import measure_allocator_peak
 
 pytestmark = pytest.mark.usefixtures("compiled_fresh")

@@ -13,7 +13,7 @@ Note:
     bitwise.
 
     memfit predicts the program it planned, every op's output a buffer; inductor's fused
-    kernels keep fewer, so with the plan's order pinned (``memfit.graph.inductor``) the
+    kernels keep fewer, so with the plan's order pinned (``memfit.lowering.inductor``) the
     prediction bounds the measured peak, 9% to 18% above it here (the CNN with re-runs:
     4,673,796 B measured, 5,524,260 B predicted; GPT-2: 5,518,456 B and 6,030,456 B).
 """
@@ -163,7 +163,7 @@ def test_auto_at_half_the_eager_peak_holds_the_budget_on_a_cnn():
 
 
 def test_reruns_of_a_cnn_keep_their_planned_order_under_inductor():
-    # without memfit.graph.inductor.pin_planned_order inductor fused the re-runs of the first
+    # without memfit.lowering.inductor.pin_planned_order inductor fused the re-runs of the first
     # block with each other and hoisted every re-run chain to the start of the backward:
     # measured 9,937,692 B against this 6,061,829 B budget (predicted 5,524,260; 4,673,796 B
     # with the pins)
@@ -179,7 +179,7 @@ def test_auto_on_gpt2_holds_the_budget_with_adamw_state_counted():
 
 def test_vdnn_prefetches_and_host_copies_hold_the_budget_on_gpt2():
     """vDNN's plan for a 4-layer GPT-2 brings tensors back in a row and swaps attention values
-    that inductor lays out unlike the graph. Before ``memfit.graph.inductor`` anchored swap-ins
+    that inductor lays out unlike the graph. Before ``memfit.lowering.inductor`` anchored swap-ins
     on readers of any earlier one, inductor ran them all at the backward's start, and before
     host copies took the saved layout, it saved a device copy of each such host copy: measured
     193.57 MiB at a 71.11 MiB budget (69.82 predicted); 70.95 MiB with both."""

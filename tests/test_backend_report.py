@@ -309,7 +309,7 @@ def test_an_earlier_regions_prediction_counts_the_gradients_of_the_regions_after
     no region's prediction is below its measured peak (before, the first region's was 17.0 MiB
     against a measured 20.5 MiB). The second is within 1%; the first is above by its output
     (512 KiB) and 1%: its gradient comes from outside the region, so the output is counted
-    held to the end (``memfit.graph.lifetimes.output_tangents``), where here the second region
+    held to the end (``memfit.compiler.region_lifetimes.output_tangents``), where here the second region
     let it go once its backward had read it."""
     data = batches(count=2, size=1024)
     model = WideAfterTheBreak()

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.compiler.callers_compile import own_trace, refuse_callers_compile
+from memfit.fitting.callers_compile import own_trace, refuse_callers_compile
 from memfit.runtime.measure import measure_allocator_peak
 
 pytestmark = pytest.mark.usefixtures("compiled_fresh")

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.compiler import device_budget, fitted
 from memfit.data.units import format_bytes
+from memfit.fitting import device_budget, fitted
 from memfit.runtime.measure import measure_allocator_peak
 
 pytestmark = pytest.mark.usefixtures("compiled_fresh")

@@ -70,7 +70,7 @@ TIMEOUT_S = int(os.environ.get("MEMFIT_RANK_TIMEOUT_S", 900))
 # by one, before the last one's scratch is known), and from the second on 1,687,436 B and
 # 1,689,532 B: its first stages now save almost nothing (re-run whole where no smaller-peak plan
 # meets their cap, ``save_at_most``'s fallback), and their re-runs before the cut are in the
-# backward (``memfit.graph.joint.split``); before both, 1,802,092 B in the second iteration.
+# backward (``memfit.lowering.joint.split``); before both, 1,802,092 B in the second iteration.
 # "gpt2-buckets" is a GPT-2 larger than DDP's buckets (``BUCKET_CAP_MB``): Dynamo's
 # ``DDPOptimizer`` would split its graph into a region per bucket, compiled and planned one by
 # one, each before the next exists, and the first iteration ran over its budget; ``memfit.fit``

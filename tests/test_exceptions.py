@@ -193,7 +193,7 @@ def test_an_error_in_memfits_own_planning_or_measuring_leaves_no_trace(monkeypat
     leaves no half-made region behind, and the next call plans and runs within the budget.
     Parameters, gradients kept from a first micro-batch and optimizer state are as before it."""
     import memfit.compiler.backend as backend_module
-    import memfit.runtime.region_peak as region_peak
+    import memfit.compiler.region_peak as region_peak
 
     data = batches()
     model, fitted, optimizer, budget = fitted_at(0.75, data)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import memfit
 import memfit.compiler.backend as backend_module
-import memfit.runtime.region_peak as region_peak
+import memfit.compiler.region_peak as region_peak
 from tests.test_exceptions import Injected, batches, eager_over, mlp, train_catching
 
 FAULTS = ("none", "forward", "backward", "step", "planning", "measuring")

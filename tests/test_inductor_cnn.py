@@ -8,7 +8,7 @@ computes (within ``torch.testing.assert_close``'s float32 defaults: its min-cut 
 re-runs other ops, and inductor fuses the two programs differently).
 
 Note:
-    Before ``memfit.graph.inductor.planned_order_kept``, inductor's reordering for peak memory
+    Before ``memfit.lowering.inductor.planned_order_kept``, inductor's reordering for peak memory
     moved each ``memfit::wait`` to the backward's end, keeping every swapped-in tensor alive
     until then: 1,909,432 B measured at this 1,706,528 B budget, every iteration.
 """

@@ -1,6 +1,6 @@
 """A second process of the same ``compiler="inductor"`` script compiles nothing and plans
 nothing: inductor's FX graph cache holds memfit's planned forward and backward modules (the
-backward's ordering pins included, ``memfit.graph.inductor``) and memfit's plan cache its plans,
+backward's ordering pins included, ``memfit.lowering.inductor``) and memfit's plan cache its plans,
 while memfit's partitioner and its bookkeeping still run for every region."""
 
 from __future__ import annotations

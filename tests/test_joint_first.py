@@ -1,5 +1,5 @@
 """A graph-broken model's regions planned jointly before its first iteration, on fake inputs
-(``memfit.compiler.joint_first``): what the trace on fakes must leave as it was (buffers, the
+(``memfit.fitting.joint_first``): what the trace on fakes must leave as it was (buffers, the
 random generator), and that a model without a graph break is not traced twice."""
 
 from __future__ import annotations

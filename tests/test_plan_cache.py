@@ -16,12 +16,12 @@ from torch import nn
 
 import memfit
 from memfit.compiler import plan_cache
-from memfit.compiler.fitted import BACKEND_KEY
 from memfit.compiler.plan_cache import planning_tally
 from memfit.compiler.plan_step import plan_step
 from memfit.data.errors import BudgetError
 from memfit.data.hardware import get_hardware
 from memfit.data.units import Budget
+from memfit.fitting.fitted import BACKEND_KEY
 from memfit.model.synthetic import chain
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import memfit
-from memfit.compiler.traced import trace_plan
 from memfit.data.hardware import get_hardware
 from memfit.data.plan import Swap
+from memfit.fitting.traced import trace_plan
 
 LOGGER = logging.getLogger("tests.plan_graph_breaks")
 

@@ -11,9 +11,9 @@ import torch
 import memfit
 from memfit import examples
 from memfit.cli import main
-from memfit.compiler.sharding import fsdp_units, resolve_sharding
-from memfit.compiler.traced import trace_plan
 from memfit.data.hardware import get_hardware
+from memfit.fitting.cluster import fsdp_units, resolve_sharding
+from memfit.fitting.traced import trace_plan
 from memfit.model.schedule import live_buffers, lower, memory_profile
 
 WORLD = 4

@@ -1,5 +1,5 @@
-"""The torch-free layers (data, model, planning: the types, the simulator, strategies and
-solvers) import with torch blocked."""
+"""The torch-free layers (data, model, planning, render: the types, the simulator, strategies
+and solvers, text and plots) import with torch blocked."""
 
 import subprocess
 import sys
@@ -12,8 +12,8 @@ class _Blocker:
             raise ImportError("torch is blocked in this test")
 sys.meta_path.insert(0, _Blocker())
 import importlib, pkgutil
-import memfit.data, memfit.model, memfit.planning
-for package in (memfit.data, memfit.model, memfit.planning):
+import memfit.data, memfit.model, memfit.planning, memfit.render
+for package in (memfit.data, memfit.model, memfit.planning, memfit.render):
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         importlib.import_module(info.name)
 from memfit.planning.strategies import strategy_names

@@ -1,7 +1,10 @@
-"""The torch side's front: memfit as a ``torch.compile`` backend.
+"""The compiler stage: memfit as a ``torch.compile`` backend, every compiled region planned.
 
-``backend`` (every compiled region planned), ``fitted`` (``memfit.fit``), ``replanning``,
-``graph_breaks``, ``closed_loop``, ``traced`` (a step traced for ``memfit.plan``), ``plan_step``
-(one planning pipeline), ``sharding`` (FSDP units). Uses ``graph/`` and ``runtime/``, and
-the planning layer below them.
+``backend`` (``memfit.Backend``), ``plan_step`` (one planning pipeline: trace, plan, rewrite),
+``plan_cache``, ``region`` (a planned region as the backend keeps it), ``region_run`` and
+``region_peak`` (its runs and their measured peaks), ``region_lifetimes`` and ``loop_lifetimes``
+(what lives outside its graph), ``graph_breaks``, ``joint_planning``, ``repeated_calls``,
+``replanning``, ``shape_bound``, ``closed_loop``, ``eager_watching``, ``unplanned``,
+``partners``, ``unit_forward``, ``report`` (``memfit.report``'s text). Imports ``lowering/``
+and the stages below it.
 """

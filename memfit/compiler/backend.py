@@ -62,6 +62,14 @@ from memfit.compiler.region import (
     timed_planning,
     user_input_names,
 )
+from memfit.compiler.region_lifetimes import (
+    dropped_outputs_graph,
+    output_tangents,
+    output_tensor_names,
+    scalar_output_bytes,
+    trainable_parameter_bytes,
+    with_later_gradients,
+)
 from memfit.compiler.region_run import aot_eager_runner, inductor_runner
 from memfit.compiler.replanning import (
     count_eager_in_prediction,
@@ -78,8 +86,7 @@ from memfit.data.errors import BudgetError, CaptureError
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan
 from memfit.data.units import Budget, format_bytes
-from memfit.graph.capture import DECOMPOSE
-from memfit.graph.joint import (
+from memfit.lowering.joint import (
     as_captured,
     drop_unread_running_statistics,
     elide_clones,
@@ -87,18 +94,7 @@ from memfit.graph.joint import (
     record_scopes,
     split,
 )
-from memfit.graph.lifetimes import (
-    dropped_outputs_graph,
-    output_tangents,
-    output_tensor_names,
-    scalar_output_bytes,
-    trainable_parameter_bytes,
-    with_later_gradients,
-)
-from memfit.graph.rewrite import rewrite
-from memfit.graph.rnn import eager_lstm_kernels, size_lstm_buffers
-from memfit.graph.shapes import Bound, at_bound
-from memfit.graph.target import host_code, retargeted
+from memfit.lowering.rewrite import rewrite
 from memfit.model.simulate import simulate
 from memfit.runtime.outside import CUDA_BLOCK_BYTES, EagerWatch
 from memfit.runtime.ranks import (
@@ -115,6 +111,10 @@ from memfit.runtime.resident import (
     resident_bytes,
 )
 from memfit.runtime.streams import CopyEngine
+from memfit.tracing.capture import DECOMPOSE
+from memfit.tracing.rnn import eager_lstm_kernels, size_lstm_buffers
+from memfit.tracing.shapes import Bound, at_bound
+from memfit.tracing.target import host_code, retargeted
 
 COMPILERS = ("aot_eager", "inductor")
 MAX_EAGER_REPLANS = 3  # re-plans for what eager code holds beside the regions (it may keep growing)
@@ -141,7 +141,7 @@ class Backend(EagerWatching, JointPlanning):
         self.warn_over_prediction = True  # off where a closed loop re-plans (memfit.compile)
         self.saves_caps: dict[Any, int] = {}  # site -> most bytes its forward may save
         # memfit.fit's backend: a first region followed by a graph break has the call traced on
-        # fakes before it first runs, and the regions planned jointly (memfit.compiler.joint_first)
+        # fakes before it first runs, and the regions planned jointly (memfit.fitting.joint_first)
         self.joint_first_trace: Callable[[int], dict[Any, int]] | None = None  # set by fit
         self.joint_first_site: Any = None  # the first region's, until its first run
         self.joint_first_eager_bytes = 0  # eager code's bytes at its compile, for the trace
@@ -178,12 +178,12 @@ class Backend(EagerWatching, JointPlanning):
         self.budget_override: Budget | None = None
         self.what_ifs = False  # memfit.plan explains its plan: the plans at the budget x0.9, x1.1
         self.scope_prefix = ""  # where the model sits in the compiled module (Step's "model.")
-        # the buffers this machine's kernels allocate inside one op (memfit/graph/temporaries.py):
+        # the buffers this machine's kernels allocate inside one op (memfit/tracing/temporaries.py):
         # counted for a step that runs here; memfit.plan for another device's profile leaves
         # this CPU's oneDNN scratch out
         self.kernel_temporaries = True
-        # set by memfit.plan (memfit.compiler.traced): trace the step as the profile's device runs it
-        # (memfit.graph.target), with the target's autocast dtype; never for a step that runs
+        # set by memfit.plan (memfit.fitting.traced): trace the step as the profile's device runs it
+        # (memfit.tracing.target), with the target's autocast dtype; never for a step that runs
         self.retarget = False
         self.autocast: torch.dtype | None = None
         # set by memfit.fit: how a copy of the fitted model makes its own backend (__reduce__)
@@ -248,7 +248,7 @@ class Backend(EagerWatching, JointPlanning):
             self.planning_s += time.perf_counter() - started
 
     def _target(self, device: torch.device) -> contextlib.AbstractContextManager:
-        """The capture personality of a planning-only trace (``memfit.graph.target``)."""
+        """The capture personality of a planning-only trace (``memfit.tracing.target``)."""
         if not self.retarget:
             return contextlib.nullcontext()
         return retargeted(resolve_hardware(self.hardware_spec, device), device, self.autocast)
@@ -259,7 +259,7 @@ class Backend(EagerWatching, JointPlanning):
 
         engine = CopyEngine(device)
         if self.compiler == "inductor":
-            from memfit.graph.inductor import compile_with_inductor
+            from memfit.lowering.inductor import compile_with_inductor
 
             if device.type != "cpu" and self.budget is not None:
                 warnings.warn(
@@ -272,7 +272,7 @@ class Backend(EagerWatching, JointPlanning):
                                          self._partition(device, site, bound), engine,
                                          inductor_runner(engine, self))
         compile_module = aot_eager_runner(engine, self)
-        with eager_lstm_kernels():  # nn.LSTM traced as eager runs it (memfit.graph.rnn)
+        with eager_lstm_kernels():  # nn.LSTM traced as eager runs it (memfit.tracing.rnn)
             return aot_autograd(fw_compiler=compile_module, bw_compiler=compile_module,
                                 partition_fn=self._partition(device, site, bound),
                                 decompositions=DECOMPOSE,
@@ -292,7 +292,7 @@ class Backend(EagerWatching, JointPlanning):
                     bound: Bound | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
         """Plan one region's joint graph and split the rewritten program into its two modules;
         ``site`` is where Dynamo compiled the region from (see ``Region.site``). A joint graph
-        with symbolic sizes is priced at ``bound`` (``memfit.graph.shapes``): the plan is made
+        with symbolic sizes is priced at ``bound`` (``memfit.tracing.shapes``): the plan is made
         on a copy at the bound and rewrites the symbolic program, which serves every smaller
         shape.
 
@@ -342,7 +342,7 @@ class Backend(EagerWatching, JointPlanning):
         # the region's parameters are among the resident or, under FSDP2, the gathered bytes
         outside = max(0, resident + gathered - inside) + pending + eager
         if self.compiler == "inductor":  # its channels-last copies of the region's inputs
-            from memfit.graph.inductor import layout_copy_bytes
+            from memfit.lowering.inductor import layout_copy_bytes
 
             outside += layout_copy_bytes(joint)
         cap = self.saves_caps.get(site)
@@ -669,7 +669,7 @@ class Backend(EagerWatching, JointPlanning):
 
     def _capped_jointly(self, regions: list[Region]) -> bool:
         """Before the first run of a fitted model's first region, where a graph break follows
-        it: trace the call on fakes, plan every region (``memfit.compiler.joint_first``), and
+        it: trace the call on fakes, plan every region (``memfit.fitting.joint_first``), and
         take the caps on the earlier regions' saves; whether this region saves more than its
         cap, and is planned again with it before it runs."""
         trace, self.joint_first_trace = self.joint_first_trace, None

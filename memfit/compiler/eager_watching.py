@@ -108,7 +108,7 @@ class EagerWatching:
         runs next with them alive): what ``EagerWatch`` noted, less the model, its optimizers'
         state, FSDP2's gathered parameters, the region's own inputs and the open regions'
         saves; 0 where no watch is on (not a CPU, or runs no longer measured)."""
-        from memfit.runtime.region_peak import (
+        from memfit.compiler.region_peak import (
             open_saved_storages,
             outside_plans_bytes,
             resident_alive,

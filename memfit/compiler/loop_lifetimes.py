@@ -2,7 +2,7 @@
 iteration's end, a region that returns its own loss (a transformers model called with
 ``labels=``) is planned with its non-scalar outputs (a language model's logits, its key/value
 cache) freed when its forward ends and their gradients never passed, as a loop that keeps only
-the loss runs it (``memfit.graph.lifetimes.dropped_outputs_graph``). The loss and the previous
+the loss runs it (``memfit.compiler.region_lifetimes.dropped_outputs_graph``). The loss and the previous
 call's loss the loop keeps stay counted. A region without a loss of its own is not: its loss is
 computed outside from its outputs, which that code holds and takes gradients of.
 

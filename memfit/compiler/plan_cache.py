@@ -10,7 +10,7 @@ compiles no graph.
 
 A found plan is trusted no more than a new one: ``plan_step`` simulates it on the graph and drops
 it where its predicted peak is over the budget, and its first runs are measured like every plan's
-(``memfit.runtime.region_peak``). A file that cannot be read, of another format, or whose key does
+(``memfit.compiler.region_peak``). A file that cannot be read, of another format, or whose key does
 not match is ignored, said in ``memfit.report`` and written again. Files are written atomically
 (``memfit.data.files``).
 

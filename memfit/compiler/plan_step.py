@@ -29,15 +29,15 @@ from memfit.data.hardware import Hardware, get_hardware
 from memfit.data.plan import Plan, topology_hash
 from memfit.data.timeline import Timeline
 from memfit.data.units import Budget, format_bytes
-from memfit.graph.analyze import analyze
-from memfit.graph.capture import Captured
-from memfit.graph.rewrite import reorder
+from memfit.lowering.rewrite import reorder
 from memfit.model.explain import explain
 from memfit.model.linearize import linearize as as_late_as_possible
 from memfit.model.plan_memo import plans_remembered
 from memfit.model.simulate import simulate
 from memfit.planning.strategies import STRATEGY_STARTED, collector_paused, get_strategy
 from memfit.planning.strategies._budget_checks import require_host
+from memfit.tracing.analyze import analyze
+from memfit.tracing.capture import Captured
 
 
 class BudgetWarning(UserWarning):
@@ -72,7 +72,7 @@ class Planned:
 
     The timelines are the graph's own; ``*_peak_bytes`` add the bytes outside it. A step of
     several regions (graph breaks) keeps each region's in ``regions``, in the order they run
-    (``memfit.compiler.traced.whole_step``); one region's step has none."""
+    (``memfit.fitting.traced.whole_step``); one region's step has none."""
 
     graph: CostGraph
     plan: Plan

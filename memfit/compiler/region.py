@@ -2,7 +2,7 @@
 forward and backward modules it runs, and what its measured runs found.
 
 Its own module so that the modules around the backend (``graph_breaks``, ``replanning``,
-``memfit.runtime.region_peak``, ``memfit.graph.lifetimes``, ``memfit.render.regions``) read it
+``memfit.compiler.region_peak``, ``memfit.compiler.region_lifetimes``, ``memfit.compiler.report``) read it
 without importing the backend that imports them; they see the backend through ``Planner``, what
 they call of it.
 
@@ -80,7 +80,7 @@ class Region:
     measured_forward_bytes: int | None = None  # device peak of its forward's latest measured run
     measured_backward_bytes: int | None = None  # ... and of its backward's
     measured_runs: int = 0  # runs of its modules measured so far
-    measured_by: str = ""  # "allocator" or "ops" (see memfit.runtime.region_peak.run_measured)
+    measured_by: str = ""  # "allocator" or "ops" (see memfit.compiler.region_peak.run_measured)
     forward_values: tuple = field(default=(), repr=False)  # its forward's inputs and outputs,
     # weakly: those still alive when its backward runs are measured with it (the loop holds them)
     hardware: Hardware | None = None  # the profile it was planned with
@@ -230,15 +230,15 @@ def saved_device_bytes(forward: fx.GraphModule, num_fwd_outputs: int,
                        held_inputs: frozenset[str] = frozenset(), bound: Any = None) -> int:
     """Device bytes of the values ``forward`` returns for its backward: not memfit's host copies
     and random states, and not its inputs except ``held_inputs`` (placeholder names); symbolic
-    sizes at ``bound`` (``memfit.graph.shapes``).
+    sizes at ``bound`` (``memfit.tracing.shapes``).
 
     An input the loop passed in is alive anyway; but a region that runs after a graph break
     gets its inputs from the region before it, whose output eager code drops once the call
     returns, so one it saves is alive because of it alone, and counted here (a pipeline of
     stages under FSDP2 saves the stage outputs before them).
     """
-    from memfit.graph.analyze import inserted_kind, storage_key, tensors_in
-    from memfit.graph.shapes import evaluate
+    from memfit.tracing.analyze import inserted_kind, storage_key, tensors_in
+    from memfit.tracing.shapes import evaluate
 
     output = forward.graph.find_nodes(op="output")[0]
     sizes: dict = {}

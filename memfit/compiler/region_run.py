@@ -21,12 +21,12 @@ import torch.fx as fx
 from memfit.compiler.loop_lifetimes import check_loop_lifetimes, collect_before_backward
 from memfit.compiler.plan_step import BudgetWarning
 from memfit.compiler.region import REGION_KEY, Planner, Region
+from memfit.compiler.region_lifetimes import observe_loop, remember_outputs, tangents_given
+from memfit.compiler.region_peak import measure_region_run
 from memfit.compiler.repeated_calls import live_forwards, note_forward_saves, storages_of
 from memfit.data.units import format_bytes
-from memfit.graph.lifetimes import observe_loop, remember_outputs, tangents_given
-from memfit.graph.rnn import run_rnn_layers_for_training
-from memfit.runtime.region_peak import measure_region_run
 from memfit.runtime.streams import CopyEngine, active_engine
+from memfit.tracing.rnn import run_rnn_layers_for_training
 
 
 def aot_eager_runner(engine: CopyEngine, planner: Planner):
@@ -188,7 +188,7 @@ def zeros_at_first_use(graph: fx.Graph) -> None:
     Autograd otherwise materializes these zeros before the backward starts (a Llama's unused
     key/value cache and logits, at a peak that eager does not have, since in eager no one asks
     for them), and they live until the backward reads them, for a cached key or value in the
-    last layer the backward reaches. ``memfit.compiler.fitted`` turns materialization off for its regions.
+    last layer the backward reaches. ``memfit.fitting.fitted`` turns materialization off for its regions.
     """
     for placeholder in graph.find_nodes(op="placeholder"):
         value = placeholder.meta.get("val")

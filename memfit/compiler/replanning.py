@@ -75,7 +75,7 @@ def _generators_kept(device: torch.device) -> Any:
 
 def eager_room_needed(regions: list[Region]) -> list[tuple[Region, int]]:
     """The regions whose plans leave no room for what eager code was seen to hold at the start
-    of their measured forwards or backwards (measured by ``memfit.runtime.region_peak``), each
+    of their measured forwards or backwards (measured by ``memfit.compiler.region_peak``), each
     with the bytes its next plan counts (``eager_bytes_to_plan``). A region whose checked peak
     has room for them is left as it is.
     """

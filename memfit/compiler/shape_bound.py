@@ -2,7 +2,7 @@
 
 Dynamo traces a region whose input shapes changed (or that the user marked,
 ``torch._dynamo.mark_dynamic(x, 1, max=...)``) with symbolic sizes. memfit plans it once at a
-bound (``memfit.graph.shapes``): each symbol at the maximum the user declared, else at the
+bound (``memfit.tracing.shapes``): each symbol at the maximum the user declared, else at the
 value it had when traced. Before each run, ``InputSizes.beyond`` reads the symbols' values off
 the arguments; a run within the bound runs the plan as it is, and one past it has the region
 planned again at the raised bound first (``memfit.compiler.replanning``), from the same trace.
@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from memfit.graph.shapes import (
+from memfit.tracing.shapes import (
     Bound,
     declared_maximum,
     declared_maximums,

@@ -136,7 +136,7 @@ def _cause(planner: Backend, start: CallStart) -> str:
 def dispatch_modes() -> list[str]:
     """The dispatch modes on this thread's stack under which Dynamo does not compile: it runs
     the frame eagerly and marks its code skipped for later calls too, so a fitted model under
-    one runs its module directly instead (``memfit.compiler.fitted``)."""
+    one runs its module directly instead (``memfit.fitting.fitted``)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     return [type(mode).__name__ for mode in _get_current_dispatch_mode_stack()

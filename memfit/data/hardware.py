@@ -117,7 +117,7 @@ class Hardware:
             the machine's available RAM.
         device_type: the torch device type that runs the step (``"cuda"``, ``"cpu"``): a step
             captured on another device type is captured as this one runs it
-            (``memfit.graph.target``), e.g. CUDA's attention kernels and autocast policy for a
+            (``memfit.tracing.target``), e.g. CUDA's attention kernels and autocast policy for a
             GPU profile planned on a CPU.
         notes: where the numbers come from.
     """

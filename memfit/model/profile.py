@@ -42,7 +42,7 @@ from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan, Swap
 from memfit.model import keys, rerun_delta
 from memfit.model.clock import ComputeClock, CopyLink
-from memfit.model.keep import KeepProfile
+from memfit.model.keep_profile import KeepProfile
 from memfit.model.plan_memo import remembered_result
 from memfit.model.recompute import PlannedRerun
 from memfit.model.rerun_delta import FoldedProfile, RerunDelta

@@ -26,7 +26,7 @@ from functools import cached_property
 import numpy as np
 
 from memfit.data.plan import Plan, Recompute, Swap
-from memfit.model.keep import KeepProfile
+from memfit.model.keep_profile import KeepProfile
 from memfit.model.keys import (
     COMPUTE,
     STRIDE,

@@ -1,20 +1,16 @@
 """Text summaries for the command line: a plan on a hardware profile, and a saved timeline.
 
-``plan_example`` is the one place here that touches torch: it builds an example model, captures
-its step and plans it (nothing runs). The renderers read only the resulting data.
+The renderers read only data: ``memfit.examples.plan_example`` builds the ``Planned`` they print.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from memfit.data.costgraph import CostGraph
-from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan
 from memfit.data.timeline import Timeline
-from memfit.data.units import Budget, format_bytes
+from memfit.data.units import format_bytes
 
 BARS = " ▁▂▃▄▅▆▇█"
 
@@ -30,51 +26,6 @@ class Planned:
     baseline: Timeline
     predicted: Timeline
     budget_bytes: int | None
-
-
-def plan_example(model: str, batch_size: int | None, model_args: Mapping[str, Any],
-                 budget: str | Budget | None, hardware: str | Hardware, strategy: str | None,
-                 params: Mapping[str, Any], autocast: str | None = None, world_size: int = 1,
-                 sharding: str = "none") -> Planned:
-    """Build ``examples.<model>``, capture its step and plan it for ``hardware``, under the
-    target's autocast (``"bf16"``, ``"fp16"``, ``None``; ``memfit.plan``'s ``autocast=``), one
-    rank of ``world_size`` under ``sharding``, as ``memfit.plan``.
-
-    Note:
-        The model is built on the CPU with random weights; its inputs are meta tensors, traced
-        as fake ones the way ``memfit.compile`` would trace the step (``memfit.compiler.traced``), so no
-        step runs.
-
-    Raises:
-        ValueError: unknown model argument, strategy, parameter or hardware; a bad budget.
-        BudgetError: if the strategy cannot reach the budget.
-    """
-    from memfit import examples
-    from memfit.compiler.sharding import resolve_sharding
-    from memfit.compiler.traced import trace_plan
-    from memfit.data.hardware import get_hardware
-    from memfit.planning.strategies import resolve_budget_and_strategy
-
-    parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
-    profile = get_hardware(hardware)
-    try:
-        example = examples.EXAMPLES[model](**model_args)
-    except TypeError as error:
-        raise ValueError(f"bad --model-arg for {model}: {error}") from None
-    batch = batch_size or example.batch_size
-    inputs = tuple(t.to("meta") for t in example.inputs(batch))  # shapes only: nothing runs
-    spread = resolve_sharding(example.model, sharding, world_size)
-    planned = trace_plan(example.model, example.loss_fn, inputs, parsed, chosen, profile, params,
-                         what_ifs=True, autocast=autocast_dtype(autocast), sharding=spread)
-    return Planned(model, batch, planned.graph, planned.plan, planned.baseline, planned.predicted,
-                   planned.budget.device_bytes)
-
-
-def autocast_dtype(name: str | None) -> Any:
-    """The torch dtype of a command line's ``--autocast`` (``"bf16"``, ``"fp16"``), or ``None``."""
-    import torch
-
-    return {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 def _ms(seconds: float) -> str:

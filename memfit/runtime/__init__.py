@@ -1,6 +1,8 @@
-"""The runtime layer (L2): runs a rewritten step and measures it.
+"""The runtime stage: the copy engine and memory measurement a planned step runs with.
 
-``executor`` (an fx Interpreter that frees values at their last use), ``streams`` (copy streams,
-events and the engine the swap ops use), ``host`` (the host-tier pool), ``tracker`` (device bytes
-on the CPU), ``measure`` (``measure_peak``), ``probe`` (``measure_hardware``).
+``streams`` (copy streams, events, the host pool), ``executor`` (an fx Interpreter that frees
+values at their last use), ``tracker`` and ``resident`` (device bytes on the CPU; what stays
+resident across an iteration), ``outside`` (what eager code holds), ``measure``
+(``measure_peak``), ``probe`` and ``cpu_probe`` (``measure_hardware``), ``ranks`` (what ranks of
+a distributed job agree on). Imports ``ops/`` only, of the torch side.
 """

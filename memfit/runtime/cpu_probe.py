@@ -38,8 +38,8 @@ from collections.abc import Callable
 import torch
 
 from memfit.data.hardware import PROFILES, Hardware, available_host_bytes
-from memfit.graph.engine_slot import active_engine
-from memfit.graph.ops import SWAP_IN, SWAP_OUT, WAIT
+from memfit.ops.engine_slot import active_engine
+from memfit.ops.swap import SWAP_IN, SWAP_OUT, WAIT
 from memfit.runtime.streams import CopyEngine
 
 REPEATS = 7  # timed runs of each probe; the median is kept

@@ -113,7 +113,7 @@ def measure_allocator_peak(fn: Callable[..., Any], *args: Any, track: Any = (),
             "session. Measure outside the profiler, or read the memory columns of your own "
             "profile (profile_memory=True)")
     start_bytes = _unique_bytes((args, kwargs, track), device)
-    result, above_bytes = _allocator_peak_above_start(lambda: fn(*args, **kwargs))
+    result, above_bytes = allocator_peak_above_start(lambda: fn(*args, **kwargs))
     return Measurement(result, start_bytes + above_bytes, start_bytes, device)
 
 
@@ -144,7 +144,7 @@ class ProfilerRunning(RuntimeError):
 def _unique_bytes(tree: Any, device: torch.device) -> int:
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from memfit.graph.host import is_host_storage
+    from memfit.ops.host import is_host_storage
     from memfit.runtime.resident import local_tensor
 
     sizes: dict[StorageWeakRef, int] = {}
@@ -156,7 +156,7 @@ def _unique_bytes(tree: Any, device: torch.device) -> int:
     return sum(sizes.values())
 
 
-def _allocator_peak_above_start(run: Callable[[], Any]) -> tuple[Any, int]:
+def allocator_peak_above_start(run: Callable[[], Any]) -> tuple[Any, int]:
     """``run()``'s result and the most bytes the CPU allocator held above its start level."""
     import gc
     import json

@@ -34,7 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_leaves
 
-from memfit.graph.host import is_host_storage
+from memfit.ops.host import is_host_storage
 from memfit.runtime.resident import local_tensor
 
 

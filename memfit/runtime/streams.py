@@ -1,8 +1,8 @@
 """The copy engine: the two copy streams, the events that order them, and the host pool.
 
-The swap ops of ``memfit.graph.ops`` look the engine up with ``current_engine()``; the executor
+The swap ops of ``memfit.ops.swap`` look the engine up with ``current_engine()``; the executor
 makes one current with ``with active_engine(engine):`` for the length of a run. Both live in
-``memfit.graph.engine_slot`` (the ops import nothing from the runtime) and are exported here too.
+``memfit.ops.engine_slot`` (the ops import nothing from the runtime) and are exported here too.
 
 Note:
     The engine is written against ``torch.get_device_module(device)`` so one code path serves CUDA
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from memfit.graph.engine_slot import active_engine, current_engine
-from memfit.graph.host import HostPool
+from memfit.ops.engine_slot import active_engine, current_engine
+from memfit.ops.host import HostPool
 
 __all__ = ["CopyEngine", "active_engine", "current_engine"]
 

@@ -14,7 +14,7 @@ Example:
 Note:
     It does not import the planner: it is the independent measurement the planner's prediction
     is checked against. On a CPU-only machine "device" and "host" are both CPU memory, so storages
-    the swap pool hands out (``memfit.graph.host.is_host_storage``) are left out. It matched
+    the swap pool hands out (``memfit.ops.host.is_host_storage``) are left out. It matched
     ``torch.distributed._tools.mem_tracker.MemTracker`` to the byte on a GPT-2 step. Like
     MemTracker it sees only what the dispatcher sees: scratch memory a kernel allocates inside
     itself is invisible (on CUDA use ``torch.cuda.max_memory_allocated``).
@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memfit.graph.host import is_host_storage
+from memfit.ops.host import is_host_storage
 from memfit.runtime.resident import local_tensor
 
 

@@ -200,7 +200,7 @@ def test_a_host_limit_round_trips_through_json(tmp_path):
 
 
 def test_the_device_type_round_trips_and_is_inferred_for_older_files():
-    """Which device runs the step decides how a plan captures it (``memfit.graph.target``): the
+    """Which device runs the step decides how a plan captures it (``memfit.tracing.target``): the
     CPU profile says ``cpu``, the GPU profiles ``cuda``; a file saved before the field existed
     is read as a CPU profile when its copies run on the compute thread, else as CUDA."""
     assert {name: profile.device_type for name, profile in PROFILES.items()} == {

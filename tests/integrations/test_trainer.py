@@ -77,7 +77,7 @@ def test_trainer_with_default_arguments_trains_bitwise_within_the_budget(tmp_pat
 @pytest.mark.slow
 def test_trainer_with_torch_compile_runs_the_fitted_models_plan(tmp_path):
     """``torch_compile=True`` wraps the fitted model in ``torch.compile`` (inductor): its graph
-    breaks at the model's call (``memfit.compiler.callers_compile``), so memfit's plan runs."""
+    breaks at the model's call (``memfit.fitting.callers_compile``), so memfit's plan runs."""
     reference = tiny_gpt2()
     eager_peak, _ = train(reference, tmp_path / "eager")
     budget = int(0.8 * eager_peak)

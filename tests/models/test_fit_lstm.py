@@ -2,7 +2,7 @@
 eager's (losses, every gradient, weights; deterministic algorithms on), every iteration's
 measured peak within the budget, the first included.
 
-The LSTM runs as eager runs it (``memfit.graph.rnn``): one oneDNN ``mkldnn_rnn_layer`` per layer
+The LSTM runs as eager runs it (``memfit.tracing.rnn``): one oneDNN ``mkldnn_rnn_layer`` per layer
 with its training kernel, whose workspace (520 KB a layer here, more than the rest of the
 activations together) the planner sizes, swaps or recomputes. Half and 0.3 of eager's peak do
 not fit this model (parameters, gradients and AdamW state are 46% of eager's peak, and oneDNN's
@@ -15,7 +15,7 @@ iteration's loss that the loop keeps (4 B: allocated before each measurement sta
 it, but read by memfit among eager code's bytes). Measured on AVX-512 (2,146,928 B predicted,
 2,146,924 B measured, auto and optimal-recompute alike; the oneDNN layers' buffers, which alone
 depend on the instruction set, are exact on AVX2 and AVX-512 by ``tests/graph/test_rnn.py``).
-It was 64,504 B above, for two lifetimes outside the region (``memfit.graph.lifetimes``):
+It was 64,504 B above, for two lifetimes outside the region (``memfit.compiler.region_lifetimes``):
 
 - the logits' gradient, made by the eager loss, counted to the backward's end: torch passes it
   to the compiled backward in a list that the backward empties, so it is freed after its last
@@ -38,7 +38,7 @@ import torch
 
 import memfit
 from memfit import examples
-from memfit.graph.rnn import rnn_layer_for_training
+from memfit.tracing.rnn import rnn_layer_for_training
 from tests.models.test_fit_models import same_bits, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compiled_fresh")]

@@ -7,7 +7,7 @@ Claims, per model:
   (deterministic algorithms on);
 - every iteration's measured peak from ``BUDGET_HOLDS_FROM`` on (1: the first included, AdamW
   state included) within the budget. The CPU kernels' own buffers are counted
-  (``memfit/graph/temporaries.py``: dropout, batch norm, oneDNN convolutions by rule or, for 3D and
+  (``memfit/tracing/temporaries.py``: dropout, batch norm, oneDNN convolutions by rule or, for 3D and
   transposed ones, measured once per shape; reduced losses' elementwise buffers).
   ``unet3d_loss_outside`` computes its loss eagerly, outside the compiled model: CPU ``mse_loss``
   keeps its elementwise buffer (65,536 B) under the 0-dim loss until the backward ends, beside
@@ -25,7 +25,7 @@ Claims, per model:
 iteration, AdamW's state not yet real, 21,248 B over its own prediction as well): the
 recomputing plan runs the CPU flash attention's forward again inside the backward, and its
 per-thread blocks (21,248 B at two threads, 8x4x65x16) were in no memory model until
-``memfit/graph/temporaries.py`` counted them; now predicted peak = measured peak.
+``memfit/tracing/temporaries.py`` counted them; now predicted peak = measured peak.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ BUILDERS = {"llama": examples.llama, "t5": examples.t5, "bert": examples.bert,
 FRACTIONS = {name: (0.5, 0.3) for name in ("bert", "cnn", "llama", "t5", "unet3d", "vit")}
 # where the region's predicted peak is the measured one within 1%: every model whose loss is
 # inside its one region (with the loss outside, the eager loss's buffers are in no plan).
-# The transformers models' predictions follow what the loop held (memfit.graph.lifetimes): the
+# The transformers models' predictions follow what the loop held (memfit.compiler.region_lifetimes): the
 # logits and key/value caches the loop drops, the tangents autograd passes or leaves None
 PREDICTION_MATCHES = {"llama", "t5", "bert", "gpt2", "cnn", "vit", "resnet50", "unet3d"}
 

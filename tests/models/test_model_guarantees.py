@@ -10,9 +10,9 @@ import torch
 
 import memfit
 from memfit import examples
-from memfit.compiler.traced import trace_plan
 from memfit.data.hardware import get_hardware
 from memfit.data.plan import Plan
+from memfit.fitting.traced import trace_plan
 from memfit.model.simulate import simulate
 from memfit.planning.strategies import get_strategy, strategy_names
 from memfit.planning.strategies.swapping import _just_in_time_swap

@@ -21,16 +21,16 @@ import torch
 
 import memfit
 from memfit import examples
-from memfit.compiler.traced import trace_plan
 from memfit.data.hardware import get_hardware
 from memfit.data.plan import Plan
-from memfit.graph.analyze import tensors_in
-from memfit.graph.capture import capture
+from memfit.fitting.traced import trace_plan
 from memfit.model.profile import BaseProfile
 from memfit.model.simulate import simulate
 from memfit.planning.strategies import get_strategy
 from memfit.planning.strategies.recomputing.optimal_recompute import _least_fitting
 from memfit.runtime.executor import Executor
+from memfit.tracing.analyze import tensors_in
+from memfit.tracing.capture import capture
 from tests.measured_peaks import assert_measured_as_predicted, assert_within_budget
 
 MODELS = {
@@ -175,7 +175,7 @@ def test_swap_at_half_the_peak(reference):
 
 
 # beside the graph's own bytes, the step's plan counts the previous step's float32 loss, which a
-# loop holds while the next step runs (memfit.graph.lifetimes.scalar_output_bytes)
+# loop holds while the next step runs (memfit.compiler.region_lifetimes.scalar_output_bytes)
 KEPT_LOSS_BYTES = 4
 
 

@@ -17,9 +17,9 @@ import memfit
 from memfit import examples
 from memfit.data.errors import BudgetError
 from memfit.data.plan import Plan, Swap, SwapIn
-from memfit.graph.analyze import storage_key
-from memfit.graph.rewrite import storage_names
+from memfit.lowering.rewrite import storage_names
 from memfit.model.recompute import planned_reruns
+from memfit.tracing.analyze import storage_key
 from tests.measured_peaks import assert_within_budget, tolerance_bytes
 
 MODELS = {"t5": examples.t5, "swin": examples.swin_blocks}

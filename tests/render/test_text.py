@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from memfit.compiler.report import regions_report
 from memfit.data.hardware import get_hardware
 from memfit.data.plan import Plan
 from memfit.data.timeline import Timeline
@@ -13,7 +14,6 @@ from memfit.model import synthetic
 from memfit.model.explain import tally
 from memfit.model.simulate import simulate
 from memfit.planning.strategies import get_strategy
-from memfit.render.regions import regions_report
 from memfit.render.text import step_report
 
 HARDWARE = get_hardware("h100-pcie")

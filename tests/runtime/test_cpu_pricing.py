@@ -11,8 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memfit.api import analyzed
 from memfit.data.hardware import PROFILES
 from memfit.data.op_classes import element_family, op_class
-from memfit.graph.capture import capture
 from memfit.runtime import cpu_probe
+from memfit.tracing.capture import capture
 
 PROBE_S = 1e-3  # every probe's median, by the fixed clock
 

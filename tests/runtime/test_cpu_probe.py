@@ -10,8 +10,8 @@ import torch
 import memfit
 from memfit.api import analyzed
 from memfit.data.hardware import Hardware
-from memfit.graph.capture import capture
 from memfit.model.kernels import priced_for, repriced
+from memfit.tracing.capture import capture
 
 
 @pytest.fixture(scope="module")

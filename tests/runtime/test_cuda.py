@@ -5,8 +5,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from memfit.data.hardware import Hardware
-from memfit.graph.host import is_host_storage
-from memfit.graph.ops import SWAP_IN, SWAP_OUT, WAIT
+from memfit.ops.host import is_host_storage
+from memfit.ops.swap import SWAP_IN, SWAP_OUT, WAIT
 from memfit.runtime.executor import Executor
 from memfit.runtime.measure import measure_peak
 from memfit.runtime.probe import measure_hardware

@@ -12,9 +12,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from memfit.data.costgraph import CostGraph, Op, Tensor
 from memfit.data.plan import Plan, Swap, SwapIn
-from memfit.graph.host import host_storage_count
-from memfit.graph.ops import SWAP_IN, SWAP_OUT, WAIT
 from memfit.model.schedule import lower, memory_profile
+from memfit.ops.host import host_storage_count
+from memfit.ops.swap import SWAP_IN, SWAP_OUT, WAIT
 from memfit.runtime.executor import Executor, last_uses
 from memfit.runtime.measure import measure_peak
 

@@ -10,7 +10,7 @@ import contextlib
 import pytest
 import torch
 
-from memfit.graph.ops import SWAP_IN, SWAP_OUT, WAIT
+from memfit.ops.swap import SWAP_IN, SWAP_OUT, WAIT
 from memfit.runtime.streams import CopyEngine, active_engine, current_engine
 
 

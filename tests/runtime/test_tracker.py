@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from memfit.graph.host import HostPool
+from memfit.ops.host import HostPool
 from memfit.runtime.measure import measure_peak
 from memfit.runtime.tracker import DeviceMemoryTracker
 

@@ -45,8 +45,8 @@ def test_weight_casts_of_a_bf16_step_are_no_shortcut_past_the_layers():
     import torch
 
     from memfit import examples
-    from memfit.compiler.traced import trace_plan
     from memfit.data.hardware import get_hardware
+    from memfit.fitting.traced import trace_plan
     from memfit.model.schedule import peak_bytes
 
     layers = 4

@@ -190,8 +190,8 @@ def test_unet_forward_peak_at_the_loss_is_left_alone():
     frees anything there, and the plan comes back unchanged rather than with useless re-runs.
     """
     from memfit import examples
-    from memfit.graph.analyze import analyze
-    from memfit.graph.capture import capture
+    from memfit.tracing.analyze import analyze
+    from memfit.tracing.capture import capture
 
     example = examples.unet3d(channels=(4, 8, 16), size=16)
     graph = analyze(capture(example.model, example.loss_fn, *example.inputs()), HARDWARE)

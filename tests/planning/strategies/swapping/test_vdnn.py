@@ -45,8 +45,8 @@ SYNTHETIC = {
 @pytest.fixture(scope="module")
 def captured() -> dict[str, CostGraph]:
     """GPT-2 (the example's defaults: math attention with dropout) and a ResNet-50 shape."""
-    from memfit.graph.analyze import analyze
-    from memfit.graph.capture import capture
+    from memfit.tracing.analyze import analyze
+    from memfit.tracing.capture import capture
 
     graphs = {}
     for name, example in (("gpt2", examples.gpt2()),

@@ -1,0 +1,552 @@
+"""``memfit.fit``: a model fitted in place with memfit's backend, in the user's own loop.
+
+``fit`` is ``model.compile(backend=memfit.backend(...), dynamic=None)`` plus what makes a
+budget hold over a whole training run: the model itself passed to the backend, so that its
+parameters, gradients and buffers count and its regions are planned again when more stays
+resident than their plans left room for (``memfit.compiler.replanning``: optimizer state, gradients kept
+across micro-batches), the loop's optimizer found by its first step, and memfit's own errors
+raised whole instead of wrapped by Dynamo. The fitted model stays the model (its class, keys,
+signature and attributes); ``unfit`` makes it plain again, ``report`` shows what was planned.
+
+Example:
+    >>> model = memfit.fit(model, budget=0.5, optimizer=optimizer)
+    >>> loss = model(**batch).loss; loss.backward(); optimizer.step()
+    >>> print(memfit.report(model))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import traceback
+import types
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memfit.compiler.backend import COMPILERS, Backend
+from memfit.compiler.graph_breaks import latest_regions
+from memfit.compiler.partners import note_call, note_fitted
+from memfit.compiler.plan_step import BudgetWarning
+from memfit.compiler.unit_forward import unit_forward
+from memfit.data.hardware import Hardware
+from memfit.fitting.callers_compile import add_hook, own_trace, remove_hook
+
+
+def fit(model: torch.nn.Module, budget: str | int | float | None = None,
+        strategy: str | None = None, hardware: Hardware | str | None = None,
+        compiler: str = "aot_eager", optimizer: torch.optim.Optimizer | None = None,
+        dynamic: bool | None = None, **params: Any) -> torch.nn.Module:
+    """``model`` fitted in place, so that each training iteration fits ``budget``, and returned:
+    ``model.compile(backend=memfit.backend(...), dynamic=dynamic)`` with the model given to the
+    backend.
+
+    The fitted model is the model: its class, ``state_dict`` keys, parameters, ``forward``
+    signature, attributes and hooks are its own, so checkpoints, ``transformers.Trainer`` and
+    Lightning see a plain module. Only its call is compiled (as ``nn.Module.compile`` does);
+    ``memfit.unfit(model)`` makes it plain again. Dynamo's guards decide when a region is traced
+    and planned again (a frozen layer, a changed Python value). With ``dynamic=None`` (default) a
+    region whose input shapes change is traced once more with symbolic sizes, and that plan,
+    priced at the largest sizes (or the maximum declared with
+    ``torch._dynamo.mark_dynamic(x, dim, max=...)``), serves every shape within them; a larger
+    shape plans it once more (``docs/shapes.md``). ``dynamic=False`` plans each shape on its own.
+    ``memfit.report(model)`` shows the plans.
+
+    Args:
+        budget: as ``memfit.backend``; ``None`` (with no ``strategy``) or ``"auto"``: on CUDA,
+            the device's free memory at the first call less a margin (``device_budget``); on a
+            CPU, no limit (``keep``).
+        dynamic: ``None`` (default): symbolic sizes once a shape changes; ``False``: a plan per
+            shape; ``True``: symbolic sizes from the first call (as ``torch.compile``).
+        strategy, hardware, compiler, optimizer, params: as ``memfit.backend``.
+
+    Note:
+        Copies: ``copy.deepcopy(model)``, ``pickle`` and ``torch.save(model)`` give a fitted copy
+        with a backend of its own, made from the same arguments less ``optimizer`` (the copy's
+        optimizer is found by its first ``step``): it plans afresh at its first call, and shares
+        no region, plan or compiled code with the original.
+
+    Example:
+        >>> model = memfit.fit(model, budget=0.5, optimizer=optimizer)
+        >>> loss = model(**batch).loss; loss.backward(); optimizer.step()
+        >>> torch.save(model.state_dict(), "model.pt")  # the plain model's keys
+    """
+    from memfit.runtime.ranks import agreement_group
+
+    model = _uncompiled(model)  # a torch.compile wrapper's module is fitted in its place
+    unfit(model)  # a model fitted before is fitted anew
+    fitted = FittedCall(model, FitArguments(budget, strategy, hardware, compiler,
+                                            tuple(params.items()), dynamic), optimizer)
+    agreement_group()  # in a distributed job: made here, where every rank calls fit, not mid-step
+    fitted.traces_rnns = _traces_rnns(model, compiler)
+    fitted.install()
+    return model
+
+
+def unfit(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` plain again, returned: its call no longer compiled nor planned (its parameters,
+    buffers and the user's hooks are untouched). A model that is not fitted is returned as it
+    is."""
+    module = _uncompiled(model)
+    state = module.__dict__
+    if isinstance(state.get(FITTED_KEY), FittedCall):
+        remove_hook(module)
+        for key in (FITTED_KEY, BACKEND_KEY, "_compiled_call_impl"):
+            state.pop(key, None)  # the class's _compiled_call_impl, None, is seen again
+    return model
+
+
+@dataclass(frozen=True)
+class FitArguments:
+    """What ``memfit.fit`` was given, less the optimizer: what a copy of a fitted model is fitted
+    with again."""
+
+    budget: str | int | float | None
+    strategy: str | None
+    hardware: Hardware | str | None
+    compiler: str
+    params: tuple[tuple[str, Any], ...]
+    dynamic: bool | None = None
+
+    @property
+    def automatic(self) -> bool:
+        """Whether the budget is the device's free memory (``device_budget``)."""
+        return self.budget == "auto" or (self.budget is None and self.strategy is None)
+
+
+def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile(module)`` wrapped, where ``model`` is such a wrapper; else
+    ``model``."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return model._orig_mod if isinstance(model, OptimizedModule) else model
+
+
+FITTED_KEY = "_memfit_fitted"  # in a fitted model's __dict__: its FittedCall (kept by copies)
+BACKEND_KEY = "_memfit_backend"  # its Backend, which memfit.report reads
+
+
+class FittedCall:
+    """A fitted model's call: the model's ``_compiled_call_impl``, which ``nn.Module.__call__``
+    runs in place of ``_call_impl`` (as ``nn.Module.compile`` sets it), compiled with its memfit
+    backend on the first call. Raises memfit's own errors whole: Dynamo wraps an error of a
+    backend in ``BackendCompilerFailed``, while a ``BudgetError`` (with its ``minimum_bytes``)
+    or a ``CaptureError`` is what the user can act on.
+
+    A copy (``copy.deepcopy``, ``pickle``) is made anew for the copied model
+    (``_fitted_copy``): none of this object's state is copied or shared.
+    """
+
+    def __init__(self, module: torch.nn.Module, arguments: FitArguments,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.module = module
+        self.arguments = arguments
+        self.backend = _planner(module, arguments, optimizer)
+        note_fitted(self.backend)  # other fitted models count its resident bytes (partners)
+        self.traces_rnns: bool | None = None  # read from the model at the first call if unset
+        self.unit_forwards: list | None = None  # FSDP2 units compiled (_units_compiled)
+        self._compiled: Any = None  # the model's _call_impl compiled, made at the first call
+        self.joint_first = False  # its regions may be planned jointly on fakes (joint_first)
+        self.shapes: tuple | None = None  # the last call's input shapes (_dynamic_on_change)
+        self.device_fitted = False  # whether an automatic budget was read from the device
+
+    def install(self) -> None:
+        """Be the module's call, and its ``_memfit_backend`` the backend (``memfit.report``)."""
+        state = self.module.__dict__  # not Module.__setattr__: a copy's state may not be set yet
+        state["_compiled_call_impl"] = state[FITTED_KEY] = self
+        state[BACKEND_KEY] = self.backend
+        add_hook(self.module)  # a torch.compile of the caller's breaks here (callers_compile)
+
+    def __reduce__(self) -> tuple:
+        return _fitted_copy, (self.module, self.arguments)
+
+    @torch._dynamo.disable  # never traced by a compile of the caller's (callers_compile)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch._dynamo.exc import BackendCompilerFailed
+
+        from memfit.compiler.unplanned import (
+            call_ended,
+            call_started,
+            conversion_failed,
+            dispatch_modes,
+            traced_since,
+        )
+        from memfit.data.errors import BudgetError, CaptureError
+        from memfit.fitting.arguments import the_users_error
+        from memfit.model.schedule import PlanError
+
+        planner = self.backend
+        note_call(planner)
+        planner.end_eager_watch()
+        planner.watch_first_call(self.module)
+        if self._compiled is None:
+            self._first_call(args, kwargs)
+            if not planner.optimizers:
+                _adopt_existing_optimizers(planner)
+        planner.note_call_arguments((args, kwargs))
+        if self.arguments.dynamic is None:
+            self.shapes = _dynamic_on_change(self.shapes, (args, kwargs))
+        start = call_started(planner)
+        try:
+            if dispatch_modes():  # Dynamo would run it eagerly and skip its entry for good
+                result = self.module._call_impl(*args, **kwargs)
+            else:
+                result = self._call_compiled(args, kwargs)
+        except BaseException as failed:
+            if conversion_failed(start):  # Dynamo gave up on a frame of this model
+                self.compile_anew()
+            inner = getattr(failed, "inner_exception", None)
+            if (isinstance(failed, BackendCompilerFailed)
+                    and isinstance(inner, (BudgetError, CaptureError, PlanError))):
+                # the frames the error passed through (Dynamo's, the backend's) hold the call's
+                # tensors; the error raised keeps this frame, and with it those, until a gc
+                traceback.clear_frames(failed.__traceback__)
+                raise the_users_error(inner, lambda: self.module._call_impl(*args, **kwargs),
+                                      self.module, (args, kwargs)) from None
+            raise
+        call_ended(planner, start, self.module, (args, kwargs))
+        if traced_since(start):
+            # a trace leaves reference cycles (a traced exception's traceback and the closure of
+            # Dynamo's handler) that hold the frames above it, this call's output among their
+            # locals, until a collection; the loop would hold the logits through the backward
+            gc.collect()
+        planner.watch_eager()  # what the loop holds beside the regions (memfit.runtime.outside)
+        return result
+
+    def _call_compiled(self, args: tuple, kwargs: dict) -> Any:
+        """The compiled call. Until a region is planned, its first region, where a graph break
+        follows it, has the call traced on fakes before it first runs
+        (``Backend._capped_jointly``, ``memfit.fitting.joint_first``)."""
+        from memfit.fitting.joint_first import plan_regions_on_fakes
+
+        planner = self.backend
+        if self.joint_first and not latest_regions(planner.regions):  # none, or compiled anew
+            planner.joint_first_trace = functools.partial(
+                plan_regions_on_fakes, planner, self._call_traced(), args, kwargs,
+                self.arguments.dynamic)
+        try:
+            with (_rnn_traced(bool(self.traces_rnns)), _whole_ddp_graph(),
+                  _units_compiled(self), own_trace()):
+                return self._compiled(*args, **kwargs)
+        finally:
+            planner.joint_first_trace = None  # it holds the call's arguments
+
+    def _first_call(self, args: tuple, kwargs: dict) -> None:
+        """Compile the model's call, as ``torch.compile(model)`` does: Dynamo skips the frames of
+        ``torch.nn``'s own modules, so one of those is called through a frame it traces. An
+        automatic budget is read from the device now (``device_budget``)."""
+        from memfit.fitting.device_budget import fit_device
+
+        module = self.module
+        if self.traces_rnns is None:  # a copy: its state was not there when it was made
+            self.traces_rnns = _traces_rnns(module, self.arguments.compiler)
+        if self.arguments.automatic and not self.device_fitted:
+            self.device_fitted = True  # read once: a compile anew keeps the budget it had
+            fit_device(self.backend, _call_device(module, (args, kwargs)),
+                       self.arguments.strategy, dict(self.arguments.params))
+        self._compiled = torch.compile(self._call_traced(), backend=self.backend,
+                                       dynamic=self.arguments.dynamic, **own_recompiles())
+        self.joint_first = not (latest_regions(self.backend.regions) or _fsdp_units(module)
+                                or _distributed())
+
+    def _call_traced(self) -> Any:
+        """What Dynamo traces for the model's call: its ``_call_impl``, through a frame Dynamo
+        traces where the module is one of ``torch.nn``'s own (whose frames it skips)."""
+        from torch._dynamo import external_utils, trace_rules
+
+        module, call = self.module, self.module._call_impl
+        if isinstance(module.forward, types.MethodType) and trace_rules.check(module.forward):
+            call = external_utils.wrap_inline(call)
+        return call
+
+    def compile_anew(self) -> None:
+        """Fresh compiled entries, traced and planned at the next call, in place of those an
+        exception left: Dynamo marks the frame whose trace met an exception (a hook that raised,
+        a Ctrl-C, a data check) skipped for good for this model's entries (``own_recompiles``),
+        so every later call would run eagerly. The plans the next call makes replace these."""
+        from memfit.compiler.unplanned import undo_entry_skips
+
+        self._compiled = None
+        self.shapes = None
+        self.unit_forwards = None  # FSDP2 units: compiled anew too
+        for region in self.backend.regions:
+            region.replaced = True
+        undo_entry_skips()  # without entries of its own (torch before 2.13): the shared skip
+
+
+def own_recompiles() -> dict[str, Any]:
+    """``torch.compile``'s option that gives each compiled call its own entries and recompile
+    limit (torch 2.13 on): otherwise every model of one class shares one code object, so one
+    model's recompiles count against every other's limit, and one past it runs all eagerly."""
+    import inspect
+
+    return ({"isolate_recompiles": True}
+            if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
+
+
+def _dynamic_on_change(before: tuple | None, arguments: Any) -> tuple:
+    """The shapes of the call's tensors; where one differs from the last call's, that dimension
+    and the first (the batch) of every tensor are marked maybe-dynamic, so that Dynamo's one
+    trace with symbolic sizes also serves a smaller last batch (and a changing length also
+    a changing batch), instead of tracing again when the next dimension changes."""
+    from torch.utils._pytree import tree_leaves
+
+    tensors = [leaf for leaf in tree_leaves(arguments) if isinstance(leaf, torch.Tensor)]
+    shapes = tuple(tuple(tensor.shape) for tensor in tensors)
+    if before is None or before == shapes or len(before) != len(shapes):
+        return shapes
+    for tensor, shape, previous in zip(tensors, shapes, before, strict=True):
+        changed = {dim for dim, (a, b) in enumerate(zip(shape, previous, strict=False)) if a != b}
+        for dim in changed | ({0} if shape and shape[0] > 1 else set()):
+            if dim < len(shape):
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    return shapes
+
+
+def _fitted_copy(module: torch.nn.Module, arguments: FitArguments) -> FittedCall:
+    """The call of ``module``, a copy of a fitted model that ``copy.deepcopy`` or ``pickle`` is
+    building: made once (its ``FittedCall`` and its ``Backend`` both ask for it), with a backend
+    of its own, and installed in the copy's ``__dict__`` (``nn.Module.__getstate__`` leaves
+    ``_compiled_call_impl`` out of what is copied)."""
+    found = module.__dict__.get(FITTED_KEY)
+    if not isinstance(found, FittedCall):
+        found = FittedCall(module, arguments)
+        found.install()
+    return found
+
+
+def _copied_backend(module: torch.nn.Module, arguments: FitArguments) -> Backend:
+    """The backend of a fitted model's copy (``Backend.copy_as``)."""
+    return _fitted_copy(module, arguments).backend
+
+
+def _planner(module: torch.nn.Module, arguments: FitArguments,
+             optimizer: torch.optim.Optimizer | None) -> Backend:
+    """The backend of a fitted ``module``: ``memfit.backend`` with the model, watching for the
+    loop's optimizer; a copy of it is the copy's own (``_copied_backend``)."""
+    budget = None if arguments.budget == "auto" else arguments.budget
+    planner = backend(budget, arguments.strategy, arguments.hardware, arguments.compiler,
+                      optimizer, model=module, **dict(arguments.params))
+    planner.copy_as = (_copied_backend, (module, arguments))
+    planner.checks_calls = True  # warn at each training call that runs no plan (unplanned.py)
+    _watch_optimizers(planner)
+    return planner
+
+
+def _call_device(module: torch.nn.Module, values: Any) -> torch.device:
+    """The device the model runs on: its first parameter's, else its first tensor argument's."""
+    from torch.utils._pytree import tree_leaves
+
+    from memfit.runtime.resident import local_tensor
+
+    for tensor in [*module.parameters(), *tree_leaves(values)]:
+        if isinstance(tensor, torch.Tensor):
+            return local_tensor(tensor).device
+    return torch.device("cpu")
+
+
+def _adopt_existing_optimizers(planner: Backend) -> None:
+    """Adopt the optimizer that exists at the model's first call and holds its parameters (a loop
+    that made its optimizer before training and did not pass ``optimizer=``), so that the first
+    plan reserves the state it allocates at its first step. Where several do, which one the loop
+    steps is unknown: none is adopted before its first step (``_watch_optimizers``). A wrapper
+    (accelerate's ``AcceleratedOptimizer``, its ``optimizer`` one of them) stands for the one
+    it wraps."""
+    holding = [candidate for candidate in gc.get_objects()
+               # ``type``: an ``isinstance`` may run a ``__class__`` property
+               if issubclass(type(candidate), torch.optim.Optimizer)
+               and planner.steps_my_parameters(candidate)]
+    holding = [candidate for candidate in holding
+               if not any(getattr(candidate, "optimizer", None) is inner for inner in holding)]
+    if len(holding) == 1:
+        planner.adopt(holding[0])
+
+
+def _watch_optimizers(planner: Backend) -> None:
+    """Find the loop's optimizer by its first step, when ``optimizer=`` was not given and it did
+    not exist at the first call, so that its state counts from the next iteration on (a global
+    post-step hook, held weakly); after a step, the watch of eager code leaves the mode stack
+    once measuring has ended (``Backend.end_eager_watch``)."""
+    import weakref
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    reference = weakref.ref(planner)
+
+    def adopt(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        found = reference()  # a dead backend leaves a hook that does nothing: torch iterates
+        if found is not None:  # the hooks while calling them, so it cannot remove itself here
+            found.adopt(optimizer)
+            found.end_eager_watch()  # off the stack once measuring ended (not inside a backward)
+
+    register_optimizer_step_post_hook(adopt)
+
+
+@contextlib.contextmanager
+def _units_compiled(fitted: FittedCall) -> Any:
+    """While the fitted model runs, each FSDP2 unit whose ``forward`` Dynamo would not compile
+    runs it compiled with memfit's backend (the user's modules are as they were outside).
+
+    Why: FSDP2's hooks are ``torch._dynamo.disable``d, so Dynamo breaks the graph at every
+    unit's call and the unit runs from eager code; Dynamo then compiles the frames it meets
+    inside, but not those of files it skips, such as ``torch.nn``'s containers and layers. A
+    unit that is an ``nn.Sequential`` (MONAI's U-Net stages, a plain ``Sequential`` of blocks)
+    would run its convolutions, norms and activations eagerly, outside any plan, holding
+    activations no plan could drop: the step would peak at eager's peak whatever the budget.
+    """
+    from torch._dynamo import trace_rules
+
+    from memfit.runtime.resident import fsdp_unit_modules
+
+    compiled = fitted.unit_forwards
+    if compiled is None:  # found once: fully_shard comes before memfit.fit
+        compiled = fitted.unit_forwards = [
+            (unit, functools.partial(torch.compile(
+                unit_forward, backend=fitted.backend, dynamic=False, **own_recompiles()), unit))
+            for unit in fsdp_unit_modules(fitted.module)
+            # not one with a forward of its own (the user's), nor one Dynamo compiles itself
+            if "forward" not in unit.__dict__ and trace_rules.check(type(unit).forward)]
+    for unit, forward in compiled:
+        unit.forward = forward
+    try:
+        yield
+    finally:
+        for unit, _ in compiled:
+            del unit.forward
+
+
+def _fsdp_units(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has FSDP2 units, which plan their first iteration their own way
+    (``memfit.compiler.graph_breaks.first_iteration_cap``)."""
+    from memfit.runtime.resident import fsdp_unit_modules
+
+    return bool(fsdp_unit_modules(module))
+
+
+def _distributed() -> bool:
+    """Whether this process is one rank of several: each rank plans its regions with the others
+    (collectives in ``plan_region``), which a trace on fakes that fails on one rank only would
+    leave waiting; there the regions are planned one by one, then jointly after the first
+    iteration."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _rnn_traced(traced: bool) -> contextlib.AbstractContextManager:
+    """While the model runs, Dynamo traces its RNNs where ``_traces_rnns`` said so; the flag is
+    put back after."""
+    return torch._dynamo.config.patch(allow_rnn=True) if traced else contextlib.nullcontext()
+
+
+def _whole_ddp_graph() -> contextlib.AbstractContextManager:
+    """While the fitted model runs, Dynamo compiles a ``DistributedDataParallel`` forward as one
+    graph: its default ``optimize_ddp`` mode (``DDPOptimizer``) splits the graph into a region
+    per gradient bucket, compiled one after another, so each would be planned before the
+    regions after it exist and the first iteration could exceed the budget. One region is
+    planned whole from the first call; DDP's all-reduces then start once its backward has
+    produced every gradient (as with ``optimize_ddp=False``). A mode the user chose is kept."""
+    if torch._dynamo.config.optimize_ddp not in (True, "ddp_optimizer"):
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(optimize_ddp=False)
+
+
+def _traces_rnns(model: torch.nn.Module, compiler: str) -> bool:
+    """Whether Dynamo should trace ``model``'s RNN modules (it skips the frames that call one
+    otherwise, and they run eagerly, outside any plan): with ``aot_eager`` on a CPU, where memfit
+    traces ``nn.LSTM`` as eager runs it (``memfit.tracing.rnn``), and not for a model with an
+    ``nn.GRU``, whose traced gradients are not eager's bit for bit. Warns where RNNs stay
+    outside the plans.
+    """
+    rnns = [module for module in model.modules() if isinstance(module, torch.nn.RNNBase)]
+    if not rnns or torch._dynamo.config.allow_rnn:  # none, or the user lets Dynamo trace them
+        return False
+    on_cpu = all(p.device.type == "cpu" for rnn in rnns for p in rnn.parameters())
+    has_gru = any(isinstance(rnn, torch.nn.GRU) for rnn in rnns)
+    if compiler == "aot_eager" and on_cpu and not has_gru:
+        return True
+    if compiler != "aot_eager":
+        why = "memfit traces RNNs with compiler='aot_eager' only"
+    elif not on_cpu:
+        why = "memfit traces RNNs on a CPU only: cuDNN's RNN kernels are not checked"
+    else:
+        why = "nn.GRU traced is not bit for bit eager's"
+    kinds = sorted({type(rnn).__name__ for rnn in rnns})
+    warnings.warn(f"memfit: the model's {', '.join(kinds)} run eagerly, outside any plan ({why}); "
+                  "Dynamo skips the code that calls them, so that memory is not planned and a "
+                  "measured peak may exceed the budget", BudgetWarning, stacklevel=3)
+    return False
+
+
+def backend(budget: str | int | float | None = None, strategy: str | None = None,
+            hardware: Hardware | str | None = None, compiler: str = "aot_eager",
+            optimizer: torch.optim.Optimizer | None = None, *,
+            model: torch.nn.Module | None = None, measure_runs: int = 2,
+            **params: Any) -> Backend:
+    """A ``torch.compile`` backend that plans every compiled region under ``budget``.
+
+    Args:
+        budget: device bytes of the whole iteration's peak (parameters, gradients, optimizer
+            state, inputs, activations, temporaries): an int of bytes, a size string
+            (``"20GiB"``) or a fraction in (0, 1] of the unplanned peak. ``None``: no limit.
+        strategy: as ``memfit.compile`` (default ``"auto"`` with a budget, ``"keep"`` without).
+        hardware: the profile for the cost model (default: ``cpu`` on a CPU, measured on a GPU).
+        compiler: how the planned modules run: ``"aot_eager"`` (their generated Python code;
+            gradients bit for bit eager's with deterministic algorithms on) or ``"inductor"``
+            (inductor compiles them, fused kernels and all; memfit replaces only its
+            partitioner, so results are ``torch.compile(model)``'s, see ``memfit.lowering.inductor``).
+        optimizer: the optimizer of the loop, so that its state is reserved in the budget before
+            its first ``step()`` creates it. Without it, state that exists when a region is
+            planned still counts, but on the first iteration none exists yet.
+        model: the model, so that its parameters outside a region count (``memfit.fit`` passes it).
+        measure_runs: how many forward and backward runs of each planned region are measured
+            for ``report``'s measured column (the first ones after each plan; 2 covers the first
+            iteration, whose optimizer state is only reserved, and one with it real). A measured
+            run starts a profiler (on a CPU) or a dispatch mode, which costs time, so not every
+            run is measured; 0 turns measuring off, a large number measures every run. The
+            bytes eager code holds beside a region are read on these runs only.
+        **params: the strategy's parameters.
+
+    Raises:
+        ValueError: at this call, for a malformed budget, an unknown strategy, parameter,
+            compiler or hardware profile, or an optimizer that is not one.
+        BudgetError: when a region is compiled or planned again and no plan fits.
+
+    Note:
+        What is planned again, and when: before each run of a training region, if more device
+        bytes are resident than its plan left room for, every current region is planned again
+        from the graph Dynamo captured (``memfit.compiler.replanning``); Dynamo traces nothing again.
+        "Resident" is what this backend knows of: ``model``'s parameters, gradients and buffers
+        and ``optimizer``'s parameters, gradients and state. So used directly in
+        ``torch.compile`` without ``model=`` and ``optimizer=``, nothing resident is counted:
+        optimizer state and gradients kept across micro-batches are planned for by no one, and
+        the budget covers the regions' own tensors only. With ``optimizer=`` but no ``model=``,
+        its parameters' gradients and state count; an optimizer it was not given is not found
+        (``memfit.fit`` finds it by its first ``step``). Graph-broken regions are planned
+        jointly after the first iteration either way. Dynamo's own guards (a frozen layer, a
+        new shape) trace and plan anew as ``torch.compile`` does. Bytes eager code holds while
+        a region runs (a loss computed in the loop, code at a graph break) are read at its
+        measured runs' start (``memfit.runtime.outside``: on CUDA from the allocator; on a CPU
+        only under ``memfit.fit``, whose module watches the eager code) and a region whose plan
+        had no room for them is planned again with them, before its next run.
+
+    Example:
+        >>> compiled = torch.compile(model, backend=memfit.backend(budget=0.5), dynamic=False)
+    """
+    from memfit.fitting.arguments import check_hardware_and_optimizer
+    from memfit.planning.strategies import resolve_budget_and_strategy
+
+    check_hardware_and_optimizer(hardware, optimizer)
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model= takes the torch.nn.Module trained, not {type(model).__name__}")
+    if isinstance(measure_runs, bool) or not isinstance(measure_runs, int):
+        raise ValueError(f"measure_runs must be an int, got {measure_runs!r}")
+    if measure_runs < 0:
+        raise ValueError(f"measure_runs must be 0 or more, got {measure_runs}")
+    if compiler not in COMPILERS:
+        raise ValueError(f"unknown compiler {compiler!r}: use one of {COMPILERS}")
+    parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
+    return Backend(parsed, chosen, hardware, compiler, optimizer, model, params, measure_runs)

@@ -1,0 +1,132 @@
+"""The regions of a graph-broken model planned jointly before its first iteration runs.
+
+Dynamo compiles a model with a graph break as several regions, each when the iteration reaches
+it, so the first is planned before the later ones exist and may keep saves that a later region
+cannot fit beside. So at a fitted model's first training call, the first region's compile checks
+whether a graph break follows it (``graph_break_follows``); where one does, before that region
+first runs (``Backend._capped_jointly``), the fitted model's call is traced on fake copies of
+its arguments with a planning-only backend (``plan_regions_on_fakes``, as ``memfit.plan`` traces
+a step), which plans every region beside the saves of the regions before it and gives each
+earlier region its share of the room the short ones leave (``saves_caps``, by the code it runs
+from). The first region is planned again within its cap if it saves more, and each later region
+is planned within its own when Dynamo compiles it.
+
+Where the trace on fakes fails (eager code between the regions that reads a value, ``.item()``),
+nothing is capped: the regions are planned one by one, a region that misses the budget says so
+(``BudgetWarning``), and joint planning after the iteration (``memfit.compiler.joint_planning``)
+takes over.
+
+Example:
+    >>> planner.saves_caps.update(plan_regions_on_fakes(planner, call, args, kwargs, None, 0))
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from memfit.compiler.backend import Backend
+from memfit.compiler.graph_breaks import latest_regions, saves_caps
+from memfit.compiler.plan_step import Planned
+from memfit.data.costgraph import CostGraph
+from memfit.data.errors import BudgetError
+from memfit.data.hardware import Hardware
+from memfit.fitting.callers_compile import own_trace
+from memfit.fitting.traced import _PlanOnly, buffers_kept, fake_like
+from memfit.model.schedule import PlanError
+
+LOG = logging.getLogger(__name__)
+
+
+class _OnFakes(_PlanOnly):
+    """The planning-only backend of the trace on fakes: a region short beside the saves of the
+    regions before it is planned at its smallest peak (its minimum kept for ``saves_caps``), as
+    the fitted model's backend plans it, without a word; eager code's bytes are those the
+    fitted model's backend saw at its first region's compile."""
+
+    fitted_backend: Backend | None = None  # the fitted model's backend this trace plans for
+    eager_seen_bytes = 0
+    arguments: tuple[torch.Tensor, ...] = ()  # the call's tensor arguments, as fakes
+    first_inputs: frozenset[int] = frozenset()  # ids of the first region's inputs
+
+    def eager_bytes_now(self, example_inputs: list) -> int:
+        """What eager code held at the first region's compile (the call's tensor arguments
+        that are not its inputs among it), and the arguments that were its inputs but are not
+        this region's (the loop holds its batch throughout the call)."""
+        inputs = frozenset(id(value) for value in example_inputs)
+        if not self.regions:
+            self.first_inputs = inputs
+        return self.eager_seen_bytes + sum(
+            argument.untyped_storage().nbytes() for argument in self.arguments
+            if id(argument) in self.first_inputs and id(argument) not in inputs)
+
+    def partners(self) -> list[tuple[Any, list]]:
+        """The fitted model's partners (other fitted models), as its backend counts them."""
+        return self.fitted_backend.partners() if self.fitted_backend is not None else []
+
+    def _over_budget(self, graph: CostGraph, hardware: Hardware, error: BudgetError,
+                     pending: int, outside: int, own_open: int = 0) -> Planned:
+        """The region at its smallest peak, as the fitted model's backend would run it."""
+        return self._at_minimum(graph, hardware, error, outside)
+
+
+def plan_regions_on_fakes(planner: Backend, call: Callable, args: tuple, kwargs: dict,
+                          dynamic: bool | None, eager_bytes: int) -> dict[Any, int]:
+    """Trace ``call(*args, **kwargs)`` (the fitted model's compiled call, so that its regions
+    are the same code objects as the real compile's) on fake copies of the arguments, plan each
+    region as ``planner`` would, and return the most each earlier region may save so that the
+    short ones fit (``saves_caps``: site -> bytes); empty where every region fits or the trace
+    fails. Nothing runs on the device; the seconds count in ``planner.planning_s``.
+
+    Raises:
+        BackendCompilerFailed: Dynamo's, with memfit's ``BudgetError`` inside, where a region
+            cannot fit the budget even without the saves of the regions before it.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    if planner.model is None:
+        return {}
+    started = time.perf_counter()
+    trial = _OnFakes(planner.budget, planner.strategy, planner.hardware_spec, "aot_eager",
+                     None, planner.model, planner.params)
+    trial.stopped, trial.runners = [], []
+    trial.optimizers = list(planner.optimizers)
+    trial.eager_seen_bytes, trial.fitted_backend = eager_bytes, planner
+    trial.budget_override = planner.budget_override
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fakes = tree_map(_fake, (args, kwargs))
+    trial.arguments = tuple(leaf for leaf in tree_leaves(fakes) if isinstance(leaf, torch.Tensor))
+    compiled = torch.compile(call, backend=trial, dynamic=dynamic, isolate_recompiles=True)
+    try:
+        with own_trace(), buffers_kept(planner.model), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compiled(*fakes[0], **fakes[1])
+    except Exception as error:
+        if isinstance(getattr(error, "inner_exception", None), (BudgetError, PlanError)):
+            raise  # no plan fits a region: refused before anything ran, as the real trace would
+        # eager code between the regions that needs real values (``.item()``), or a trace
+        # fakes cannot take: the regions are planned one by one, then jointly after a run
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        LOG.info("memfit: the regions were not planned jointly before the first run: %s", error)
+        planner.joint_first_note = ("not planned jointly before the first run: the trace on fake "
+                                    f"inputs failed ({type(error).__name__}: {first})")
+        return {}
+    finally:
+        for runner in trial.runners:
+            runner.close()
+        planner.planning_s += time.perf_counter() - started
+    regions = latest_regions(trial.regions)
+    planner.joint_first_regions = len(regions)
+    return saves_caps(regions)
+
+
+def _fake(value: Any) -> Any:
+    """A fake copy of a tensor argument (``fake_like``); anything else as it is."""
+    return fake_like(value) if isinstance(value, torch.Tensor) else value
+

@@ -1,0 +1,300 @@
+"""``compiler="inductor"``: inductor compiles the region, memfit is its partitioner.
+
+``torch._inductor.compile_fx.compile_fx`` runs the region through inductor's own pipeline
+(decompositions, AOTAutograd, the joint-graph passes) and then asks a partitioner to split the
+joint graph; ``config.custom_partitioner_fn`` replaces its min-cut partitioner with memfit's
+planner (``Backend.plan_region``). So memfit plans the decomposed joint graph, the one inductor
+compiles, and inductor lowers and fuses the planned forward and backward modules as it would
+its own. memfit's ops (swap-outs, swap-ins, waits, random-state saves and replays) become
+inductor fallback kernels: calls into their Python implementations between the fused kernels.
+
+Note:
+    The swap ops find their copy engine through ``active_engine``; inductor's modules run
+    inside AOTAutograd (the backward during ``loss.backward()``, outside the forward's call), so
+    each compiled module is wrapped (``inner_compile``) to make the region's engine current
+    while it runs, as ``aot_eager``'s runner does. AOTAutograd's cache is off for the compile:
+    a cached region would skip the partitioner and ``inner_compile`` (no region planned,
+    registered or measured, no engine made current), and a plan depends on the budget and on
+    the bytes resident outside the region, not on the graph alone (the partitioner's ``uuid``
+    is ``None`` for the same reason). Inductor's FX graph cache still caches the planned
+    modules, whose code includes every memfit op and ordering pin (``_module_config``), so a
+    second process plans (from memfit's plan cache) and traces, but compiles no kernel.
+
+    Inductor's scheduler orders kernels by data dependencies only, and fuses kernels that share no
+    data if their loops match (horizontal fusion). A re-run reads only saved values and parameters,
+    so nothing keeps it where the plan put it: inductor may fuse a second re-run of a block with the
+    first (the same ops over the same inputs), which hoists every later re-run chain to the start of
+    the backward, all alive at once. ``pin_planned_order`` gives each re-run chain and each swap-in
+    an ordering-only dependency (inductor's ``control_deps``) on the op that last consumed what the
+    previous pinned op made, so pinned ops keep their planned order and a chain starts only once the
+    one before it has been used; inductor still fuses within and around them. Readers of a
+    swapped-in tensor are not ordered after its ``memfit::wait`` (a no-op on the CPU): that
+    dependency, given the same way, raises the peak and moves the parameters away from
+    ``torch.compile``'s (other kernels, other roundings), so ``memfit.backend`` warns for inductor
+    on an accelerator instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+from memfit.runtime.streams import CopyEngine, active_engine
+from memfit.tracing.analyze import inserted_kind
+
+# the backend's run of one compiled module: (module, inductor's compiled callable, is_backward)
+Wrap = Callable[[fx.GraphModule, Callable[[list], Any], bool], Any]
+
+
+class _Planner(CustomPartitionerFn):
+    """Inductor's partitioner hook calling memfit's (``partition``: a ``Backend``'s)."""
+
+    def __init__(self, partition: Callable[..., tuple[fx.GraphModule, fx.GraphModule]]) -> None:
+        self.partition = partition
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
+                 ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        return self.partition(gm, joint_inputs, **kwargs)
+
+    def uuid(self) -> Any | None:
+        return None  # a plan is not a function of the graph: never reuse a cached partition
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What inductor's FX-graph cache key holds of the config's partitioner: nothing. The
+        key is for a module already partitioned, whose code has every op memfit inserted."""
+        return {}
+
+
+def compile_with_inductor(graph_module: fx.GraphModule, example_inputs: list,
+                          partition: Callable[..., tuple[fx.GraphModule, fx.GraphModule]],
+                          engine: CopyEngine, wrap: Wrap | None = None) -> Any:
+    """The region compiled by inductor with ``partition`` as its partitioner and ``engine``
+    current while its modules run; ``wrap(module, compiled, is_backward)``, where given, makes
+    each compiled module's run instead (the backend's: measured runs, its region's bookkeeping),
+    and must make ``engine`` current itself."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+
+    with inductor_config.patch(custom_partitioner_fn=_Planner(partition), **_module_config()), \
+            functorch_config.patch(enable_autograd_cache=False):
+        return compile_fx(graph_module, example_inputs,
+                          inner_compile=_with_engine(engine, wrap))
+
+
+def _module_config() -> dict[str, Any]:
+    """Inductor's settings for each of memfit's planned modules, set where the region is compiled
+    and again where each module is (AOTAutograd compiles the backward at the first
+    ``loss.backward()``, after ``compile_fx`` returned and its settings were undone).
+
+    ``fallback_random``: inductor would otherwise draw random numbers from seeds it takes at the
+    start of each module, which a re-run's replay of the forward's generator state cannot reach;
+    eager's random kernels draw from the generator memfit saves and restores.
+
+    ``control_deps`` marked cacheable: inductor bypasses its FX graph cache for a module with any
+    higher-order operator not so marked, which every module ``pin_planned_order`` pinned has. Its
+    node holds nothing outside the module: the dependencies are arguments, the op it orders is a
+    ``GraphModule`` attribute whose code the cache key includes (the key pickles each
+    submodule's code), so a hit loads the kernels of the same pinned module, in the pinned order.
+    """
+    from torch._inductor import config as inductor_config
+    from torch._inductor.fx_passes.control_dependencies import control_deps
+
+    name = f"{control_deps.__module__}.{control_deps.__name__}"
+    return {"fallback_random": True, "unsafe_marked_cacheable_functions": {
+        **inductor_config.unsafe_marked_cacheable_functions, name: torch.__version__}}
+
+
+def _with_engine(engine: CopyEngine, wrap: Wrap | None = None) -> Callable[..., Any]:
+    """Inductor's ``compile_fx_inner``, its compiled module run with ``engine`` current (or as
+    ``wrap`` runs it)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    def inner_compile(module: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
+                      ) -> Any:
+        if not kwargs.get("is_backward", False):
+            host_copies_in_saved_layout(module)
+        pin_planned_order(module)
+        with inductor_config.patch(_module_config()), planned_order_kept(module):
+            compiled = compile_fx_inner(module, example_inputs, **kwargs)
+        if wrap is not None:
+            return wrap(module, compiled, bool(kwargs.get("is_backward", False)))
+
+        def run(args: list) -> Any:
+            with active_engine(engine):
+                return compiled(args)
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    return inner_compile
+
+
+def planned_order_kept(module: fx.GraphModule) -> contextlib.AbstractContextManager:
+    """Inductor's own reordering for peak memory off while it compiles a ``module`` that has any
+    op memfit inserted (a plan that is not ``keep``); a module without them compiles as
+    ``torch.compile`` compiles it.
+
+    The plan's order is the one its peak was simulated in. Inductor's reordering
+    (``config.reorder_for_peak_memory``) estimates memory without knowing memfit's ops: it
+    moved every ``memfit::wait`` (which returns nothing and reads the swapped-in tensor) after
+    the backward's last kernel, so each swapped-in tensor lived to the backward's end. It moves
+    no kernel into or out of a fusion, so turning it off changes the order, not the kernels.
+    """
+    if not any(inserted_kind(node) for node in module.graph.nodes):
+        return contextlib.nullcontext()
+    from torch._inductor import config as inductor_config
+
+    return inductor_config.patch(reorder_for_peak_memory=False)
+
+
+def layout_copy_bytes(joint: fx.GraphModule) -> int:
+    """The bytes of the channels-last copies inductor makes of a region's inputs (parameters,
+    the batch) that its convolutions read, where its layout optimization is on for ``joint``
+    (decided on the joint graph, as inductor decides it for each module).
+
+    A graph input keeps its layout, so inductor converts each 4-D one a convolution reads
+    (``require_channels_last``) in the forward, and saves the copy, not the input, where the
+    backward's ``convolution_backward`` reads it: the copies live from the forward's start to
+    the backward and are no node of the planned graph. The planner counts them beside the
+    region (``outside_bytes``); intermediate values are laid out channels last where they are
+    made, with no copy.
+    """
+    from torch._inductor.graph import GraphLowering
+
+    if not GraphLowering.decide_layout_opt(joint, is_inference=False):
+        return 0
+    copied: dict[fx.Node, int] = {}
+    for convolution in joint.graph.find_nodes(op="call_function",
+                                              target=torch.ops.aten.convolution.default):
+        for source in convolution.args[:2]:
+            value = source.meta.get("val") if isinstance(source, fx.Node) else None
+            if (source.op == "placeholder" and isinstance(value, torch.Tensor)
+                    and value.dim() == 4 and isinstance(value.numel(), int) and _dense(value)
+                    and not value.is_contiguous(memory_format=torch.channels_last)):
+                copied[source] = value.numel() * value.element_size()
+    return sum(copied.values())
+
+
+def host_copies_in_saved_layout(module: fx.GraphModule) -> int:
+    """Give each swap-out of a forward ``module`` the strides inductor requires of it as a saved
+    value, so that the host copy is the value the backward reads and no device copy is made.
+
+    Inductor requires each forward output to have the graph's strides, except where its layout
+    optimization prefers channels last for a 4-D value downstream of a convolution (then those):
+    a host copy in any other layout is copied again, on the device, and that copy is what the
+    backward reads, so the swap frees nothing. ``memfit::swap_out`` converts the layout while it
+    copies, to the ``stride`` argument this sets. Returns the number of swap-outs whose layout
+    changed from the graph's.
+    """
+    from torch._inductor.graph import GraphLowering
+
+    swap_outs = [node for node in module.graph.nodes if inserted_kind(node) == "swap_out"]
+    channels_last: Any = ()
+    if swap_outs and GraphLowering.decide_layout_opt(module, is_inference=False):
+        channels_last = GraphLowering.find_nodes_prefer_channels_last(  # type: ignore[arg-type]
+            SimpleNamespace(module=module))
+    changed = 0
+    for node in swap_outs:
+        value = node.meta["val"]
+        if node not in channels_last or value.dim() != 4 or not _dense(value):
+            continue
+        stride = torch._prims_common.make_channels_last_strides_for(value.shape)
+        if tuple(stride) == value.stride():
+            continue
+        node.args = (*node.args[:2], list(stride))
+        with value.fake_mode:
+            node.meta["val"] = torch.empty_strided(value.shape, stride, dtype=value.dtype,
+                                                   device=value.device)
+        changed += 1
+    if changed:
+        module.recompile()
+    return changed
+
+
+def _dense(value: torch.Tensor) -> bool:
+    return bool(torch._prims_common.is_non_overlapping_and_dense_or_false(value))
+
+
+PINNED_KINDS = ("recompute", "swap_in")  # memfit ops whose inputs exist long before the plan runs them
+
+
+def pin_planned_order(module: fx.GraphModule) -> int:
+    """Make inductor run each re-run chain and swap-in of ``module`` no earlier than planned.
+
+    The first op of a re-run chain (a re-run that reads no other re-run) and each swap-in is
+    *pinned*: it gets an ordering-only dependency on the *anchor*, the last op since the previous
+    pinned op that reads, directly or through others, what any pinned op made (before the first
+    pinned op: the last op before it; where there is none, the previous pinned op); for a
+    swap-in, the last such op that is not elementwise where there is one. Each pinned op thus
+    runs no earlier than planned, after ops that themselves wait for earlier pinned ones.
+    Returns the number of ops pinned; a module without re-runs or swap-ins (``keep``) is left as
+    it is, so it compiles to exactly ``torch.compile``'s kernels.
+
+    Anchors read what *any* pinned op made, not only the previous one: vDNN's plans bring
+    several tensors back in a row, and anchoring each swap-in on the one before it (unread yet)
+    would chain them all to the start of the backward, every copy alive at once.
+
+    Note:
+        The anchor must be a tensor that inductor can realize (``control_deps`` lowers it to a
+        buffer): not a view, not a ``getitem``. An elementwise anchor becomes a buffer where
+        inductor would have fused it into its readers, so a swap-in is anchored on the last reader
+        that is not elementwise, a buffer anyway. A re-run chain waits for the very last reader: a
+        re-run's elementwise ops are what inductor fuses across chains.
+    """
+    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+    from torch.utils._ordered_set import OrderedSet
+
+    dependencies: dict[fx.Node, OrderedSet[fx.Node]] = {}
+    # the last candidate anchors: any, and one inductor makes a buffer of anyway (a library
+    # call, a reduction, memfit's ops), not an elementwise op it may fuse away
+    latest: fx.Node | None = None
+    realized: fx.Node | None = None
+    ordered: set[fx.Node] = set()  # pinned ops and the ops that read them, directly or not
+    previous: fx.Node | None = None  # the last pinned op where it can anchor, else its anchor
+    for node in module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if _starts_pinned_work(node):
+            anchor = (realized or latest) if inserted_kind(node) == "swap_in" else latest
+            anchor = anchor or previous
+            if anchor is not None:
+                dependencies[node] = OrderedSet([anchor])
+            previous = node if _can_anchor(node) else anchor
+            ordered.add(node)
+            latest, realized = None, None
+        elif ordered and not ordered.intersection(node.all_input_nodes):
+            continue
+        elif ordered:
+            ordered.add(node)
+        if _can_anchor(node):
+            latest = node
+            realized = realized if _is_elementwise(node) else node
+    if dependencies:
+        preserve_node_ordering(module.graph, dependencies)
+        module.recompile()
+    return len(dependencies)
+
+
+def _starts_pinned_work(node: fx.Node) -> bool:
+    """A swap-in, or a re-run that reads no other re-run or swap-in (its chain's first op)."""
+    return inserted_kind(node) in PINNED_KINDS and not any(
+        inserted_kind(source) in (*PINNED_KINDS, "view_replay") for source in node.all_input_nodes)
+
+
+def _can_anchor(node: fx.Node) -> bool:
+    if node.target is operator.getitem or not isinstance(node.meta.get("val"), torch.Tensor):
+        return False
+    return not (isinstance(node.target, torch._ops.OpOverload) and node.target.is_view)
+
+
+def _is_elementwise(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags

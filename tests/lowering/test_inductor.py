@@ -1,0 +1,128 @@
+"""pin_planned_order: the ordering-only dependencies that keep inductor from hoisting re-runs.
+
+Checked on a hand-built program (no inductor compile): which ops get a ``control_deps`` wrapper,
+on which anchor, and that the pinned program still computes what it did.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from memfit.lowering.inductor import pin_planned_order
+
+aten = torch.ops.aten
+
+
+def program(kinds: dict[str, str], with_product: bool = False) -> fx.GraphModule:
+    """``mm`` of the inputs, a re-run chain (``relu`` -> ``neg``) used with ``mm`` (and, with
+    ``with_product``, then in an ``mm`` and a ``mul``), an op that does not read the chain, and
+    a second re-run of ``relu``; ``kinds`` marks ops as memfit's."""
+    graph = fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    example = {x: torch.randn(4, 4), w: torch.randn(4, 4)}
+    made: dict[str, fx.Node] = {}
+
+    def call(name: str, target, *args) -> fx.Node:
+        node = graph.call_function(target, args, name=name)
+        values = [example[a] if isinstance(a, fx.Node) else a for a in args]
+        example[node] = target(*values)
+        node.meta["val"] = example[node]
+        if name in kinds:
+            node.meta["memfit"] = {"kind": kinds[name], "tensor": name, "buffer": name}
+        made[name] = node
+        return node
+
+    product = call("mm", aten.mm.default, x, w)
+    chain = call("rerun_relu", aten.relu.default, x)
+    chain = call("rerun_neg", aten.neg.default, chain)
+    used = call("use", aten.mul.Tensor, chain, product)
+    if with_product:  # a reader of the chain that is not elementwise, then one that is
+        used = call("use_mm", aten.mm.default, used, w)
+        used = call("use_after", aten.mul.Tensor, used, 2.0)
+    apart = call("apart", aten.add.Tensor, product, 1.0)
+    again = call("rerun_relu_again", aten.relu.default, x)
+    total = call("total", aten.add.Tensor, used, again)
+    graph.output((total, apart))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+RERUNS = {"rerun_relu": "recompute", "rerun_neg": "recompute", "rerun_relu_again": "recompute"}
+
+
+def pinned(module: fx.GraphModule) -> dict[str, tuple[str, ...]]:
+    from torch._inductor.fx_passes.control_dependencies import control_deps
+
+    return {node.name: tuple(dep.name for dep in node.args[0])
+            for node in module.graph.nodes if node.target is control_deps}
+
+
+def test_each_rerun_chain_waits_for_the_last_reader_of_the_one_before():
+    module = program(RERUNS)
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    expected = module(x, w)
+
+    assert pin_planned_order(module) == 2
+    # the first chain after the op before it; the second after the op that used the first
+    # chain ("use"), not after "apart", which reads no re-run and so may move anywhere
+    assert pinned(module) == {"rerun_relu": ("mm",), "rerun_relu_again": ("use",)}
+    for got, want in zip(module(x, w), expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_swap_in_prefers_an_anchor_inductor_computes_as_a_buffer_anyway():
+    kinds = {"rerun_relu": "recompute", "rerun_neg": "recompute", "rerun_relu_again": "swap_in"}
+    module = program(kinds, with_product=True)
+    inputs = (torch.randn(4, 4), torch.randn(4, 4))
+    expected = module(*inputs)
+
+    pin_planned_order(module)
+    # "use_after" is later, but elementwise: inductor would fuse it, and anchoring on it would
+    # make it a buffer of its own; a re-run chain waits for it all the same
+    assert pinned(module) == {"rerun_relu": ("mm",), "rerun_relu_again": ("use_mm",)}
+    reruns = program(RERUNS, with_product=True)
+    pin_planned_order(reruns)
+    assert pinned(reruns) == {"rerun_relu": ("mm",), "rerun_relu_again": ("use_after",)}
+    for got, want in zip(module(*inputs), expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_program_without_reruns_or_swap_ins_is_left_alone():
+    module = program({})
+    before = module.code
+
+    assert pin_planned_order(module) == 0
+    assert module.code == before
+
+
+def test_a_swap_in_after_prefetches_in_a_row_waits_for_a_reader_of_any_of_them():
+    """vDNN brings several tensors back in a row, then a later one after the first is read:
+    anchored on the swap-in before it (no op between reads it), the later one, and each after
+    it, could run at the backward's start, where inductor put them (GPT-2: 183.7 MiB measured
+    in the backward, 69.8 MiB planned); it waits for the op that read the first instead."""
+    graph = fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    values = {x: torch.randn(4, 4), w: torch.randn(4, 4)}
+
+    def call(name: str, target, *args, kind: str | None = None) -> fx.Node:
+        node = graph.call_function(target, args, name=name)
+        values[node] = target(*[values.get(a, a) for a in args])
+        node.meta["val"] = values[node]
+        if kind:
+            node.meta["memfit"] = {"kind": kind, "tensor": name, "buffer": name}
+        return node
+
+    first = call("first_in", aten.clone.default, x, kind="swap_in")
+    second = call("second_in", aten.clone.default, w, kind="swap_in")
+    used = call("use_first", aten.mm.default, first, w)
+    apart = call("apart", aten.mm.default, x, x)  # reads no swapped-in value
+    third = call("third_in", aten.clone.default, x, kind="swap_in")
+    total = call("total", aten.mm.default, used, second)
+    graph.output((call("out", aten.add.Tensor, total, third), apart))
+    module = fx.GraphModule(torch.nn.Module(), graph)
+    expected = module(values[x], values[w])
+
+    assert pin_planned_order(module) == 2  # the first has no op before it
+    assert pinned(module) == {"second_in": ("first_in",), "third_in": ("use_first",)}
+    for got, want in zip(module(values[x], values[w]), expected, strict=True):
+        assert torch.equal(got, want)
