@@ -34,10 +34,10 @@ from memfit.api import analyzed
 from memfit.data.costgraph import CostGraph
 from memfit.data.hardware import Hardware, get_hardware
 from memfit.data.plan import Plan
+from memfit.data.tables import table
 from memfit.graph.capture import Captured, capture
 from memfit.model.kernels import COMPILERS, priced_for
 from memfit.model.simulate import simulate
-from memfit.render.text import table
 from memfit.search import meta_inputs
 
 VALIDATION_TITLE = "## The cost model against published throughput (simulated, bf16 / AMP graphs)"

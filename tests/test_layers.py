@@ -38,7 +38,6 @@ LAYER_OF_FOLDER = {  # folder (or top-level module) -> layer, in the pipeline's 
     "demo": "surface",
     "examples": "surface",
     "search": "surface",
-    "plan_methods": "surface",
 }
 
 ALLOWED = {  # layer -> the layers its modules may import (its own included): only downward
