@@ -33,7 +33,7 @@ from bench.auto_plans import (
     planning_times,
 )
 from bench.common import mib, ms
-from memfit.render.text import table
+from memfit.data.tables import table
 
 AUTO_TITLE = "## Budget planner (auto) vs the alternatives"
 GOALS = ((0.5, 0.03), (0.3, 0.15))  # issue 4: (fraction of the peak, overhead limit), GPT-2 medium

@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 
 import memfit
+from memfit.data.tables import table
 from memfit.data.units import format_bytes
-from memfit.render.text import table
 
 BUDGET = "80GiB"
 

@@ -45,8 +45,8 @@ import memfit
 from bench.fit import RECOMPILE_LIMIT
 from bench.recompute_methods import block_paths, wrap_blocks
 from memfit import examples
+from memfit.data.tables import table
 from memfit.data.units import format_bytes
-from memfit.render.text import table
 
 WORLD_SIZE = 2
 WARMUP_STEPS = 4  # neither measured nor timed: memfit compiles and plans in the first, plans

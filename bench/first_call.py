@@ -214,7 +214,7 @@ def _s(seconds: float | None) -> str:
 
 def loop_table(rows: Sequence[tuple[str, str, dict]]) -> str:
     """One line per loop and cache state."""
-    from memfit.render.text import table
+    from memfit.data.tables import table
 
     cells = []
     for loop, cache, measured in rows:
@@ -249,7 +249,7 @@ def warm_goal_lines(rows: Sequence[tuple[str, str, dict]]) -> list[str]:
 
 def plan_lines(rows: dict[str, dict]) -> list[str]:
     """The ``memfit.plan`` table and its goal line."""
-    from memfit.render.text import table
+    from memfit.data.tables import table
 
     cells = [[strategy, f"{measured['cpu_s']:.1f} s", f"{measured['wall_s']:.1f} s",
               measured["solver"]] for strategy, measured in rows.items()]

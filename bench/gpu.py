@@ -18,8 +18,8 @@ import memfit
 from bench.common import median_time_s, mib, ms
 from memfit import examples
 from memfit.data.hardware import Hardware
+from memfit.data.tables import table
 from memfit.fitting.traced import trace_plan
-from memfit.render.text import table
 from memfit.runtime.probe import measure_link
 
 LINK_BYTES = 256 * 2**20

@@ -19,10 +19,10 @@ from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError
 from memfit.data.hardware import get_hardware
 from memfit.data.plan import Plan
+from memfit.data.tables import table
 from memfit.model import synthetic
 from memfit.model.simulate import simulate
 from memfit.planning.strategies import get_strategy
-from memfit.render.text import table
 
 PLANNING_TITLE = "## Planning time on 10,000-op graphs (auto)"
 PLANNING_GOAL_S = 10.0

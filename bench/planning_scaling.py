@@ -35,9 +35,9 @@ from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError
 from memfit.data.hardware import get_hardware
 from memfit.data.plan import Plan
+from memfit.data.tables import table
 from memfit.model.simulate import simulate
 from memfit.planning.strategies import get_strategy
-from memfit.render.text import table
 from memfit.search import meta_inputs
 from memfit.tracing.capture import capture
 

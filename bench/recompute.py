@@ -35,7 +35,7 @@ from bench.recompute_methods import (
     RecomputeModel,
 )
 from memfit import examples
-from memfit.render.text import table
+from memfit.data.tables import table
 
 RECOMPUTE_HEADERS = ("method", "measured peak", "% of eager", "measured by",
                      f"step time (median of {REPEATS})", "x eager", "memfit predicted peak",

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from memfit.data.files import write_text
-from memfit.render.text import table
+from memfit.data.tables import table
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -34,9 +34,9 @@ from memfit.api import analyzed
 from memfit.data.costgraph import CostGraph
 from memfit.data.hardware import Hardware, get_hardware
 from memfit.data.plan import Plan
+from memfit.data.tables import table
 from memfit.model.kernels import COMPILERS, priced_for
 from memfit.model.simulate import simulate
-from memfit.render.text import table
 from memfit.search import meta_inputs
 from memfit.tracing.capture import Captured, capture
 

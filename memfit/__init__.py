@@ -13,10 +13,6 @@ from __future__ import annotations
 
 import importlib
 
-from memfit import plan_methods as _plan_methods
-
-_plan_methods.attach()  # Plan.explain/to_json/from_json/save/load: see memfit.plan_methods
-
 __version__ = "0.1.0"
 
 _EXPORTS = {

@@ -255,9 +255,9 @@ def _ms(seconds: float) -> str:
 
 def demo_report(result: DemoResult, width: int = 100) -> str:
     """The table the demo prints: peaks, budget, step times, what was swapped, the verdicts."""
+    from memfit.data.tables import fit_table, tally_lines
     from memfit.data.units import format_bytes
     from memfit.model.explain import tally
-    from memfit.render.text import fit_table, tally_lines
 
     planned_step = result.planned.step
     assert planned_step is not None

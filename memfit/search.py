@@ -95,7 +95,7 @@ class BatchSearch:
         return self.batch_size / self.predicted_step_time_s if self.predicted_step_time_s else 0.0
 
     def __str__(self) -> str:
-        from memfit.render.text import table
+        from memfit.data.tables import table
 
         rows = [(t.batch_size, t.how, _outcome(t), format_bytes(t.peak_bytes),
                  format_bytes(t.host_bytes)) for t in self.tried]
@@ -118,7 +118,7 @@ class BatchSearch:
         return "\n".join(lines)
 
     def _frontier_table(self) -> str:
-        from memfit.render.text import table
+        from memfit.data.tables import table
 
         best = max(point.samples_per_s for point in self.frontier)
         rows = [(p.batch_size, format_bytes(p.peak_bytes), f"{p.step_time_s * 1e3:.3f} ms",

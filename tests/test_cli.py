@@ -13,9 +13,9 @@ import pytest
 
 from memfit.cli import build_parser, main, terminal_width
 from memfit.data.plan import Plan
+from memfit.data.tables import fit_table
 from memfit.data.timeline import Timeline
 from memfit.data.units import parse_budget
-from memfit.render.text import fit_table
 
 MLP = ["--model", "mlp", "--model-arg", "depth=8", "--model-arg", "width=32", "--batch", "512"]
 

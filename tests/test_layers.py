@@ -41,7 +41,6 @@ LAYER_OF_FOLDER = {  # folder (or top-level module) -> layer, in the pipeline's 
     "demo": "surface",
     "examples": "surface",
     "search": "surface",
-    "plan_methods": "surface",
 }
 
 LAYER_ORDER = ("data", "model", "planning", "render", "ops", "runtime", "tracing", "lowering",

@@ -168,10 +168,12 @@ def recall(key: str | None, strategy: str) -> Plan | None:
                                 [tuple(item) for item in refused["dominant"]],
                                 refused["strategy"], refused["note"], refused["host_bytes"])
         else:
-            from memfit.data.plan_json import plan_from_json
             from memfit.planning.strategies import canonical_name
 
-            return plan_from_json(entry["plan"], (canonical_name(strategy),), source=str(path))
+            plan, wanted = Plan.from_json(entry["plan"], source=str(path)), canonical_name(strategy)
+            if plan.strategy != wanted:
+                raise ValueError(f"its plan is of strategy {plan.strategy!r}, not {wanted!r}")
+            return plan
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as why:
         note_ignored(f"{path.name[:16]}: {type(why).__name__}: {str(why)[:120]}")
         return None
@@ -194,9 +196,7 @@ def remember(key: str | None, plan: Plan | None = None, refused: BudgetError | N
                             "strategy": refused.strategy, "note": refused.note,
                             "host_bytes": refused.host_bytes}
     else:
-        from memfit.data.plan_json import plan_to_json
-
-        entry["plan"] = plan_to_json(plan)
+        entry["plan"] = plan.to_json()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text(path, json.dumps(entry))

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from memfit.data.tables import table
 from memfit.data.units import format_bytes
-from memfit.render.text import table
 
 if TYPE_CHECKING:
     from memfit.compiler.region import Planner, Region

@@ -1,15 +1,10 @@
 """Plan: what happens to every saved tensor, and why. Frozen, typed, JSON-serialisable.
 
-A decision is a small closed sum type. ``Keep`` leaves the tensor on the device. ``Swap`` copies
-it to host memory right after its producer (one swap-out per tensor: swap-outs are always fused)
-and back in one or more times: each ``SwapIn`` is issued right after its *control op* and serves
-the consumers it names. Consumers that no ``SwapIn`` names read the original device buffer, which
-therefore lives until the last of them.
-
-A swap-in may also feed recomputation (Capuchin's swap + recompute): naming a forward reader that
-runs at or before the control op means *that op's re-runs* (``Recompute`` and ``Plan.reruns``
-re-run forward ops in the backward pass) placed after the control op. A checkpoint can so leave
-the device in the forward pass and come back just before the re-runs that rebuild from it.
+The decisions (``Keep``, ``Swap`` with its ``SwapIn``s, ``Recompute``) and explicit re-runs
+(``Rerun``) are defined in ``memfit.data.decisions`` and importable from here. ``Plan``'s methods
+are its own: ``explain`` renders with ``memfit.data.plan_text``, ``to_json``/``from_json``/
+``save``/``load`` follow the schema of ``memfit.data.plan_json``; both sit in the data layer
+beside it, below every layer that builds or reads a plan.
 """
 
 from __future__ import annotations
@@ -17,95 +12,23 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from memfit.data.decisions import KEEP, Decision, Keep, Recompute, Rerun, Swap, SwapIn
 from memfit.data.errors import PlanError
+from memfit.data.files import write_text
+from memfit.data.plan_json import FORMAT, FORMAT_VERSION, jsonable, plan_fields
+from memfit.data.plan_text import explain_text
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from memfit.data.costgraph import CostGraph
     from memfit.data.explanation import Explanation
 
-FORMAT_VERSION = 1  # of the JSON form; bump when a saved plan would be read differently
-
-@dataclass(frozen=True)
-class Keep:
-    """Leave the tensor on the device for its whole lifetime."""
-
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class SwapIn:
-    """One host-to-device copy of a swapped tensor.
-
-    Args:
-        after: the control op; the copy is issued right after it runs.
-        consumers: the ops that read this copy, in execution order. An op that runs after
-            ``after`` reads the copy itself. A forward op that runs at or before ``after`` stands
-            for its re-runs: each re-run of it placed after ``after`` (a re-run "before B" runs
-            right before op B) reads the copy of the latest swap-in naming it issued before it.
-
-    Note:
-        Why the op stands for its re-runs: a re-run has no name of its own (it is the op run
-        again), and the op itself cannot read a copy issued after it ran, so the position of the
-        control op says which is meant without a new field. Once an op's re-runs are served by a
-        swap-in, every re-run of it must be (``check_plan`` rejects a re-run that comes before
-        every swap-in naming its op: the copy would arrive too late).
-    """
-
-    after: str
-    consumers: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Swap:
-    """Offload the tensor after its producer and bring it back before the consumers named.
-
-    A consumer may be a re-run of a forward reader (see ``SwapIn``): a kept checkpoint of a
-    recompute plan can be swapped out in the forward pass and back in before its re-runs.
-    """
-
-    swap_ins: tuple[SwapIn, ...]
-    reason: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.swap_ins:
-            raise ValueError("a Swap needs at least one SwapIn; use Keep for a tensor not swapped")
-
-
-@dataclass(frozen=True)
-class Recompute:
-    """Free the tensor after its last forward use and rebuild it for the backward pass.
-
-    Its producer is re-run once, just before the first backward op that needs the tensor
-    (directly, or to rebuild another recomputed tensor); the rebuilt copy lives until its last
-    backward reader. The producer's inputs must then be alive: graph inputs, kept tensors (whose
-    lifetimes stretch to the rebuild: they are the *checkpoints*), tensors recomputed too, or
-    swapped tensors whose ``SwapIn`` names the producer (brought back for the re-run).
-    """
-
-    reason: str = ""
-
-
-Decision = Keep | Swap | Recompute
-KEEP = Keep()
-
-
-@dataclass(frozen=True)
-class Rerun:
-    """Re-run forward op ``op`` right before op ``before``: a new instance of its outputs.
-
-    Later readers of those outputs read the newest instance, and each instance is freed after its
-    last reader, so a sequence of re-runs can express any recomputation schedule: a value rebuilt
-    several times (revolve, the memory-poor chain), or rebuilt in the forward pass.
-    """
-
-    op: str
-    before: str
+__all__ = ["FORMAT_VERSION", "KEEP", "Decision", "Keep", "Plan", "Recompute", "Rerun", "Swap",
+           "SwapIn", "topology_hash"]
 
 
 @dataclass(frozen=True)
@@ -230,21 +153,72 @@ class Plan:
             f"only there, not on this CPU); {again}"
         )
 
-    # ---- methods that reach above the data layer, attached by ``memfit/__init__.py`` ----
-    # (the bodies and their docstrings: ``memfit.plan_methods``; declared here for type checkers)
+    # ---- text and the JSON file form ------------------------------------------------------------
 
-    if TYPE_CHECKING:
-        def explain(self, depth: int = 3, width: int = 100, rows: int | None = 40) -> str: ...
+    def explain(self, depth: int = 3, width: int = 100, rows: int | None = 40) -> str:
+        """The decisions grouped by module, the time each costs, and what-if budgets, as text.
 
-        def to_json(self) -> dict: ...
+        Args:
+            depth: module-path parts to group by (``transformer.h.3``: 3); deeper paths are cut.
+            width: terminal columns; wide tables turn on their side.
+            rows: the most per-tensor rows to print, most costly first (``None``: all).
+        """
+        return explain_text(self, depth=depth, width=width, rows=rows)
 
-        @staticmethod
-        def from_json(data: Mapping, source: str = "the saved plan") -> Plan: ...
+    def to_json(self) -> dict:
+        """The plan's JSON form (``memfit.data.plan_json`` holds the schema it is read against);
+        a plan of several regions adds ``regions``, each region's own form."""
+        regions = {"regions": [region.to_json() for region in self.regions]} if self.regions else {}
+        return regions | {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "topology_hash": self.topology_hash,
+            "explanation": self.explanation.to_json() if self.explanation else None,
+            "strategy": self.strategy,
+            "graph_hash": self.graph_hash,
+            "params": jsonable(dict(self.params)),
+            "budget_bytes": self.budget_bytes,
+            "hardware": self.hardware,
+            "decisions": {name: {"type": type(d).__name__, **asdict(d)}
+                          for name, d in self.decisions.items()},
+            "reruns": [[r.op, r.before] for r in self.reruns],
+        }
 
-        def save(self, path: str | Path) -> None: ...
+    @staticmethod
+    def from_json(data: object, source: str = "the saved plan") -> Plan:
+        """A plan from its JSON form, checked against the schema first.
 
-        @staticmethod
-        def load(path: str | Path) -> Plan: ...
+        The strategy is read as a name, not looked up: ``memfit.compile(..., plan=plan)`` asks
+        whether it is registered.
+
+        Raises:
+            ValueError: naming the field that is missing, unknown, or of the wrong type or value
+                (a blank strategy, a budget that is not a positive int, a blank ``graph_hash``);
+                for a plan of another format version (made by another memfit).
+        """
+        checked = plan_fields(data, source)
+        regions = tuple(Plan.from_json(region, f"{source} regions[{i}]")
+                        for i, region in enumerate(checked.pop("regions")))
+        return Plan(**checked, regions=regions)
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as JSON, atomically: an existing file is replaced only when complete."""
+        write_text(path, json.dumps(self.to_json(), indent=1))
+
+    @staticmethod
+    def load(path: str | Path) -> Plan:
+        """Read a plan ``save`` wrote. ``memfit.compile(..., plan=plan)`` checks that it fits.
+
+        Raises:
+            ValueError: if the file is not a memfit plan, is one of another format version, or
+                breaks the schema (the message names the field; see ``from_json``).
+            OSError: if the file cannot be read.
+        """
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"{path} is not a memfit plan (not JSON: {error})") from None
+        return Plan.from_json(data, source=str(path))
 
 
 def topology_hash(graph: CostGraph) -> str:

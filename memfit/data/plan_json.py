@@ -1,10 +1,15 @@
 """The JSON form of a ``Plan``, and the schema a saved plan is checked against when read.
 
-A saved plan is checked whole before a ``Plan`` is built from it: the type of every field, the
-strategy against the registered names (passed in: the registry is a layer up), a positive budget, a non-blank graph hash, no field this memfit
-does not know. The first problem raises ``ValueError`` naming the field (``budget_bytes``,
+A saved plan is checked whole before a ``Plan`` is built from it: the type of every field, a
+non-blank strategy name, a positive budget, a non-blank graph hash, no field this memfit does not
+know. The first problem raises ``ValueError`` naming the field (``budget_bytes``,
 ``decisions['h1'].swap_ins[0].after``) and what it should hold, so a hand-edited or truncated
 file fails at ``Plan.load``, before any model is touched, never as a ``KeyError`` mid-step.
+Whether the strategy is registered is asked where a plan is run (``memfit.compile``): the
+registry is a layer above the data.
+
+``Plan`` (``memfit.data.plan``) writes its own JSON form and builds itself from ``plan_fields``,
+so this module stays below it (no import loop).
 """
 
 from __future__ import annotations
@@ -14,15 +19,16 @@ import reprlib
 import types
 import typing
 from collections.abc import Collection, Mapping
-from dataclasses import MISSING, Field, asdict, fields, is_dataclass
+from dataclasses import MISSING, Field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
 
-from memfit.data.plan import FORMAT_VERSION, Decision, Keep, Plan, Recompute, Rerun, Swap, SwapIn
+from memfit.data.decisions import Decision, Keep, Recompute, Rerun, Swap, SwapIn
 
 if TYPE_CHECKING:
     from memfit.data.explanation import Explanation
 
 FORMAT = "memfit.plan"
+FORMAT_VERSION = 1  # bump when a saved plan would be read differently
 REQUIRED = ("format", "version", "strategy", "graph_hash", "decisions")
 OPTIONAL = ("topology_hash", "params", "budget_bytes", "hardware", "reruns", "explanation",
             "regions")
@@ -35,33 +41,11 @@ class PlanFileError(ValueError):
     """A saved plan that does not follow the schema; the message names the field."""
 
 
-def plan_to_json(plan: Plan) -> dict:
-    """The JSON object; a plan of several regions adds ``regions``, each region's own object."""
-    regions = {"regions": [plan_to_json(region) for region in plan.regions]} if plan.regions else {}
-    return regions | {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "topology_hash": plan.topology_hash,
-        "explanation": plan.explanation.to_json() if plan.explanation else None,
-        "strategy": plan.strategy,
-        "graph_hash": plan.graph_hash,
-        "params": _jsonable(dict(plan.params)),
-        "budget_bytes": plan.budget_bytes,
-        "hardware": plan.hardware,
-        "decisions": {name: {"type": type(d).__name__, **asdict(d)}
-                      for name, d in plan.decisions.items()},
-        "reruns": [[r.op, r.before] for r in plan.reruns],
-    }
+def plan_fields(data: object, source: str = "the saved plan") -> dict[str, Any]:
+    """The keyword arguments of ``Plan`` that ``data`` (``Plan.to_json``'s form) holds, checked.
 
-
-def plan_from_json(data: object, strategy_names: Collection[str],
-                   source: str = "the saved plan") -> Plan:
-    """Check ``data`` against the schema, then build the ``Plan``.
-
-    Args:
-        strategy_names: the registered strategies (``memfit.planning.strategies.strategy_names()``): a
-            step re-plans with the plan's strategy when a measured peak is over, so an unknown
-            one is refused here. Passed in because the registry is a layer above the data.
+    ``regions`` holds each region's own JSON object, as ``data`` has it (checked to be a list):
+    ``Plan.from_json`` reads each as a plan of its own.
 
     Raises:
         PlanFileError: (a ``ValueError``) naming the first field that is missing, unknown or of
@@ -76,22 +60,22 @@ def plan_from_json(data: object, strategy_names: Collection[str],
     missing = [name for name in REQUIRED if name not in data]
     if missing:
         raise PlanFileError(f"{source} lacks the field(s) {missing}; {FIX}")
-    read = _Reader(source, tuple(strategy_names))
+    read = _Reader(source)
     decisions = read.mapping(data["decisions"], "decisions")
-    return Plan(
-        strategy=read.strategy(data["strategy"]),
-        graph_hash=read.text(data["graph_hash"], "graph_hash", blank=False),
-        params=read.mapping(data.get("params", {}), "params"),
-        budget_bytes=read.budget(data.get("budget_bytes")),
-        hardware=read.text(data.get("hardware", ""), "hardware"),
-        decisions={name: read.decision(d, f"decisions[{name!r}]") for name, d in decisions.items()},
-        reruns=tuple(read.rerun(r, f"reruns[{i}]")
-                     for i, r in enumerate(read.array(data.get("reruns", []), "reruns"))),
-        topology_hash=read.text(data.get("topology_hash", ""), "topology_hash"),
-        explanation=read.explanation(data.get("explanation")),
-        regions=tuple(plan_from_json(region, strategy_names, f"{source} regions[{i}]")
-                      for i, region in enumerate(read.array(data.get("regions", []), "regions"))),
-    )
+    return {
+        "strategy": read.text(data["strategy"], "strategy", blank=False),
+        "graph_hash": read.text(data["graph_hash"], "graph_hash", blank=False),
+        "params": read.mapping(data.get("params", {}), "params"),
+        "budget_bytes": read.budget(data.get("budget_bytes")),
+        "hardware": read.text(data.get("hardware", ""), "hardware"),
+        "decisions": {name: read.decision(d, f"decisions[{name!r}]")
+                      for name, d in decisions.items()},
+        "reruns": tuple(read.rerun(r, f"reruns[{i}]")
+                        for i, r in enumerate(read.array(data.get("reruns", []), "reruns"))),
+        "topology_hash": read.text(data.get("topology_hash", ""), "topology_hash"),
+        "explanation": read.explanation(data.get("explanation")),
+        "regions": read.array(data.get("regions", []), "regions"),
+    }
 
 
 def _check_header(data: object, source: str) -> None:
@@ -114,9 +98,8 @@ def _check_header(data: object, source: str) -> None:
 class _Reader:
     """Typed reads of one saved plan's fields; each failure names the field and its type."""
 
-    def __init__(self, source: str, strategy_names: tuple[str, ...]) -> None:
+    def __init__(self, source: str) -> None:
         self.source = source
-        self.strategy_names = strategy_names
 
     def fail(self, where: str, expected: str, value: object) -> PlanFileError:
         return PlanFileError(f"{self.source}: field '{where}' must be {expected}, got "
@@ -141,14 +124,6 @@ class _Reader:
         if value is not None and (type(value) is not int or value <= 0):
             raise self.fail("budget_bytes", "a positive integer of bytes or null", value)
         return value
-
-    def strategy(self, value: object) -> str:
-        """A registered strategy name: a step re-plans with it when a measured peak is over."""
-        name = self.text(value, "strategy", blank=False)
-        if name not in self.strategy_names:
-            raise self.fail("strategy", f"a registered strategy, one of {list(self.strategy_names)}",
-                            name)
-        return name
 
     def decision(self, value: object, where: str) -> Decision:
         data = self.mapping(value, where)
@@ -256,11 +231,12 @@ def _short(value: object) -> str:
     return reprlib.repr(value)
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
+    """``value`` as JSON types; what JSON cannot hold, as its ``repr`` (a plan's params)."""
     if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple | set | frozenset):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, str | int | float | bool) or value is None:
         return value
     return repr(value)

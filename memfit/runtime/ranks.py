@@ -123,9 +123,7 @@ def raise_if_any_failed(error: BudgetError | None) -> None:
 
 def plan_digest(plan: Any) -> str:
     """A short digest of a plan's decisions and re-runs: equal on ranks that chose alike."""
-    from memfit.data.plan_json import plan_to_json
-
-    data = plan_to_json(plan)
+    data = plan.to_json()
     data.pop("explanation", None)
     text = json.dumps(data, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:15]
@@ -135,15 +133,14 @@ def agree_on_plan(plan: Any) -> tuple[Any, bool]:
     """Rank 0's plan where the ranks' digests differ (``plan`` itself where they agree), and
     whether it was taken from rank 0. The digests are compared by the largest and the smallest
     over the ranks (a fixed-size all-reduce; the plan itself travels only where they differ)."""
-    from memfit.data.plan_json import plan_from_json, plan_to_json
-    from memfit.planning.strategies import strategy_names
+    from memfit.data.plan import Plan
 
     digest = int(plan_digest(plan), 16)
     largest, negated_smallest = agree_max([digest, -digest])
     if largest == -negated_smallest:
         return plan, False
-    rank_0s = agree_on(plan_to_json(plan))
-    return plan_from_json(rank_0s, strategy_names(), source="rank 0's plan"), True
+    rank_0s = agree_on(plan.to_json())
+    return Plan.from_json(rank_0s, source="rank 0's plan"), True
 
 
 _NONE = -(2**62)  # a freed-output count not read yet, among the agreed numbers

@@ -12,12 +12,12 @@ from memfit.data.costgraph import CostGraph, Op, Tensor
 from memfit.data.errors import BudgetError
 from memfit.data.hardware import get_hardware
 from memfit.data.plan import FORMAT_VERSION, Plan, Recompute, Swap, SwapIn, topology_hash
+from memfit.data.plan_text import explain_text
 from memfit.model import synthetic
 from memfit.model.explain import Explanation, WhatIf, explain, tally
 from memfit.model.schedule import PlanError
 from memfit.model.simulate import simulate
 from memfit.planning.strategies import get_strategy
-from memfit.render.explain import explain_text
 
 # a slow host link: swaps cannot hide, so exposed transfer is not zero
 SLOW_LINK = get_hardware("h100-pcie").with_(name="slow-link", d2h_bytes_per_s=1e8,

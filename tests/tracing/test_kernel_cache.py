@@ -6,9 +6,9 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from tests.tracing.test_temporaries import MEASURED_CONVOLUTIONS, measured_case, traced
 
 from memfit.tracing import kernel_probe
+from tests.tracing.test_temporaries import MEASURED_CONVOLUTIONS, measured_case, traced
 
 
 def test_a_measurement_is_read_back_without_a_child_and_a_corrupt_file_is_ignored(

@@ -9,7 +9,6 @@ import pytest
 
 from memfit.data.hardware import get_hardware
 from memfit.data.plan import Plan
-from memfit.data.plan_json import plan_to_json
 from memfit.data.units import parse_budget
 from memfit.model import synthetic
 from memfit.model.simulate import simulate
@@ -52,7 +51,7 @@ def test_either_spelling_plans_what_the_registered_name_plans(spelled, registere
     made = get_strategy(spelled)(graph, hardware, budget_bytes)
     expected = get_strategy(registered)(graph, hardware, budget_bytes)
     assert made.strategy == registered
-    assert json.dumps(plan_to_json(made)) == json.dumps(plan_to_json(expected))
+    assert json.dumps(made.to_json()) == json.dumps(expected.to_json())
     assert resolve_budget_and_strategy("0.5", spelled, {}) == (parse_budget("0.5"), registered)
 
 

@@ -1,15 +1,43 @@
 """``Plan.explain()`` as text: predicted figures, totals by module, decisions, what-if budgets.
 
 Reads only the plan and the ``Explanation`` it carries (``memfit.model.explain``), so a plan loaded
-from JSON renders the same as the one just made.
+from JSON renders the same as the one just made. ``Plan`` (``memfit.data.plan``) calls it from its
+``explain`` method and so imports this module: the plan is read here through ``PlanFields``, the
+fields it has, never by naming ``Plan`` (no import loop, not even for type checkers).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from memfit.data.decisions import Decision, Recompute, Rerun, Swap
 from memfit.data.explanation import BudgetRow, Explanation, TensorRow
-from memfit.data.plan import Plan, Recompute, Swap
+from memfit.data.tables import fit_table, format_param, table, tally_lines
 from memfit.data.units import format_bytes
-from memfit.render.text import fit_table, format_param, table, tally_lines
+
+
+class PlanFields(Protocol):
+    """What the text reads of a ``Plan`` (see ``Plan`` for each field)."""
+
+    @property
+    def strategy(self) -> str: ...
+    @property
+    def decisions(self) -> Mapping[str, Decision]: ...
+    @property
+    def graph_hash(self) -> str: ...
+    @property
+    def params(self) -> Mapping[str, Any]: ...
+    @property
+    def budget_bytes(self) -> int | None: ...
+    @property
+    def hardware(self) -> str: ...
+    @property
+    def reruns(self) -> tuple[Rerun, ...]: ...
+    @property
+    def explanation(self) -> Explanation | None: ...
+    @property
+    def regions(self) -> Sequence[PlanFields]: ...
 
 
 def _ms(seconds: float | None) -> str:
@@ -18,7 +46,7 @@ def _ms(seconds: float | None) -> str:
     return f"{seconds * 1e3:.3f} ms" if seconds < 0.1 else f"{seconds * 1e3:.1f} ms"
 
 
-def explain_text(plan: Plan, depth: int = 3, width: int = 100, rows: int | None = 40) -> str:
+def explain_text(plan: PlanFields, depth: int = 3, width: int = 100, rows: int | None = 40) -> str:
     """See ``Plan.explain``."""
     if plan.regions:
         return _regions_text(plan, depth, width, rows)
@@ -140,7 +168,7 @@ def _borrowed_note(row: BudgetRow, explanation: Explanation) -> str:
             "budget can lead it to a slower plan), so the row shows it")
 
 
-def _bare_decisions(plan: Plan) -> str:
+def _bare_decisions(plan: PlanFields) -> str:
     rows = []
     for name, decision in plan.decisions.items():
         kind = ("swap" if isinstance(decision, Swap) else
@@ -153,7 +181,7 @@ def _bare_decisions(plan: Plan) -> str:
     return table(("tensor", "decision", "prefetch after", "why"), rows)
 
 
-def _regions_text(plan: Plan, depth: int, width: int, rows: int | None) -> str:
+def _regions_text(plan: PlanFields, depth: int, width: int, rows: int | None) -> str:
     """A plan of several regions: one row per region (its share of the budget: the budget less
     what is held beside it), then each region's own explanation."""
     budget = format_bytes(plan.budget_bytes) if plan.budget_bytes else "none"
