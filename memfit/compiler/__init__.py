@@ -1,6 +1,7 @@
 """The compiler stage: memfit as a ``torch.compile`` backend, every compiled region planned.
 
-``backend`` (``memfit.Backend``), ``plan_step`` (one planning pipeline: trace, plan, rewrite),
+``backend`` (``memfit.Backend``), ``partitioner`` (one region's joint graph planned and
+split), ``plan_step`` (one planning pipeline: trace, plan, rewrite),
 ``plan_cache``, ``region`` (a planned region as the backend keeps it), ``region_run`` and
 ``region_peak`` (its runs and their measured peaks), ``region_lifetimes`` and ``loop_lifetimes``
 (what lives outside its graph), ``graph_breaks``, ``joint_planning``, ``repeated_calls``,

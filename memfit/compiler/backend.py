@@ -24,100 +24,50 @@ import contextlib
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
+from memfit.compiler import partitioner
 from memfit.compiler.eager_watching import EagerWatching
 from memfit.compiler.graph_breaks import (
     compiling_site,
-    extra_copies,
-    first_iteration_cap,
     graph_break_follows,
     latest_regions,
-    own_copies_bytes,
     site_code,
     watch_recompile_limit,
 )
 from memfit.compiler.joint_planning import MAX_JOINT_ROUNDS, JointPlanning
-from memfit.compiler.loop_lifetimes import loop_lifetimes_apply, planned_for_the_loop
+from memfit.compiler.loop_lifetimes import planned_for_the_loop
 from memfit.compiler.partners import partners_of
-from memfit.compiler.plan_cache import note_stage
 from memfit.compiler.plan_step import (
     BudgetWarning,
     Planned,
-    analyzed,
     plan_step,
     resolve_hardware,
     short_even_alone,
     with_eager_note,
 )
-from memfit.compiler.region import (
-    REGION_KEY,
-    Region,
-    saved_device_bytes,
-    timed_planning,
-    user_input_names,
-)
-from memfit.compiler.region_lifetimes import (
-    dropped_outputs_graph,
-    output_tangents,
-    output_tensor_names,
-    scalar_output_bytes,
-    trainable_parameter_bytes,
-    with_later_gradients,
-)
+from memfit.compiler.region import Region, timed_planning
 from memfit.compiler.region_run import aot_eager_runner, inductor_runner
-from memfit.compiler.replanning import (
-    count_eager_in_prediction,
-    eager_gap_needed,
-    eager_room_needed,
-    gap_saves_cap,
-    outputs_and_inputs_bytes,
-    plan_again_when_stale,
-    warn_eager_gap_over,
-)
-from memfit.compiler.shape_bound import InputSizes, priced_bound
+from memfit.compiler.replanning import plan_again_when_stale
+from memfit.compiler.shape_bound import InputSizes
 from memfit.data.costgraph import CostGraph
-from memfit.data.errors import BudgetError, CaptureError
+from memfit.data.errors import BudgetError
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan
 from memfit.data.units import Budget, format_bytes
-from memfit.lowering.joint import (
-    as_captured,
-    drop_unread_running_statistics,
-    elide_clones,
-    realias_views,
-    record_scopes,
-    split,
-)
-from memfit.lowering.rewrite import rewrite
-from memfit.model.simulate import simulate
-from memfit.runtime.outside import CUDA_BLOCK_BYTES, EagerWatch
-from memfit.runtime.ranks import (
-    agree_max,
-    agree_on_hardware,
-    agree_on_plan,
-    raise_if_any_failed,
-)
-from memfit.runtime.resident import (
-    device_of,
-    fsdp_in_flight_bytes,
-    local_tensor,
-    reserved_state_bytes,
-    resident_bytes,
-)
+from memfit.runtime.outside import EagerWatch
+from memfit.runtime.ranks import agree_max
+from memfit.runtime.resident import device_of, reserved_state_bytes, resident_bytes
 from memfit.runtime.streams import CopyEngine
 from memfit.tracing.capture import DECOMPOSE
-from memfit.tracing.rnn import eager_lstm_kernels, size_lstm_buffers
-from memfit.tracing.shapes import Bound, at_bound
+from memfit.tracing.rnn import eager_lstm_kernels
+from memfit.tracing.shapes import Bound
 from memfit.tracing.target import host_code, retargeted
 
 COMPILERS = ("aot_eager", "inductor")
-MAX_EAGER_REPLANS = 3  # re-plans for what eager code holds beside the regions (it may keep growing)
 
 
 class Backend(EagerWatching, JointPlanning):
@@ -290,156 +240,15 @@ class Backend(EagerWatching, JointPlanning):
     def plan_region(self, joint: fx.GraphModule, device: torch.device, num_fwd_outputs: int,
                     static_lifetime_input_indices: list[int] | None, site: Any = None,
                     bound: Bound | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
-        """Plan one region's joint graph and split the rewritten program into its two modules;
-        ``site`` is where Dynamo compiled the region from (see ``Region.site``). A joint graph
-        with symbolic sizes is priced at ``bound`` (``memfit.tracing.shapes``): the plan is made
-        on a copy at the bound and rewrites the symbolic program, which serves every smaller
-        shape.
+        """Plan one region's joint graph and split the rewritten program into its two modules
+        (``memfit.compiler.partitioner.plan_region``); ``site`` is where Dynamo compiled the
+        region from (see ``Region.site``), ``bound`` the sizes a dynamic region is priced at.
 
         Raises:
             BudgetError: if no plan of the strategy fits, before anything runs.
         """
-        measured = self.hardware_spec is None and device.type not in ("cpu", "meta")
-        hardware = agree_on_hardware(resolve_hardware(self.hardware_spec, device), measured)
-        realias_views(joint)  # views left on a copy that inductor's joint-graph passes erased
-        elide_clones(joint)
-        drop_unread_running_statistics(joint)
-        record_scopes(joint, self.scope_prefix)
-        size_lstm_buffers(joint.graph, num_fwd_outputs)
-        captured = as_captured(joint, num_fwd_outputs, static_lifetime_input_indices)
-        program, bound = captured.graph_module, priced_bound(joint, bound)
-        if bound:  # priced on a concrete copy at the bound; the symbolic program is rewritten
-            joint = at_bound(joint, bound)
-            captured = replace(captured, graph_module=joint)
-        index = len(self.regions)
-        owners: dict = {}
-        note_stage("analysing its graph")
-        captured, graph = analyzed(captured, hardware, f"region {index}", self.linearize,
-                                   kernel_temporaries=self.kernel_temporaries,
-                                   owners=owners, compiler=self.compiler)
-        if bound and captured.graph_module is not joint:
-            raise CaptureError("memfit does not reorder (linearize) a region with dynamic "
-                               "shapes: compile it with dynamic=False")
-        program = program if bound else captured.graph_module
-        inside = sum(binding_bytes(node) for node, binding in
-                     zip(joint.graph.find_nodes(op="placeholder"), captured.inputs, strict=True)
-                     if binding.kind == "parameter")
-        trainable = trainable_parameter_bytes(joint, num_fwd_outputs, captured.inputs)
-        later = self._later_gradient_bytes(device, trainable)
-        # seen held by eager code beside it, at least the loop's loss of the previous call
-        block = CUDA_BLOCK_BYTES if device.type == "cuda" else 1
-        eager = max(self.eager_held.get(site, 0), self._eager_now,
-                    scalar_output_bytes(joint, num_fwd_outputs, block))
-        resident = resident_bytes(self.model, self.optimizers, device, self.partners())
-        gathered = fsdp_in_flight_bytes(self.model, device)  # FSDP2's all-gathered parameters
-        # regions whose forward ran and whose backward has not hold their saved values meanwhile
-        # (a model with graph breaks: the later region plans around the earlier one's saves)
-        pending = sum(region.saved_bytes * region.open_forwards for region in self.regions)
-        # the rank holding most (uneven shards) plans for every rank (memfit.runtime.ranks)
-        later, eager, resident, pending, gathered = agree_max(
-            [later, eager, resident, pending, gathered])
-        graph = with_later_gradients(graph, later)
-        # the region's parameters are among the resident or, under FSDP2, the gathered bytes
-        outside = max(0, resident + gathered - inside) + pending + eager
-        if self.compiler == "inductor":  # its channels-last copies of the region's inputs
-            from memfit.lowering.inductor import layout_copy_bytes
-
-            outside += layout_copy_bytes(joint)
-        cap = self.saves_caps.get(site)
-        # copies of its saves alive beside its last call, where its code runs again before its
-        # backward (memfit.compiler.repeated_calls): its plan is chosen for them below
-        repeated = extra_copies(self.regions, site) if site in self.copies_sites else 0
-        outside += 0 if repeated else own_copies_bytes(self.regions, site, cap)
-        # the saves of its own code's open forwards (among the pending)
-        own_open = sum(region.saved_bytes * region.open_forwards for region in self.regions
-                       if site is not None and region.site == site)
-
-        # after a graph break, or where its code runs again before its backward (a cell called
-        # per time step: the earlier calls' outputs are held by the later calls' saves)
-        after_a_break = any(region.open_forwards for region in self.regions)
-        held_inputs = (user_input_names(joint, captured.inputs) if after_a_break or repeated
-                       else frozenset())
-
-        def lower(plan: Plan, planned_on: CostGraph | None = None
-                  ) -> tuple[fx.GraphModule, fx.GraphModule, int]:
-            note_stage("rewriting its program")
-            forward, backward = split(rewrite(program, planned_on or graph, plan),
-                                      num_fwd_outputs, static_lifetime_input_indices)
-            return forward, backward, saved_device_bytes(forward, num_fwd_outputs, held_inputs,
-                                                         bound)
-
-        names = output_tensor_names(joint, num_fwd_outputs, owners)
-        tangents = output_tangents(joint, num_fwd_outputs)
-        loop, released = (dropped_outputs_graph(graph, names, tangents,
-                                                tangents_as_none=self.compiler == "aot_eager")
-                          if scalar_output_bytes(joint, num_fwd_outputs)  # returns its loss
-                          and loop_lifetimes_apply(self.regions, site, pending, repeated, cap)
-                          else (None, frozenset()))
-        loop = loop if released else None
-        try:
-            planned, budget_bytes, minimum = self._choose(graph, hardware, outside, pending,
-                                                          eager, own_open, loop_graph=loop)
-        except BudgetError as error:
-            raise_if_any_failed(error)  # on every rank, so that none waits in a collective
-        raise_if_any_failed(None)
-        made, predicted = planned.plan, planned.predicted
-        if planned.graph is not loop:
-            released = frozenset()
-        forward, backward, saved = lower(made, planned.graph)
-        if repeated and budget_bytes is not None:
-            made, (forward, backward, saved) = self._fit_copies(repeated, graph, hardware,
-                                                                outside, budget_bytes, lower)
-            predicted = simulate(graph, made, hardware)
-            cap, outside = saved, outside + repeated * saved
-        elif cap is None and minimum is None and budget_bytes is not None:
-            cap = first_iteration_cap(self.model, self.regions, site, budget_bytes - outside,
-                                      predicted.peak_bytes - saved)
-        beside_saves = outputs_and_inputs_bytes(joint, graph, names, captured.inputs)
-        # room for eager code's own peak between its forward and backward (a loss in the loop);
-        # kept apart from ``cap``, which says the region's copies and joint plan were capped
-        gap_cap = gap_saves_cap(self.eager_gap.get(site, 0), budget_bytes, outside, beside_saves)
-        limit = min((c for c in (cap, gap_cap, self.gap_saves_limit.get(site)) if c is not None),
-                    default=None)
-        if not repeated and limit is not None and budget_bytes is not None and saved > limit:
-            made, (forward, backward, saved) = self._save_at_most(limit, graph, hardware, outside,
-                                                                  budget_bytes, lower)
-            predicted, released = simulate(graph, made, hardware), frozenset()
-        made, from_rank_0 = agree_on_plan(made)
-        if from_rank_0:  # this rank chose otherwise from the same numbers: rank 0's plan runs
-            forward, backward, saved = lower(made)
-            predicted = simulate(graph, made, hardware)
-        forward.meta[REGION_KEY] = backward.meta[REGION_KEY] = index
-        self.regions.append(Region(index, graph, made, planned.baseline, predicted,
-                                   budget_bytes, outside, forward, backward, resident, saved,
-                                   site=site, pending_bytes=pending, minimum_bytes=minimum,
-                                   saves_cap_bytes=cap, own_pending_bytes=own_open + (
-                                       repeated * saved if repeated else
-                                       own_copies_bytes(self.regions, site, cap)),
-                                   hardware=hardware, bound=predicted,
-                                   trainable_bytes=trainable, later_gradient_bytes=later,
-                                   output_names=names, output_tangents=tangents,
-                                   planned_gap_bytes=self.eager_gap.get(site, 0),
-                                   beside_saves_bytes=beside_saves,
-                                   released_outputs=released,
-                                   planned_graph=loop if released else None,
-                                   planned_eager_bytes=eager, shape_bound=bound))
-        return forward, backward
-
-    def _later_gradient_bytes(self, device: torch.device, trainable: int) -> int:
-        """Gradients that exist while this region's backward runs though its graph does not
-        make them: those of the model's other trainable parameters, except the parameters of
-        regions whose forward ran before this one in this iteration (still open: their backward
-        comes after this one's). Parameters of regions later in the forward and of eager code
-        after a graph break get their ``.grad`` first. Gradients that exist already (kept across
-        micro-batches) are resident, counted in ``outside``."""
-        if self.model is None:
-            return 0
-        local = [local_tensor(p).untyped_storage() for p in self.model.parameters()
-                 if p.requires_grad and p.grad is None and p.device == device]
-        without_grad = {StorageWeakRef(storage): storage.nbytes() for storage in local}
-        earlier = sum(region.trainable_bytes for region in self.regions
-                      if region.open_forwards and not region.replaced)
-        return max(0, sum(without_grad.values()) - trainable - earlier)
+        return partitioner.plan_region(self, joint, device, num_fwd_outputs,
+                                       static_lifetime_input_indices, site, bound)
 
     def _choose(self, graph: CostGraph, hardware: Hardware, outside: int, pending: int,
                 eager: int = 0, own_open: int = 0, loop_graph: CostGraph | None = None
@@ -516,52 +325,7 @@ class Backend(EagerWatching, JointPlanning):
         return plan_step(graph, hardware, Budget(bytes=error.minimum_bytes), self.strategy,
                          self.params, outside)
 
-    # ---- memory eager code holds while a region runs ---------------------------------------------
-
-    def make_room_for_eager(self, current: list[Region]) -> dict[int, int]:
-        """Have the regions whose plans left no room for the bytes eager code was seen to hold
-        at their start planned again with them (``memfit.compiler.replanning.eager_room_needed``); after
-        ``MAX_EAGER_REPLANS`` rounds, say once that eager code keeps holding more. A region
-        already at its smallest peak beside earlier regions' saves is not planned again for
-        them (the same plan would come back): its next plan, joint or not, counts them.
-
-        Returns:
-            region index -> the bytes its next plan counts beyond this one's (joint planning
-            leaves the regions before a graph break that much less room).
-        """
-        if not self.watching_eager():
-            watch = self.eager_watch()
-            if watch is not None:
-                watch.recording = False  # off the stack after the next step or model call
-        count_eager_in_prediction(current)
-        needed, gaps = eager_room_needed(current), eager_gap_needed(current)
-        if not (needed or gaps) or self.eager_gave_up:
-            return {}
-        if self.eager_replans >= MAX_EAGER_REPLANS:
-            self.eager_gave_up = True
-            warnings.warn(
-                f"memfit: eager code outside the compiled regions held more after each of "
-                f"{MAX_EAGER_REPLANS} re-plans (a list of losses that keeps their buffers?); it "
-                "is no longer planned for, so the budget may not hold. Keep `loss.item()` rather "
-                "than the loss, or compute the loss inside the model.", BudgetWarning,
-                stacklevel=2)
-            return {}
-        for region, held in needed:
-            self.eager_held[region.site] = held  # its site's next plan counts them
-        for region, gap in gaps:  # its site's next plan saves less
-            self.eager_gap[region.site] = max(gap, self.eager_gap.get(region.site, 0))
-            over = region.gap_alive_bytes - (region.budget_bytes or 0)
-            if over > 0:  # measured over: said, and the saves less by at least as much
-                warn_eager_gap_over(region)
-                self.gap_saves_limit[region.site] = min(
-                    region.saved_bytes - over,
-                    self.gap_saves_limit.get(region.site, region.saved_bytes))
-        fitting = [region for region, _ in [*needed, *gaps] if region.minimum_bytes is None]
-        if fitting:  # a short region runs at its smallest peak: only joint planning helps it
-            self.eager_replans += 1
-            for region in fitting:
-                region.replaced = True
-        return {region.index: held - region.planned_eager_bytes for region, held in needed}
+    # ---- code Dynamo runs: past its recompile limit, or a planned forward -----------------------
 
     def recompile_limit_hit(self, where: str, code: Any = None, limit: int | None = None
                             ) -> None:
@@ -685,8 +449,3 @@ class Backend(EagerWatching, JointPlanning):
         for region in regions:
             region.replaced = True
         return True
-
-
-def binding_bytes(node: fx.Node) -> int:
-    value = node.meta.get("val")
-    return value.untyped_storage().nbytes() if isinstance(value, torch.Tensor) else 0

@@ -1,10 +1,12 @@
-"""The backend's watch of eager code on a CPU: what the loop and the code at graph breaks hold
-beside the compiled regions, read at their measured runs (``memfit.runtime.outside.EagerWatch``,
-a dispatch mode), from the model's first call until runs are no longer measured.
+"""Eager code beside the compiled regions: what the loop and the code at graph breaks hold while
+the regions run, watched and planned for. On a CPU the backend watches it at the regions'
+measured runs (``memfit.runtime.outside.EagerWatch``, a dispatch mode), from the model's first
+call until runs are no longer measured; after an iteration, the regions whose plans left no room
+for what was seen are planned again with it (``make_room_for_eager``).
 
 A mixin of ``memfit.compiler.backend.Backend``, its own file so the backend reads as planning;
-it uses the backend's ``device``, ``regions``, ``measure_runs``, ``eager_gave_up`` and
-``_eager_watch``.
+it uses the backend's ``device``, ``regions``, ``measure_runs``, ``eager_gave_up``,
+``eager_replans``, ``eager_held``, ``eager_gap``, ``gap_saves_limit`` and ``_eager_watch``.
 
 Example:
     >>> watch = backend.eager_watch()  # this thread's watch, or None
@@ -14,20 +16,31 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from memfit.compiler.graph_breaks import latest_regions
+from memfit.compiler.plan_step import BudgetWarning
 from memfit.compiler.region import Region
+from memfit.compiler.replanning import (
+    count_eager_in_prediction,
+    eager_gap_needed,
+    eager_room_needed,
+    warn_eager_gap_over,
+)
 from memfit.runtime.outside import EagerWatch
 from memfit.runtime.resident import local_tensor
 
+MAX_EAGER_REPLANS = 3  # re-plans for what eager code holds beside the regions (it may keep growing)
+
 
 class EagerWatching:
-    """The eager watch's life: started before the first call, paused inside memfit's own
-    tracing, dropped when no run is measured any more."""
+    """The eager watch's life (started before the first call, paused inside memfit's own
+    tracing, dropped when no run is measured any more), and the regions planned again for what
+    eager code was seen to hold."""
 
     device: torch.device | None
     regions: list[Region]
@@ -35,6 +48,10 @@ class EagerWatching:
     optimizers: list[torch.optim.Optimizer]
     measure_runs: int
     eager_gave_up: bool
+    eager_replans: int
+    eager_held: dict[Any, int]
+    eager_gap: dict[Any, int]
+    gap_saves_limit: dict[Any, int]
     _eager_watch: EagerWatch | None
 
     def watching_eager(self) -> bool:
@@ -132,3 +149,48 @@ class EagerWatching:
         if watch is None or not watch.on_stack():
             return contextlib.nullcontext()
         return _pop_mode_temporarily()
+
+    def make_room_for_eager(self, current: list[Region]) -> dict[int, int]:
+        """Have the regions whose plans left no room for the bytes eager code was seen to hold
+        at their start planned again with them (``memfit.compiler.replanning.eager_room_needed``);
+        after ``MAX_EAGER_REPLANS`` rounds, say once that eager code keeps holding more. A region
+        already at its smallest peak beside earlier regions' saves is not planned again for
+        them (the same plan would come back): its next plan, joint or not, counts them.
+
+        Returns:
+            region index -> the bytes its next plan counts beyond this one's (joint planning
+            leaves the regions before a graph break that much less room).
+        """
+        if not self.watching_eager():
+            watch = self.eager_watch()
+            if watch is not None:
+                watch.recording = False  # off the stack after the next step or model call
+        count_eager_in_prediction(current)
+        needed, gaps = eager_room_needed(current), eager_gap_needed(current)
+        if not (needed or gaps) or self.eager_gave_up:
+            return {}
+        if self.eager_replans >= MAX_EAGER_REPLANS:
+            self.eager_gave_up = True
+            warnings.warn(
+                f"memfit: eager code outside the compiled regions held more after each of "
+                f"{MAX_EAGER_REPLANS} re-plans (a list of losses that keeps their buffers?); it "
+                "is no longer planned for, so the budget may not hold. Keep `loss.item()` rather "
+                "than the loss, or compute the loss inside the model.", BudgetWarning,
+                stacklevel=2)
+            return {}
+        for region, held in needed:
+            self.eager_held[region.site] = held  # its site's next plan counts them
+        for region, gap in gaps:  # its site's next plan saves less
+            self.eager_gap[region.site] = max(gap, self.eager_gap.get(region.site, 0))
+            over = region.gap_alive_bytes - (region.budget_bytes or 0)
+            if over > 0:  # measured over: said, and the saves less by at least as much
+                warn_eager_gap_over(region)
+                self.gap_saves_limit[region.site] = min(
+                    region.saved_bytes - over,
+                    self.gap_saves_limit.get(region.site, region.saved_bytes))
+        fitting = [region for region, _ in [*needed, *gaps] if region.minimum_bytes is None]
+        if fitting:  # a short region runs at its smallest peak: only joint planning helps it
+            self.eager_replans += 1
+            for region in fitting:
+                region.replaced = True
+        return {region.index: held - region.planned_eager_bytes for region, held in needed}

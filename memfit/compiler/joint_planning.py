@@ -52,7 +52,7 @@ class JointPlanning:
     copies_short_said: bool
 
     def make_room_for_eager(self, current: list[Region]) -> dict[int, int]:
-        raise NotImplementedError  # the backend's
+        raise NotImplementedError  # the backend's (memfit.compiler.eager_watching)
 
     def _save_at_most(self, cap_bytes: int, graph: CostGraph, hardware: Hardware, outside: int,
                       budget_bytes: int, lower: Any) -> tuple[Plan, Any]:

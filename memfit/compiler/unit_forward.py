@@ -1,5 +1,6 @@
-"""The frame an FSDP2 unit's forward runs in when memfit compiles it (``memfit.fitting.fitted``),
-and whose code Dynamo enters (``memfit.compiler.unplanned.entry_codes``)."""
+"""The frame an FSDP2 unit's forward runs in when memfit compiles it
+(``memfit.fitting.dynamo_settings``), and whose code Dynamo enters
+(``memfit.compiler.unplanned.entry_codes``)."""
 
 from __future__ import annotations
 

@@ -16,12 +16,10 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import traceback
 import types
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,10 +28,18 @@ import torch
 from memfit.compiler.backend import COMPILERS, Backend
 from memfit.compiler.graph_breaks import latest_regions
 from memfit.compiler.partners import note_call, note_fitted
-from memfit.compiler.plan_step import BudgetWarning
-from memfit.compiler.unit_forward import unit_forward
 from memfit.data.hardware import Hardware
 from memfit.fitting.callers_compile import add_hook, own_trace, remove_hook
+from memfit.fitting.dynamo_settings import (
+    compiled_unit_forwards,
+    dynamic_on_change,
+    own_recompiles,
+    rnn_traced,
+    traces_rnns,
+    units_compiled,
+    whole_ddp_graph,
+)
+from memfit.fitting.loop_optimizer import adopt_existing_optimizers, watch_optimizers
 
 
 def fit(model: torch.nn.Module, budget: str | int | float | None = None,
@@ -81,7 +87,7 @@ def fit(model: torch.nn.Module, budget: str | int | float | None = None,
     fitted = FittedCall(model, FitArguments(budget, strategy, hardware, compiler,
                                             tuple(params.items()), dynamic), optimizer)
     agreement_group()  # in a distributed job: made here, where every rank calls fit, not mid-step
-    fitted.traces_rnns = _traces_rnns(model, compiler)
+    fitted.traces_rnns = traces_rnns(model, compiler)
     fitted.install()
     return model
 
@@ -147,10 +153,10 @@ class FittedCall:
         self.backend = _planner(module, arguments, optimizer)
         note_fitted(self.backend)  # other fitted models count its resident bytes (partners)
         self.traces_rnns: bool | None = None  # read from the model at the first call if unset
-        self.unit_forwards: list | None = None  # FSDP2 units compiled (_units_compiled)
+        self.unit_forwards: list | None = None  # FSDP2 units compiled (_compiled_units)
         self._compiled: Any = None  # the model's _call_impl compiled, made at the first call
         self.joint_first = False  # its regions may be planned jointly on fakes (joint_first)
-        self.shapes: tuple | None = None  # the last call's input shapes (_dynamic_on_change)
+        self.shapes: tuple | None = None  # the last call's input shapes (dynamic_on_change)
         self.device_fitted = False  # whether an automatic budget was read from the device
 
     def install(self) -> None:
@@ -185,10 +191,10 @@ class FittedCall:
         if self._compiled is None:
             self._first_call(args, kwargs)
             if not planner.optimizers:
-                _adopt_existing_optimizers(planner)
+                adopt_existing_optimizers(planner)
         planner.note_call_arguments((args, kwargs))
         if self.arguments.dynamic is None:
-            self.shapes = _dynamic_on_change(self.shapes, (args, kwargs))
+            self.shapes = dynamic_on_change(self.shapes, (args, kwargs))
         start = call_started(planner)
         try:
             if dispatch_modes():  # Dynamo would run it eagerly and skip its entry for good
@@ -228,11 +234,18 @@ class FittedCall:
                 plan_regions_on_fakes, planner, self._call_traced(), args, kwargs,
                 self.arguments.dynamic)
         try:
-            with (_rnn_traced(bool(self.traces_rnns)), _whole_ddp_graph(),
-                  _units_compiled(self), own_trace()):
+            with (rnn_traced(bool(self.traces_rnns)), whole_ddp_graph(),
+                  units_compiled(self._compiled_units()), own_trace()):
                 return self._compiled(*args, **kwargs)
         finally:
             planner.joint_first_trace = None  # it holds the call's arguments
+
+    def _compiled_units(self) -> list:
+        """Each FSDP2 unit with its forward compiled with the backend
+        (``compiled_unit_forwards``), found once: ``fully_shard`` comes before ``memfit.fit``."""
+        if self.unit_forwards is None:
+            self.unit_forwards = compiled_unit_forwards(self.module, self.backend)
+        return self.unit_forwards
 
     def _first_call(self, args: tuple, kwargs: dict) -> None:
         """Compile the model's call, as ``torch.compile(model)`` does: Dynamo skips the frames of
@@ -242,7 +255,7 @@ class FittedCall:
 
         module = self.module
         if self.traces_rnns is None:  # a copy: its state was not there when it was made
-            self.traces_rnns = _traces_rnns(module, self.arguments.compiler)
+            self.traces_rnns = traces_rnns(module, self.arguments.compiler)
         if self.arguments.automatic and not self.device_fitted:
             self.device_fitted = True  # read once: a compile anew keeps the budget it had
             fit_device(self.backend, _call_device(module, (args, kwargs)),
@@ -277,35 +290,6 @@ class FittedCall:
         undo_entry_skips()  # without entries of its own (torch before 2.13): the shared skip
 
 
-def own_recompiles() -> dict[str, Any]:
-    """``torch.compile``'s option that gives each compiled call its own entries and recompile
-    limit (torch 2.13 on): otherwise every model of one class shares one code object, so one
-    model's recompiles count against every other's limit, and one past it runs all eagerly."""
-    import inspect
-
-    return ({"isolate_recompiles": True}
-            if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
-
-
-def _dynamic_on_change(before: tuple | None, arguments: Any) -> tuple:
-    """The shapes of the call's tensors; where one differs from the last call's, that dimension
-    and the first (the batch) of every tensor are marked maybe-dynamic, so that Dynamo's one
-    trace with symbolic sizes also serves a smaller last batch (and a changing length also
-    a changing batch), instead of tracing again when the next dimension changes."""
-    from torch.utils._pytree import tree_leaves
-
-    tensors = [leaf for leaf in tree_leaves(arguments) if isinstance(leaf, torch.Tensor)]
-    shapes = tuple(tuple(tensor.shape) for tensor in tensors)
-    if before is None or before == shapes or len(before) != len(shapes):
-        return shapes
-    for tensor, shape, previous in zip(tensors, shapes, before, strict=True):
-        changed = {dim for dim, (a, b) in enumerate(zip(shape, previous, strict=False)) if a != b}
-        for dim in changed | ({0} if shape and shape[0] > 1 else set()):
-            if dim < len(shape):
-                torch._dynamo.maybe_mark_dynamic(tensor, dim)
-    return shapes
-
-
 def _fitted_copy(module: torch.nn.Module, arguments: FitArguments) -> FittedCall:
     """The call of ``module``, a copy of a fitted model that ``copy.deepcopy`` or ``pickle`` is
     building: made once (its ``FittedCall`` and its ``Backend`` both ask for it), with a backend
@@ -332,7 +316,7 @@ def _planner(module: torch.nn.Module, arguments: FitArguments,
                       optimizer, model=module, **dict(arguments.params))
     planner.copy_as = (_copied_backend, (module, arguments))
     planner.checks_calls = True  # warn at each training call that runs no plan (unplanned.py)
-    _watch_optimizers(planner)
+    watch_optimizers(planner)
     return planner
 
 
@@ -346,76 +330,6 @@ def _call_device(module: torch.nn.Module, values: Any) -> torch.device:
         if isinstance(tensor, torch.Tensor):
             return local_tensor(tensor).device
     return torch.device("cpu")
-
-
-def _adopt_existing_optimizers(planner: Backend) -> None:
-    """Adopt the optimizer that exists at the model's first call and holds its parameters (a loop
-    that made its optimizer before training and did not pass ``optimizer=``), so that the first
-    plan reserves the state it allocates at its first step. Where several do, which one the loop
-    steps is unknown: none is adopted before its first step (``_watch_optimizers``). A wrapper
-    (accelerate's ``AcceleratedOptimizer``, its ``optimizer`` one of them) stands for the one
-    it wraps."""
-    holding = [candidate for candidate in gc.get_objects()
-               # ``type``: an ``isinstance`` may run a ``__class__`` property
-               if issubclass(type(candidate), torch.optim.Optimizer)
-               and planner.steps_my_parameters(candidate)]
-    holding = [candidate for candidate in holding
-               if not any(getattr(candidate, "optimizer", None) is inner for inner in holding)]
-    if len(holding) == 1:
-        planner.adopt(holding[0])
-
-
-def _watch_optimizers(planner: Backend) -> None:
-    """Find the loop's optimizer by its first step, when ``optimizer=`` was not given and it did
-    not exist at the first call, so that its state counts from the next iteration on (a global
-    post-step hook, held weakly); after a step, the watch of eager code leaves the mode stack
-    once measuring has ended (``Backend.end_eager_watch``)."""
-    import weakref
-
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    reference = weakref.ref(planner)
-
-    def adopt(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        found = reference()  # a dead backend leaves a hook that does nothing: torch iterates
-        if found is not None:  # the hooks while calling them, so it cannot remove itself here
-            found.adopt(optimizer)
-            found.end_eager_watch()  # off the stack once measuring ended (not inside a backward)
-
-    register_optimizer_step_post_hook(adopt)
-
-
-@contextlib.contextmanager
-def _units_compiled(fitted: FittedCall) -> Any:
-    """While the fitted model runs, each FSDP2 unit whose ``forward`` Dynamo would not compile
-    runs it compiled with memfit's backend (the user's modules are as they were outside).
-
-    Why: FSDP2's hooks are ``torch._dynamo.disable``d, so Dynamo breaks the graph at every
-    unit's call and the unit runs from eager code; Dynamo then compiles the frames it meets
-    inside, but not those of files it skips, such as ``torch.nn``'s containers and layers. A
-    unit that is an ``nn.Sequential`` (MONAI's U-Net stages, a plain ``Sequential`` of blocks)
-    would run its convolutions, norms and activations eagerly, outside any plan, holding
-    activations no plan could drop: the step would peak at eager's peak whatever the budget.
-    """
-    from torch._dynamo import trace_rules
-
-    from memfit.runtime.resident import fsdp_unit_modules
-
-    compiled = fitted.unit_forwards
-    if compiled is None:  # found once: fully_shard comes before memfit.fit
-        compiled = fitted.unit_forwards = [
-            (unit, functools.partial(torch.compile(
-                unit_forward, backend=fitted.backend, dynamic=False, **own_recompiles()), unit))
-            for unit in fsdp_unit_modules(fitted.module)
-            # not one with a forward of its own (the user's), nor one Dynamo compiles itself
-            if "forward" not in unit.__dict__ and trace_rules.check(type(unit).forward)]
-    for unit, forward in compiled:
-        unit.forward = forward
-    try:
-        yield
-    finally:
-        for unit, _ in compiled:
-            del unit.forward
 
 
 def _fsdp_units(module: torch.nn.Module) -> bool:
@@ -434,51 +348,6 @@ def _distributed() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _rnn_traced(traced: bool) -> contextlib.AbstractContextManager:
-    """While the model runs, Dynamo traces its RNNs where ``_traces_rnns`` said so; the flag is
-    put back after."""
-    return torch._dynamo.config.patch(allow_rnn=True) if traced else contextlib.nullcontext()
-
-
-def _whole_ddp_graph() -> contextlib.AbstractContextManager:
-    """While the fitted model runs, Dynamo compiles a ``DistributedDataParallel`` forward as one
-    graph: its default ``optimize_ddp`` mode (``DDPOptimizer``) splits the graph into a region
-    per gradient bucket, compiled one after another, so each would be planned before the
-    regions after it exist and the first iteration could exceed the budget. One region is
-    planned whole from the first call; DDP's all-reduces then start once its backward has
-    produced every gradient (as with ``optimize_ddp=False``). A mode the user chose is kept."""
-    if torch._dynamo.config.optimize_ddp not in (True, "ddp_optimizer"):
-        return contextlib.nullcontext()
-    return torch._dynamo.config.patch(optimize_ddp=False)
-
-
-def _traces_rnns(model: torch.nn.Module, compiler: str) -> bool:
-    """Whether Dynamo should trace ``model``'s RNN modules (it skips the frames that call one
-    otherwise, and they run eagerly, outside any plan): with ``aot_eager`` on a CPU, where memfit
-    traces ``nn.LSTM`` as eager runs it (``memfit.tracing.rnn``), and not for a model with an
-    ``nn.GRU``, whose traced gradients are not eager's bit for bit. Warns where RNNs stay
-    outside the plans.
-    """
-    rnns = [module for module in model.modules() if isinstance(module, torch.nn.RNNBase)]
-    if not rnns or torch._dynamo.config.allow_rnn:  # none, or the user lets Dynamo trace them
-        return False
-    on_cpu = all(p.device.type == "cpu" for rnn in rnns for p in rnn.parameters())
-    has_gru = any(isinstance(rnn, torch.nn.GRU) for rnn in rnns)
-    if compiler == "aot_eager" and on_cpu and not has_gru:
-        return True
-    if compiler != "aot_eager":
-        why = "memfit traces RNNs with compiler='aot_eager' only"
-    elif not on_cpu:
-        why = "memfit traces RNNs on a CPU only: cuDNN's RNN kernels are not checked"
-    else:
-        why = "nn.GRU traced is not bit for bit eager's"
-    kinds = sorted({type(rnn).__name__ for rnn in rnns})
-    warnings.warn(f"memfit: the model's {', '.join(kinds)} run eagerly, outside any plan ({why}); "
-                  "Dynamo skips the code that calls them, so that memory is not planned and a "
-                  "measured peak may exceed the budget", BudgetWarning, stacklevel=3)
-    return False
 
 
 def backend(budget: str | int | float | None = None, strategy: str | None = None,
