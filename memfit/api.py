@@ -32,7 +32,7 @@ from memfit.fitting.callers_compile import own_trace
 from memfit.fitting.cluster import FsdpBlock, resolve_sharding
 from memfit.fitting.traced import as_planned, loss_module, memfit_error, trace_plan
 from memfit.model.sharding import DEFAULT_BUCKET_BYTES
-from memfit.planning.strategies import check_registered, resolve_budget_and_strategy
+from memfit.planning.strategies import resolve_budget_and_strategy
 from memfit.runtime.measure import measure_allocator_peak, profiler_running
 from memfit.runtime.resident import device_of
 from memfit.tracing.capture import check_inputs, input_signature
@@ -301,8 +301,7 @@ def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float
 
     Raises:
         ValueError: for a malformed budget, an unknown strategy, parameter or hardware profile,
-            or a bad value; for ``plan`` together with a budget, strategy or parameters, or
-            made by a strategy not registered in this process (a loaded plan's is checked here).
+            or a bad value; for ``plan`` together with a budget, strategy or parameters.
         PlanError: at the first step, if ``plan`` was made for another graph, input shape or
             hardware (the message says which, and what to do).
 
@@ -322,7 +321,6 @@ def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float
         if budget is not None or strategy is not None or params:
             raise ValueError("plan= already fixes the budget, strategy and parameters: pass "
                              "either plan= or budget/strategy/parameters, not both")
-        check_registered(plan)
         if hardware is None and plan.hardware in PROFILES:
             hardware = plan.hardware
         return Step(model, loss_fn, None, plan.strategy, hardware, measure, {}, linearize, plan)

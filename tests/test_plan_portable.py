@@ -198,16 +198,3 @@ def test_the_same_check_sees_a_step_that_ran():
 def test_compile_wants_a_plan_not_a_path(example):
     with pytest.raises(ValueError, match=r"plan= takes a memfit.Plan, not str.*Plan.load\(path\)"):
         memfit.compile(example.model, example.loss_fn, plan="step.plan.json")
-
-
-@pytest.mark.parametrize("unregistered", [
-    Plan("my-strategy", graph_hash="0123"),
-    Plan("keep", graph_hash="0123", regions=(Plan("my-strategy", graph_hash="4567"),)),
-], ids=["its own", "a region's"])
-def test_compile_refuses_a_plan_of_a_strategy_not_registered_here(example, unregistered):
-    """``Plan.load`` reads the strategy as a name (tests/data/test_plan.py); the step that runs
-    the plan takes it as its own, so ``compile`` asks the registry, before anything runs."""
-    with pytest.raises(ValueError, match=r"made by strategy 'my-strategy', which is not registered"
-                                         r" in this process \(registered: \[.*'swap'.*\]\): import "
-                                         r"the module that registers 'my-strategy'"):
-        memfit.compile(example.model, example.loss_fn, plan=unregistered)

@@ -211,26 +211,6 @@ def strategy_names() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
-def check_registered(plan: Plan) -> None:
-    """Refuse a plan whose strategy (its own or a region's) is not registered in this process.
-
-    A plan read from a file names its strategy as text (``Plan.load`` checks only that it is a
-    name); a step that runs the plan takes that strategy as its own, and memfit holds only
-    registered names as a step's strategy, so ``memfit.compile(..., plan=plan)`` asks here.
-
-    Raises:
-        ValueError: naming the strategy, the registered ones, and what to do.
-    """
-    registered = strategy_names()
-    for name in sorted({plan.strategy, *(region.strategy for region in plan.regions)}):
-        if name not in registered:
-            raise ValueError(
-                f"this plan was made by strategy {name!r}, which is not registered in this "
-                f"process (registered: {list(registered)}): import the module that registers "
-                f"{name!r} (memfit.planning.strategies.register) before running the plan, or "
-                "plan again with a registered strategy")
-
-
 def _load_builtin(name: str | None = None) -> None:
     """Import the module of built-in strategy ``name``, or (``None``) every module of this
     package and its technique folders (``swapping/``, ``recomputing/``): each registers its
