@@ -54,6 +54,20 @@ def test_every_page_the_readme_links_exists():
         assert (ROOT / target).exists(), target
 
 
+SOURCE_REFERENCE = re.compile(r"`([\w/]+\.py)(?:::\w+)?`")  # `lowering/rewrite.py::rewrite`
+
+
+def test_every_source_file_the_pages_name_exists():
+    """A file named in the README or docs/ (``lowering/rewrite.py``, a path from the checkout's
+    root or from a folder of ``memfit/``) is there: a moved module takes its pages along."""
+    files = [path.relative_to(ROOT).as_posix() for folder in ("memfit", "tests", "bench")
+             for path in (ROOT / folder).rglob("*.py")]
+    missing = [f"{page.name}: {name}" for page in PAGES
+               for name in SOURCE_REFERENCE.findall(page.read_text(encoding="utf-8"))
+               if not any(file == name or file.endswith("/" + name) for file in files)]
+    assert missing == []
+
+
 def test_there_are_examples_to_run():
     assert sum(len(blocks(page, "python")) for page in PAGES) >= 8
     assert len([line for page in PAGES for line in command_lines(page)]) >= 5
