@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from memfit.compiler.backend import Backend
+from memfit.compiler.backend_options import BackendOptions
 from memfit.compiler.closed_loop import CLOSED_LOOP, Loop, Round
 from memfit.compiler.plan_step import BudgetWarning, Planned, analyzed, plan_step, resolve_hardware
 from memfit.compiler.region import Region
@@ -107,11 +108,11 @@ class Step:
         self.measure = measure
         self.params = dict(params)
         self.closed_loop = plan is None  # a given plan is used as is
-        self.backend = Backend(budget, strategy, hardware, "aot_eager", None, model, params)
-        self.backend.linearize = linearize
-        self.backend.fixed_plan = plan
-        self.backend.warn_over_prediction = not self.closed_loop  # the loop re-plans instead
-        self.backend.scope_prefix = "model."  # LossModule holds the model as .model
+        self.backend = Backend(BackendOptions(
+            budget, strategy, hardware, params=params, linearize=linearize, fixed_plan=plan,
+            warn_over_prediction=not self.closed_loop,  # the loop re-plans instead
+            scope_prefix="model."),  # LossModule holds the model as .model
+            model=model)
         self._module = loss_module(model, loss_fn)
         self._compiled = torch.compile(self._module, backend=self.backend, dynamic=False)
         self._regions: dict[tuple, Region] = {}  # the newest region of each input signature
@@ -140,7 +141,7 @@ class Step:
         known = len(self.backend.regions)
         alone = self.measure or signature not in self._traced
         with _STEPS.exclusive() if alone else _STEPS.shared():
-            self.backend.budget_override = loop.planning
+            self.backend.override_budget(loop.planning)
             try:
                 loss, measured = self._run(inputs)
             except Exception as error:

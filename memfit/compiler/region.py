@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.fx as fx
 
+from memfit.compiler.backend_options import BackendOptions
 from memfit.data.costgraph import CostGraph
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan
@@ -165,10 +166,9 @@ class Planner(Protocol):
     regions: list[Region]
     model: torch.nn.Module | None
     optimizers: list
-    measure_runs: int
+    options: BackendOptions
     bound_replans: int
     planning_s: float
-    warn_over_prediction: bool
     budget_note: str  # where the budget came from, when memfit chose it
     cache_ignored: list[str]  # plan-cache files ignored, and why (``memfit.compiler.plan_cache``)
 
