@@ -4,7 +4,7 @@ One path: ``compile`` returns a ``Step`` that runs ``loss_fn(model, *inputs)`` c
 memfit's ``torch.compile`` backend, then ``loss.backward()``, so every parameter's ``.grad``
 accumulates as PyTorch's own; Dynamo's guards decide when a region is traced and planned again
 (a new shape, a frozen layer). ``plan`` traces the same module with fake inputs and keeps the
-plan, running nothing. Planning is ``memfit.compiler.plan_step.plan_step``; the closed loop is
+plan, running nothing. Planning is ``memfit.planning.step.plan_step``; the closed loop is
 ``memfit.compiler.closed_loop``.
 """
 
@@ -21,9 +21,10 @@ import torch
 from memfit.compiler.backend import Backend
 from memfit.compiler.backend_options import BackendOptions
 from memfit.compiler.closed_loop import CLOSED_LOOP, Loop, Round
-from memfit.compiler.plan_step import BudgetWarning, Planned, analyzed, plan_step, resolve_hardware
 from memfit.compiler.region import Region
+from memfit.compiler.step_graph import analyzed, resolve_hardware
 from memfit.data.costgraph import CostGraph
+from memfit.data.errors import BudgetWarning
 from memfit.data.hardware import PROFILES, Hardware, get_hardware
 from memfit.data.plan import Plan
 from memfit.data.timeline import Timeline
@@ -33,6 +34,7 @@ from memfit.fitting.callers_compile import own_trace
 from memfit.fitting.cluster import FsdpBlock, resolve_sharding
 from memfit.fitting.traced import as_planned, loss_module, memfit_error, trace_plan
 from memfit.model.sharding import DEFAULT_BUCKET_BYTES
+from memfit.planning.step import Planned, plan_step
 from memfit.planning.strategies import check_registered, resolve_budget_and_strategy
 from memfit.runtime.measure import measure_allocator_peak, profiler_running
 from memfit.runtime.resident import device_of

@@ -43,22 +43,16 @@ from memfit.compiler.graph_breaks import (
 from memfit.compiler.joint_planning import MAX_JOINT_ROUNDS, JointPlanning
 from memfit.compiler.loop_lifetimes import planned_for_the_loop
 from memfit.compiler.partners import partners_of
-from memfit.compiler.plan_step import (
-    BudgetWarning,
-    Planned,
-    plan_step,
-    resolve_hardware,
-    short_even_alone,
-    with_eager_note,
-)
 from memfit.compiler.region import Region, timed_planning
 from memfit.compiler.region_run import aot_eager_runner, inductor_runner
 from memfit.compiler.replanning import plan_again_when_stale
 from memfit.compiler.shape_bound import InputSizes
+from memfit.compiler.step_graph import resolve_hardware
 from memfit.data.costgraph import CostGraph
-from memfit.data.errors import BudgetError
+from memfit.data.errors import BudgetError, BudgetWarning
 from memfit.data.hardware import Hardware
 from memfit.data.units import Budget, format_bytes
+from memfit.planning.step import Planned, plan_step, short_even_alone, with_eager_note
 from memfit.runtime.outside import EagerWatch
 from memfit.runtime.ranks import agree_max
 from memfit.runtime.resident import device_of, reserved_state_bytes, resident_bytes

@@ -24,7 +24,6 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from memfit.compiler.backend_options import BackendOptions
 from memfit.compiler.graph_breaks import latest_regions
-from memfit.compiler.plan_step import BudgetWarning
 from memfit.compiler.region import Region
 from memfit.compiler.replanning import (
     count_eager_in_prediction,
@@ -32,6 +31,7 @@ from memfit.compiler.replanning import (
     eager_room_needed,
     warn_eager_gap_over,
 )
+from memfit.data.errors import BudgetWarning
 from memfit.runtime.outside import EagerWatch
 from memfit.runtime.resident import local_tensor
 

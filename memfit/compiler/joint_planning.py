@@ -25,14 +25,15 @@ from memfit.compiler.graph_breaks import (
     save_at_most,
     saves_caps,
 )
-from memfit.compiler.plan_step import BudgetWarning, plan_step, rerun_whole
 from memfit.compiler.region import Region
 from memfit.compiler.repeated_calls import fit_copies, live_forwards, uncounted_copies
 from memfit.data.costgraph import CostGraph
+from memfit.data.errors import BudgetWarning
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan
 from memfit.data.units import Budget, format_bytes
 from memfit.model.simulate import simulate
+from memfit.planning.step import plan_step, rerun_whole
 from memfit.runtime.ranks import agree_on_eager_bytes
 
 MAX_JOINT_ROUNDS = 2  # joint re-plans of a graph-broken model; each costs a trace of every region

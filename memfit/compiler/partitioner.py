@@ -23,8 +23,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memfit.compiler.graph_breaks import extra_copies, first_iteration_cap, own_copies_bytes
 from memfit.compiler.loop_lifetimes import loop_lifetimes_apply
-from memfit.compiler.plan_cache import note_stage
-from memfit.compiler.plan_step import Planned, analyzed, resolve_hardware
 from memfit.compiler.region import (
     REGION_KEY,
     Planner,
@@ -42,6 +40,7 @@ from memfit.compiler.region_lifetimes import (
 )
 from memfit.compiler.replanning import gap_saves_cap, outputs_and_inputs_bytes
 from memfit.compiler.shape_bound import priced_bound
+from memfit.compiler.step_graph import analyzed, resolve_hardware
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError, CaptureError
 from memfit.data.hardware import Hardware
@@ -56,6 +55,8 @@ from memfit.lowering.joint import (
 )
 from memfit.lowering.rewrite import rewrite
 from memfit.model.simulate import simulate
+from memfit.planning.plan_cache import note_stage
+from memfit.planning.step import Planned
 from memfit.runtime.outside import CUDA_BLOCK_BYTES
 from memfit.runtime.ranks import agree_max, agree_on_hardware, agree_on_plan, raise_if_any_failed
 from memfit.runtime.resident import fsdp_in_flight_bytes, local_tensor, resident_bytes

@@ -170,7 +170,7 @@ class Planner(Protocol):
     bound_replans: int
     planning_s: float
     budget_note: str  # where the budget came from, when memfit chose it
-    cache_ignored: list[str]  # plan-cache files ignored, and why (``memfit.compiler.plan_cache``)
+    cache_ignored: list[str]  # plan-cache files ignored, and why (``memfit.planning.plan_cache``)
 
     def eager_watch(self) -> Any: ...
 
@@ -200,7 +200,7 @@ def timed_planning(planner: Planner) -> Iterator[None]:
     ``max_batch_size``'s bar: tqdm's ``disable=None``)."""
     from tqdm import tqdm
 
-    from memfit.compiler.plan_cache import planning_tally
+    from memfit.planning.plan_cache import planning_tally
 
     first, started = len(planner.regions), time.perf_counter()
     with planning_tally() as tally, tqdm(

@@ -19,11 +19,11 @@ import torch
 import torch.fx as fx
 
 from memfit.compiler.loop_lifetimes import check_loop_lifetimes, collect_before_backward
-from memfit.compiler.plan_step import BudgetWarning
 from memfit.compiler.region import REGION_KEY, Planner, Region
 from memfit.compiler.region_lifetimes import observe_loop, remember_outputs, tangents_given
 from memfit.compiler.region_peak import measure_region_run
 from memfit.compiler.repeated_calls import live_forwards, note_forward_saves, storages_of
+from memfit.data.errors import BudgetWarning
 from memfit.data.units import format_bytes
 from memfit.runtime.streams import CopyEngine, active_engine
 from memfit.tracing.rnn import run_rnn_layers_for_training

@@ -33,13 +33,13 @@ import torch
 from memfit.compiler.backend import Backend
 from memfit.compiler.backend_options import BackendOptions
 from memfit.compiler.graph_breaks import latest_regions, saves_caps
-from memfit.compiler.plan_step import Planned
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError
 from memfit.data.hardware import Hardware
 from memfit.fitting.callers_compile import own_trace
 from memfit.fitting.traced import _PlanOnly, buffers_kept, fake_like
 from memfit.model.schedule import PlanError
+from memfit.planning.step import Planned
 
 LOG = logging.getLogger(__name__)
 

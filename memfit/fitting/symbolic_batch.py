@@ -33,7 +33,6 @@ import torch.fx as fx
 
 from memfit.compiler.backend_options import BackendOptions
 from memfit.compiler.graph_breaks import compiling_site
-from memfit.compiler.plan_step import Planned
 from memfit.data.units import Budget
 from memfit.fitting.callers_compile import own_trace
 from memfit.fitting.traced import (
@@ -48,6 +47,7 @@ from memfit.fitting.traced import (
     memfit_error,
     planning_backend,
 )
+from memfit.planning.step import Planned
 from memfit.runtime.resident import device_of
 from memfit.tracing.shapes import shape_env_of, symbols_of
 from memfit.tracing.target import host_code

@@ -27,7 +27,6 @@ import torch.fx as fx
 from memfit.compiler.backend import Backend
 from memfit.compiler.backend_options import BackendOptions
 from memfit.compiler.graph_breaks import compiling_site
-from memfit.compiler.plan_step import DeviceBudget, Planned, plan_step
 from memfit.compiler.region import Region
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError, CaptureError
@@ -38,6 +37,7 @@ from memfit.data.units import Budget, format_bytes
 from memfit.fitting.callers_compile import own_trace
 from memfit.model.schedule import PlanError
 from memfit.model.sharding import Sharding, shard_graph
+from memfit.planning.step import DeviceBudget, Planned, plan_step
 from memfit.runtime.resident import device_of
 from memfit.tracing.capture import refuse_meta_parameters
 from memfit.tracing.target import check_autocast
