@@ -204,7 +204,7 @@ class Step:
         region = self._regions.get(signature)
         if region is None or not self.closed_loop:
             return
-        hardware = resolve_hardware(self.hardware_spec, device_of(self.model.parameters()))
+        hardware = self.backend.hardware_for(device_of(self.model.parameters()))
 
         def plan_for(budget_bytes: int) -> Planned:
             return plan_step(region.graph, hardware, Budget(bytes=budget_bytes), self.strategy,

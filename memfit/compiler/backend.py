@@ -54,7 +54,7 @@ from memfit.data.hardware import Hardware
 from memfit.data.units import Budget, format_bytes
 from memfit.planning.step import Planned, plan_step, short_even_alone, with_eager_note
 from memfit.runtime.outside import EagerWatch
-from memfit.runtime.ranks import agree_max
+from memfit.runtime.ranks import agree_max, agree_on_hardware
 from memfit.runtime.resident import device_of, reserved_state_bytes, resident_bytes
 from memfit.runtime.streams import CopyEngine
 from memfit.tracing.capture import DECOMPOSE
@@ -104,6 +104,7 @@ class Backend(EagerWatching, JointPlanning):
         self._eager_watch: EagerWatch | None = None  # on a CPU, over the measured iterations
         self._eager_now = 0  # eager code's bytes alive as the region compiled now is called
         self.device: torch.device | None = None  # of the latest region compiled
+        self._hardware: dict[torch.device, Hardware] = {}  # device -> its profile (hardware_for)
         self.planning_s = 0.0  # seconds spent tracing and planning regions (all plans)
         self.bound_replans = 0  # plans made again for a shape past a dynamic region's bound
         self._parameters: list[torch.Tensor] | None = None  # the model's and optimizers'
@@ -152,6 +153,18 @@ class Backend(EagerWatching, JointPlanning):
             self.joint_first_note = note
         else:
             self.joint_first_regions = regions
+
+    def hardware_for(self, device: torch.device) -> Hardware:
+        """The profile every region on ``device`` is planned with: ``options.hardware``
+        resolved at the first region there (``resolve_hardware``; a measured one agreed on
+        across ranks, as every rank plans the same regions) and kept for the backend's life."""
+        found = self._hardware.get(device)
+        if found is None:
+            spec = self.options.hardware
+            measured = spec is None and device.type not in ("cpu", "meta")
+            found = agree_on_hardware(resolve_hardware(spec, device), measured)
+            self._hardware[device] = found
+        return found
 
     def count_afresh(self, device: torch.device, eager_bytes: int) -> None:
         """Start planning a region on ``device`` beside ``eager_bytes`` of eager code: what is
@@ -218,8 +231,7 @@ class Backend(EagerWatching, JointPlanning):
         """The capture personality of a planning-only trace (``memfit.tracing.target``)."""
         if not self.options.retarget:
             return contextlib.nullcontext()
-        return retargeted(resolve_hardware(self.options.hardware, device), device,
-                          self.options.autocast)
+        return retargeted(self.hardware_for(device), device, self.options.autocast)
 
     def _compile_region(self, graph_module: fx.GraphModule, example_inputs: list,
                         device: torch.device, site: Any, bound: Bound | None) -> Any:

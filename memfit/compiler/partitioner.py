@@ -40,7 +40,7 @@ from memfit.compiler.region_lifetimes import (
 )
 from memfit.compiler.replanning import gap_saves_cap, outputs_and_inputs_bytes
 from memfit.compiler.shape_bound import priced_bound
-from memfit.compiler.step_graph import analyzed, resolve_hardware
+from memfit.compiler.step_graph import analyzed
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError, CaptureError
 from memfit.data.hardware import Hardware
@@ -58,7 +58,7 @@ from memfit.model.simulate import simulate
 from memfit.planning.plan_cache import note_stage
 from memfit.planning.step import Planned
 from memfit.runtime.outside import CUDA_BLOCK_BYTES
-from memfit.runtime.ranks import agree_max, agree_on_hardware, agree_on_plan, raise_if_any_failed
+from memfit.runtime.ranks import agree_max, agree_on_plan, raise_if_any_failed
 from memfit.runtime.resident import fsdp_in_flight_bytes, local_tensor, resident_bytes
 from memfit.tracing.rnn import size_lstm_buffers
 from memfit.tracing.shapes import Bound, at_bound
@@ -73,6 +73,8 @@ class RegionPlanner(Planner, Protocol):
     eager_gap: dict[Any, int]
     gap_saves_limit: dict[Any, int]
     _eager_now: int
+
+    def hardware_for(self, device: torch.device) -> Hardware: ...
 
     def _choose(self, graph: CostGraph, hardware: Hardware, outside: int, pending: int,
                 eager: int = 0, own_open: int = 0, loop_graph: CostGraph | None = None
@@ -98,9 +100,7 @@ def plan_region(planner: RegionPlanner, joint: fx.GraphModule, device: torch.dev
     Raises:
         BudgetError: if no plan of the strategy fits, before anything runs.
     """
-    options = planner.options
-    measured = options.hardware is None and device.type not in ("cpu", "meta")
-    hardware = agree_on_hardware(resolve_hardware(options.hardware, device), measured)
+    options, hardware = planner.options, planner.hardware_for(device)
     realias_views(joint)  # views left on a copy that inductor's joint-graph passes erased
     elide_clones(joint)
     drop_unread_running_statistics(joint)

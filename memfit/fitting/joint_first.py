@@ -52,8 +52,9 @@ class _OnFakes(_PlanOnly):
 
     def __init__(self, fitted_backend: Backend, eager_seen_bytes: int,
                  arguments: tuple[torch.Tensor, ...]) -> None:
-        fitted = fitted_backend.options
-        super().__init__(BackendOptions(fitted.budget, fitted.strategy, fitted.hardware,
+        fitted, device = fitted_backend.options, fitted_backend.device
+        hardware = fitted.hardware if device is None else fitted_backend.hardware_for(device)
+        super().__init__(BackendOptions(fitted.budget, fitted.strategy, hardware,
                                         params=fitted.params), model=fitted_backend.model)
         self.fitted_backend = fitted_backend  # the fitted model's backend this trace plans for
         self.eager_seen_bytes = eager_seen_bytes
