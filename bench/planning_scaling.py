@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from memfit import examples
-from memfit.compiler.plan_step import analyzed
+from memfit.compiler.step_graph import analyzed
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError
 from memfit.data.hardware import get_hardware

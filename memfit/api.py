@@ -4,7 +4,7 @@ One path: ``compile`` returns a ``Step`` that runs ``loss_fn(model, *inputs)`` c
 memfit's ``torch.compile`` backend, then ``loss.backward()``, so every parameter's ``.grad``
 accumulates as PyTorch's own; Dynamo's guards decide when a region is traced and planned again
 (a new shape, a frozen layer). ``plan`` traces the same module with fake inputs and keeps the
-plan, running nothing. Planning is ``memfit.compiler.plan_step.plan_step``; the closed loop is
+plan, running nothing. Planning is ``memfit.planning.step.plan_step``; the closed loop is
 ``memfit.compiler.closed_loop``.
 """
 
@@ -19,10 +19,12 @@ from typing import Any
 import torch
 
 from memfit.compiler.backend import Backend
+from memfit.compiler.backend_options import BackendOptions
 from memfit.compiler.closed_loop import CLOSED_LOOP, Loop, Round
-from memfit.compiler.plan_step import BudgetWarning, Planned, analyzed, plan_step, resolve_hardware
 from memfit.compiler.region import Region
+from memfit.compiler.step_graph import analyzed, resolve_hardware
 from memfit.data.costgraph import CostGraph
+from memfit.data.errors import BudgetWarning
 from memfit.data.hardware import PROFILES, Hardware, get_hardware
 from memfit.data.plan import Plan
 from memfit.data.timeline import Timeline
@@ -32,6 +34,7 @@ from memfit.fitting.callers_compile import own_trace
 from memfit.fitting.cluster import FsdpBlock, resolve_sharding
 from memfit.fitting.traced import as_planned, loss_module, memfit_error, trace_plan
 from memfit.model.sharding import DEFAULT_BUCKET_BYTES
+from memfit.planning.step import Planned, plan_step
 from memfit.planning.strategies import resolve_budget_and_strategy
 from memfit.runtime.measure import measure_allocator_peak, profiler_running
 from memfit.runtime.resident import device_of
@@ -107,11 +110,11 @@ class Step:
         self.measure = measure
         self.params = dict(params)
         self.closed_loop = plan is None  # a given plan is used as is
-        self.backend = Backend(budget, strategy, hardware, "aot_eager", None, model, params)
-        self.backend.linearize = linearize
-        self.backend.fixed_plan = plan
-        self.backend.warn_over_prediction = not self.closed_loop  # the loop re-plans instead
-        self.backend.scope_prefix = "model."  # LossModule holds the model as .model
+        self.backend = Backend(BackendOptions(
+            budget, strategy, hardware, params=params, linearize=linearize, fixed_plan=plan,
+            warn_over_prediction=not self.closed_loop,  # the loop re-plans instead
+            scope_prefix="model."),  # LossModule holds the model as .model
+            model=model)
         self._module = loss_module(model, loss_fn)
         self._compiled = torch.compile(self._module, backend=self.backend, dynamic=False)
         self._regions: dict[tuple, Region] = {}  # the newest region of each input signature
@@ -140,7 +143,7 @@ class Step:
         known = len(self.backend.regions)
         alone = self.measure or signature not in self._traced
         with _STEPS.exclusive() if alone else _STEPS.shared():
-            self.backend.budget_override = loop.planning
+            self.backend.override_budget(loop.planning)
             try:
                 loss, measured = self._run(inputs)
             except Exception as error:
@@ -201,7 +204,7 @@ class Step:
         region = self._regions.get(signature)
         if region is None or not self.closed_loop:
             return
-        hardware = resolve_hardware(self.hardware_spec, device_of(self.model.parameters()))
+        hardware = self.backend.hardware_for(device_of(self.model.parameters()))
 
         def plan_for(budget_bytes: int) -> Planned:
             return plan_step(region.graph, hardware, Budget(bytes=budget_bytes), self.strategy,

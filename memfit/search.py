@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from memfit.api import Step
-from memfit.compiler.plan_step import Planned, resolve_hardware
+from memfit.compiler.step_graph import resolve_hardware
 from memfit.data.errors import BudgetError
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan
@@ -44,6 +44,7 @@ from memfit.planning.batches import (
     search_fastest,
     whole_bytes,
 )
+from memfit.planning.step import Planned
 from memfit.planning.strategies import resolve_budget_and_strategy
 
 __all__ = ["Trial", "FrontierPoint", "BatchSearch", "max_batch_size"]

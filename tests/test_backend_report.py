@@ -11,7 +11,7 @@ from torch import nn
 
 import memfit
 from memfit.compiler.graph_breaks import latest_regions
-from memfit.compiler.plan_step import BudgetWarning
+from memfit.data.errors import BudgetWarning
 from memfit.runtime.measure import measure_allocator_peak
 from tests.test_backend import Broken, assert_same_training, batches, eager_reference, mlp, train
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from memfit.compiler.closed_loop import Loop
-from memfit.compiler.plan_step import BudgetWarning
+from memfit.data.errors import BudgetWarning
 from memfit.data.units import format_bytes
 
 

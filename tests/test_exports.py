@@ -10,8 +10,8 @@ import sys
 import pytest
 
 import memfit
-from memfit.compiler.plan_step import BudgetWarning
 from memfit.data import errors
+from memfit.data.errors import BudgetWarning
 from memfit.data.plan_json import PlanFileError
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.compiler.plan_step import BudgetWarning
+from memfit.data.errors import BudgetWarning
 from tests.test_backend import (
     Broken,
     assert_same_training,

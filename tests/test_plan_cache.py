@@ -1,4 +1,4 @@
-"""Plans cached on disk across processes (``memfit.compiler.plan_cache``): a second process of the
+"""Plans cached on disk across processes (``memfit.planning.plan_cache``): a second process of the
 same script chooses no plan and says so; anything a plan depends on changed misses the cache; a
 corrupt, foreign or over-budget entry is ignored, reported and never run."""
 
@@ -15,14 +15,14 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.compiler import plan_cache
-from memfit.compiler.plan_cache import planning_tally
-from memfit.compiler.plan_step import plan_step
 from memfit.data.errors import BudgetError
 from memfit.data.hardware import get_hardware
 from memfit.data.units import Budget
 from memfit.fitting.fitted import BACKEND_KEY
 from memfit.model.synthetic import chain
+from memfit.planning import plan_cache
+from memfit.planning.plan_cache import planning_tally
+from memfit.planning.step import plan_step
 
 ROOT = Path(__file__).resolve().parents[1]
 

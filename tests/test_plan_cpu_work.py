@@ -8,14 +8,14 @@ import gc
 import random
 from collections import Counter
 
-import memfit.compiler.plan_step as plan_step_module
 import memfit.model.recompute as recompute_module
-from memfit.compiler.plan_step import plan_step
+import memfit.planning.step as plan_step_module
 from memfit.data.hardware import get_hardware
 from memfit.data.units import Budget
 from memfit.model import synthetic
 from memfit.model.recompute import decided_reruns, first_late_readers, rerun_deadlines
 from memfit.planning.solvers.segments import find_blocks, segment_table
+from memfit.planning.step import plan_step
 from memfit.planning.strategies.recomputing.checkpoint import _speed_checkpoints
 
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 
-import memfit.compiler.plan_step as plan_step_module
 import memfit.model.simulate as simulate_module
-from memfit.compiler.plan_step import plan_step
+import memfit.planning.step as plan_step_module
 from memfit.data.hardware import get_hardware
 from memfit.data.units import Budget
 from memfit.model import synthetic
 from memfit.model.plan_memo import plans_remembered
 from memfit.model.schedule import lower
+from memfit.planning.step import plan_step
 from memfit.planning.strategies import get_strategy
 
 

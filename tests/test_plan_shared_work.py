@@ -9,15 +9,15 @@ from collections import Counter
 
 import numpy as np
 
-import memfit.compiler.plan_step as plan_step_module
 import memfit.model.rerun_delta as rerun_delta_module
-from memfit.compiler.plan_step import plan_step
+import memfit.planning.step as plan_step_module
 from memfit.data.hardware import get_hardware
 from memfit.data.units import Budget
 from memfit.model import synthetic
 from memfit.model.plan_memo import plans_remembered
 from memfit.model.profile import BaseProfile
 from memfit.planning.solvers import segments
+from memfit.planning.step import plan_step
 from memfit.planning.strategies.swapping import tflms
 
 

@@ -23,13 +23,15 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from memfit.compiler import partitioner
+from memfit.compiler.backend_options import BackendOptions
 from memfit.compiler.eager_watching import EagerWatching
 from memfit.compiler.graph_breaks import (
     compiling_site,
@@ -41,25 +43,18 @@ from memfit.compiler.graph_breaks import (
 from memfit.compiler.joint_planning import MAX_JOINT_ROUNDS, JointPlanning
 from memfit.compiler.loop_lifetimes import planned_for_the_loop
 from memfit.compiler.partners import partners_of
-from memfit.compiler.plan_step import (
-    BudgetWarning,
-    Planned,
-    plan_step,
-    resolve_hardware,
-    short_even_alone,
-    with_eager_note,
-)
 from memfit.compiler.region import Region, timed_planning
 from memfit.compiler.region_run import aot_eager_runner, inductor_runner
 from memfit.compiler.replanning import plan_again_when_stale
 from memfit.compiler.shape_bound import InputSizes
+from memfit.compiler.step_graph import resolve_hardware
 from memfit.data.costgraph import CostGraph
-from memfit.data.errors import BudgetError
+from memfit.data.errors import BudgetError, BudgetWarning
 from memfit.data.hardware import Hardware
-from memfit.data.plan import Plan
 from memfit.data.units import Budget, format_bytes
+from memfit.planning.step import Planned, plan_step, short_even_alone, with_eager_note
 from memfit.runtime.outside import EagerWatch
-from memfit.runtime.ranks import agree_max
+from memfit.runtime.ranks import agree_max, agree_on_hardware
 from memfit.runtime.resident import device_of, reserved_state_bytes, resident_bytes
 from memfit.runtime.streams import CopyEngine
 from memfit.tracing.capture import DECOMPOSE
@@ -74,25 +69,18 @@ class Backend(EagerWatching, JointPlanning):
     """A ``torch.compile`` backend whose partitioner is memfit's planner. Build with
     ``memfit.backend``; ``regions`` lists what it planned, ``report()`` shows it."""
 
-    def __init__(self, budget: Budget | None, strategy: str, hardware: Hardware | str | None,
-                 compiler: str, optimizer: torch.optim.Optimizer | None,
-                 model: torch.nn.Module | None, params: Mapping[str, Any],
-                 measure_runs: int = 2) -> None:
-        self.budget = budget
-        self.strategy = strategy
-        self.hardware_spec = hardware
-        self.compiler = compiler
+    def __init__(self, options: BackendOptions, optimizer: torch.optim.Optimizer | None = None,
+                 model: torch.nn.Module | None = None) -> None:
+        self.options = options  # replaced only by choose_budget, at memfit.fit's first call
         self.optimizers: list[torch.optim.Optimizer] = [optimizer] if optimizer else []
         self.model = model
-        self.params = dict(params)
         self.regions: list[Region] = []
         self.replans = 0  # plans made again because more stayed resident than planned for
-        self.measure_runs = measure_runs  # forward+backward runs measured per region
-        self.warn_over_prediction = True  # off where a closed loop re-plans (memfit.compile)
+        self.budget_override: Budget | None = None  # a closed loop's lower one (override_budget)
         self.saves_caps: dict[Any, int] = {}  # site -> most bytes its forward may save
         # memfit.fit's backend: a first region followed by a graph break has the call traced on
         # fakes before it first runs, and the regions planned jointly (memfit.fitting.joint_first)
-        self.joint_first_trace: Callable[[int], dict[Any, int]] | None = None  # set by fit
+        self.joint_first_trace: Callable[[int], dict[Any, int]] | None = None  # trace_first_call
         self.joint_first_site: Any = None  # the first region's, until its first run
         self.joint_first_eager_bytes = 0  # eager code's bytes at its compile, for the trace
         self.joint_first_regions = 0  # regions the trace on fakes planned jointly
@@ -104,7 +92,6 @@ class Backend(EagerWatching, JointPlanning):
         self.copies_short_said = False  # no plan fit beside a region's copies (said once)
         self.eager_codes: list[str] = []  # code Dynamo stopped compiling (its recompile limit)
         self.limit_codes: dict[Any, str] = {}  # code object past its recompile limit -> cause
-        self.checks_calls = False  # memfit.fit's module says each call run outside a plan
         self.forward_runs = 0  # planned region forwards run
         self.codes_run: set[Any] = set()  # codes whose planned region ran in the current call
         self.unplanned_calls: dict[str, int] = {}  # "code: cause" -> calls run outside a plan
@@ -117,39 +104,84 @@ class Backend(EagerWatching, JointPlanning):
         self._eager_watch: EagerWatch | None = None  # on a CPU, over the measured iterations
         self._eager_now = 0  # eager code's bytes alive as the region compiled now is called
         self.device: torch.device | None = None  # of the latest region compiled
+        self._hardware: dict[torch.device, Hardware] = {}  # device -> its profile (hardware_for)
         self.planning_s = 0.0  # seconds spent tracing and planning regions (all plans)
         self.bound_replans = 0  # plans made again for a shape past a dynamic region's bound
         self._parameters: list[torch.Tensor] | None = None  # the model's and optimizers'
         self._resident_counted: tuple[Any, int] | None = None  # (what it depends on, bytes)
         watch_recompile_limit(self)
-        # set by memfit.compile's Step: its options, and the closed loop's tighter budget
-        self.linearize = False
-        self.fixed_plan: Plan | None = None
-        self.budget_override: Budget | None = None
-        self.what_ifs = False  # memfit.plan explains its plan: the plans at the budget x0.9, x1.1
-        self.scope_prefix = ""  # where the model sits in the compiled module (Step's "model.")
-        # the buffers this machine's kernels allocate inside one op (memfit/tracing/temporaries.py):
-        # counted for a step that runs here; memfit.plan for another device's profile leaves
-        # this CPU's oneDNN scratch out
-        self.kernel_temporaries = True
-        # set by memfit.plan (memfit.fitting.traced): trace the step as the profile's device runs it
-        # (memfit.tracing.target), with the target's autocast dtype; never for a step that runs
-        self.retarget = False
-        self.autocast: torch.dtype | None = None
-        # set by memfit.fit: how a copy of the fitted model makes its own backend (__reduce__)
-        self.copy_as: tuple | None = None
         self.budget_note = ""  # where the budget came from, when memfit chose it (report)
         self.cache_ignored: list[str] = []  # plan-cache files ignored, and why (report)
 
+    @property
+    def budget(self) -> Budget | None:
+        """The whole-device budget the regions are planned under (``None``: no limit)."""
+        return self.options.budget
+
+    @property
+    def strategy(self) -> str:
+        """The strategy that plans each region."""
+        return self.options.strategy
+
+    @property
+    def planning_budget(self) -> Budget | None:
+        """The budget a region's plan is made for: a closed loop's tighter one, else ``budget``."""
+        return self.budget_override or self.options.budget
+
+    def choose_budget(self, budget: Budget | None, strategy: str, note: str) -> None:
+        """Plan under ``budget`` with ``strategy`` from now on: the automatic budget
+        ``memfit.fit`` chooses at its first call on CUDA, before any region is compiled;
+        ``note`` says in the report where the number came from."""
+        self.options = replace(self.options, budget=budget, strategy=strategy)
+        self.budget_note = note
+
+    def override_budget(self, budget: Budget | None) -> None:
+        """Plan the next regions for ``budget`` (a closed loop's budget lowered by a measured
+        excess, ``memfit.compiler.closed_loop``); ``None`` plans for ``budget`` again."""
+        self.budget_override = budget
+
+    def trace_first_call(self, trace: Callable[[int], dict[Any, int]] | None) -> None:
+        """Have the call now starting traced on fakes by ``trace`` before its first region's
+        first run (``memfit.fitting.joint_first``); ``None`` after the call, so that the
+        trace, which holds the call's arguments, is dropped."""
+        self.joint_first_trace = trace
+
+    def first_call_traced(self, regions: int = 0, note: str = "") -> None:
+        """Record what the trace on fakes of ``trace_first_call`` did: ``regions`` planned
+        jointly, or, where it failed, ``note`` saying why (``memfit.report``)."""
+        if note:
+            self.joint_first_note = note
+        else:
+            self.joint_first_regions = regions
+
+    def hardware_for(self, device: torch.device) -> Hardware:
+        """The profile every region on ``device`` is planned with: ``options.hardware``
+        resolved at the first region there (``resolve_hardware``; a measured one agreed on
+        across ranks, as every rank plans the same regions) and kept for the backend's life."""
+        found = self._hardware.get(device)
+        if found is None:
+            spec = self.options.hardware
+            measured = spec is None and device.type not in ("cpu", "meta")
+            found = agree_on_hardware(resolve_hardware(spec, device), measured)
+            self._hardware[device] = found
+        return found
+
+    def count_afresh(self, device: torch.device, eager_bytes: int) -> None:
+        """Start planning a region on ``device`` beside ``eager_bytes`` of eager code: what is
+        resident is counted again."""
+        self._parameters = self._resident_counted = None
+        self.device = device
+        self._eager_now = eager_bytes
+
     def __reduce__(self) -> tuple:
         """A copy (``copy.deepcopy``, ``pickle``) of a fitted model's backend is the copy's own new
-        backend (``memfit.fit`` sets ``copy_as``): regions, plans and compiled code are never
-        copied nor shared."""
-        if self.copy_as is None:
+        backend (``memfit.fit`` sets ``BackendOptions.copy_as``): regions, plans and compiled
+        code are never copied nor shared."""
+        if self.options.copy_as is None:
             raise TypeError("a memfit backend holds compiled code and is not copied: copy the "
                             "model returned by memfit.fit (its copy plans afresh), or make a "
                             "new memfit.backend(...)")
-        return self.copy_as
+        return self.options.copy_as
 
     def upper(self) -> str:
         """Raise at once where a framework reads the backend as a name (accelerate's
@@ -182,9 +214,7 @@ class Backend(EagerWatching, JointPlanning):
         """The region compiled with memfit as its partitioner (``plan_region``): by Dynamo's
         call, and again by ``memfit.compiler.replanning`` to plan it anew, from the same graph.
         ``bound``: each symbolic size at the value its plan is priced at (a dynamic region)."""
-        self._parameters = self._resident_counted = None  # count what is resident afresh
-        self.device = device
-        self._eager_now = self.eager_bytes_now(example_inputs)  # alive at its forward's start
+        self.count_afresh(device, self.eager_bytes_now(example_inputs))  # alive at its start
         started = time.perf_counter()
         first = len(self.regions)
         try:
@@ -199,16 +229,16 @@ class Backend(EagerWatching, JointPlanning):
 
     def _target(self, device: torch.device) -> contextlib.AbstractContextManager:
         """The capture personality of a planning-only trace (``memfit.tracing.target``)."""
-        if not self.retarget:
+        if not self.options.retarget:
             return contextlib.nullcontext()
-        return retargeted(resolve_hardware(self.hardware_spec, device), device, self.autocast)
+        return retargeted(self.hardware_for(device), device, self.options.autocast)
 
     def _compile_region(self, graph_module: fx.GraphModule, example_inputs: list,
                         device: torch.device, site: Any, bound: Bound | None) -> Any:
         from torch._dynamo.backends.common import aot_autograd
 
         engine = CopyEngine(device)
-        if self.compiler == "inductor":
+        if self.options.compiler == "inductor":
             from memfit.lowering.inductor import compile_with_inductor
 
             if device.type != "cpu" and self.budget is not None:
@@ -279,16 +309,16 @@ class Backend(EagerWatching, JointPlanning):
                                    ) -> tuple[Planned | None, BudgetError | None]:
         """The strategy's plan with every output held; where none fits, ``loop_graph``'s; where
         neither does, the error with the smaller minimum (``planned_for_the_loop``)."""
+        options = self.options
         try:
-            return plan_step(graph, hardware, self.budget_override or self.budget,
-                             self.strategy, self.params, outside, self.fixed_plan,
-                             self.what_ifs), None
+            return plan_step(graph, hardware, self.planning_budget, options.strategy,
+                             options.params, outside, options.fixed_plan, options.what_ifs), None
         except BudgetError as held_error:
-            if loop_graph is None or self.fixed_plan is not None:
+            if loop_graph is None or options.fixed_plan is not None:
                 return None, held_error
             try:
-                return planned_for_the_loop(loop_graph, hardware, held_error, self.strategy,
-                                            self.params, outside, self.what_ifs), None
+                return planned_for_the_loop(loop_graph, hardware, held_error, options.strategy,
+                                            options.params, outside, options.what_ifs), None
             except BudgetError as smaller:
                 return None, smaller
 
@@ -323,7 +353,7 @@ class Backend(EagerWatching, JointPlanning):
                     outside: int) -> Planned:
         """The region planned at its smallest peak (``error.minimum_bytes``)."""
         return plan_step(graph, hardware, Budget(bytes=error.minimum_bytes), self.strategy,
-                         self.params, outside)
+                         self.options.params, outside)
 
     # ---- code Dynamo runs: past its recompile limit, or a planned forward -----------------------
 
@@ -338,7 +368,7 @@ class Backend(EagerWatching, JointPlanning):
             self.limit_codes[code] = limit_cause(limit)
         if where not in self.eager_codes:
             self.eager_codes.append(where)
-        if self.checks_calls or len(self.eager_codes) > 1:
+        if self.options.checks_calls or len(self.eager_codes) > 1:
             return
         warnings.warn(
             f"memfit: Dynamo hit its recompile limit on {where}; that code now runs eagerly, "

@@ -13,11 +13,11 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from memfit.compiler.plan_step import BudgetWarning, Planned
-from memfit.data.errors import BudgetError
+from memfit.data.errors import BudgetError, BudgetWarning
 from memfit.data.timeline import Timeline
 from memfit.data.units import Budget, format_bytes
 from memfit.model.schedule import PlanError
+from memfit.planning.step import Planned
 
 __all__ = ["CLOSED_LOOP", "ClosedLoop", "Loop", "Round"]
 

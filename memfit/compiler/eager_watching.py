@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from memfit.compiler.backend_options import BackendOptions
 from memfit.compiler.graph_breaks import latest_regions
-from memfit.compiler.plan_step import BudgetWarning
 from memfit.compiler.region import Region
 from memfit.compiler.replanning import (
     count_eager_in_prediction,
@@ -31,6 +31,7 @@ from memfit.compiler.replanning import (
     eager_room_needed,
     warn_eager_gap_over,
 )
+from memfit.data.errors import BudgetWarning
 from memfit.runtime.outside import EagerWatch
 from memfit.runtime.resident import local_tensor
 
@@ -46,7 +47,7 @@ class EagerWatching:
     regions: list[Region]
     model: torch.nn.Module | None
     optimizers: list[torch.optim.Optimizer]
-    measure_runs: int
+    options: BackendOptions
     eager_gave_up: bool
     eager_replans: int
     eager_held: dict[Any, int]
@@ -60,9 +61,9 @@ class EagerWatching:
         gave up. Without a budget too: nothing is planned again, but a region's predicted peak
         is the whole device's, and the loop's loss and target are on the device beside it
         (``count_eager_in_prediction``)."""
-        return (not self.eager_gave_up and self.measure_runs > 0
+        return (not self.eager_gave_up and self.options.measure_runs > 0
                 and (not self.regions or any(
-                    region.measured_runs < 2 * self.measure_runs
+                    region.measured_runs < 2 * self.options.measure_runs
                     for region in latest_regions(self.regions))))
 
     def eager_watch(self) -> EagerWatch | None:

@@ -4,7 +4,7 @@ regions of a graph-broken model whose earlier saves left a later one short (the 
 ``memfit.compiler.graph_breaks``).
 
 A mixin of ``memfit.compiler.backend.Backend``, its own file so the backend reads as planning
-one region; it uses the backend's ``regions``, ``strategy``, ``params``, ``fixed_plan``,
+one region; it uses the backend's ``regions``, ``options``,
 ``saves_caps``, ``joint_rounds``, ``joint_failed``, ``replanned_beside_copies``,
 ``copies_sites``, ``copies_short_said`` and ``make_room_for_eager``.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from memfit.compiler.backend_options import BackendOptions
 from memfit.compiler.graph_breaks import (
     copies_held,
     joint_failure_reason,
@@ -24,14 +25,15 @@ from memfit.compiler.graph_breaks import (
     save_at_most,
     saves_caps,
 )
-from memfit.compiler.plan_step import BudgetWarning, plan_step, rerun_whole
 from memfit.compiler.region import Region
 from memfit.compiler.repeated_calls import fit_copies, live_forwards, uncounted_copies
 from memfit.data.costgraph import CostGraph
+from memfit.data.errors import BudgetWarning
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan
 from memfit.data.units import Budget, format_bytes
 from memfit.model.simulate import simulate
+from memfit.planning.step import plan_step, rerun_whole
 from memfit.runtime.ranks import agree_on_eager_bytes
 
 MAX_JOINT_ROUNDS = 2  # joint re-plans of a graph-broken model; each costs a trace of every region
@@ -41,9 +43,7 @@ class JointPlanning:
     """The backend's planning of the regions of an iteration together, once it has run."""
 
     regions: list[Region]
-    strategy: str
-    params: dict[str, Any]
-    fixed_plan: Plan | None
+    options: BackendOptions
     saves_caps: dict[Any, int]
     joint_rounds: int
     joint_failed: bool
@@ -58,8 +58,8 @@ class JointPlanning:
                       budget_bytes: int, lower: Any) -> tuple[Plan, Any]:
         """A plan of this region whose forward saves at most ``cap_bytes`` (``save_at_most``)."""
         def plan_at(at_bytes: int) -> Plan:
-            return plan_step(graph, hardware, Budget(bytes=at_bytes), self.strategy, self.params,
-                             outside).plan
+            return plan_step(graph, hardware, Budget(bytes=at_bytes), self.options.strategy,
+                             self.options.params, outside).plan
 
         return save_at_most(plan_at, lower, cap_bytes, budget_bytes,
                             lambda: rerun_whole(graph, hardware, budget_bytes, outside))
@@ -100,7 +100,7 @@ class JointPlanning:
         newest = regions[-1]
         site = newest.site
         if (site is None or newest.budget_bytes is None or newest.saves_cap_bytes is not None
-                or site in self.replanned_beside_copies or self.fixed_plan is not None):
+                or site in self.replanned_beside_copies or self.options.fixed_plan is not None):
             return False
         alive = sum(region.saved_bytes * live_forwards(region) for region in self.regions
                     if region.site == site)
@@ -119,7 +119,7 @@ class JointPlanning:
         second runs; unplanned, those copies put every iteration over the budget."""
         copied = [region for region in current
                   if region.budget_bytes is not None and uncounted_copies(region)]
-        if not copied or self.fixed_plan is not None:
+        if not copied or self.options.fixed_plan is not None:
             return False
         for region in copied:
             self.copies_sites.add(region.site)
@@ -138,8 +138,8 @@ class JointPlanning:
         """A plan of this region that fits beside ``extra`` more copies of its saves
         (``fit_copies``); where none does, the closest, said once."""
         def plan_at(at_bytes: int) -> tuple[Plan, int]:
-            planned = plan_step(graph, hardware, Budget(bytes=at_bytes), self.strategy,
-                                self.params, outside)
+            planned = plan_step(graph, hardware, Budget(bytes=at_bytes), self.options.strategy,
+                                self.options.params, outside)
             return planned.plan, planned.predicted.peak_bytes + outside
 
         def fewest() -> tuple[Plan, int] | None:

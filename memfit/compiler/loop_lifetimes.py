@@ -22,12 +22,12 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from memfit.compiler.plan_step import BudgetWarning, Planned, plan_step
 from memfit.compiler.region import Region
 from memfit.data.costgraph import CostGraph
-from memfit.data.errors import BudgetError
+from memfit.data.errors import BudgetError, BudgetWarning
 from memfit.data.hardware import Hardware
 from memfit.data.units import Budget
+from memfit.planning.step import Planned, plan_step
 
 
 def loop_lifetimes_apply(regions: Sequence[Region], site: Any, pending: int, repeated: int,

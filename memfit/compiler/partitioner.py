@@ -23,8 +23,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memfit.compiler.graph_breaks import extra_copies, first_iteration_cap, own_copies_bytes
 from memfit.compiler.loop_lifetimes import loop_lifetimes_apply
-from memfit.compiler.plan_cache import note_stage
-from memfit.compiler.plan_step import Planned, analyzed, resolve_hardware
 from memfit.compiler.region import (
     REGION_KEY,
     Planner,
@@ -42,6 +40,7 @@ from memfit.compiler.region_lifetimes import (
 )
 from memfit.compiler.replanning import gap_saves_cap, outputs_and_inputs_bytes
 from memfit.compiler.shape_bound import priced_bound
+from memfit.compiler.step_graph import analyzed
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError, CaptureError
 from memfit.data.hardware import Hardware
@@ -56,8 +55,10 @@ from memfit.lowering.joint import (
 )
 from memfit.lowering.rewrite import rewrite
 from memfit.model.simulate import simulate
+from memfit.planning.plan_cache import note_stage
+from memfit.planning.step import Planned
 from memfit.runtime.outside import CUDA_BLOCK_BYTES
-from memfit.runtime.ranks import agree_max, agree_on_hardware, agree_on_plan, raise_if_any_failed
+from memfit.runtime.ranks import agree_max, agree_on_plan, raise_if_any_failed
 from memfit.runtime.resident import fsdp_in_flight_bytes, local_tensor, resident_bytes
 from memfit.tracing.rnn import size_lstm_buffers
 from memfit.tracing.shapes import Bound, at_bound
@@ -66,17 +67,14 @@ from memfit.tracing.shapes import Bound, at_bound
 class RegionPlanner(Planner, Protocol):
     """What planning a region reads and calls of ``memfit.compiler.backend.Backend``."""
 
-    hardware_spec: Hardware | str | None
-    compiler: str
-    linearize: bool
-    kernel_temporaries: bool
-    scope_prefix: str
     saves_caps: dict[Any, int]
     copies_sites: set[Any]
     eager_held: dict[Any, int]
     eager_gap: dict[Any, int]
     gap_saves_limit: dict[Any, int]
     _eager_now: int
+
+    def hardware_for(self, device: torch.device) -> Hardware: ...
 
     def _choose(self, graph: CostGraph, hardware: Hardware, outside: int, pending: int,
                 eager: int = 0, own_open: int = 0, loop_graph: CostGraph | None = None
@@ -102,12 +100,11 @@ def plan_region(planner: RegionPlanner, joint: fx.GraphModule, device: torch.dev
     Raises:
         BudgetError: if no plan of the strategy fits, before anything runs.
     """
-    measured = planner.hardware_spec is None and device.type not in ("cpu", "meta")
-    hardware = agree_on_hardware(resolve_hardware(planner.hardware_spec, device), measured)
+    options, hardware = planner.options, planner.hardware_for(device)
     realias_views(joint)  # views left on a copy that inductor's joint-graph passes erased
     elide_clones(joint)
     drop_unread_running_statistics(joint)
-    record_scopes(joint, planner.scope_prefix)
+    record_scopes(joint, options.scope_prefix)
     size_lstm_buffers(joint.graph, num_fwd_outputs)
     captured = as_captured(joint, num_fwd_outputs, static_lifetime_input_indices)
     program, bound = captured.graph_module, priced_bound(joint, bound)
@@ -117,9 +114,9 @@ def plan_region(planner: RegionPlanner, joint: fx.GraphModule, device: torch.dev
     index = len(planner.regions)
     owners: dict = {}
     note_stage("analysing its graph")
-    captured, graph = analyzed(captured, hardware, f"region {index}", planner.linearize,
-                               kernel_temporaries=planner.kernel_temporaries,
-                               owners=owners, compiler=planner.compiler)
+    captured, graph = analyzed(captured, hardware, f"region {index}", options.linearize,
+                               kernel_temporaries=options.kernel_temporaries,
+                               owners=owners, compiler=options.compiler)
     if bound and captured.graph_module is not joint:
         raise CaptureError("memfit does not reorder (linearize) a region with dynamic "
                            "shapes: compile it with dynamic=False")
@@ -144,7 +141,7 @@ def plan_region(planner: RegionPlanner, joint: fx.GraphModule, device: torch.dev
     graph = with_later_gradients(graph, later)
     # the region's parameters are among the resident or, under FSDP2, the gathered bytes
     outside = max(0, resident + gathered - inside) + pending + eager
-    if planner.compiler == "inductor":  # its channels-last copies of the region's inputs
+    if options.compiler == "inductor":  # its channels-last copies of the region's inputs
         from memfit.lowering.inductor import layout_copy_bytes
 
         outside += layout_copy_bytes(joint)
@@ -174,7 +171,7 @@ def plan_region(planner: RegionPlanner, joint: fx.GraphModule, device: torch.dev
     names = output_tensor_names(joint, num_fwd_outputs, owners)
     tangents = output_tangents(joint, num_fwd_outputs)
     loop, released = (dropped_outputs_graph(graph, names, tangents,
-                                            tangents_as_none=planner.compiler == "aot_eager")
+                                            tangents_as_none=options.compiler == "aot_eager")
                       if scalar_output_bytes(joint, num_fwd_outputs)  # returns its loss
                       and loop_lifetimes_apply(planner.regions, site, pending, repeated, cap)
                       else (None, frozenset()))

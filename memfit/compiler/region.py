@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.fx as fx
 
+from memfit.compiler.backend_options import BackendOptions
 from memfit.data.costgraph import CostGraph
 from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan
@@ -165,12 +166,11 @@ class Planner(Protocol):
     regions: list[Region]
     model: torch.nn.Module | None
     optimizers: list
-    measure_runs: int
+    options: BackendOptions
     bound_replans: int
     planning_s: float
-    warn_over_prediction: bool
     budget_note: str  # where the budget came from, when memfit chose it
-    cache_ignored: list[str]  # plan-cache files ignored, and why (``memfit.compiler.plan_cache``)
+    cache_ignored: list[str]  # plan-cache files ignored, and why (``memfit.planning.plan_cache``)
 
     def eager_watch(self) -> Any: ...
 
@@ -200,7 +200,7 @@ def timed_planning(planner: Planner) -> Iterator[None]:
     ``max_batch_size``'s bar: tqdm's ``disable=None``)."""
     from tqdm import tqdm
 
-    from memfit.compiler.plan_cache import planning_tally
+    from memfit.planning.plan_cache import planning_tally
 
     first, started = len(planner.regions), time.perf_counter()
     with planning_tally() as tally, tqdm(

@@ -19,11 +19,11 @@ import torch
 import torch.fx as fx
 
 from memfit.compiler.loop_lifetimes import check_loop_lifetimes, collect_before_backward
-from memfit.compiler.plan_step import BudgetWarning
 from memfit.compiler.region import REGION_KEY, Planner, Region
 from memfit.compiler.region_lifetimes import observe_loop, remember_outputs, tangents_given
 from memfit.compiler.region_peak import measure_region_run
 from memfit.compiler.repeated_calls import live_forwards, note_forward_saves, storages_of
+from memfit.data.errors import BudgetWarning
 from memfit.data.units import format_bytes
 from memfit.runtime.streams import CopyEngine, active_engine
 from memfit.tracing.rnn import run_rnn_layers_for_training
@@ -33,7 +33,8 @@ def aot_eager_runner(engine: CopyEngine, planner: Planner):
     """AOTAutograd's module compiler for ``aot_eager``: the module's own generated code, boxed
     (it frees its inputs as it goes), run with the region's copy engine current; a region's
     forward opens it and its backward closes it (see ``Region.open_forwards``). The first
-    ``planner.measure_runs`` runs of each region's modules are measured (``run_measured``)."""
+    ``planner.options.measure_runs`` runs of each region's modules are measured
+    (``run_measured``)."""
     from torch.fx.graph import _BoxedCodeGen
 
     def compile_module(module: fx.GraphModule, example_inputs) -> Any:
@@ -73,7 +74,7 @@ def inductor_runner(engine: CopyEngine, planner: Planner):
 def region_run(planner: Planner, region: Region | None, is_backward: bool,
                 forward: Callable[[list], Any], engine: CopyEngine, follow_loop: bool = True):
     """``forward`` (a region's compiled forward or backward, boxed) run with the region's copy
-    engine current and the eager watch paused; its first ``planner.measure_runs`` runs measured
+    engine current and the eager watch paused; its first ``options.measure_runs`` runs measured
     (``measure_region_run``); a forward opens the region and its backward closes it (see
     ``Region.open_forwards``), then ``planner.iteration_closed``. ``follow_loop``: re-simulate
     the plan with the outputs the loop held and the tangents it passed (``observe_loop``)."""
@@ -86,9 +87,9 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
             collect_before_backward(region)
         watch = planner.eager_watch()
         with active_engine(engine), watch.paused() if watch else contextlib.nullcontext():
-            if region is not None and region.measured_runs < 2 * planner.measure_runs:
+            if region is not None and region.measured_runs < 2 * planner.options.measure_runs:
                 result = measure_region_run(planner, region, forward, args, is_backward)
-                if planner.warn_over_prediction:
+                if planner.options.warn_over_prediction:
                     warn_if_over_its_prediction(region, is_backward)
             else:
                 result = forward(args)

@@ -139,7 +139,7 @@ def warn_eager_gap_over(region: Region) -> None:
     """Say, in the iteration that ran it, that eager code's own peak between ``region``'s
     forward and backward took the device over the budget (``eager_gap_needed``), by how much as
     memfit counted the bytes alive then, and that the next plan saves less to leave it room."""
-    from memfit.compiler.plan_step import BudgetWarning
+    from memfit.data.errors import BudgetWarning
     from memfit.data.units import format_bytes
 
     over = region.gap_alive_bytes - (region.budget_bytes or 0)

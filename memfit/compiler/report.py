@@ -85,7 +85,7 @@ def _unplanned_notes(planner: Planner) -> list[str]:
 
 def _planning_note(region: Region) -> str:
     """The seconds ``region``'s planning took, and whether its plan came from the cache
-    (``memfit.compiler.plan_cache``)."""
+    (``memfit.planning.plan_cache``)."""
     cost = region.planning
     assert cost is not None
     if cost.plans_cached and not cost.plans_made:

@@ -115,7 +115,7 @@ def priced_bound(joint: fx.GraphModule, bound: Bound | None) -> dict[sympy.Symbo
         raise ValueError(f"memfit: no value for the symbolic sizes {sorted(map(str, missing))}")
     doubtful = not_provably_monotone(joint)
     if doubtful:
-        from memfit.compiler.plan_step import BudgetWarning
+        from memfit.data.errors import BudgetWarning
 
         warnings.warn(
             f"memfit: the sizes of {len(doubtful)} values of a dynamic region (first "

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memfit.compiler.plan_step import BudgetWarning
+from memfit.data.errors import BudgetWarning
 
 if TYPE_CHECKING:
     from types import CodeType

@@ -57,3 +57,8 @@ class CaptureError(RuntimeError):
 class PlanError(ValueError):
     """A plan that cannot be executed on its graph (a swap-in after its consumer, say), or was
     made for another graph or hardware (``Plan.check_for``)."""
+
+
+class BudgetWarning(UserWarning):
+    """A step runs over the budget: a measured peak re-planning could not bring back under, or a
+    region planned at its smallest peak because earlier regions still hold their saves."""

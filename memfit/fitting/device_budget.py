@@ -15,7 +15,7 @@ fill it. The margin covers that difference:
 another number.
 
 Example:
-    >>> fit_device(planner, torch.device("cuda:0"), None, {})  # sets planner.budget
+    >>> fit_device(planner, torch.device("cuda:0"), None, {})  # planner.choose_budget(...)
 """
 
 from __future__ import annotations
@@ -69,10 +69,9 @@ def fit_device(planner: Backend, device: torch.device, strategy: str | None,
         return
     usable = -agree_max([-usable_device_bytes(device)])[0]
     budget_bytes, margin_bytes = automatic_budget(usable)
-    planner.budget, planner.strategy = resolve_budget_and_strategy(
-        budget_bytes, strategy, params)
-    planner.budget_note = (
+    budget, chosen = resolve_budget_and_strategy(budget_bytes, strategy, params)
+    planner.choose_budget(budget, chosen, note=(
         f"budget: {format_bytes(budget_bytes)}, chosen by memfit: the device's free memory at the "
         f"first call ({format_bytes(usable)}, torch's cached bytes included) less a "
         f"{format_bytes(margin_bytes)} margin for the allocator's fragmentation, library "
-        "workspaces and the CUDA context's growth (give budget= to choose)")
+        "workspaces and the CUDA context's growth (give budget= to choose)"))

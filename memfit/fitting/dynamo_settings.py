@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from memfit.compiler.plan_step import BudgetWarning
 from memfit.compiler.unit_forward import unit_forward
+from memfit.data.errors import BudgetWarning
 
 
 def own_recompiles() -> dict[str, Any]:

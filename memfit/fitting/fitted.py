@@ -20,12 +20,13 @@ import functools
 import gc
 import traceback
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from memfit.compiler.backend import COMPILERS, Backend
+from memfit.compiler.backend_options import BackendOptions
 from memfit.compiler.graph_breaks import latest_regions
 from memfit.compiler.partners import note_call, note_fitted
 from memfit.data.hardware import Hardware
@@ -230,15 +231,15 @@ class FittedCall:
 
         planner = self.backend
         if self.joint_first and not latest_regions(planner.regions):  # none, or compiled anew
-            planner.joint_first_trace = functools.partial(
+            planner.trace_first_call(functools.partial(
                 plan_regions_on_fakes, planner, self._call_traced(), args, kwargs,
-                self.arguments.dynamic)
+                self.arguments.dynamic))
         try:
             with (rnn_traced(bool(self.traces_rnns)), whole_ddp_graph(),
                   units_compiled(self._compiled_units()), own_trace()):
                 return self._compiled(*args, **kwargs)
         finally:
-            planner.joint_first_trace = None  # it holds the call's arguments
+            planner.trace_first_call(None)  # the trace holds the call's arguments
 
     def _compiled_units(self) -> list:
         """Each FSDP2 unit with its forward compiled with the backend
@@ -303,7 +304,7 @@ def _fitted_copy(module: torch.nn.Module, arguments: FitArguments) -> FittedCall
 
 
 def _copied_backend(module: torch.nn.Module, arguments: FitArguments) -> Backend:
-    """The backend of a fitted model's copy (``Backend.copy_as``)."""
+    """The backend of a fitted model's copy (``BackendOptions.copy_as``)."""
     return _fitted_copy(module, arguments).backend
 
 
@@ -312,10 +313,13 @@ def _planner(module: torch.nn.Module, arguments: FitArguments,
     """The backend of a fitted ``module``: ``memfit.backend`` with the model, watching for the
     loop's optimizer; a copy of it is the copy's own (``_copied_backend``)."""
     budget = None if arguments.budget == "auto" else arguments.budget
-    planner = backend(budget, arguments.strategy, arguments.hardware, arguments.compiler,
-                      optimizer, model=module, **dict(arguments.params))
-    planner.copy_as = (_copied_backend, (module, arguments))
-    planner.checks_calls = True  # warn at each training call that runs no plan (unplanned.py)
+    params = dict(arguments.params)
+    measure_runs = params.pop("measure_runs", 2)  # memfit.backend's, given to memfit.fit
+    options = backend_options(budget, arguments.strategy, arguments.hardware,
+                              arguments.compiler, optimizer, module, measure_runs, params)
+    planner = Backend(replace(options, copy_as=(_copied_backend, (module, arguments)),
+                              checks_calls=True),  # each call that runs no plan: unplanned.py
+                      optimizer, module)
     watch_optimizers(planner)
     return planner
 
@@ -405,6 +409,19 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
     Example:
         >>> compiled = torch.compile(model, backend=memfit.backend(budget=0.5), dynamic=False)
     """
+    return Backend(backend_options(budget, strategy, hardware, compiler, optimizer, model,
+                                   measure_runs, params), optimizer, model)
+
+
+def backend_options(budget: str | int | float | None, strategy: str | None,
+                    hardware: Hardware | str | None, compiler: str,
+                    optimizer: torch.optim.Optimizer | None, model: torch.nn.Module | None,
+                    measure_runs: int, params: dict[str, Any]) -> BackendOptions:
+    """``memfit.backend``'s arguments checked, and the budget parsed once, into its options.
+
+    Raises:
+        ValueError: as ``memfit.backend``.
+    """
     from memfit.fitting.arguments import check_hardware_and_optimizer
     from memfit.planning.strategies import resolve_budget_and_strategy
 
@@ -418,4 +435,4 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
     if compiler not in COMPILERS:
         raise ValueError(f"unknown compiler {compiler!r}: use one of {COMPILERS}")
     parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
-    return Backend(parsed, chosen, hardware, compiler, optimizer, model, params, measure_runs)
+    return BackendOptions(parsed, chosen, hardware, compiler, params, measure_runs)

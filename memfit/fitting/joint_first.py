@@ -31,14 +31,15 @@ from typing import Any
 import torch
 
 from memfit.compiler.backend import Backend
+from memfit.compiler.backend_options import BackendOptions
 from memfit.compiler.graph_breaks import latest_regions, saves_caps
-from memfit.compiler.plan_step import Planned
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError
 from memfit.data.hardware import Hardware
 from memfit.fitting.callers_compile import own_trace
 from memfit.fitting.traced import _PlanOnly, buffers_kept, fake_like
 from memfit.model.schedule import PlanError
+from memfit.planning.step import Planned
 
 LOG = logging.getLogger(__name__)
 
@@ -49,10 +50,18 @@ class _OnFakes(_PlanOnly):
     the fitted model's backend plans it, without a word; eager code's bytes are those the
     fitted model's backend saw at its first region's compile."""
 
-    fitted_backend: Backend | None = None  # the fitted model's backend this trace plans for
-    eager_seen_bytes = 0
-    arguments: tuple[torch.Tensor, ...] = ()  # the call's tensor arguments, as fakes
-    first_inputs: frozenset[int] = frozenset()  # ids of the first region's inputs
+    def __init__(self, fitted_backend: Backend, eager_seen_bytes: int,
+                 arguments: tuple[torch.Tensor, ...]) -> None:
+        fitted, device = fitted_backend.options, fitted_backend.device
+        hardware = fitted.hardware if device is None else fitted_backend.hardware_for(device)
+        super().__init__(BackendOptions(fitted.budget, fitted.strategy, hardware,
+                                        params=fitted.params), model=fitted_backend.model)
+        self.fitted_backend = fitted_backend  # the fitted model's backend this trace plans for
+        self.eager_seen_bytes = eager_seen_bytes
+        self.arguments = arguments  # the call's tensor arguments, as fakes
+        self.first_inputs: frozenset[int] = frozenset()  # ids of the first region's inputs
+        self.optimizers = list(fitted_backend.optimizers)
+        self.override_budget(fitted_backend.budget_override)
 
     def eager_bytes_now(self, example_inputs: list) -> int:
         """What eager code held at the first region's compile (the call's tensor arguments
@@ -67,7 +76,7 @@ class _OnFakes(_PlanOnly):
 
     def partners(self) -> list[tuple[Any, list]]:
         """The fitted model's partners (other fitted models), as its backend counts them."""
-        return self.fitted_backend.partners() if self.fitted_backend is not None else []
+        return self.fitted_backend.partners()
 
     def _over_budget(self, graph: CostGraph, hardware: Hardware, error: BudgetError,
                      pending: int, outside: int, own_open: int = 0) -> Planned:
@@ -93,15 +102,10 @@ def plan_regions_on_fakes(planner: Backend, call: Callable, args: tuple, kwargs:
     if planner.model is None:
         return {}
     started = time.perf_counter()
-    trial = _OnFakes(planner.budget, planner.strategy, planner.hardware_spec, "aot_eager",
-                     None, planner.model, planner.params)
-    trial.stopped, trial.runners = [], []
-    trial.optimizers = list(planner.optimizers)
-    trial.eager_seen_bytes, trial.fitted_backend = eager_bytes, planner
-    trial.budget_override = planner.budget_override
     with FakeTensorMode(allow_non_fake_inputs=True):
         fakes = tree_map(_fake, (args, kwargs))
-    trial.arguments = tuple(leaf for leaf in tree_leaves(fakes) if isinstance(leaf, torch.Tensor))
+    trial = _OnFakes(planner, eager_bytes, tuple(
+        leaf for leaf in tree_leaves(fakes) if isinstance(leaf, torch.Tensor)))
     compiled = torch.compile(call, backend=trial, dynamic=dynamic, isolate_recompiles=True)
     try:
         with own_trace(), buffers_kept(planner.model), warnings.catch_warnings():
@@ -114,15 +118,16 @@ def plan_regions_on_fakes(planner: Backend, call: Callable, args: tuple, kwargs:
         # fakes cannot take: the regions are planned one by one, then jointly after a run
         first = (str(error).strip().splitlines() or [""])[0][:200]
         LOG.info("memfit: the regions were not planned jointly before the first run: %s", error)
-        planner.joint_first_note = ("not planned jointly before the first run: the trace on fake "
-                                    f"inputs failed ({type(error).__name__}: {first})")
+        planner.first_call_traced(note=(
+            "not planned jointly before the first run: the trace on fake inputs failed "
+            f"({type(error).__name__}: {first})"))
         return {}
     finally:
         for runner in trial.runners:
             runner.close()
         planner.planning_s += time.perf_counter() - started
     regions = latest_regions(trial.regions)
-    planner.joint_first_regions = len(regions)
+    planner.first_call_traced(len(regions))
     return saves_caps(regions)
 
 

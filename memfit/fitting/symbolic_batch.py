@@ -31,8 +31,8 @@ import sympy
 import torch
 import torch.fx as fx
 
+from memfit.compiler.backend_options import BackendOptions
 from memfit.compiler.graph_breaks import compiling_site
-from memfit.compiler.plan_step import Planned
 from memfit.data.units import Budget
 from memfit.fitting.callers_compile import own_trace
 from memfit.fitting.traced import (
@@ -47,6 +47,7 @@ from memfit.fitting.traced import (
     memfit_error,
     planning_backend,
 )
+from memfit.planning.step import Planned
 from memfit.runtime.resident import device_of
 from memfit.tracing.shapes import shape_env_of, symbols_of
 from memfit.tracing.target import host_code
@@ -75,8 +76,11 @@ class _Recorder(_PlanOnly):
     stands in for itself on the fake inputs, its outputs' batch dimensions marked dynamic, so a
     region after a graph break is traced with a symbolic batch too."""
 
-    joints: list[_Joint]
-    refusals: list[str]
+    def __init__(self, options: BackendOptions, optimizer: torch.optim.Optimizer | None = None,
+                 model: torch.nn.Module | None = None) -> None:
+        super().__init__(options, optimizer, model)
+        self.joints: list[_Joint] = []
+        self.refusals: list[str] = []
 
     def plan_region(self, joint: fx.GraphModule, device: torch.device, num_fwd_outputs: int,
                     static_lifetime_input_indices: list[int] | None, site: Any = None,
@@ -190,8 +194,7 @@ class SymbolicBatch:
 
 def _plan_region(planner: _PlanOnly, joint: _Joint, bound: dict) -> None:
     """``planner`` plans a copy of ``joint`` at ``bound`` as its partitioner would in a trace."""
-    planner._parameters = planner._resident_counted = None  # count what is resident afresh
-    planner.device, planner._eager_now = joint.device, 0  # fake inputs: no eager bytes beside
+    planner.count_afresh(joint.device, 0)  # fake inputs: no eager bytes beside
     static = None if joint.static_lifetime_input_indices is None else \
         list(joint.static_lifetime_input_indices)
     with planner._target(joint.device), host_code(), warnings.catch_warnings():
@@ -244,7 +247,6 @@ def trace_batch(model: torch.nn.Module, loss_fn: Callable,
     inputs = meta_inputs(make_inputs, hint)
     recorder = planning_backend(model, None, options, kind=_Recorder)
     assert isinstance(recorder, _Recorder)
-    recorder.joints, recorder.refusals = [], []
     device = device_of(model.parameters())
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake = tuple(fake_like(t, device) if isinstance(t, torch.Tensor) else t for t in inputs)

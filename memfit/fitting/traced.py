@@ -25,8 +25,8 @@ import torch
 import torch.fx as fx
 
 from memfit.compiler.backend import Backend
+from memfit.compiler.backend_options import BackendOptions
 from memfit.compiler.graph_breaks import compiling_site
-from memfit.compiler.plan_step import DeviceBudget, Planned, plan_step
 from memfit.compiler.region import Region
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError, CaptureError
@@ -37,6 +37,7 @@ from memfit.data.units import Budget, format_bytes
 from memfit.fitting.callers_compile import own_trace
 from memfit.model.schedule import PlanError
 from memfit.model.sharding import Sharding, shard_graph
+from memfit.planning.step import DeviceBudget, Planned, plan_step
 from memfit.runtime.resident import device_of
 from memfit.tracing.capture import refuse_meta_parameters
 from memfit.tracing.target import check_autocast
@@ -110,8 +111,11 @@ class _PlanOnly(Backend):
     this one's saves. ``stopped`` holds the plans in the order the regions run.
     """
 
-    stopped: list[Planned]
-    runners: list[_RunOnFakes]
+    def __init__(self, options: BackendOptions, optimizer: torch.optim.Optimizer | None = None,
+                 model: torch.nn.Module | None = None) -> None:
+        super().__init__(options, optimizer, model)
+        self.stopped: list[Planned] = []
+        self.runners: list[_RunOnFakes] = []
 
     def plan_region(self, *args: Any, **kwargs: Any) -> Any:
         super().plan_region(*args, **kwargs)
@@ -182,15 +186,14 @@ class _ShardedPlanOnly(_PlanOnly):
     parameters, all-gathers, reduce-scatters or all-reduces), and FSDP shards the optimizer
     state that the bytes outside the graph hold."""
 
-    sharding = Sharding()
-
     def _choose(self, graph: CostGraph, hardware: Hardware, outside: int, pending: int,
                 eager: int = 0, own_open: int = 0, loop_graph: CostGraph | None = None) -> Any:
-        state = self.state_to_come_bytes()
-        raise _ShardedStop(plan_step(shard_graph(graph, self.sharding, hardware), hardware,
-                                     self.budget_override or self.budget, self.strategy,
-                                     self.params, self.sharding.outside_bytes(outside, state),
-                                     what_ifs=self.what_ifs))
+        state, options = self.state_to_come_bytes(), self.options
+        sharding = options.sharding or Sharding()
+        raise _ShardedStop(plan_step(shard_graph(graph, sharding, hardware), hardware,
+                                     self.planning_budget, options.strategy, options.params,
+                                     sharding.outside_bytes(outside, state),
+                                     what_ifs=options.what_ifs))
 
 
 def trace_plan(model: torch.nn.Module, loss_fn: Callable, inputs: Sequence[torch.Tensor],
@@ -281,16 +284,14 @@ def planning_backend(model: torch.nn.Module, budget: Budget | None, options: Pla
     configured as every planning trace of ``options`` is."""
     sharded = options.sharding is not None and options.sharding.active
     kind = kind or (_ShardedPlanOnly if sharded else _PlanOnly)
-    planner = kind(budget, options.strategy, options.hardware, "aot_eager", options.optimizer,
-                   model, options.params)
-    planner.stopped, planner.runners = [], []
-    if sharded:
-        planner.sharding = options.sharding  # type: ignore[attr-defined]
-    planner.linearize, planner.what_ifs = options.linearize, options.what_ifs
-    planner.scope_prefix = "model."  # LossModule holds the model as .model
-    planner.retarget, planner.autocast = True, options.autocast
-    # a plan for an accelerator's profile describes that device's step, not this CPU's kernels
-    planner.kernel_temporaries = not options.hardware.async_copies
+    planner = kind(BackendOptions(
+        budget, options.strategy, options.hardware, params=options.params,
+        linearize=options.linearize, what_ifs=options.what_ifs,
+        scope_prefix="model.",  # LossModule holds the model as .model
+        retarget=True, autocast=options.autocast,
+        # a plan for an accelerator's profile describes that device's step, not this CPU's kernels
+        kernel_temporaries=not options.hardware.async_copies,
+        sharding=options.sharding if sharded else None), options.optimizer, model)
     return planner
 
 

@@ -2,7 +2,7 @@
 
 The data types it fills in live in ``memfit.data.explanation``, below ``Plan`` (which holds one).
 
-``explain`` is called once, where the plan is made (``memfit.compiler.plan_step.plan_step``), and the result
+``explain`` is called once, where the plan is made (``memfit.planning.step.plan_step``), and the result
 travels inside the ``Plan`` (``Plan.explanation``), so a plan loaded from JSON explains itself
 without its graph. It holds one row per decided tensor (its module, bytes, decision, the strategy's
 reason, where a swap is prefetched, what the decision costs in step time), the predicted figures,

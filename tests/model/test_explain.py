@@ -26,7 +26,7 @@ SLOW_LINK = get_hardware("h100-pcie").with_(name="slow-link", d2h_bytes_per_s=1e
 
 def planned(graph: CostGraph, strategy: str, fraction: float | None, hardware=SLOW_LINK,
             **params) -> Plan:
-    """What ``memfit.compiler.plan_step.plan_step`` does, torch-free: plan, then attach the explanation."""
+    """What ``memfit.planning.step.plan_step`` does, torch-free: plan, then attach the explanation."""
     chosen = get_strategy(strategy)
     baseline = simulate(graph, get_strategy("keep")(graph, hardware), hardware)
     budget = None if fraction is None else int(baseline.peak_bytes * fraction)

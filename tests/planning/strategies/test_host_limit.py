@@ -140,8 +140,8 @@ def _swaps_everything(graph, hardware, budget_bytes=None, **params):
 
 
 def test_planning_refuses_a_strategy_that_swaps_past_the_host(monkeypatch):
-    from memfit.compiler.plan_step import plan_step  # imports torch: only this test needs it
     from memfit.data.units import Budget
+    from memfit.planning.step import plan_step  # imports torch: only this test needs it
 
     monkeypatch.setitem(strategies._REGISTRY, "test-swaps-everything", _swaps_everything)
     graph = synthetic.chain(8)

@@ -1,9 +1,15 @@
-"""One planning pipeline: a step's ``CostGraph`` planned under a whole-device budget.
+"""One planning pipeline: a step's ``CostGraph`` planned under a whole-device budget, torch-free.
 
 ``plan_step`` is what ``memfit.backend`` (so ``fit`` and ``compile``), ``memfit.plan``,
-``max_batch_size`` and the CLI call: it resolves the budget once into a ``DeviceBudget`` (the
-whole device's bytes and the bytes outside the graph), plans with the strategy, explains the plan
-and simulates it. The strategies see graph bytes; everything a user reads is whole-device bytes.
+``max_batch_size`` and the CLI call: it resolves the parsed ``Budget`` once into a
+``DeviceBudget`` (the whole device's bytes and the bytes outside the graph), plans with the
+strategy, explains the plan and simulates it. The strategies see graph bytes
+(``DeviceBudget.graph_bytes``); everything a user reads is whole-device bytes. The callers above
+pass the budget and the hardware profile on; none resolves either again.
+
+Example:
+    >>> planned = plan_step(graph, get_hardware("cpu"), Budget(fraction=0.5), "auto", {})
+    >>> planned.budget.device_bytes, planned.predicted_peak_bytes
 """
 
 from __future__ import annotations
@@ -13,9 +19,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-
-from memfit.compiler.plan_cache import (
+from memfit.data.costgraph import CostGraph
+from memfit.data.errors import BudgetError
+from memfit.data.hardware import Hardware
+from memfit.data.plan import Plan, topology_hash
+from memfit.data.timeline import Timeline
+from memfit.data.units import Budget, format_bytes
+from memfit.model.explain import explain
+from memfit.model.plan_memo import plans_remembered
+from memfit.model.simulate import simulate
+from memfit.planning.plan_cache import (
     note_ignored,
     note_planned,
     note_stage,
@@ -23,26 +36,8 @@ from memfit.compiler.plan_cache import (
     recall,
     remember,
 )
-from memfit.data.costgraph import CostGraph
-from memfit.data.errors import BudgetError
-from memfit.data.hardware import Hardware, get_hardware
-from memfit.data.plan import Plan, topology_hash
-from memfit.data.timeline import Timeline
-from memfit.data.units import Budget, format_bytes
-from memfit.lowering.rewrite import reorder
-from memfit.model.explain import explain
-from memfit.model.linearize import linearize as as_late_as_possible
-from memfit.model.plan_memo import plans_remembered
-from memfit.model.simulate import simulate
 from memfit.planning.strategies import STRATEGY_STARTED, collector_paused, get_strategy
 from memfit.planning.strategies._budget_checks import require_host
-from memfit.tracing.analyze import analyze
-from memfit.tracing.capture import Captured
-
-
-class BudgetWarning(UserWarning):
-    """A step runs over the budget: a measured peak re-planning could not bring back under, or a
-    region planned at its smallest peak because earlier regions still hold their saves."""
 
 
 @dataclass(frozen=True)
@@ -152,7 +147,7 @@ def _recalled(key: str | None, strategy: str, graph: CostGraph, hardware: Hardwa
               resolved: DeviceBudget, started: float) -> tuple[Plan, Timeline] | None:
     """The plan cached under ``key`` and its simulated timeline, where it is predicted within
     ``resolved``'s budget: a cached plan is trusted no more than a new one
-    (``memfit.compiler.plan_cache``).
+    (``memfit.planning.plan_cache``).
 
     Raises:
         BudgetError: the refusal cached under ``key``.
@@ -200,43 +195,6 @@ def _chosen_plan(graph: CostGraph, hardware: Hardware, baseline: Timeline,
     explanation = explain(graph, made, hardware, baseline, device_bytes, outside_bytes,
                           replan if what_ifs else None)
     return replace(made, topology_hash=topology_hash(graph), explanation=explanation)
-
-
-def resolve_hardware(hardware: Hardware | str | None, device: torch.device) -> Hardware:
-    """The profile to plan with: given, or the built-in ``cpu`` profile on a CPU, else measured."""
-    if hardware is not None:
-        return get_hardware(hardware)
-    if device.type in ("cpu", "meta"):
-        return get_hardware("cpu")
-    from memfit.runtime.probe import measure_hardware
-
-    return measure_hardware(device)
-
-
-def analyzed(captured: Captured, hardware: Hardware, name: str, linearize: bool,
-             kernel_temporaries: bool = False, owners: dict | None = None,
-             compiler: str = "aot_eager") -> tuple[Captured, CostGraph]:
-    """The step's CostGraph; with ``linearize``, the step reordered as late as possible first.
-
-    The fx node order is the program order, so the captured graph itself is reordered and
-    analyzed again: what is planned, rewritten and run is one order (``memfit.model.linearize``
-    keeps random ops in their order and never raises the unplanned peak). ``owners`` is filled
-    as ``analyze`` fills it (reordering keeps each node's fake values, so their storages).
-    Op times are those of ``compiler``'s kernels (``analyze``).
-    """
-    graph = analyze(captured, hardware, name=name, kernel_temporaries=kernel_temporaries,
-                    owners=owners, compiler=compiler)
-    if not linearize:
-        return captured, graph
-    linear = as_late_as_possible(graph)
-    if linear is graph:
-        return captured, graph
-    order = [op.name for op in linear.ops]
-    captured = replace(captured, graph_module=reorder(captured.graph_module, order))
-    if owners is not None:  # filled again for the reordered graph, whose first writers differ
-        owners.clear()
-    return captured, analyze(captured, hardware, name=name, kernel_temporaries=kernel_temporaries,
-                             owners=owners, compiler=compiler)
 
 
 def with_eager_note(error: BudgetError, eager_bytes: int) -> BudgetError:

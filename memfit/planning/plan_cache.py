@@ -33,6 +33,7 @@ import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -52,16 +53,23 @@ def code_versions() -> dict[str, str]:
     """What else a plan depends on: memfit's source files (a new release changes them, and so
     does an edit in a development checkout, whose version stays), torch's and Python's
     versions. A source file is known by its path, size and modification
-    time: an edit, a checkout or another copy changes them."""
-    import torch
-
+    time: an edit, a checkout or another copy changes them. torch's version is its installed
+    distribution's, read without importing it (this layer is torch-free)."""
     root = Path(__file__).resolve().parents[1]  # the memfit package
     sources = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         found = path.stat()
         sources.update(f"{path.relative_to(root)} {found.st_size} {found.st_mtime_ns}\n".encode())
     return {"sources": sources.hexdigest()[:16],
-            "torch": torch.__version__, "python": ".".join(map(str, sys.version_info[:2]))}
+            "torch": _installed_version("torch"), "python": ".".join(map(str, sys.version_info[:2]))}
+
+
+def _installed_version(distribution: str) -> str:
+    """The installed version of ``distribution``, ``""`` where it is not installed."""
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return ""
 
 
 def plan_key(graph: CostGraph, hardware: Hardware, budget: Budget | None, strategy: str,
@@ -195,8 +203,10 @@ def remember(key: str | None, plan: Plan | None = None, refused: BudgetError | N
                             "dominant": [list(item) for item in refused.dominant],
                             "strategy": refused.strategy, "note": refused.note,
                             "host_bytes": refused.host_bytes}
-    else:
+    elif plan is not None:
         entry["plan"] = plan.to_json()
+    else:
+        raise ValueError("remember takes a plan or a refusal")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text(path, json.dumps(entry))
