@@ -154,6 +154,11 @@ class Backend(EagerWatching, JointPlanning):
         else:
             self.joint_first_regions = regions
 
+    def add_planning_time(self, seconds: float) -> None:
+        """Count ``seconds`` of tracing and planning done for this backend's regions away from
+        them (the trace on fakes of ``trace_first_call``) in ``planning_s``."""
+        self.planning_s += seconds
+
     def hardware_for(self, device: torch.device) -> Hardware:
         """The profile every region on ``device`` is planned with: ``options.hardware``
         resolved at the first region there (``resolve_hardware``; a measured one agreed on

@@ -125,7 +125,7 @@ def plan_regions_on_fakes(planner: Backend, call: Callable, args: tuple, kwargs:
     finally:
         for runner in trial.runners:
             runner.close()
-        planner.planning_s += time.perf_counter() - started
+        planner.add_planning_time(time.perf_counter() - started)
     regions = latest_regions(trial.regions)
     planner.first_call_traced(len(regions))
     return saves_caps(regions)
