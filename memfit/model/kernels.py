@@ -6,7 +6,8 @@ dispatcher (``Hardware.op_overhead_s``) and moving its own inputs and outputs th
 (elementwise, reductions, norms; ``memfit.data.op_classes``) becomes one generated kernel that
 reads what the chain reads from outside and writes what is read outside it, its intermediates
 never leaving registers or cache. Compute ops (matmul, convolution, attention, RNN) stay
-library calls (templates and extern kernels), priced as eager prices them.
+library calls (templates and extern kernels), priced as eager prices them, and so do random
+ops under memfit's ``fallback_random`` (``fusible``).
 
 ``fused_kernels`` groups the ops as inductor's scheduler fuses them vertically: walking the
 step in program order, a memory-bound op that reads a value of an open group joins it (two open
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from memfit.data.costgraph import CostGraph, Op
 from memfit.data.hardware import Hardware
-from memfit.data.op_classes import MEMORY, op_class
+from memfit.data.op_classes import MEMORY, RANDOM, op_class
 
 COMPILERS = ("aot_eager", "inductor")
 MAX_GROUP_OPS = 64  # inductor's config.max_fusion_size: the most nodes one fused kernel takes
@@ -30,8 +31,11 @@ MAX_GROUP_OPS = 64  # inductor's config.max_fusion_size: the most nodes one fuse
 
 def fusible(op: Op) -> bool:
     """Whether inductor may fuse ``op`` into a generated kernel: a memory-bound op that
-    allocates (a view or ``getitem`` allocates nothing and costs nothing either way)."""
-    return bool(op.outputs) and op_class(op.kind) == MEMORY
+    allocates (a view or ``getitem`` allocates nothing and costs nothing either way) and draws
+    no random numbers. memfit compiles with inductor's ``fallback_random`` (a re-run replays the
+    forward's draws from the generator: ``memfit.lowering.inductor``), so a random op (dropout,
+    ``bernoulli``, ``rand``) runs eager's kernels, as a library call."""
+    return bool(op.outputs) and op_class(op.kind) == MEMORY and op.kind not in RANDOM
 
 
 def fused_kernels(graph: CostGraph) -> list[list[int]]:

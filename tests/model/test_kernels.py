@@ -1,6 +1,7 @@
 """Inductor's kernels as the time model sees them: a pointwise chain fused into one kernel that
-costs less than its ops run one by one, never across an op that reads the chain, and the
-eager pricing left as it is for aot_eager."""
+costs less than its ops run one by one, never across an op that reads the chain nor across a
+random op (eager's kernel under ``fallback_random``), and the eager pricing left as it is for
+aot_eager."""
 
 import pytest
 
@@ -58,6 +59,17 @@ def test_two_open_chains_that_one_op_reads_merge():
     graph = _graph(("a", "aten.neg", ("x",)), ("b", "aten.exp", ("w",)),
                    ("c", "aten.add", ("a", "b")), outputs=("c",))
     assert fused_kernels(graph) == [[0, 1, 2]]
+
+
+def test_a_random_op_stays_out_of_the_chains_around_it_as_eagers_kernel():
+    """memfit compiles with inductor's ``fallback_random``: dropout between two pointwise ops
+    runs eager's kernel, priced as a library call, and splits the chain in two."""
+    graph = _graph(("add", "aten.add", ("x", "w")), ("drop", "aten.native_dropout", ("add",)),
+                   ("mul", "aten.mul", ("drop",)), outputs=("mul",))
+    assert fused_kernels(graph) == [[0], [1], [2]]
+    fused = priced_for(graph, HARDWARE, "inductor")
+    assert fused.op("drop").time_s == pytest.approx(
+        graph.op("drop").time_s - HARDWARE.op_overhead_s + HARDWARE.kernel_overhead_s)
 
 
 def test_aot_eager_keeps_the_eager_times_and_an_unknown_compiler_is_refused():
