@@ -89,8 +89,9 @@ class Hardware:
         element_rates: elements per second a memory-bound op of each element family
             (``memfit.data.op_classes.ELEMENT_FAMILIES``: ``"transcendental"``, ``"random"``,
             ``"batch_norm"``, ``"layer_norm"``, and eager kernels' ``"softmax"``,
-            ``"safe_softmax"`` and ``"dropout_backward"``) computes, where that takes longer than its bytes (a CPU core); a family not given is
-            priced by its bytes alone, as every op on a GPU profile.
+            ``"safe_softmax"``, ``"dropout"`` and ``"dropout_backward"``) computes, where that
+            takes longer than its bytes (a CPU core); a family not given is priced by its bytes
+            alone, as every op on a GPU profile.
         compute_ramp_s: time a compute op takes beyond its FLOPs at the sustained rate; 0 runs
             every size at the class's fraction (see the module docstring for the curve).
         tf32_matmuls: float32 matmuls and attention run on tensor cores at the ``"tfloat32"``

@@ -68,7 +68,8 @@ def op_class(kind: str) -> str:
 # Three families are eager kernels' own, each several passes where a fused kernel makes one:
 # softmax over its forward and backward (a max, an exp, a sum and a scale per row),
 # ``_safe_softmax`` (softmax, then a check for rows masked whole and a ``where`` over its
-# output) and dropout's backward (its mask converted to the gradient's dtype, then multiplied).
+# output), dropout (a draw of the mask, its conversion, a multiply) and dropout's backward (its
+# mask converted to the gradient's dtype, then multiplied).
 # A fused kernel prices them as their ``FALLBACK_FAMILY``.
 # ``aten.pow`` is arithmetic: models raise to small whole powers (GELU's cube, a square), which
 # ATen computes by multiplying (the kind does not say the exponent: a fractional one is
@@ -86,9 +87,10 @@ SOFTMAX = frozenset({
     "aten._log_softmax_backward_data",
 })
 SAFE_SOFTMAX = frozenset({"aten._safe_softmax"})
+DROPOUT = frozenset({"aten.native_dropout"})
 DROPOUT_BACKWARD = frozenset({"aten.native_dropout_backward"})
 RANDOM = frozenset({
-    "aten.bernoulli", "aten.native_dropout", "aten.rand", "aten.rand_like", "aten.randn",
+    "aten.bernoulli", "aten.rand", "aten.rand_like", "aten.randn",
     "aten.randn_like", "aten.uniform", "aten.normal", "aten.randint", "aten.randint_like",
     "prims.inductor_random", "rngprims.philox_rand", "aten.philox_rand",
 })
@@ -105,14 +107,16 @@ LAYER_NORM = frozenset({
 ELEMENT_FAMILIES: Mapping[str, frozenset[str]] = MappingProxyType({
     "transcendental": TRANSCENDENTAL, "random": RANDOM, "batch_norm": BATCH_NORM,
     "layer_norm": LAYER_NORM, "softmax": SOFTMAX, "safe_softmax": SAFE_SOFTMAX,
-    "dropout_backward": DROPOUT_BACKWARD,
+    "dropout": DROPOUT, "dropout_backward": DROPOUT_BACKWARD,
 })
+RANDOM_DRAWS = RANDOM | DROPOUT  # ops that draw from the random generator
 ARITHMETIC = "arithmetic"
-EAGER_FAMILIES = frozenset({"safe_softmax", "softmax", "dropout_backward"})
+EAGER_FAMILIES = frozenset({"safe_softmax", "softmax", "dropout", "dropout_backward"})
 # what an eager kernel's family is priced as where a profile has no rate for it, or inside a
 # fused kernel (one pass over the elements): each chain ends outside ``EAGER_FAMILIES``
 FALLBACK_FAMILY: Mapping[str, str] = MappingProxyType({
-    "safe_softmax": "softmax", "softmax": "transcendental", "dropout_backward": ARITHMETIC,
+    "safe_softmax": "softmax", "softmax": "transcendental", "dropout": "random",
+    "dropout_backward": ARITHMETIC,
 })
 _FAMILY_OF = {kind: name for name, kinds in ELEMENT_FAMILIES.items() for kind in kinds}
 

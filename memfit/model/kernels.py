@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from memfit.data.costgraph import CostGraph, Op
 from memfit.data.hardware import Hardware
-from memfit.data.op_classes import MEMORY, RANDOM, op_class
+from memfit.data.op_classes import MEMORY, RANDOM_DRAWS, op_class
 
 COMPILERS = ("aot_eager", "inductor")
 MAX_GROUP_OPS = 64  # inductor's config.max_fusion_size: the most nodes one fused kernel takes
@@ -35,7 +35,7 @@ def fusible(op: Op) -> bool:
     no random numbers. memfit compiles with inductor's ``fallback_random`` (a re-run replays the
     forward's draws from the generator: ``memfit.lowering.inductor``), so a random op (dropout,
     ``bernoulli``, ``rand``) runs eager's kernels, as a library call."""
-    return bool(op.outputs) and op_class(op.kind) == MEMORY and op.kind not in RANDOM
+    return bool(op.outputs) and op_class(op.kind) == MEMORY and op.kind not in RANDOM_DRAWS
 
 
 def fused_kernels(graph: CostGraph) -> list[list[int]]:

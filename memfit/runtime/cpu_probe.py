@@ -110,6 +110,7 @@ def element_rates() -> dict[str, float]:
         "transcendental": (lambda: torch.tanh(values, out=out), lambda: torch.exp(values, out=out),
                            lambda: torch.erf(values, out=out)),
         "random": (lambda: out.bernoulli_(0.5), lambda: out.uniform_()),
+        "dropout": (lambda: torch.ops.aten.native_dropout(values, 0.5, True),),
         "dropout_backward": (
             lambda: torch.ops.aten.native_dropout_backward(values, kept, 2.0),),
     }

@@ -60,7 +60,7 @@ def test_the_measured_profile_carries_the_convolution_and_normalization_rates(fi
     convolution = measured.flops_per_s["float32"] * measured.compute_efficiency["convolution"]
     assert convolution == pytest.approx(cpu_probe.convolution_flops_per_s())
     assert {"transcendental", "random", "batch_norm", "layer_norm", "softmax", "safe_softmax",
-            "dropout_backward"} <= set(measured.element_rates)
+            "dropout", "dropout_backward"} <= set(measured.element_rates)
 
 
 def _captured_ops(model, loss_fn, inputs, hardware):
@@ -122,6 +122,10 @@ def test_an_eager_kernels_family_falls_back_without_a_rate_and_inside_a_fused_ke
     dropout = PROFILES["cpu"].with_(element_rates={"dropout_backward": 1e6})
     assert dropout.elements_time_s("aten.native_dropout_backward", 100) == pytest.approx(1e-4)
     assert dropout.elements_time_s("aten.native_dropout_backward", 100, fused=True) == 0.0
+    drawn = PROFILES["cpu"].with_(element_rates={"dropout": 1e6, "random": 4e6})
+    assert drawn.elements_time_s("aten.native_dropout", 100) == pytest.approx(1e-4)
+    random_only = PROFILES["cpu"].with_(element_rates={"random": 4e6})
+    assert random_only.elements_time_s("aten.native_dropout", 100) == pytest.approx(100 / 4e6)
 
 
 def test_softmax_rates_are_elements_over_the_times_of_their_passes(fixed_clock):
