@@ -188,8 +188,8 @@ class Plan:
     def from_json(data: object, source: str = "the saved plan") -> Plan:
         """A plan from its JSON form, checked against the schema first.
 
-        The strategy is read as a name, not looked up: ``memfit.compile(..., plan=plan)`` asks
-        whether it is registered.
+        The strategy is read as a name, not looked up in the registry (a saved plan runs as it
+        is, never planned again).
 
         Raises:
             ValueError: naming the field that is missing, unknown, or of the wrong type or value

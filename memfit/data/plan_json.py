@@ -5,8 +5,8 @@ non-blank strategy name, a positive budget, a non-blank graph hash, no field thi
 know. The first problem raises ``ValueError`` naming the field (``budget_bytes``,
 ``decisions['h1'].swap_ins[0].after``) and what it should hold, so a hand-edited or truncated
 file fails at ``Plan.load``, before any model is touched, never as a ``KeyError`` mid-step.
-Whether the strategy is registered is asked where a plan is run (``memfit.compile``): the
-registry is a layer above the data.
+The strategy is the plan's label, not looked up in the registry: a saved plan runs as it is and
+is never planned again, so one made by a strategy this process has not registered runs too.
 
 ``Plan`` (``memfit.data.plan``) writes its own JSON form and builds itself from ``plan_fields``,
 so this module stays below it (no import loop).

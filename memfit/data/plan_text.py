@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from memfit.data.decisions import Decision, Recompute, Rerun, Swap
 from memfit.data.explanation import BudgetRow, Explanation, TensorRow
-from memfit.data.tables import fit_table, format_param, table, tally_lines
+from memfit.data.tables import fit_table, format_ms, format_param, table, tally_lines
 from memfit.data.units import format_bytes
 
 
@@ -40,12 +40,6 @@ class PlanFields(Protocol):
     def regions(self) -> Sequence[PlanFields]: ...
 
 
-def _ms(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds * 1e3:.3f} ms" if seconds < 0.1 else f"{seconds * 1e3:.1f} ms"
-
-
 def explain_text(plan: PlanFields, depth: int = 3, width: int = 100, rows: int | None = 40) -> str:
     """See ``Plan.explain``."""
     if plan.regions:
@@ -62,10 +56,10 @@ def explain_text(plan: PlanFields, depth: int = 3, width: int = 100, rows: int |
                           "memfit.compile carry one)", _bare_decisions(plan)])
     lines = [head, fit_table(("step", "peak", "step time", "exposed transfer", "recompute"), [
         ("unplanned", format_bytes(explanation.baseline_peak_bytes),
-         _ms(explanation.baseline_step_time_s), "-", "-"),
+         format_ms(explanation.baseline_step_time_s), "-", "-"),
         (f"{plan.strategy} (predicted)", format_bytes(explanation.peak_bytes),
-         _ms(explanation.step_time_s), _ms(explanation.exposed_transfer_s),
-         _ms(explanation.recompute_s)),
+         format_ms(explanation.step_time_s), format_ms(explanation.exposed_transfer_s),
+         format_ms(explanation.recompute_s)),
     ], width)]
     if plan.reruns:
         lines.append(f"explicit re-runs: {len(plan.reruns)} (the solver's schedule)")
@@ -86,7 +80,7 @@ def _modules(explanation: Explanation, depth: int, width: int) -> str:
     return fit_table(
         ("module", "swapped", "swap bytes", "recomputed", "recompute bytes", "exposed", "recompute"),
         [(m.scope, m.swapped, format_bytes(m.swapped_bytes), m.recomputed,
-          format_bytes(m.recomputed_bytes), _ms(m.exposed_s), _ms(m.recompute_s))
+          format_bytes(m.recomputed_bytes), format_ms(m.exposed_s), format_ms(m.recompute_s))
          for m in explanation.by_module(depth)], width)
 
 
@@ -106,7 +100,7 @@ def _decisions(decided: tuple[TensorRow, ...], limit: int | None, width: int) ->
     return note + "\n" + table(
         ("tensor", "module", "bytes", "decision", "prefetch after", "time paid", "why"),
         [(r.tensor, r.scope or "(top level)", format_bytes(r.size_bytes), _decision(r),
-          _prefetch(r), _ms(r.time_paid_s), r.reason or "-") for r in shown])
+          _prefetch(r), format_ms(r.time_paid_s), r.reason or "-") for r in shown])
 
 
 def _decision(row: TensorRow) -> str:
@@ -153,18 +147,18 @@ def _what_if_row(row: BudgetRow, this_step_time_s: float) -> tuple[str, ...]:
     change = step_time_s / this_step_time_s - 1 if this_step_time_s else 0.0
     made_for = "this budget" if not row.borrowed else f"the {row.made_for:.0%} budget"
     return (label, format_bytes(row.budget_bytes), format_bytes(row.best.peak_bytes or 0),
-            _ms(step_time_s), f"{change:+.1%}", made_for)
+            format_ms(step_time_s), f"{change:+.1%}", made_for)
 
 
 def _borrowed_note(row: BudgetRow, explanation: Explanation) -> str:
     """Why a row shows a plan made for a tighter budget, and what the planner made for its own."""
     own = next((c for c in explanation.what_if if c.factor == row.factor), None)
     own_time_s = explanation.step_time_s if row.factor == 1.0 else own.step_time_s if own else None
-    made = ("did not fit" if own_time_s is None else f"takes {_ms(own_time_s)}")
+    made = ("did not fit" if own_time_s is None else f"takes {format_ms(own_time_s)}")
     assert row.best is not None
     return (f"at {row.factor:.0%}: the plan made for that budget {made}; the one made for "
             f"{row.made_for:.0%} ({format_bytes(row.best.budget_bytes)}) takes "
-            f"{_ms(row.best.step_time_s)} and fits too (the strategy is a heuristic: a looser "
+            f"{format_ms(row.best.step_time_s)} and fits too (the strategy is a heuristic: a looser "
             "budget can lead it to a slower plan), so the row shows it")
 
 
@@ -199,7 +193,7 @@ def _regions_text(plan: PlanFields, depth: int, width: int, rows: int | None) ->
                  if explained.budget_bytes is not None else "no limit")
         table_rows.append((index, region.graph_hash, format_bytes(explained.outside_bytes),
                            share, format_bytes(explained.baseline_peak_bytes),
-                           format_bytes(explained.peak_bytes), _ms(explained.step_time_s)))
+                           format_bytes(explained.peak_bytes), format_ms(explained.step_time_s)))
     lines.append(fit_table(("region", "graph", "held beside it", "its share of the budget",
                             "unplanned peak", "predicted peak", "step time"), table_rows, width))
     for index, region in enumerate(plan.regions):

@@ -43,6 +43,13 @@ def format_time(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms" if seconds >= 0 else "-"
 
 
+def format_ms(seconds: float | None) -> str:
+    """Seconds in milliseconds, three places below 0.1 s and one above; ``"-"`` for ``None``."""
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:.3f} ms" if seconds < 0.1 else f"{seconds * 1e3:.1f} ms"
+
+
 def format_param(value: object) -> str:
     """A plan parameter as the user wrote it; a mapping of step times (auto's candidates) in ms,
     said to be predicted (they are simulated, never measured)."""

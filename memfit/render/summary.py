@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from memfit.data.costgraph import CostGraph
 from memfit.data.plan import Plan
+from memfit.data.tables import format_ms
 from memfit.data.timeline import Timeline
 from memfit.data.units import format_bytes
 
@@ -26,10 +27,6 @@ class Planned:
     baseline: Timeline
     predicted: Timeline
     budget_bytes: int | None
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms" if seconds < 0.1 else f"{seconds * 1e3:.1f} ms"
 
 
 def plan_summary(planned: Planned, width: int = 100, depth: int = 3,
@@ -60,10 +57,10 @@ def _times(timeline: Timeline) -> str:
     """The step's times, said to be simulated or measured; a measured run without intervals
     (a whole-step measurement) has no copy or re-run times, and does not claim zeros."""
     if timeline.source == "measured" and not timeline.intervals:
-        return (f"step time {_ms(timeline.step_time_s)} (measured, the whole step: copy and "
+        return (f"step time {format_ms(timeline.step_time_s)} (measured, the whole step: copy and "
                 "re-run times not measured)")
-    return (f"step time {_ms(timeline.step_time_s)}, exposed transfer "
-            f"{_ms(timeline.exposed_transfer_s)}, re-runs {_ms(timeline.recompute_s)} "
+    return (f"step time {format_ms(timeline.step_time_s)}, exposed transfer "
+            f"{format_ms(timeline.exposed_transfer_s)}, re-runs {format_ms(timeline.recompute_s)} "
             f"({timeline.source})")
 
 

@@ -61,7 +61,7 @@ def test_two_open_chains_that_one_op_reads_merge():
     assert fused_kernels(graph) == [[0, 1, 2]]
 
 
-def test_a_random_op_stays_out_of_the_chains_around_it_as_eagers_kernel():
+def test_a_random_op_stays_out_of_the_chains_around_it_as_an_eager_kernel():
     """memfit compiles with inductor's ``fallback_random``: dropout between two pointwise ops
     runs eager's kernel, priced as a library call, and splits the chain in two."""
     graph = _graph(("add", "aten.add", ("x", "w")), ("drop", "aten.native_dropout", ("add",)),
