@@ -11,12 +11,16 @@ rate and its bytes at the sustained memory bandwidth, plus a fixed launch overhe
     memory_s  = bytes_accessed / (memory_bytes_per_s * memory_efficiency)
     time_s    = max(compute_s, memory_s) + op_overhead_s
 
+On a CPU a matmul that adds a bias (``addmm``) writes the bias into its output first: its
+``compute_s`` adds a pass over the output at the memory bandwidth.
+
 ``class`` is the op's class (``memfit.data.op_classes``: matmul, batched matmul, convolution,
 attention, rnn,
 else memory). A memory-bound op of an element family (transcendental, random, batch_norm,
 layer_norm, softmax, ...) also takes at least ``elements / element_rates[family]``: on a CPU core a ``tanh``,
 a dropout mask or a batch norm's per-channel statistics compute longer than they move their
-bytes. This prices each op as eager runs it; inductor's fused kernels
+bytes. An op that allocates nothing (a view) costs ``view_overhead_s``, its dispatcher call.
+This prices each op as eager runs it; inductor's fused kernels
 are priced from these op by op (``memfit.model.kernels``), each paying ``kernel_overhead_s``
 instead of ``op_overhead_s``. ``compute_ramp_s`` makes small kernels reach a lower fraction of the peak: an op
 of ``x`` FLOPs runs at ``efficiency * x / (x + x_half)`` of the peak, with
@@ -44,12 +48,15 @@ from typing import Any
 from memfit.data.files import write_text
 from memfit.data.hardware_json import FORMAT, FORMAT_VERSION, hardware_fields
 from memfit.data.op_classes import (
+    BIAS_FIRST,
     COMPUTE_CLASSES,
+    DTYPE_BYTES,
     EAGER_FAMILIES,
     ELEMENT_FAMILIES,
     FALLBACK_CLASS,
     FALLBACK_FAMILY,
     MEMORY,
+    TRANSCENDENTALS_PER_ELEMENT,
     element_family,
     op_class,
 )
@@ -80,6 +87,10 @@ class Hardware:
             ``aot_eager`` pays for every aten op of the step.
         kernel_overhead_s: fixed time per kernel a compiler generates (``inductor``'s fused
             kernels, a launch without the dispatcher; ``memfit.model.kernels``).
+        view_overhead_s: fixed time of an eager op that allocates nothing (a view, ``t``,
+            ``expand``, ``detach``): the dispatcher's call that makes the alias, which
+            ``aot_eager`` pays for each such op and inductor's generated code does not. 0 on
+            the GPU profiles, whose host dispatches ahead of the device.
         copy_latency_s: fixed time per copy.
         compute_efficiency: the fraction of the peak a large op of each compute class
             sustains (``"matmul"``, ``"batched_matmul"``, ``"convolution"``, ``"attention"``,
@@ -89,9 +100,10 @@ class Hardware:
         element_rates: elements per second a memory-bound op of each element family
             (``memfit.data.op_classes.ELEMENT_FAMILIES``: ``"transcendental"``, ``"random"``,
             ``"batch_norm"``, ``"layer_norm"``, and eager kernels' ``"softmax"``,
-            ``"safe_softmax"``, ``"dropout"`` and ``"dropout_backward"``) computes, where that
-            takes longer than its bytes (a CPU core); a family not given is priced by its bytes
-            alone, as every op on a GPU profile.
+            ``"safe_softmax"``, ``"dropout"`` and ``"dropout_backward"``, and the kernel inductor
+            generates for a softmax, ``"compiled_softmax"``) computes, where that takes longer
+            than its bytes (a CPU core); a family not given is priced by its bytes alone, as
+            every op on a GPU profile.
         compute_ramp_s: time a compute op takes beyond its FLOPs at the sustained rate; 0 runs
             every size at the class's fraction (see the module docstring for the curve).
         tf32_matmuls: float32 matmuls and attention run on tensor cores at the ``"tfloat32"``
@@ -133,6 +145,7 @@ class Hardware:
     device_bytes: int = 80 * GIB
     op_overhead_s: float = 5e-6
     kernel_overhead_s: float = 5e-6
+    view_overhead_s: float = 0.0
     copy_latency_s: float = 10e-6
     compute_efficiency: Mapping[str, float] = field(default_factory=dict)
     memory_efficiency: float = 1.0
@@ -172,8 +185,8 @@ class Hardware:
         if self.host_bytes is not None and self.host_bytes < 0:
             raise ValueError(f"Hardware.host_bytes must be 0 or more (None: no limit), got "
                              f"{self.host_bytes}")
-        for key in ("op_overhead_s", "kernel_overhead_s", "copy_latency_s", "compute_ramp_s",
-                    "collective_latency_s"):
+        for key in ("op_overhead_s", "kernel_overhead_s", "view_overhead_s", "copy_latency_s",
+                    "compute_ramp_s", "collective_latency_s"):
             if getattr(self, key) < 0:
                 raise ValueError(f"Hardware.{key} must be 0 or more, got {getattr(self, key)}")
 
@@ -227,17 +240,30 @@ class Hardware:
             efficiency = self.class_efficiency(kind_class)
             ramp_s = self.compute_ramp_s if kind_class != MEMORY else 0.0
             compute_s = flops / (rate * efficiency) + ramp_s
+        if kind in BIAS_FIRST and self.device_type == "cpu":
+            compute_s += elements * DTYPE_BYTES.get(dtype, 4) / (
+                self.memory_bytes_per_s * self.memory_efficiency)
         return max(compute_s, memory_s) + self.op_overhead_s
+
+    def view_time_s(self, kind: str) -> float:
+        """The time of an eager op of ``kind`` that allocates nothing: ``view_overhead_s``, the
+        dispatcher's call that makes an alias; Python's tuple indexing (``"getitem"``) calls no
+        op and costs nothing."""
+        return 0.0 if kind == "getitem" else self.view_overhead_s
 
     def elements_time_s(self, kind: str, elements: int, fused: bool = False) -> float:
         """The time a memory-bound op of ``kind`` computes ``elements`` elements, at its
         element family's rate (``element_rates``). An eager kernel's own family
         (``EAGER_FAMILIES``) inside a fused kernel, or one the profile has no rate for, is
-        priced as its ``FALLBACK_FAMILY``; 0 where the chain ends without a rate."""
+        priced as its ``FALLBACK_FAMILY``; 0 where the chain ends without a rate. A
+        transcendental op that evaluates several functions per element
+        (``TRANSCENDENTALS_PER_ELEMENT``: GELU's backward) takes that many."""
         family = element_family(kind)
         while family in EAGER_FAMILIES and (fused or family not in self.element_rates):
             family = FALLBACK_FAMILY[family]
         rate = self.element_rates.get(family)
+        if family == "transcendental":
+            elements *= TRANSCENDENTALS_PER_ELEMENT.get(kind, 1)
         return elements / rate if rate else 0.0
 
     def d2h_time_s(self, size_bytes: int, pinned: bool = True) -> float:

@@ -18,6 +18,14 @@ MATMUL = frozenset({
     "aten.mm", "aten.addmm", "aten.addbmm", "aten._addmm_activation", "aten.mv", "aten.addmv",
     "aten.dot", "aten._scaled_mm", "aten._int_mm",
 })
+# matmuls that add a bias: on a CPU each first writes the bias, broadcast, into its whole output,
+# then accumulates the product into it (a pass over the output before the multiply); CUDA's
+# cuBLASLt adds it in the multiply's epilogue
+BIAS_FIRST = frozenset({"aten.addmm", "aten.baddbmm", "aten.addbmm", "aten.addmv"})
+DTYPE_BYTES: Mapping[str, int] = MappingProxyType({
+    "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1,
+    "float8_e5m2": 1, "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1,
+})
 # many small matmuls in one call (attention's scores and their product with the values, a
 # head's width deep): a CPU's library runs them further below its peak than one large matmul
 BATCHED_MATMUL = frozenset({"aten.bmm", "aten.baddbmm"})
@@ -82,6 +90,12 @@ TRANSCENDENTAL = frozenset({
     "aten.silu_backward", "aten.sin", "aten.cos", "aten.softplus", "aten.mish", "aten.elu",
     "aten.atan", "aten.tan",
 })
+# transcendental functions a kernel evaluates per element where that is more than one: GELU's
+# backward takes the normal's CDF (``erf``) and its density (``exp``), softplus a ``log1p`` of
+# an ``exp``, mish a ``tanh`` of a softplus
+TRANSCENDENTALS_PER_ELEMENT: Mapping[str, int] = MappingProxyType({
+    "aten.gelu_backward": 2, "aten.softplus": 2, "aten.mish": 3,
+})
 SOFTMAX = frozenset({
     "aten._softmax", "aten._log_softmax", "aten._softmax_backward_data",
     "aten._log_softmax_backward_data",
@@ -104,10 +118,16 @@ LAYER_NORM = frozenset({
     "aten.native_layer_norm", "aten.native_layer_norm_backward", "aten._fused_rms_norm",
     "aten._fused_rms_norm_backward",
 })
+# A kernel inductor generates for a softmax (its decomposition: a row's ``amax``, the
+# exponentials, their sum, fused with what feeds them: a scale, a mask) is priced by its own
+# family, ``compiled_softmax``, per element of its ``exp`` (``memfit.model.kernels``): on a CPU
+# it runs several passes over each row, recomputing its inputs in each. No op kind is in it.
+SOFTMAX_KERNEL_KINDS = frozenset({"aten.amax", "aten.exp"})  # a fused kernel with both
+COMPILED_SOFTMAX = "compiled_softmax"
 ELEMENT_FAMILIES: Mapping[str, frozenset[str]] = MappingProxyType({
     "transcendental": TRANSCENDENTAL, "random": RANDOM, "batch_norm": BATCH_NORM,
     "layer_norm": LAYER_NORM, "softmax": SOFTMAX, "safe_softmax": SAFE_SOFTMAX,
-    "dropout": DROPOUT, "dropout_backward": DROPOUT_BACKWARD,
+    "dropout": DROPOUT, "dropout_backward": DROPOUT_BACKWARD, COMPILED_SOFTMAX: frozenset(),
 })
 RANDOM_DRAWS = RANDOM | DROPOUT  # ops that draw from the random generator
 ARITHMETIC = "arithmetic"

@@ -1,8 +1,9 @@
 """Kernels of a compiled step: the ops a compiler runs as one kernel, and the step priced so.
 
 ``aot_eager`` runs every aten op of the captured graph as its own kernel, each paying the
-dispatcher (``Hardware.op_overhead_s``) and moving its own inputs and outputs through memory:
-``analyze`` prices each op that way. ``inductor`` fuses: a chain of memory-bound ops
+dispatcher (``Hardware.op_overhead_s``) and moving its own inputs and outputs through memory,
+and calls the dispatcher for each view too (``Hardware.view_overhead_s``): ``analyze`` prices
+each op that way. ``inductor`` fuses: a chain of memory-bound ops
 (elementwise, reductions, norms; ``memfit.data.op_classes``) becomes one generated kernel that
 reads what the chain reads from outside and writes what is read outside it, its intermediates
 never leaving registers or cache. Compute ops (matmul, convolution, attention, RNN) stay
@@ -23,7 +24,13 @@ from __future__ import annotations
 
 from memfit.data.costgraph import CostGraph, Op
 from memfit.data.hardware import Hardware
-from memfit.data.op_classes import MEMORY, RANDOM_DRAWS, op_class
+from memfit.data.op_classes import (
+    COMPILED_SOFTMAX,
+    MEMORY,
+    RANDOM_DRAWS,
+    SOFTMAX_KERNEL_KINDS,
+    op_class,
+)
 
 COMPILERS = ("aot_eager", "inductor")
 MAX_GROUP_OPS = 64  # inductor's config.max_fusion_size: the most nodes one fused kernel takes
@@ -79,8 +86,9 @@ def kernel_time_s(graph: CostGraph, kernel: list[int], hardware: Hardware) -> fl
     the dispatcher's overhead plus a compiled kernel's. A generated kernel (a fused group, or
     one fusible op): the slower of the bytes it reads from outside the group and writes for
     readers outside it (or as step outputs) at the memory bandwidth, and its ops' per-element
-    work (``Hardware.elements_time_s``, an eager kernel's several passes as one), plus one
-    kernel overhead."""
+    work (``Hardware.elements_time_s``, an eager kernel's several passes as one), or a
+    softmax's kernel's (``SOFTMAX_KERNEL_KINDS``) at the profile's ``compiled_softmax`` rate per
+    element of its exponentials where that is slower, plus one kernel overhead."""
     ops = [graph.ops[index] for index in kernel]
     if len(ops) == 1 and not fusible(ops[0]):
         return max(0.0, ops[0].time_s - hardware.op_overhead_s) + hardware.kernel_overhead_s
@@ -93,6 +101,10 @@ def kernel_time_s(graph: CostGraph, kernel: list[int], hardware: Hardware) -> fl
     moved = sum(graph.tensors[name].size_bytes for name in read | written)
     memory_s = moved / (hardware.memory_bytes_per_s * hardware.memory_efficiency)
     compute_s = sum(hardware.elements_time_s(op.kind, op.elements, fused=True) for op in ops)
+    softmax_rate = hardware.element_rates.get(COMPILED_SOFTMAX)
+    if softmax_rate and SOFTMAX_KERNEL_KINDS <= {op.kind for op in ops}:
+        exponentials = max(op.elements for op in ops if op.kind == "aten.exp")
+        compute_s = max(compute_s, exponentials / softmax_rate)
     return max(memory_s, compute_s) + hardware.kernel_overhead_s
 
 
@@ -112,7 +124,8 @@ def compiled_times(graph: CostGraph, hardware: Hardware) -> dict[str, float]:
 
 def priced_for(graph: CostGraph, hardware: Hardware, compiler: str) -> CostGraph:
     """``graph`` (priced op by op, as ``aot_eager`` runs it) with the times ``compiler``'s
-    kernels take: itself for ``"aot_eager"``, ``compiled_times`` for ``"inductor"``.
+    kernels take: itself for ``"aot_eager"``, ``compiled_times`` for ``"inductor"``, whose
+    generated code makes views without a call (an op that allocates nothing costs nothing).
 
     Raises:
         ValueError: for another compiler.
@@ -121,7 +134,8 @@ def priced_for(graph: CostGraph, hardware: Hardware, compiler: str) -> CostGraph
         raise ValueError(f"unknown compiler {compiler!r}: use one of {COMPILERS}")
     if compiler == "aot_eager":
         return graph
-    return graph.with_times(compiled_times(graph, hardware))
+    views = {op.name: 0.0 for op in graph.ops if not op.outputs}
+    return graph.with_times({**views, **compiled_times(graph, hardware)})
 
 
 def kernel_count(graph: CostGraph, compiler: str) -> int:
@@ -136,8 +150,8 @@ def repriced(graph: CostGraph, hardware: Hardware, compiler: str) -> CostGraph:
     """``graph`` priced anew on ``hardware`` from what its ops record (FLOPs, bytes, dtype,
     kind, elements), as ``analyze`` prices a captured step, then as ``compiler`` runs it: the
     same step on another profile without capturing it again. An op that allocates nothing
-    costs nothing, as in ``analyze``."""
+    costs its dispatch (``Hardware.view_time_s``), as in ``analyze``."""
     eager = {op.name: hardware.op_time_s(op.flops, op.bytes_accessed, op.dtype, op.kind,
-                                         op.elements) if op.outputs else 0.0
-             for op in graph.ops}
+                                         op.elements) if op.outputs
+             else hardware.view_time_s(op.kind) for op in graph.ops}
     return priced_for(graph.with_times(eager), hardware, compiler)

@@ -14,12 +14,14 @@ a second; the median of several runs of each probe is what a step sees):
 - memory bandwidth as an elementwise add of activations' size sees it in a step: operands
   written a while before, a new output (what a memory-bound op of a step reaches);
 - elements per second of memory-bound ops that compute more than they move
-  (``Hardware.element_rates``): transcendental functions (``tanh``, ``exp``, ``erf``), random
+  (``Hardware.element_rates``), on cold operands into new outputs as the add's: transcendental functions (``tanh``, ``exp``, ``erf``), random
   draws (``bernoulli_``, dropout's mask), batch norm and layer norm in training, each over
   a forward and its backward (a training step runs both), and eager kernels of several passes
-  (softmax, ``_safe_softmax``, dropout's backward);
+  (softmax, ``_safe_softmax``, dropout's backward), and the kernel inductor generates for
+  attention's masked softmax (``compiled_softmax``);
 - the per-op overhead of eager dispatch (a tiny transformer layer's ops back to back, called
-  as ``OpOverload``s as compiled code calls them, per kernel), and a swap's fixed time and
+  as ``OpOverload``s as compiled code calls them, per kernel, its views' calls apart: a view's
+  own dispatch is ``view_overhead_s``), and a swap's fixed time and
   speed each way as memfit's swap ops run it ("device" and "host" are one memory: a copy is
   a memcpy on the compute thread).
 
@@ -29,15 +31,18 @@ threads the caller runs (``torch.get_num_threads()``), which the notes record.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from memfit.data.hardware import PROFILES, Hardware, available_host_bytes
+from memfit.data.op_classes import COMPILED_SOFTMAX
 from memfit.ops.engine_slot import active_engine
 from memfit.ops.swap import SWAP_IN, SWAP_OUT, WAIT
 from memfit.runtime.streams import CopyEngine
@@ -101,18 +106,28 @@ def matmul_flops_per_s(dtype: torch.dtype, shapes=MATMUL_SHAPES) -> float:
                              for batch, rows, inner, columns in shapes)
 
 
+def cold_operands(make: Callable[[], Any], size_bytes: int) -> Callable[[], Any]:
+    """Operands as a step's op finds them: each call returns the next of a pool of ``make()``
+    results (``size_bytes`` each) filling ``OPERAND_POOL_BYTES``, written a while before, so no
+    call reads what the previous call left in a cache."""
+    return itertools.cycle([make() for _ in range(max(2, OPERAND_POOL_BYTES // size_bytes))]
+                           ).__next__
+
+
 def element_rates() -> dict[str, float]:
-    """Elements per second of each element family: the median over a few of its ops."""
-    values = torch.randn(ELEMENTS)
-    out = torch.empty_like(values)
-    kept = values > 0
+    """Elements per second of each element family: the median over a few of its ops, each
+    reading cold operands into a new output as a step's op does (``cold_operands``)."""
+    values = cold_operands(lambda: torch.randn(ELEMENTS), 4 * ELEMENTS)
+    gradients = cold_operands(lambda: (torch.randn(ELEMENTS), torch.randn(ELEMENTS) > 0),
+                              5 * ELEMENTS)
     probes = {
-        "transcendental": (lambda: torch.tanh(values, out=out), lambda: torch.exp(values, out=out),
-                           lambda: torch.erf(values, out=out)),
-        "random": (lambda: out.bernoulli_(0.5), lambda: out.uniform_()),
-        "dropout": (lambda: torch.ops.aten.native_dropout(values, 0.5, True),),
+        "transcendental": (lambda: torch.tanh(values()), lambda: torch.exp(values()),
+                           lambda: torch.erf(values())),
+        "random": (lambda: torch.ops.aten.bernoulli.p(values(), 0.5),
+                   lambda: torch.rand_like(values())),
+        "dropout": (lambda: torch.ops.aten.native_dropout(values(), 0.5, True),),
         "dropout_backward": (
-            lambda: torch.ops.aten.native_dropout_backward(values, kept, 2.0),),
+            lambda: torch.ops.aten.native_dropout_backward(*gradients(), 2.0),),
     }
     return {family: ELEMENTS / statistics.median(median_time_s(probe) for probe in family_probes)
             for family, family_probes in probes.items()}
@@ -121,15 +136,50 @@ def element_rates() -> dict[str, float]:
 def softmax_rates() -> dict[str, float]:
     """Elements per second of eager softmax over ``ATTENTION_SCORES_SHAPE`` (last dimension):
     ``_softmax`` and its backward as a training step runs both (twice the elements over the two
-    times together), and ``_safe_softmax``'s forward alone (its backward is softmax's)."""
-    scores = torch.randn(*ATTENTION_SCORES_SHAPE)
-    probabilities = torch.softmax(scores, -1)
-    softmax_s = median_time_s(lambda: torch.ops.aten._softmax(scores, -1, False)) + median_time_s(
-        lambda: torch.ops.aten._softmax_backward_data(probabilities, probabilities, -1,
-                                                      torch.float32))
-    safe_softmax_s = median_time_s(lambda: torch.ops.aten._safe_softmax(scores, -1))
-    return {"softmax": 2 * scores.numel() / softmax_s,
-            "safe_softmax": scores.numel() / safe_softmax_s}
+    times together), and ``_safe_softmax``'s forward alone (its backward is softmax's), on cold
+    operands (``cold_operands``)."""
+    size_bytes = 4 * torch.Size(ATTENTION_SCORES_SHAPE).numel()
+    scores = cold_operands(lambda: torch.randn(*ATTENTION_SCORES_SHAPE), size_bytes)
+    gradients = cold_operands(lambda: (torch.randn(*ATTENTION_SCORES_SHAPE),
+                                       torch.softmax(torch.randn(*ATTENTION_SCORES_SHAPE), -1)),
+                              2 * size_bytes)
+    softmax_s = median_time_s(lambda: torch.ops.aten._softmax(scores(), -1, False)) + median_time_s(
+        lambda: torch.ops.aten._softmax_backward_data(*gradients(), -1, torch.float32))
+    safe_softmax_s = median_time_s(lambda: torch.ops.aten._safe_softmax(scores(), -1))
+    elements = size_bytes // 4
+    return {"softmax": 2 * elements / softmax_s, "safe_softmax": elements / safe_softmax_s}
+
+
+def _masked_softmax(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Attention's probabilities as a transformer computes them: scaled scores plus a padding
+    mask made from the batch's token mask (``tokens``, 1 for a token, 0 for padding)."""
+    keep = tokens[:, None, None, :].bool()
+    bias = torch.where(keep, 0.0, torch.finfo(scores.dtype).min)
+    return torch.softmax(scores * scores.shape[-1] ** -0.5 + bias, -1)
+
+
+@functools.cache
+def _compiled_masked_softmax() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    return torch.compile(_masked_softmax, backend="inductor", dynamic=False, fullgraph=True)
+
+
+def compiled_softmax_rates() -> dict[str, float]:
+    """Elements per second of the kernel inductor generates for attention's softmax
+    (``_masked_softmax`` over ``ATTENTION_SCORES_SHAPE``, a quarter of each row padding), on
+    cold operands: the ``compiled_softmax`` family. Compiled once per process (a second or
+    more). ``{}`` where inductor cannot compile on this machine (no C++ compiler): such
+    kernels are then priced op by op."""
+    batch, _, _, keys = ATTENTION_SCORES_SHAPE
+    tokens = torch.ones(batch, keys, dtype=torch.long)
+    tokens[:, keys * 3 // 4:] = 0
+    elements = torch.Size(ATTENTION_SCORES_SHAPE).numel()
+    scores = cold_operands(lambda: torch.randn(*ATTENTION_SCORES_SHAPE), 4 * elements)
+    softmax = _compiled_masked_softmax()
+    try:
+        time_s = median_time_s(lambda: softmax(scores(), tokens))
+    except (torch._dynamo.exc.BackendCompilerFailed, RuntimeError, OSError):
+        return {}
+    return {COMPILED_SOFTMAX: elements / time_s}
 
 
 def convolution_time_s(shape: tuple[int, int, int, int, int]) -> float:
@@ -159,40 +209,46 @@ def convolution_flops_per_s(shapes=CONVOLUTION_SHAPES) -> float:
 
 def normalization_rates() -> dict[str, float]:
     """Elements per second of batch norm (the middle of ``CONVOLUTION_SHAPES``' outputs, per
-    channel) and layer norm (``LAYER_NORM_SHAPE``, per row) in training: a forward and its
-    backward each make as many elements as their input, so the rate is twice the elements over
-    the two times together."""
+    channel) and layer norm (``LAYER_NORM_SHAPE``, per row) in training, on cold operands
+    (``cold_operands``): a forward and its backward each make as many elements as their input,
+    so the rate is twice the elements over the two times together."""
     batch, _, channels, side, _ = CONVOLUTION_SHAPES[1]
-    images = torch.randn(batch, channels, side, side)
+    image_shape = (batch, channels, side, side)
+    image_bytes = 4 * torch.Size(image_shape).numel()
+    images = cold_operands(lambda: torch.randn(*image_shape), image_bytes)
+    image_pairs = cold_operands(lambda: (torch.randn(*image_shape), torch.randn(*image_shape)),
+                                2 * image_bytes)
     scale, shift = torch.ones(channels), torch.zeros(channels)
     mean, variance = torch.zeros(channels), torch.ones(channels)
     _, saved_mean, saved_inverse, _, _ = torch.ops.aten._native_batch_norm_legit_functional(
-        images, scale, shift, mean, variance, True, 0.1, 1e-5)
+        images(), scale, shift, mean, variance, True, 0.1, 1e-5)
     batch_norm_s = median_time_s(lambda: torch.ops.aten._native_batch_norm_legit_functional(
-        images, scale, shift, mean, variance, True, 0.1, 1e-5)) + median_time_s(
+        images(), scale, shift, mean, variance, True, 0.1, 1e-5)) + median_time_s(
         lambda: torch.ops.aten.native_batch_norm_backward(
-            images, images, scale, mean, variance, saved_mean, saved_inverse, True, 1e-5,
+            *image_pairs(), scale, mean, variance, saved_mean, saved_inverse, True, 1e-5,
             [True, True, True]))
-    rows = torch.randn(*LAYER_NORM_SHAPE)
+    row_bytes = 4 * torch.Size(LAYER_NORM_SHAPE).numel()
+    rows = cold_operands(lambda: torch.randn(*LAYER_NORM_SHAPE), row_bytes)
+    row_pairs = cold_operands(lambda: (torch.randn(*LAYER_NORM_SHAPE),
+                                       torch.randn(*LAYER_NORM_SHAPE)), 2 * row_bytes)
     width = [LAYER_NORM_SHAPE[-1]]
     weight, bias = torch.ones(width), torch.zeros(width)
-    _, row_mean, row_inverse = torch.ops.aten.native_layer_norm(rows, width, weight, bias, 1e-5)
+    _, row_mean, row_inverse = torch.ops.aten.native_layer_norm(rows(), width, weight, bias, 1e-5)
     layer_norm_s = median_time_s(lambda: torch.ops.aten.native_layer_norm(
-        rows, width, weight, bias, 1e-5)) + median_time_s(
+        rows(), width, weight, bias, 1e-5)) + median_time_s(
         lambda: torch.ops.aten.native_layer_norm_backward(
-            rows, rows, width, row_mean, row_inverse, weight, bias, [True, True, True]))
-    return {"batch_norm": 2 * images.numel() / batch_norm_s,
-            "layer_norm": 2 * rows.numel() / layer_norm_s}
+            *row_pairs(), width, row_mean, row_inverse, weight, bias, [True, True, True]))
+    return {"batch_norm": 2 * image_bytes / 4 / batch_norm_s,
+            "layer_norm": 2 * row_bytes / 4 / layer_norm_s}
 
 
 def elementwise_bytes_per_s(size_bytes: int = ELEMENTWISE_BYTES) -> float:
     """Memory bandwidth as a step's elementwise add sees it: it reads two operands another op
     wrote a while before (the next pair of a pool of ``OPERAND_POOL_BYTES``) into a new
     output."""
-    pairs = [(torch.randn(size_bytes // 4), torch.randn(size_bytes // 4))
-             for _ in range(max(2, OPERAND_POOL_BYTES // (2 * size_bytes)))]
-    operands = itertools.cycle(pairs)
-    return 3 * size_bytes / median_time_s(lambda: torch.add(*next(operands)))
+    operands = cold_operands(lambda: (torch.randn(size_bytes // 4), torch.randn(size_bytes // 4)),
+                             2 * size_bytes)
+    return 3 * size_bytes / median_time_s(lambda: torch.add(*operands()))
 
 
 def swap_costs(size_bytes: int = ELEMENTWISE_BYTES) -> tuple[float, float, float]:
@@ -226,7 +282,7 @@ def swap_costs(size_bytes: int = ELEMENTWISE_BYTES) -> tuple[float, float, float
 def _tiny_layer(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """A transformer layer's ops on tiny tensors, called as ``aot_eager``'s generated code calls
     them (``OpOverload``s, a Python call before the dispatcher each), views among its kernels
-    as a captured graph has them: ``TINY_LAYER_KERNELS`` kernels, 6 views."""
+    as a captured graph has them: ``TINY_LAYER_KERNELS`` kernels, ``TINY_LAYER_VIEWS`` views."""
     aten = torch.ops.aten
     rows = aten.view.default(inputs, [-1, inputs.shape[-1]])
     projected = aten.addmm.default(bias, rows, aten.t.default(weight))
@@ -241,20 +297,35 @@ def _tiny_layer(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) 
 
 
 TINY_LAYER_KERNELS = 9  # addmm, add, layer norm, clone, softmax, mul, clone, relu, sum
+TINY_LAYER_VIEWS = 6  # view, t, view, transpose, expand, _unsafe_view
 
 
-def op_overhead_s() -> float:
+def view_overhead_s() -> float:
+    """The fixed cost of an eager op that allocates nothing: the median over the kinds of view a
+    captured transformer step has most of, each called as ``aot_eager``'s generated code calls
+    it (an ``OpOverload``)."""
+    aten = torch.ops.aten
+    values, weight = torch.randn(2, 4, 8), torch.randn(8, 8)
+    views = (lambda: aten.view.default(values, [8, 8]), lambda: aten.t.default(weight),
+             lambda: aten.transpose.int(values, 1, 2), lambda: aten.expand.default(values, [2, 4, 8]),
+             lambda: aten._unsafe_view.default(values, [8, 8]),
+             lambda: aten.unsqueeze.default(values, 0))
+    return statistics.median(median_time_s(view, inner=50) for view in views)
+
+
+def op_overhead_s(view_s: float) -> float:
     """The fixed cost per eager kernel: a tiny transformer layer's ops (``_tiny_layer``) back
-    to back, per kernel, the views' calls counted in their kernels' share (a priced graph
-    gives views no time)."""
+    to back, less its views' calls at ``view_s`` each, per kernel."""
     inputs, weight, bias = torch.randn(2, 4, 8), torch.randn(8, 8), torch.randn(8)
-    return median_time_s(lambda: _tiny_layer(inputs, weight, bias), inner=20) / TINY_LAYER_KERNELS
+    layer_s = median_time_s(lambda: _tiny_layer(inputs, weight, bias), inner=20)
+    return max(0.0, layer_s - TINY_LAYER_VIEWS * view_s) / TINY_LAYER_KERNELS
 
 
 def measure_cpu() -> Hardware:
     """The CPU's profile (module docstring), named ``"measured-cpu"``, planning CPU runs."""
     base = PROFILES["cpu"]
-    overhead_s = op_overhead_s()
+    view_s = view_overhead_s()
+    overhead_s = op_overhead_s(view_s)
     flops_per_s = {"float32": matmul_flops_per_s(torch.float32)}
     tiny = torch.randn(32, 32, dtype=torch.bfloat16)
     if median_time_s(lambda: tiny @ tiny, repeats=1) < 1e-3:  # slow bf16 paths take seconds
@@ -279,7 +350,8 @@ def measure_cpu() -> Hardware:
         compute_ramp_s=ramp_s,
         memory_bytes_per_s=memory_bytes_per_s,
         memory_efficiency=1.0,
-        element_rates={**element_rates(), **normalization_rates(), **softmax_rates()},
+        element_rates={**element_rates(), **normalization_rates(), **softmax_rates(),
+                       **compiled_softmax_rates()},
         d2h_bytes_per_s=d2h_bytes_per_s,
         h2d_bytes_per_s=h2d_bytes_per_s,
         copy_latency_s=copy_latency_s,
@@ -289,6 +361,7 @@ def measure_cpu() -> Hardware:
         device_bytes=host_memory_bytes(base.device_bytes),
         host_bytes=available_host_bytes(),
         op_overhead_s=overhead_s,
+        view_overhead_s=view_s,
         kernel_overhead_s=COMPILED_KERNEL_OVERHEAD_S,
         notes=f"measured on the CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads "
               f"timed): medians of {REPEATS}; {COMPILED_KERNEL_OVERHEAD_S * 1e6:g} us per "

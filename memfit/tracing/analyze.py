@@ -144,7 +144,8 @@ def _op(node: torch.fx.Node, owner, tensors, hardware: Hardware,
     dtype = str(first.dtype).removeprefix("torch.") if first is not None else "float32"
     kind = op_kind(node)
     elements = first.numel() if first is not None else 0
-    time_s = hardware.op_time_s(flops, moved, dtype, kind, elements) if allocated else 0.0
+    time_s = (hardware.op_time_s(flops, moved, dtype, kind, elements) if allocated
+              else hardware.view_time_s(kind))
     return Op(
         name=node.name,
         kind=kind,

@@ -66,6 +66,17 @@ def test_roofline_takes_the_slower_of_compute_and_memory_plus_overhead():
     assert hardware.op_time_s(flops=1000, bytes_accessed=10, dtype="bfloat16") == 3.5
 
 
+def test_a_cpu_matmul_with_a_bias_pays_a_pass_over_its_output_first():
+    cpu = toy(device_type="cpu")
+    plain = cpu.op_time_s(1000, 10, "float32", "aten.mm", elements=25)
+    assert cpu.op_time_s(1000, 10, "float32", "aten.addmm", elements=25) == plain + 25 * 4 / 10.0
+    assert cpu.op_time_s(1000, 10, "bfloat16", "aten.addmm", elements=25) == pytest.approx(
+        cpu.op_time_s(1000, 10, "bfloat16", "aten.mm", elements=25) + 25 * 2 / 10.0)
+    gpu = toy(device_type="cuda")  # cuBLASLt adds the bias in the multiply's epilogue
+    assert gpu.op_time_s(1000, 10, "float32", "aten.addmm", elements=25) == gpu.op_time_s(
+        1000, 10, "float32", "aten.mm", elements=25)
+
+
 def test_flops_rate_falls_back_to_float32_then_to_the_slowest():
     assert toy().flops_rate("float16") == 100.0
     assert toy(flops_per_s={"bfloat16": 400.0, "float16": 300.0}).flops_rate("int8") == 300.0

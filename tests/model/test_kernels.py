@@ -3,11 +3,19 @@ costs less than its ops run one by one, never across an op that reads the chain 
 random op (eager's kernel under ``fallback_random``), and the eager pricing left as it is for
 aot_eager."""
 
+from dataclasses import replace
+
 import pytest
 
 from memfit.data.costgraph import CostGraph, Op, Tensor
 from memfit.data.hardware import PROFILES
-from memfit.model.kernels import compiled_times, fused_kernels, kernel_count, priced_for
+from memfit.model.kernels import (
+    compiled_times,
+    fused_kernels,
+    kernel_count,
+    kernel_time_s,
+    priced_for,
+)
 
 MIB = 2**20
 HARDWARE = PROFILES["h100-sxm"]
@@ -77,3 +85,29 @@ def test_aot_eager_keeps_the_eager_times_and_an_unknown_compiler_is_refused():
     assert priced_for(graph, HARDWARE, "aot_eager") is graph
     with pytest.raises(ValueError, match="unknown compiler"):
         priced_for(graph, HARDWARE, "tvm")
+
+
+def test_a_softmax_kernel_runs_at_the_compiled_softmax_rate_where_that_is_slower():
+    """Inductor's kernel for a softmax (a row's ``amax``, ``exp``, their sum, fused with a
+    scale) makes several passes over each row: priced per element of its ``exp`` at the
+    profile's ``compiled_softmax`` rate; a kernel without both kinds is not."""
+    elements = MIB // 4
+    specs = (("scaled", "aten.mul", ("x",)), ("top", "aten.amax", ("scaled",)),
+             ("shifted", "aten.sub", ("scaled", "top")), ("exp", "aten.exp", ("shifted",)),
+             ("total", "aten.sum", ("exp",)), ("probabilities", "aten.div", ("exp", "total")))
+    made = [_op(*spec) for spec in specs]
+    ops = [replace(op, elements=elements) for op, _ in made]
+    tensors = [Tensor("x", MIB, "input"), Tensor("w", MIB, "parameter")]
+    tensors += [Tensor(t.name, t.size_bytes, t.role, is_output=t.name == "probabilities")
+                for _, t in made]
+    graph = CostGraph.build(ops, tensors)
+    assert fused_kernels(graph) == [list(range(len(specs)))]
+    slow = HARDWARE.with_(element_rates={"compiled_softmax": 1e6})
+    assert kernel_time_s(graph, fused_kernels(graph)[0], slow) == pytest.approx(
+        elements / 1e6 + slow.kernel_overhead_s)
+    fast = HARDWARE.with_(element_rates={"compiled_softmax": 1e15})  # its bytes are slower
+    assert kernel_time_s(graph, fused_kernels(graph)[0], fast) == kernel_time_s(
+        graph, fused_kernels(graph)[0], HARDWARE)
+    without_amax = CostGraph.build(
+        [replace(op, kind="aten.mean") if op.kind == "aten.amax" else op for op in ops], tensors)
+    assert kernel_time_s(without_amax, fused_kernels(without_amax)[0], slow) < 1e-3

@@ -107,6 +107,13 @@ def test_layer_norm_safe_softmax_and_pow_are_priced_by_their_families():
         assert op.time_s == pytest.approx(64 / 1e6 + hardware.op_overhead_s)
 
 
+def test_gelus_backward_evaluates_two_transcendental_functions_per_element():
+    measured = PROFILES["cpu"].with_(element_rates={"transcendental": 4e6})
+    assert measured.elements_time_s("aten.gelu", 100) == pytest.approx(100 / 4e6)
+    assert measured.elements_time_s("aten.gelu_backward", 100) == pytest.approx(200 / 4e6)
+    assert measured.elements_time_s("aten.tanh_backward", 100) == 0.0  # 1 - y^2: arithmetic
+
+
 def test_an_eager_kernels_family_falls_back_without_a_rate_and_inside_a_fused_kernel():
     """``_safe_softmax`` runs several passes as its own eager kernel, one in a fused one."""
     measured = PROFILES["cpu"].with_(element_rates={"safe_softmax": 1e6, "softmax": 2e6,
@@ -151,27 +158,54 @@ def test_matmuls_are_timed_on_operands_the_last_call_did_not_read(fixed_clock):
 
 def test_the_op_overhead_is_timed_per_kernel_as_compiled_code_calls_a_layers_ops(fixed_clock):
     """``aot_eager``'s generated code calls ``torch.ops.aten.<op>.<overload>``, a Python call
-    before the dispatcher that ``torch.add`` skips, and views between kernels."""
-    assert cpu_probe.op_overhead_s() == pytest.approx(PROBE_S / cpu_probe.TINY_LAYER_KERNELS)
+    before the dispatcher that ``torch.add`` skips, and views between kernels, whose calls
+    (``view_s`` each) are not the kernels' share."""
+    view_s = 1e-5
+    assert cpu_probe.op_overhead_s(view_s) == pytest.approx(
+        (PROBE_S - cpu_probe.TINY_LAYER_VIEWS * view_s) / cpu_probe.TINY_LAYER_KERNELS)
     (operation,) = fixed_clock
 
-    class Recorded(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            result = func(*args, **(kwargs or {}))
-            read = {tensor.untyped_storage().data_ptr() for tensor in args
-                    if isinstance(tensor, torch.Tensor)}
-            output = result[0] if isinstance(result, tuple) else result
-            self.calls.append(output.untyped_storage().data_ptr() not in read)  # allocates
-            return result
-
-    with Recorded() as recorded:
+    with _Recorded() as recorded:
         operation()
     assert sum(recorded.calls) == cpu_probe.TINY_LAYER_KERNELS
-    assert len(recorded.calls) > cpu_probe.TINY_LAYER_KERNELS  # views between them
+    assert len(recorded.calls) == cpu_probe.TINY_LAYER_KERNELS + cpu_probe.TINY_LAYER_VIEWS
+
+
+def test_the_view_overhead_is_timed_on_calls_that_allocate_nothing(fixed_clock):
+    assert cpu_probe.view_overhead_s() == PROBE_S
+    assert len(fixed_clock) > 1
+    with _Recorded() as recorded:
+        for operation in fixed_clock:
+            operation()
+    assert recorded.calls == [False] * len(fixed_clock)
+
+
+def test_element_probes_read_other_operands_on_each_call(fixed_clock):
+    """A step's memory-bound op reads what another op wrote a while before, not what the
+    previous call of the probe left in a cache."""
+    cpu_probe.element_rates()
+    transcendental = fixed_clock[0]
+    assert not torch.equal(transcendental(), transcendental())
+    fixed_clock.clear()
+    cpu_probe.softmax_rates()
+    forward = fixed_clock[0]
+    assert not torch.equal(forward(), forward())
+
+
+class _Recorded(TorchDispatchMode):
+    """Each op call: whether its first output is a storage it did not read (it allocates)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        read = {tensor.untyped_storage().data_ptr() for tensor in args
+                if isinstance(tensor, torch.Tensor)}
+        output = result[0] if isinstance(result, tuple) else result
+        self.calls.append(output.untyped_storage().data_ptr() not in read)  # allocates
+        return result
 
 
 def test_a_swap_is_priced_as_memfits_swap_ops_run_it(monkeypatch):
@@ -191,3 +225,36 @@ def test_a_swap_is_priced_as_memfits_swap_ops_run_it(monkeypatch):
     assert out_rate == pytest.approx(size_bytes / (5e-4 - 1.5e-5))
     assert in_rate == pytest.approx(size_bytes / (6e-4 - 1.5e-5))
     assert [result.numel() for result in results] == [1, 1, size_bytes // 4, size_bytes // 4]
+
+
+def test_a_cpu_addmm_copies_its_bias_into_its_whole_output_before_the_multiply():
+    """What ``Hardware.op_time_s`` prices for ``BIAS_FIRST`` on a CPU: PyTorch's CPU ``addmm``
+    runs a ``copy_`` of the output's size under it."""
+    rows, inner, columns = 64, 32, 48
+    bias, left, right = torch.randn(columns), torch.randn(rows, inner), torch.randn(inner, columns)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                record_shapes=True) as profile:
+        torch.ops.aten.addmm.default(bias, left, right)
+    copies = [event for event in profile.events() if event.name == "aten::copy_"
+              and event.cpu_parent is not None and event.cpu_parent.name == "aten::addmm"]
+    assert [event.input_shapes[0] for event in copies] == [[rows, columns]]
+
+
+def test_the_compiled_softmax_rate_times_attentions_masked_softmax(fixed_clock, monkeypatch):
+    elements = torch.Size(cpu_probe.ATTENTION_SCORES_SHAPE).numel()
+    monkeypatch.setattr(cpu_probe, "_compiled_masked_softmax", lambda: cpu_probe._masked_softmax)
+    assert cpu_probe.compiled_softmax_rates() == {"compiled_softmax": elements / PROBE_S}
+    (operation,) = fixed_clock
+    probabilities = operation()
+    assert probabilities.shape == cpu_probe.ATTENTION_SCORES_SHAPE
+    keys = cpu_probe.ATTENTION_SCORES_SHAPE[-1]
+    assert torch.all(probabilities[..., keys * 3 // 4:] == 0)  # the padding
+    torch.testing.assert_close(probabilities.sum(-1), torch.ones(probabilities.shape[:-1]))
+
+
+def test_no_compiled_softmax_rate_where_inductor_cannot_compile(monkeypatch):
+    def failing(*arguments):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(cpu_probe, "_compiled_masked_softmax", lambda: failing)
+    assert cpu_probe.compiled_softmax_rates() == {}

@@ -6,6 +6,7 @@ from torch import nn
 import memfit
 from memfit import examples
 from memfit.data.hardware import PROFILES
+from memfit.model.kernels import repriced
 from memfit.tracing.analyze import analyze
 from memfit.tracing.capture import capture
 from tests.measured_peaks import assert_measured_as_predicted
@@ -21,7 +22,24 @@ def test_views_and_transposes_add_no_bytes():
     graph = analyze(capture(model, loss_fn, torch.randn(32, 64)), PROFILES["cpu"])
     views = [op for op in graph.ops if op.kind in ("aten.t", "aten.view", "aten._unsafe_view")]
     assert views and all(op.outputs == () for op in views)
-    assert all(op.time_s == 0.0 for op in views)
+    assert all(op.time_s == 0.0 for op in views)  # the built-in profile prices no view
+
+
+def test_a_view_costs_its_dispatch_under_aot_eager_and_nothing_under_inductor():
+    """``aot_eager``'s generated code calls the dispatcher for each view; inductor's makes
+    them without a call; a tuple's ``getitem`` is Python's and calls no op."""
+    hardware = PROFILES["cpu"].with_(view_overhead_s=2e-6)
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16))
+    captured = capture(model, lambda model, x: model(x).sum(), torch.randn(4, 16))
+    eager = analyze(captured, hardware)
+    views = [op for op in eager.ops if not op.outputs and op.kind != "getitem"]
+    getitems = [op for op in eager.ops if op.kind == "getitem"]
+    assert views and getitems  # t(weight), layer norm's outputs
+    assert all(op.time_s == 2e-6 for op in views)
+    assert all(op.time_s == 0.0 for op in getitems)
+    compiled = analyze(captured, hardware, compiler="inductor")
+    assert all(op.time_s == 0.0 for op in compiled.ops if not op.outputs)
+    assert repriced(eager, hardware, "aot_eager").ops == eager.ops
 
 
 def test_saved_bytes_are_deduplicated_by_storage():
