@@ -174,7 +174,8 @@ def median_profile(profiles: list[memfit.Hardware]) -> memfit.Hardware:
         element_rates=median_of("element_rates"),
         **{key: statistics.median(getattr(p, key) for p in profiles)
            for key in ("memory_bytes_per_s", "d2h_bytes_per_s", "h2d_bytes_per_s",
-                       "copy_latency_s", "op_overhead_s", "view_overhead_s", "compute_ramp_s")})
+                       "copy_latency_s", "op_overhead_s", "view_overhead_s", "cold_overhead_s",
+                       "compute_ramp_s")})
 
 
 def profile_line(hardware: memfit.Hardware) -> str:
@@ -190,8 +191,9 @@ def profile_line(hardware: memfit.Hardware) -> str:
             f" GB/s; swaps {hardware.d2h_bytes_per_s / 1e9:.1f} GB/s out, "
             f"{hardware.h2d_bytes_per_s / 1e9:.1f} GB/s in, {hardware.copy_latency_s * 1e6:.1f} us"
             f" per copy; eager op overhead "
-            f"{hardware.op_overhead_s * 1e6:.1f} us, per view {hardware.view_overhead_s * 1e6:.1f} us;"
-            f" compiled kernel overhead "
+            f"{hardware.op_overhead_s * 1e6:.1f} us, per view {hardware.view_overhead_s * 1e6:.1f} us,"
+            f" after an op that streamed the cache ({hardware.cache_bytes / 2**20:g} MiB) "
+            f"{hardware.cold_overhead_s * 1e6:.1f} us more; compiled kernel overhead "
             f"{hardware.kernel_overhead_s * 1e6:.1f} us{elements}")
 
 

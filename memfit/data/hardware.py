@@ -20,6 +20,8 @@ else memory). A memory-bound op of an element family (transcendental, random, ba
 layer_norm, softmax, ...) also takes at least ``elements / element_rates[family]``: on a CPU core a ``tanh``,
 a dropout mask or a batch norm's per-channel statistics compute longer than they move their
 bytes. An op that allocates nothing (a view) costs ``view_overhead_s``, its dispatcher call.
+In a step an eager op (a kernel or a view) right after one that streamed its bytes through the
+cache also pays ``overhead_after_s``: its dispatch runs from memory, not from the cache.
 This prices each op as eager runs it; inductor's fused kernels
 are priced from these op by op (``memfit.model.kernels``), each paying ``kernel_overhead_s``
 instead of ``op_overhead_s``. ``compute_ramp_s`` makes small kernels reach a lower fraction of the peak: an op
@@ -91,6 +93,12 @@ class Hardware:
             ``expand``, ``detach``): the dispatcher's call that makes the alias, which
             ``aot_eager`` pays for each such op and inductor's generated code does not. 0 on
             the GPU profiles, whose host dispatches ahead of the device.
+        cold_overhead_s: the fixed time an eager op (a kernel or a view) takes beyond
+            ``op_overhead_s`` or ``view_overhead_s`` right after an op that moved
+            ``cache_bytes`` or more: the interpreter's and the dispatcher's code and data are
+            fetched from memory again; after a smaller op, the fraction of the cache it moved
+            (``overhead_after_s``). 0 on the GPU profiles.
+        cache_bytes: a core's cache that an op's bytes stream through (its L2 on a CPU).
         copy_latency_s: fixed time per copy.
         compute_efficiency: the fraction of the peak a large op of each compute class
             sustains (``"matmul"``, ``"batched_matmul"``, ``"convolution"``, ``"attention"``,
@@ -146,6 +154,8 @@ class Hardware:
     op_overhead_s: float = 5e-6
     kernel_overhead_s: float = 5e-6
     view_overhead_s: float = 0.0
+    cold_overhead_s: float = 0.0
+    cache_bytes: int = 2 * 2**20
     copy_latency_s: float = 10e-6
     compute_efficiency: Mapping[str, float] = field(default_factory=dict)
     memory_efficiency: float = 1.0
@@ -166,7 +176,7 @@ class Hardware:
     def __post_init__(self) -> None:
         for key in ("flops_per_s", "compute_efficiency", "element_rates"):
             object.__setattr__(self, key, MappingProxyType(dict(getattr(self, key))))
-        positive = ["memory_bytes_per_s", "d2h_bytes_per_s", "h2d_bytes_per_s"]
+        positive = ["memory_bytes_per_s", "d2h_bytes_per_s", "h2d_bytes_per_s", "cache_bytes"]
         positive += [key for key in ("d2h_pageable_bytes_per_s", "h2d_pageable_bytes_per_s",
                                      "collective_bytes_per_s", "network_bytes_per_s",
                                      "gpus_per_node")
@@ -185,8 +195,8 @@ class Hardware:
         if self.host_bytes is not None and self.host_bytes < 0:
             raise ValueError(f"Hardware.host_bytes must be 0 or more (None: no limit), got "
                              f"{self.host_bytes}")
-        for key in ("op_overhead_s", "kernel_overhead_s", "view_overhead_s", "copy_latency_s",
-                    "compute_ramp_s", "collective_latency_s"):
+        for key in ("op_overhead_s", "kernel_overhead_s", "view_overhead_s", "cold_overhead_s",
+                    "copy_latency_s", "compute_ramp_s", "collective_latency_s"):
             if getattr(self, key) < 0:
                 raise ValueError(f"Hardware.{key} must be 0 or more, got {getattr(self, key)}")
 
@@ -244,6 +254,12 @@ class Hardware:
             compute_s += elements * DTYPE_BYTES.get(dtype, 4) / (
                 self.memory_bytes_per_s * self.memory_efficiency)
         return max(compute_s, memory_s) + self.op_overhead_s
+
+    def overhead_after_s(self, bytes_before: int) -> float:
+        """The fixed time an eager op takes beyond its own overhead right after an op that moved
+        ``bytes_before``: ``cold_overhead_s`` times the fraction of ``cache_bytes`` that op
+        streamed through the cache, at most all of it."""
+        return self.cold_overhead_s * min(1.0, bytes_before / self.cache_bytes)
 
     def view_time_s(self, kind: str) -> float:
         """The time of an eager op of ``kind`` that allocates nothing: ``view_overhead_s``, the

@@ -19,7 +19,7 @@ _NUMBER = "a number"
 _KINDS = {  # field -> the JSON kind it holds (a field not listed is a number)
     "name": "a string", "notes": "a string", "device_type": "a string", "duplex": "a boolean",
     "async_copies": "a boolean", "tf32_matmuls": "a boolean", "tf32_cudnn": "a boolean",
-    "device_bytes": "an integer",
+    "device_bytes": "an integer", "cache_bytes": "an integer",
     "flops_per_s": "an object of numbers", "compute_efficiency": "an object of numbers",
     "element_rates": "an object of numbers",
     "d2h_pageable_bytes_per_s": "a number or null", "h2d_pageable_bytes_per_s": "a number or null",

@@ -146,12 +146,25 @@ def kernel_count(graph: CostGraph, compiler: str) -> int:
 
 
 
+def eager_times(graph: CostGraph, hardware: Hardware) -> dict[str, float]:
+    """Each op's time as ``aot_eager`` runs it, from what the op records (FLOPs, bytes, dtype,
+    kind, elements): its roofline (``Hardware.op_time_s``), or a view's dispatch
+    (``Hardware.view_time_s``), plus, for either, the cost of running its dispatch from memory
+    after the op before it streamed its bytes through the cache (``Hardware.overhead_after_s``;
+    a ``getitem`` costs nothing)."""
+    times: dict[str, float] = {}
+    bytes_before = 0
+    for op in graph.ops:
+        own_s = (hardware.op_time_s(op.flops, op.bytes_accessed, op.dtype, op.kind, op.elements)
+                 if op.outputs else hardware.view_time_s(op.kind))
+        times[op.name] = own_s + hardware.overhead_after_s(bytes_before) if own_s > 0 else 0.0
+        if op.outputs:
+            bytes_before = op.bytes_accessed
+    return times
+
+
 def repriced(graph: CostGraph, hardware: Hardware, compiler: str) -> CostGraph:
-    """``graph`` priced anew on ``hardware`` from what its ops record (FLOPs, bytes, dtype,
-    kind, elements), as ``analyze`` prices a captured step, then as ``compiler`` runs it: the
-    same step on another profile without capturing it again. An op that allocates nothing
-    costs its dispatch (``Hardware.view_time_s``), as in ``analyze``."""
-    eager = {op.name: hardware.op_time_s(op.flops, op.bytes_accessed, op.dtype, op.kind,
-                                         op.elements) if op.outputs
-             else hardware.view_time_s(op.kind) for op in graph.ops}
-    return priced_for(graph.with_times(eager), hardware, compiler)
+    """``graph`` priced anew on ``hardware`` as ``analyze`` prices a captured step: op by op
+    (``eager_times``), then as ``compiler`` runs it (``priced_for``): the same step on another
+    profile without capturing it again."""
+    return priced_for(graph.with_times(eager_times(graph, hardware)), hardware, compiler)

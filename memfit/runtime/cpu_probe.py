@@ -21,7 +21,8 @@ a second; the median of several runs of each probe is what a step sees):
   attention's masked softmax (``compiled_softmax``);
 - the per-op overhead of eager dispatch (a tiny transformer layer's ops back to back, called
   as ``OpOverload``s as compiled code calls them, per kernel, its views' calls apart: a view's
-  own dispatch is ``view_overhead_s``), and a swap's fixed time and
+  own dispatch is ``view_overhead_s``), the same calls' extra time right after an op that
+  streamed more than a core's cache (``cold_overhead_s``), and a swap's fixed time and
   speed each way as memfit's swap ops run it ("device" and "host" are one memory: a copy is
   a memcpy on the compute thread).
 
@@ -68,12 +69,14 @@ ATTENTION_SCORES_SHAPE = (8, 4, 256, 256)  # batch, heads, queries, keys of a sm
 
 
 def median_time_s(operation: Callable[[], object], repeats: int = REPEATS,
-                  inner: int = 1) -> float:
+                  inner: int = 1, before: Callable[[], object] | None = None) -> float:
     """The median over ``repeats`` timed runs of ``inner`` calls of ``operation``, per call,
-    after one warm-up call."""
+    after one warm-up call; ``before``, where given, runs untimed before each timed run."""
     operation()
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         start_s = time.perf_counter()
         for _ in range(inner):
             operation()
@@ -313,6 +316,33 @@ def view_overhead_s() -> float:
     return statistics.median(median_time_s(view, inner=50) for view in views)
 
 
+def cold_overhead_s() -> float:
+    """The fixed time an eager op takes beyond its own overhead right after an op that streamed
+    more than a core's cache through it: the tiny layer (``_tiny_layer``) timed right after an
+    add over ``ELEMENTWISE_BYTES`` of cold operands (untimed), less its time back to back, per
+    call (its kernels and views)."""
+    inputs, weight, bias = torch.randn(2, 4, 8), torch.randn(8, 8), torch.randn(8)
+    operands = cold_operands(lambda: torch.randn(ELEMENTWISE_BYTES // 4), ELEMENTWISE_BYTES)
+    warm_s = median_time_s(lambda: _tiny_layer(inputs, weight, bias), inner=20)
+    cold_s = median_time_s(lambda: _tiny_layer(inputs, weight, bias), repeats=3 * REPEATS,
+                           before=lambda: operands().add_(1.0))
+    return max(0.0, cold_s - warm_s) / (TINY_LAYER_KERNELS + TINY_LAYER_VIEWS)
+
+
+def cache_bytes(default_bytes: int) -> int:
+    """A core's L2 cache as the kernel reports it, else ``default_bytes``."""
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index2/size") as size:
+            text = size.read().strip()
+    except OSError:
+        return default_bytes
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    try:
+        return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+    except ValueError:
+        return default_bytes
+
+
 def op_overhead_s(view_s: float) -> float:
     """The fixed cost per eager kernel: a tiny transformer layer's ops (``_tiny_layer``) back
     to back, less its views' calls at ``view_s`` each, per kernel."""
@@ -362,6 +392,8 @@ def measure_cpu() -> Hardware:
         host_bytes=available_host_bytes(),
         op_overhead_s=overhead_s,
         view_overhead_s=view_s,
+        cold_overhead_s=cold_overhead_s(),
+        cache_bytes=cache_bytes(base.cache_bytes),
         kernel_overhead_s=COMPILED_KERNEL_OVERHEAD_S,
         notes=f"measured on the CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads "
               f"timed): medians of {REPEATS}; {COMPILED_KERNEL_OVERHEAD_S * 1e6:g} us per "

@@ -18,7 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memfit.data.costgraph import CostGraph, Op, Tensor
 from memfit.data.hardware import Hardware
-from memfit.model.kernels import priced_for
+from memfit.model.kernels import repriced
 from memfit.tracing.capture import SCOPE_KEY, TYPE_KEY, Binding, Captured
 from memfit.tracing.flops import node_flops
 from memfit.tracing.temporaries import kernel_output_storage_bytes, kernel_temporary_bytes_of
@@ -61,7 +61,7 @@ def analyze(captured: Captured, hardware: Hardware, name: str = "step",
             owners: dict[StorageWeakRef, str] | None = None,
             compiler: str = "aot_eager") -> CostGraph:
     """The CostGraph of a captured step, with op times from ``hardware``'s roofline, as
-    ``compiler``'s kernels run it (``memfit.model.kernels.priced_for``: each aten op its own
+    ``compiler``'s kernels run it (``memfit.model.kernels.repriced``: each aten op its own
     kernel for ``"aot_eager"``, memory-bound chains fused for ``"inductor"``).
 
     Args:
@@ -83,7 +83,7 @@ def analyze(captured: Captured, hardware: Hardware, name: str = "step",
     for node in graph.nodes:
         if node.op == "call_function":
             temporary_bytes = temporaries.get(node, 0) if kernel_temporaries else None
-            ops.append(_op(node, owner, tensors, hardware, temporary_bytes))
+            ops.append(_op(node, owner, tensors, temporary_bytes))
         elif node.op == "get_attr":  # a constant the graph holds: resident like an input
             _add_input(node, Binding("constant"), owner, tensors)
     output = graph.find_nodes(op="output")[0]
@@ -92,7 +92,7 @@ def analyze(captured: Captured, hardware: Hardware, name: str = "step",
             name_ = owner.get(storage_key(tensor))
             if name_ is not None and tensors[name_].role in ("activation", "gradient"):
                 tensors[name_] = _as_output(tensors[name_])
-    return priced_for(CostGraph.build(ops, tensors.values(), name=name), hardware, compiler)
+    return repriced(CostGraph.build(ops, tensors.values(), name=name), hardware, compiler)
 
 
 def _add_input(node, binding: Binding, owner, tensors) -> None:
@@ -108,9 +108,9 @@ def _as_output(tensor: Tensor) -> Tensor:
     return Tensor(tensor.name, tensor.size_bytes, tensor.role, tensor.producer, (), True)
 
 
-def _op(node: torch.fx.Node, owner, tensors, hardware: Hardware,
-        temporary_bytes: int | None) -> Op:
-    """One Op: the storages it reads and allocates, its phase, scope, FLOPs and time.
+def _op(node: torch.fx.Node, owner, tensors, temporary_bytes: int | None) -> Op:
+    """One Op: the storages it reads and allocates, its phase, scope, FLOPs and bytes (its time
+    is the graph's to price: ``analyze``).
 
     ``temporary_bytes``: the kernel's scratch, a storage of its own; ``None`` counts what the
     dispatcher sees only (no scratch, outputs at their fake values' storage sizes).
@@ -144,8 +144,6 @@ def _op(node: torch.fx.Node, owner, tensors, hardware: Hardware,
     dtype = str(first.dtype).removeprefix("torch.") if first is not None else "float32"
     kind = op_kind(node)
     elements = first.numel() if first is not None else 0
-    time_s = (hardware.op_time_s(flops, moved, dtype, kind, elements) if allocated
-              else hardware.view_time_s(kind))
     return Op(
         name=node.name,
         kind=kind,
@@ -155,7 +153,6 @@ def _op(node: torch.fx.Node, owner, tensors, hardware: Hardware,
         inputs=tuple(reads),
         outputs=tuple(allocated),
         depends_on=tuple(n.name for n in node.all_input_nodes if n.op == "call_function"),
-        time_s=time_s,
         flops=flops,
         bytes_accessed=moved,
         dtype=dtype,

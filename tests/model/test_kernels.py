@@ -11,10 +11,12 @@ from memfit.data.costgraph import CostGraph, Op, Tensor
 from memfit.data.hardware import PROFILES
 from memfit.model.kernels import (
     compiled_times,
+    eager_times,
     fused_kernels,
     kernel_count,
     kernel_time_s,
     priced_for,
+    repriced,
 )
 
 MIB = 2**20
@@ -111,3 +113,22 @@ def test_a_softmax_kernel_runs_at_the_compiled_softmax_rate_where_that_is_slower
     without_amax = CostGraph.build(
         [replace(op, kind="aten.mean") if op.kind == "aten.amax" else op for op in ops], tensors)
     assert kernel_time_s(without_amax, fused_kernels(without_amax)[0], slow) < 1e-3
+
+
+def test_an_eager_op_after_one_that_streamed_the_cache_pays_the_cold_overhead():
+    """Its dispatch runs from memory: the full ``cold_overhead_s`` after an op that moved the
+    whole cache, a fraction after a smaller one, none after a ``getitem`` alone."""
+    cpu = PROFILES["cpu"].with_(cold_overhead_s=1e-5, cache_bytes=2 * MIB, view_overhead_s=1e-6)
+    graph = _graph(("big", "aten.add", ("x", "w")), ("small", "aten.neg", ("x",)),
+                   ("after", "aten.relu", ("small",)), outputs=("big", "after"))
+    big, small, after = graph.ops
+    graph = CostGraph.build([replace(big, bytes_accessed=4 * MIB),
+                             replace(small, bytes_accessed=MIB // 2), after],
+                            graph.tensors.values())
+    times = eager_times(graph, cpu)
+    own = {op.name: cpu.op_time_s(op.flops, op.bytes_accessed, op.dtype, op.kind, op.elements)
+           for op in graph.ops}
+    assert times["big"] == own["big"]
+    assert times["small"] == pytest.approx(own["small"] + 1e-5)
+    assert times["after"] == pytest.approx(own["after"] + 1e-5 / 4)
+    assert repriced(graph, cpu, "aot_eager").op("after").time_s == pytest.approx(times["after"])

@@ -22,7 +22,7 @@ def fixed_clock(monkeypatch):
     """Every probe's median time is ``PROBE_S``; records the operations timed."""
     timed: list = []
 
-    def median_time_s(operation, repeats=cpu_probe.REPEATS, inner=1):
+    def median_time_s(operation, repeats=cpu_probe.REPEATS, inner=1, before=None):
         timed.append(operation)
         return PROBE_S
 
@@ -178,6 +178,36 @@ def test_the_view_overhead_is_timed_on_calls_that_allocate_nothing(fixed_clock):
         for operation in fixed_clock:
             operation()
     assert recorded.calls == [False] * len(fixed_clock)
+
+
+def test_the_cold_overhead_times_a_layer_right_after_an_op_that_streamed_the_cache(monkeypatch):
+    """Each cold run follows an untimed add over more than a core's cache; the extra time per
+    call is the cold runs' median less the warm one's."""
+    befores: list = []
+
+    def median_time_s(operation, repeats=cpu_probe.REPEATS, inner=1, before=None):
+        befores.append(before)
+        operation()
+        return 5e-5 if before is None else 2e-4
+
+    monkeypatch.setattr(cpu_probe, "median_time_s", median_time_s)
+    calls = cpu_probe.TINY_LAYER_KERNELS + cpu_probe.TINY_LAYER_VIEWS
+    assert cpu_probe.cold_overhead_s() == pytest.approx(1.5e-4 / calls)
+    warm, cold = befores
+    assert warm is None and cold().numel() * 4 == cpu_probe.ELEMENTWISE_BYTES
+
+
+def test_the_time_before_each_timed_run_is_not_counted():
+    clock = iter(range(100))
+    ran: list = []
+    original = cpu_probe.time.perf_counter
+    cpu_probe.time.perf_counter = lambda: float(next(clock))
+    try:
+        assert cpu_probe.median_time_s(lambda: ran.append("op"), repeats=3,
+                                       before=lambda: ran.append("before")) == 1.0
+    finally:
+        cpu_probe.time.perf_counter = original
+    assert ran == ["op"] + ["before", "op"] * 3
 
 
 def test_element_probes_read_other_operands_on_each_call(fixed_clock):
