@@ -2,11 +2,12 @@
 
 Every figure in the file is measured by the run that wrote it (the H100 step times are the
 simulator's, and say so). CPU part: per-model capacity under a fixed budget, executor overhead,
-GPT-2 beside the alternatives, recomputation curves (bench/recompute.py), auto against the
-alternatives at real sizes (bench/auto.py), the cost model against published throughput and
-auto's sensitivity to the profile (bench/validation.py), the time model's predicted against
-measured step times on this CPU (bench/time_model.py), FSDP2 and DDP on two gloo ranks beside
-per-block checkpointing (bench/distributed.py), the line count. ``--gpu``: the host
+GPT-2 beside the alternatives, recomputation curves (bench/recompute.py), memfit with inductor
+at the peaks torch.compile's activation memory budget reaches (bench/compile_budget.py), auto
+against the alternatives at real sizes (bench/auto.py), the cost model against published
+throughput and auto's sensitivity to the profile (bench/validation.py), the time model's
+predicted against measured step times on this CPU (bench/time_model.py), FSDP2 and DDP on two
+gloo ranks beside per-block checkpointing (bench/distributed.py), the line count. ``--gpu``: the host
 link and a GPT-2 medium step.
 """
 
@@ -97,6 +98,7 @@ def cpu_sections() -> list[str]:
     from bench.alternatives import ALTERNATIVE_HEADERS, alternative_rows
     from bench.auto import auto_section
     from bench.cluster import cluster_section
+    from bench.compile_budget import compile_budget_section
     from bench.distributed import distributed_section
     from bench.first_call import first_call_section
     from bench.fit import fit_section
@@ -148,6 +150,7 @@ def cpu_sections() -> list[str]:
         "recomputed dropout that draws a new mask would do this).\n",
         recompute,
         "\n" + fit_section(log),
+        "\n" + compile_budget_section(log),
         "\n" + transformers_section(log),
         "\n" + auto_section(log),
         "\n" + planning_section(log),
@@ -168,6 +171,7 @@ def section_builders() -> dict[str, Callable[[], str]]:
     starting with its ``## `` title."""
     from bench.auto import auto_section
     from bench.cluster import cluster_section
+    from bench.compile_budget import compile_budget_section
     from bench.distributed import distributed_section
     from bench.first_call import first_call_section
     from bench.fit import fit_section
@@ -180,6 +184,7 @@ def section_builders() -> dict[str, Callable[[], str]]:
 
     return {
         "fit": lambda: fit_section(log),
+        "compile_budget": lambda: compile_budget_section(log),
         "transformers": lambda: transformers_section(log),
         "recompute": lambda: recompute_section(log, plot_path=ROOT / "bench" / "recompute.png"),
         "auto": lambda: auto_section(log),
@@ -193,8 +198,9 @@ def section_builders() -> dict[str, Callable[[], str]]:
     }
 
 
-ONLY_CHOICES = ("fit", "transformers", "recompute", "auto", "planning", "scaling", "validation",
-                "time_model", "first_call", "cluster", "distributed")  # section_builders()'s keys, without importing the sections
+ONLY_CHOICES = ("fit", "compile_budget", "transformers", "recompute", "auto", "planning",
+                "scaling", "validation", "time_model", "first_call", "cluster",
+                "distributed")  # section_builders()'s keys, without importing the sections
 
 
 def splice(old: str, section: str, stamp: str) -> str:

@@ -52,6 +52,7 @@ from memfit.lowering.joint import (
     split,
 )
 from memfit.lowering.rewrite import rewrite
+from memfit.model.plan_memo import plans_remembered
 from memfit.model.simulate import simulate
 from memfit.planning.plan_cache import note_stage
 from memfit.planning.step import Planned
@@ -94,6 +95,14 @@ def plan_region(planner: RegionPlanner, joint: fx.GraphModule, device: torch.dev
     Raises:
         BudgetError: if no plan of the strategy fits, before anything runs.
     """
+    with plans_remembered():  # its plans share their simulations (the keep plan's, say)
+        return _plan_region(planner, joint, device, num_fwd_outputs,
+                            static_lifetime_input_indices, site, bound)
+
+
+def _plan_region(planner: RegionPlanner, joint: fx.GraphModule, device: torch.device,
+                 num_fwd_outputs: int, static_lifetime_input_indices: list[int] | None,
+                 site: Any, bound: Bound | None) -> tuple[fx.GraphModule, fx.GraphModule]:
     hardware = planner.hardware_for(device)
     index = len(planner.regions)
     prepared = prepared_joint(planner.options, joint, num_fwd_outputs,

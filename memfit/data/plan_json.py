@@ -205,9 +205,16 @@ def _declared(kind: type) -> tuple[dict[str, Any], dict[str, Field]]:
     return typing.get_type_hints(kind), {f.name: f for f in fields(kind)}
 
 
+@functools.cache
+def _hint_parts(hint: Any) -> tuple[Any, tuple]:
+    """A declared type's origin and arguments, resolved once per type (a plan reads thousands of
+    fields)."""
+    return typing.get_origin(hint), typing.get_args(hint)
+
+
 def _is_instance(value: Any, hint: Any) -> bool:
     """Whether a JSON value fits a field's declared type (a JSON list stands for a tuple)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    origin, args = _hint_parts(hint)
     if origin in (typing.Union, types.UnionType):
         return any(_is_instance(value, arg) for arg in args)
     if origin is typing.Literal:

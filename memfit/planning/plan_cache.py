@@ -29,7 +29,9 @@ import contextlib
 import contextvars
 import hashlib
 import json
+import os
 import sys
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
@@ -55,17 +57,24 @@ def code_versions() -> dict[str, str]:
     versions. A source file is known by its path, size and modification
     time: an edit, a checkout or another copy changes them. torch's version is its installed
     distribution's, read without importing it (this layer is torch-free)."""
-    root = Path(__file__).resolve().parents[1]  # the memfit package
+    root = str(Path(__file__).resolve().parents[1])  # the memfit package
+    files = sorted(os.path.relpath(os.path.join(folder, name), root)
+                   for folder, _, names in os.walk(root) for name in names if name.endswith(".py"))
     sources = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        found = path.stat()
-        sources.update(f"{path.relative_to(root)} {found.st_size} {found.st_mtime_ns}\n".encode())
+    for relative in files:  # os.walk and os.stat: pathlib's rglob takes several times longer
+        found = os.stat(os.path.join(root, relative))
+        sources.update(f"{relative} {found.st_size} {found.st_mtime_ns}\n".encode())
     return {"sources": sources.hexdigest()[:16],
             "torch": _installed_version("torch"), "python": ".".join(map(str, sys.version_info[:2]))}
 
 
 def _installed_version(distribution: str) -> str:
-    """The installed version of ``distribution``, ``""`` where it is not installed."""
+    """The version of ``distribution``: its module's where this process imported it already
+    (reading the distribution's metadata takes milliseconds), else the installed one's; ``""``
+    where it is not installed."""
+    imported = sys.modules.get(distribution)
+    if isinstance(getattr(imported, "__version__", None), str):
+        return imported.__version__  # type: ignore[union-attr]
     try:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
@@ -77,7 +86,7 @@ def plan_key(graph: CostGraph, hardware: Hardware, budget: Budget | None, strate
     """The hash of everything ``plan_step`` reads, ``None`` where an option has no stable text
     (an object without a JSON form: such a call is never cached)."""
     try:
-        text = json.dumps({"graph": _graph_record(graph), "hardware": hardware.to_json(),
+        text = json.dumps({"graph": graph_digest(graph), "hardware": hardware.to_json(),
                            "budget": None if budget is None else asdict(budget),
                            "strategy": strategy, "params": dict(params),
                            "outside_bytes": outside_bytes, "what_ifs": what_ifs,
@@ -86,6 +95,20 @@ def plan_key(graph: CostGraph, hardware: Hardware, budget: Budget | None, strate
     except (TypeError, ValueError):
         return None
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+_GRAPH_DIGESTS: dict[int, str] = {}  # id(graph) -> its record's hash, while the graph lives
+
+
+def graph_digest(graph: CostGraph) -> str:
+    """The hash of every field of every op and tensor of ``graph`` (``_graph_record``), once
+    per graph object: a region's graph is keyed at each of its budgets (a graph is frozen)."""
+    found = _GRAPH_DIGESTS.get(id(graph))
+    if found is None:
+        found = hashlib.sha256(json.dumps(_graph_record(graph)).encode()).hexdigest()
+        _GRAPH_DIGESTS[id(graph)] = found
+        weakref.finalize(graph, _GRAPH_DIGESTS.pop, id(graph), None)
+    return found
 
 
 def _graph_record(graph: CostGraph) -> list:
