@@ -5,7 +5,9 @@ at 0.5 and 0.3 is what a GPU user tries first when activations do not fit: its p
 recomputes the cheapest activations until the saved bytes are that fraction of all. Each row of
 it is measured (the iteration's peak: forward, ``loss.backward()``, AdamW ``step``,
 ``zero_grad``, by the allocator's own statistics, ``measure_allocator_peak``), then memfit with
-``compiler="inductor"`` runs at that measured peak as its budget, in bytes. Both are timed in
+``compiler="inductor"`` runs at that measured peak as its budget, in bytes, planned with this
+CPU's measured profile (``memfit.measure_hardware()``, what ``memfit.fit`` measures on its own
+on a GPU; on a CPU its default is the nominal ``cpu`` profile). Both are timed in
 the same interleaved rounds as eager and plain ``torch.compile(backend="inductor")`` (medians of
 ``TIMED_REPEATS``, after warm-ups that compile, plan and finish memfit's measured runs), and
 their weights after the measured iterations are compared with plain ``torch.compile``'s.
@@ -61,11 +63,12 @@ def _compiled(example: examples.Example, inputs: tuple, fraction: float | None) 
                                  patch=fraction), reference=INDUCTOR)
 
 
-def _memfit_at(example: examples.Example, inputs: tuple, fraction: float,
-               budget_bytes: int) -> Method:
+def _memfit_at(example: examples.Example, inputs: tuple, fraction: float, budget_bytes: int,
+               hardware: memfit.Hardware) -> Method:
     return Method(f'memfit.fit(compiler="inductor") at the peak of budget {fraction:g}',
                   _builder(example, inputs, lambda model, optimizer: memfit.fit(
-                      model, budget=budget_bytes, compiler="inductor", optimizer=optimizer)),
+                      model, budget=budget_bytes, compiler="inductor", optimizer=optimizer,
+                      hardware=hardware)),
                   reference=INDUCTOR)
 
 
@@ -76,6 +79,7 @@ def budget_rows(bench: FitModel) -> list[tuple]:
     torch.set_num_threads(1)
     example = bench.build()
     inputs = example.inputs()
+    hardware = memfit.measure_hardware("cpu")  # what a GPU user's fit measures by default
     torch._dynamo.reset()
     results: dict[str, Measured] = {}
     pairs: list[tuple[float, str, str]] = []  # fraction, torch.compile's row, memfit's row
@@ -89,7 +93,7 @@ def budget_rows(bench: FitModel) -> list[tuple]:
             results[compiled.name] = _measure(compiled, inputs)
             peak = results[compiled.name].peak_bytes
             assert peak is not None  # torch.compile has no budget to refuse
-            planned = _memfit_at(example, inputs, fraction, peak)
+            planned = _memfit_at(example, inputs, fraction, peak, hardware)
             log(f"compile budget bench: {bench.name}: {planned.name}")
             results[planned.name] = _measure(planned, inputs)
             pairs.append((fraction, compiled.name, planned.name))
