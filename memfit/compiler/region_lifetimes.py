@@ -136,22 +136,31 @@ def _same_layout(tangent: object, tensor: torch.Tensor) -> bool:
             and tangent.dtype == tensor.dtype)
 
 
-def remember_outputs(region: Region, outputs: Sequence) -> None:
+def remember_outputs(region: Region, outputs: Sequence) -> dict:
     """Note the storages of a forward run's user-visible outputs, weakly (``observe_loop``),
     and those of the values it saved for its backward (counted as the region's saves while
-    they wait, so not as eager code's bytes: ``memfit.compiler.region_peak``)."""
+    they wait, so not as eager code's bytes: ``memfit.compiler.region_peak``).
+
+    Returns:
+        Each saved value's storage, weakly, with its bytes (0 for a host buffer: a swap's copy).
+    """
     visible = len(region.output_names)
     region.output_storages = tuple(
         StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
         for value in outputs[:visible])
-    sizes = {StorageWeakRef(value.untyped_storage()): value.untyped_storage().nbytes()
-             for value in outputs[visible:] if isinstance(value, torch.Tensor)
-             and not is_host_storage(value.untyped_storage())}
+    saved: dict = {}
+    for value in outputs[visible:]:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            saved.setdefault(StorageWeakRef(storage),
+                             0 if is_host_storage(storage) else storage.nbytes())
     region.saved_sizes = {**{reference: size for reference, size in region.saved_sizes.items()
-                             if not reference.expired()}, **sizes}
+                             if not reference.expired()},
+                          **{reference: size for reference, size in saved.items() if size}}
     # one reference per storage: a parameter saved by every forward (a weight's transpose view)
     # never expires, and a tuple of every forward's references grew by it each iteration
     region.saved_storages = tuple(region.saved_sizes)
+    return saved
 
 
 def tangents_given(region: Region, args: Sequence) -> tuple[tuple[str, object], ...]:

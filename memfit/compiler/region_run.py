@@ -100,8 +100,7 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
             node.set_materialize_grads(False)
         if region is not None:
             if not is_backward:
-                remember_outputs(region, result)
-                note_forward_saves(region, inputs, result)
+                note_forward_saves(region, inputs, remember_outputs(region, result))
             if is_backward and region.released_outputs:
                 check_loop_lifetimes(region, given)
             if is_backward and follow_loop and not region.loop_refuted:

@@ -12,7 +12,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from memfit.compiler.graph_breaks import SAVES_BISECTION_STEPS, copies_held
@@ -31,17 +31,16 @@ def storages_of(values: Sequence) -> set:
             if isinstance(value, torch.Tensor)}
 
 
-def note_forward_saves(region: Region, inputs: set, result: Sequence) -> None:
-    """After a forward run of ``region``: note, weakly, the storages it saved for its backward
-    beyond its ``inputs`` (``storages_of`` its arguments: parameters, the batch, and views of
-    them) and its outputs (which the loop may keep after the backward: a sigmoid's, say), as
-    one more forward whose saves may be alive (``live_forwards``), and forget the
-    forwards whose saves all died (their backward ran, or autograd dropped their graph: a
-    forward with gradients on and no backward, an evaluation without ``no_grad``)."""
-    visible = len(region.output_names)
-    held = inputs | storages_of(result[:visible])  # an output the loop keeps past its backward
-    made = tuple(reference for reference in storages_of(result[visible:])
-                 if reference not in held)
+def note_forward_saves(region: Region, inputs: set, saved: Iterable) -> None:
+    """After a forward run of ``region``: note, weakly, the storages it ``saved`` for its
+    backward beyond its ``inputs`` (``storages_of`` its arguments: parameters, the batch, and
+    views of them) and its outputs (``Region.output_storages``: the loop may keep one after the
+    backward, a sigmoid's, say), as one more forward whose saves may be alive
+    (``live_forwards``), and forget the forwards whose saves all died (their backward ran, or
+    autograd dropped their graph: a forward with gradients on and no backward, an evaluation
+    without ``no_grad``)."""
+    held = inputs | {reference for reference in region.output_storages if reference is not None}
+    made = tuple(reference for reference in saved if reference not in held)
     alive = tuple(saves for saves in region.live_saves if _alive(saves))
     region.live_saves = alive + ((made,) if made else ())
 

@@ -59,6 +59,14 @@ def rnn_traced(traced: bool) -> contextlib.AbstractContextManager:
     return torch._dynamo.config.patch(allow_rnn=True) if traced else contextlib.nullcontext()
 
 
+def has_ddp(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is or holds a ``DistributedDataParallel`` (whose forward Dynamo
+    compiles in its ``optimize_ddp`` mode: ``whole_ddp_graph``)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return any(isinstance(module, DistributedDataParallel) for module in model.modules())
+
+
 def whole_ddp_graph() -> contextlib.AbstractContextManager:
     """While the fitted model runs, Dynamo compiles a ``DistributedDataParallel`` forward as one
     graph: its default ``optimize_ddp`` mode (``DDPOptimizer``) splits the graph into a region

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import traceback
@@ -34,6 +35,7 @@ from memfit.fitting.callers_compile import add_hook, own_trace, remove_hook
 from memfit.fitting.dynamo_settings import (
     compiled_unit_forwards,
     dynamic_on_change,
+    has_ddp,
     own_recompiles,
     rnn_traced,
     traces_rnns,
@@ -154,6 +156,7 @@ class FittedCall:
         self.backend = _planner(module, arguments, optimizer)
         note_fitted(self.backend)  # other fitted models count its resident bytes (partners)
         self.traces_rnns: bool | None = None  # read from the model at the first call if unset
+        self.holds_ddp: bool | None = None  # whether it holds a DDP module (first call)
         self.unit_forwards: list | None = None  # FSDP2 units compiled (_compiled_units)
         self._compiled: Any = None  # the model's _call_impl compiled, made at the first call
         self.joint_first = False  # its regions may be planned jointly on fakes (joint_first)
@@ -235,7 +238,10 @@ class FittedCall:
                 plan_regions_on_fakes, planner, self._call_traced(), args, kwargs,
                 self.arguments.dynamic))
         try:
-            with (rnn_traced(bool(self.traces_rnns)), whole_ddp_graph(),
+            if self.holds_ddp is None:  # found once, as the FSDP2 units are
+                self.holds_ddp = has_ddp(self.module)
+            with (rnn_traced(bool(self.traces_rnns)),
+                  whole_ddp_graph() if self.holds_ddp else contextlib.nullcontext(),
                   units_compiled(self._compiled_units()), own_trace()):
                 return self._compiled(*args, **kwargs)
         finally:
@@ -286,6 +292,7 @@ class FittedCall:
         self._compiled = None
         self.shapes = None
         self.unit_forwards = None  # FSDP2 units: compiled anew too
+        self.holds_ddp = None
         for region in self.backend.regions:
             region.replaced = True
         undo_entry_skips()  # without entries of its own (torch before 2.13): the shared skip
