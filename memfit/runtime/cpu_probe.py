@@ -255,8 +255,12 @@ def elementwise_bytes_per_s(size_bytes: int = ELEMENTWISE_BYTES) -> float:
 
 
 def swap_costs(size_bytes: int = ELEMENTWISE_BYTES) -> tuple[float, float, float]:
-    """A swap as a rewritten graph runs it on this CPU: memfit's ``swap_out`` (into a new host
-    buffer), then ``swap_in`` and ``wait`` (into a new tensor), each called as an op.
+    """Swaps as a rewritten step runs them on this CPU: memfit's ``swap_out`` of several
+    activations (``OPERAND_POOL_BYTES`` of them), each into a new host buffer, their copies all
+    alive together until the backward, then ``swap_in`` and ``wait`` of each (into new tensors,
+    alive together too), each called as an op. One buffer copied back and forth would reuse the
+    same pages each time; a step's copies take new ones, which the kernel maps on their first
+    write.
 
     Returns:
         The fixed time per copy (half of a tiny tensor's round trip: the ops' dispatch), and the
@@ -264,9 +268,11 @@ def swap_costs(size_bytes: int = ELEMENTWISE_BYTES) -> tuple[float, float, float
     """
     engine = CopyEngine("cpu")
     device = torch.device("cpu")
-    tiny, values = torch.ones(1), torch.randn(size_bytes // 4)
+    count = max(2, OPERAND_POOL_BYTES // size_bytes)
+    tiny = torch.ones(1)
+    values = [torch.randn(size_bytes // 4) for _ in range(count)]
     with active_engine(engine):
-        tiny_host, host = SWAP_OUT(tiny, 0), SWAP_OUT(values, 0)
+        tiny_host, hosts = SWAP_OUT(tiny, 0), [SWAP_OUT(value, 0) for value in values]
 
         def back(copy: torch.Tensor) -> torch.Tensor:
             result = SWAP_IN(copy, 0, 1, device)
@@ -275,8 +281,8 @@ def swap_costs(size_bytes: int = ELEMENTWISE_BYTES) -> tuple[float, float, float
 
         round_trip_s = median_time_s(lambda: SWAP_OUT(tiny, 0), inner=20) + median_time_s(
             lambda: back(tiny_host), inner=20)
-        out_s = median_time_s(lambda: SWAP_OUT(values, 0))
-        in_s = median_time_s(lambda: back(host))
+        out_s = median_time_s(lambda: [SWAP_OUT(value, 0) for value in values]) / count
+        in_s = median_time_s(lambda: [back(host) for host in hosts]) / count
     latency_s = round_trip_s / 2
     return (latency_s, size_bytes / max(out_s - latency_s, 1e-9),
             size_bytes / max(in_s - latency_s, 1e-9))

@@ -238,23 +238,30 @@ class _Recorded(TorchDispatchMode):
         return result
 
 
-def test_a_swap_is_priced_as_memfits_swap_ops_run_it(monkeypatch):
+def test_a_swap_is_priced_as_memfits_swap_ops_run_a_steps_copies(monkeypatch):
     """The fixed time per copy is half a tiny round trip; each way's rate is its bytes over the
-    time beyond that."""
-    times = iter([1e-5, 2e-5, 5e-4, 6e-4])  # tiny out, tiny back, large out, large back
+    time per copy beyond that, the copies of several activations timed together (each into new
+    memory, alive together, as a step's swaps)."""
+    size_bytes = 2**20
+    count = cpu_probe.OPERAND_POOL_BYTES // size_bytes
+    # tiny out, tiny back, every copy out, every copy back
+    times = iter([1e-5, 2e-5, count * 5e-4, count * 6e-4])
     results = []
 
-    def median_time_s(operation, repeats=cpu_probe.REPEATS, inner=1):
+    def median_time_s(operation, repeats=cpu_probe.REPEATS, inner=1, before=None):
         results.append(operation())  # runs inside the probe's copy engine
         return next(times)
 
     monkeypatch.setattr(cpu_probe, "median_time_s", median_time_s)
-    size_bytes = 2**16
     latency_s, out_rate, in_rate = cpu_probe.swap_costs(size_bytes)
     assert latency_s == pytest.approx(1.5e-5)
     assert out_rate == pytest.approx(size_bytes / (5e-4 - 1.5e-5))
     assert in_rate == pytest.approx(size_bytes / (6e-4 - 1.5e-5))
-    assert [result.numel() for result in results] == [1, 1, size_bytes // 4, size_bytes // 4]
+    tiny_out, tiny_back, outs, backs = results
+    assert tiny_out.numel() == tiny_back.numel() == 1
+    assert [copy.numel() for copy in outs] == [size_bytes // 4] * count  # alive together
+    assert len({copy.data_ptr() for copy in outs}) == count
+    assert [copy.numel() for copy in backs] == [size_bytes // 4] * count
 
 
 def test_a_cpu_addmm_copies_its_bias_into_its_whole_output_before_the_multiply():
