@@ -58,9 +58,10 @@ MODELS = (
 
 def _compiled(example: examples.Example, inputs: tuple, fraction: float | None) -> Method:
     name = INDUCTOR if fraction is None else f"{INDUCTOR}, activation_memory_budget {fraction:g}"
-    return Method(name, _builder(example, inputs,
-                                 lambda model, _: torch.compile(model, backend=own_backend("inductor")),
-                                 patch=fraction), reference=INDUCTOR)
+    compiled = _builder(example, inputs,
+                        lambda model, _: torch.compile(model, backend=own_backend("inductor")),
+                        patch=fraction)
+    return Method(name, compiled, reference=INDUCTOR)
 
 
 def _memfit_at(example: examples.Example, inputs: tuple, fraction: float, budget_bytes: int,

@@ -7,8 +7,8 @@ at the peaks torch.compile's activation memory budget reaches (bench/compile_bud
 against the alternatives at real sizes (bench/auto.py), the cost model against published
 throughput and auto's sensitivity to the profile (bench/validation.py), the time model's
 predicted against measured step times on this CPU (bench/time_model.py), FSDP2 and DDP on two
-gloo ranks beside per-block checkpointing (bench/distributed.py), the line count. ``--gpu``: the host
-link and a GPT-2 medium step.
+gloo ranks beside per-block checkpointing (bench/distributed.py), the line count. ``--gpu``: the
+host link and a GPT-2 medium step.
 """
 
 from __future__ import annotations

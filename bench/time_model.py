@@ -191,8 +191,9 @@ def profile_line(hardware: memfit.Hardware) -> str:
             f" GB/s; swaps {hardware.d2h_bytes_per_s / 1e9:.1f} GB/s out, "
             f"{hardware.h2d_bytes_per_s / 1e9:.1f} GB/s in, {hardware.copy_latency_s * 1e6:.1f} us"
             f" per copy; eager op overhead "
-            f"{hardware.op_overhead_s * 1e6:.1f} us, per view {hardware.view_overhead_s * 1e6:.1f} us,"
-            f" after an op that streamed the cache ({hardware.cache_bytes / 2**20:g} MiB) "
+            f"{hardware.op_overhead_s * 1e6:.1f} us, per view "
+            f"{hardware.view_overhead_s * 1e6:.1f} us, after an op that streamed the cache "
+            f"({hardware.cache_bytes / 2**20:g} MiB) "
             f"{hardware.cold_overhead_s * 1e6:.1f} us more; compiled kernel overhead "
             f"{hardware.kernel_overhead_s * 1e6:.1f} us{elements}")
 

@@ -64,8 +64,8 @@ def code_versions() -> dict[str, str]:
     for relative in files:  # os.walk and os.stat: pathlib's rglob takes several times longer
         found = os.stat(os.path.join(root, relative))
         sources.update(f"{relative} {found.st_size} {found.st_mtime_ns}\n".encode())
-    return {"sources": sources.hexdigest()[:16],
-            "torch": _installed_version("torch"), "python": ".".join(map(str, sys.version_info[:2]))}
+    return {"sources": sources.hexdigest()[:16], "torch": _installed_version("torch"),
+            "python": ".".join(map(str, sys.version_info[:2]))}
 
 
 def _installed_version(distribution: str) -> str:

@@ -14,8 +14,8 @@ a second; the median of several runs of each probe is what a step sees):
 - memory bandwidth as an elementwise add of activations' size sees it in a step: operands
   written a while before, a new output (what a memory-bound op of a step reaches);
 - elements per second of memory-bound ops that compute more than they move
-  (``Hardware.element_rates``), on cold operands into new outputs as the add's: transcendental functions (``tanh``, ``exp``, ``erf``), random
-  draws (``bernoulli_``, dropout's mask), batch norm and layer norm in training, each over
+  (``Hardware.element_rates``), on cold operands into new outputs as the add's:
+  transcendental functions (``tanh``, ``exp``, ``erf``), random draws (``bernoulli_``, dropout's mask), batch norm and layer norm in training, each over
   a forward and its backward (a training step runs both), and eager kernels of several passes
   (softmax, ``_safe_softmax``, dropout's backward), and the kernel inductor generates for
   attention's masked softmax (``compiled_softmax``);
@@ -94,12 +94,11 @@ def matmul_time_s(shape: tuple[int, int, int, int], dtype: torch.dtype) -> float
     batch, rows, inner, columns = shape
     lead = (batch,) if batch > 1 else ()
     pair_bytes = batch * (rows * inner + inner * columns) * dtype.itemsize
-    count = max(2, min(MAX_POOL_PAIRS, OPERAND_POOL_BYTES // pair_bytes))
-    pairs = [(torch.randn(*lead, rows, inner).to(dtype), torch.randn(*lead, inner, columns).to(dtype))
-             for _ in range(count)]
+    operands = cold_operands(lambda: (torch.randn(*lead, rows, inner).to(dtype),
+                                      torch.randn(*lead, inner, columns).to(dtype)),
+                             pair_bytes, most=MAX_POOL_PAIRS)
     multiply = torch.bmm if batch > 1 else torch.mm
-    operands = itertools.cycle(pairs)
-    return median_time_s(lambda: multiply(*next(operands)))
+    return median_time_s(lambda: multiply(*operands()))
 
 
 def matmul_flops_per_s(dtype: torch.dtype, shapes=MATMUL_SHAPES) -> float:
@@ -109,12 +108,13 @@ def matmul_flops_per_s(dtype: torch.dtype, shapes=MATMUL_SHAPES) -> float:
                              for batch, rows, inner, columns in shapes)
 
 
-def cold_operands(make: Callable[[], Any], size_bytes: int) -> Callable[[], Any]:
+def cold_operands(make: Callable[[], Any], size_bytes: int,
+                  most: int | None = None) -> Callable[[], Any]:
     """Operands as a step's op finds them: each call returns the next of a pool of ``make()``
-    results (``size_bytes`` each) filling ``OPERAND_POOL_BYTES``, written a while before, so no
-    call reads what the previous call left in a cache."""
-    return itertools.cycle([make() for _ in range(max(2, OPERAND_POOL_BYTES // size_bytes))]
-                           ).__next__
+    results (``size_bytes`` each) filling ``OPERAND_POOL_BYTES`` (at least 2, at most ``most``),
+    written a while before, so no call reads what the previous call left in a cache."""
+    count = max(2, OPERAND_POOL_BYTES // size_bytes)
+    return itertools.cycle([make() for _ in range(min(count, most or count))]).__next__
 
 
 def element_rates() -> dict[str, float]:
@@ -316,7 +316,8 @@ def view_overhead_s() -> float:
     aten = torch.ops.aten
     values, weight = torch.randn(2, 4, 8), torch.randn(8, 8)
     views = (lambda: aten.view.default(values, [8, 8]), lambda: aten.t.default(weight),
-             lambda: aten.transpose.int(values, 1, 2), lambda: aten.expand.default(values, [2, 4, 8]),
+             lambda: aten.transpose.int(values, 1, 2),
+             lambda: aten.expand.default(values, [2, 4, 8]),
              lambda: aten._unsafe_view.default(values, [8, 8]),
              lambda: aten.unsqueeze.default(values, 0))
     return statistics.median(median_time_s(view, inner=50) for view in views)
