@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 import memfit
+from memfit.data.costgraph import CostGraph, Op
 from memfit.data.errors import BudgetError
 from memfit.data.hardware import get_hardware
 from memfit.data.units import Budget
@@ -67,6 +69,33 @@ def test_the_same_call_reads_its_plan_and_any_changed_input_misses(cache_on, mon
     monkeypatch.setattr(plan_cache, "code_versions", lambda: versions)
     assert planned(graph)[1].made == 1  # another torch, memfit version or memfit source
     assert len(entries(cache_on)) == 6
+
+
+def test_every_field_of_every_op_and_tensor_reaches_the_graph_digest():
+    """The key hashes the graph's structure text and the fields it leaves out: a change to any
+    one field of one op or tensor (a time, a scope, a size, a consumer) is another graph."""
+    graph = chain(6)
+    op, tensor = graph.ops[2], graph.tensors[graph.ops[2].outputs[0]]
+    changed = {"str": lambda value: value + "x", "tuple": lambda value: (*value, "x"),
+               "float": lambda value: value + 1.5, "int": lambda value: value + 3,
+               "bool": lambda value: not value, "NoneType": lambda value: "x"}
+
+    def with_field(item, name: str) -> CostGraph:
+        value = changed[type(getattr(item, name)).__name__](getattr(item, name))
+        if isinstance(item, Op):
+            ops = tuple(replace(o, **{name: value}) if o is item else o for o in graph.ops)
+            return CostGraph(ops, graph.tensors, graph.name)
+        tensors = {**graph.tensors, item.name: replace(item, **{name: value})}
+        return CostGraph(graph.ops, tensors, graph.name)
+
+    digests = {plan_cache.graph_digest(graph)}
+    for item in (op, tensor):
+        for name in (entry.name for entry in fields(item)):
+            digest = plan_cache.graph_digest(with_field(item, name))
+            assert digest not in digests, f"{type(item).__name__}.{name} is not in the digest"
+            digests.add(digest)
+    assert plan_cache.graph_digest(CostGraph(graph.ops, dict(graph.tensors), "renamed")) \
+        not in digests
 
 
 def test_a_corrupt_or_foreign_entry_is_ignored_reported_and_written_again(cache_on):

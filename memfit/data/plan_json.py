@@ -18,8 +18,8 @@ import functools
 import reprlib
 import types
 import typing
-from collections.abc import Collection, Mapping
-from dataclasses import MISSING, Field, fields, is_dataclass
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import MISSING, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 from memfit.data.decisions import Decision, Keep, Recompute, Rerun, Swap, SwapIn
@@ -185,49 +185,49 @@ class _Reader:
     def dataclass_fields(self, kind: type, data: Mapping, where: str,
                          skip: Collection[str] = ()) -> None:
         """Each field of dataclass ``kind`` in ``data``: present unless defaulted, of its type."""
-        hints, declared = _declared(kind)
-        self.known(data, set(declared), where)
-        for name, field in declared.items():
+        checks = _field_checks(kind)
+        self.known(data, {name for name, _, _, _ in checks}, where)
+        for name, required, fits, hint in checks:
             if name in skip:
                 continue
             if name not in data:
-                if field.default is MISSING and field.default_factory is MISSING:
+                if required:
                     raise PlanFileError(f"{self.source}: field '{where}.{name}' is missing; {FIX}")
                 continue
-            if not _is_instance(data[name], hints[name]):
-                raise self.fail(f"{where}.{name}", _type_name(hints[name]), data[name])
+            if not fits(data[name]):
+                raise self.fail(f"{where}.{name}", _type_name(hint), data[name])
 
 
 @functools.cache
-def _declared(kind: type) -> tuple[dict[str, Any], dict[str, Field]]:
-    """The type hints and fields of dataclass ``kind`` (resolved once: a plan reads thousands)."""
+def _field_checks(kind: type) -> tuple[tuple[str, bool, Callable[[Any], bool], Any], ...]:
+    """Each field of dataclass ``kind``: its name, whether it must be given (no default), the
+    check of a JSON value against its declared type (``_fits``), and that type; resolved once
+    per class (a plan reads thousands of fields)."""
     assert is_dataclass(kind)
-    return typing.get_type_hints(kind), {f.name: f for f in fields(kind)}
+    hints = typing.get_type_hints(kind)
+    return tuple((item.name, item.default is MISSING and item.default_factory is MISSING,
+                  _fits(hints[item.name]), hints[item.name]) for item in fields(kind))
 
 
-@functools.cache
-def _hint_parts(hint: Any) -> tuple[Any, tuple]:
-    """A declared type's origin and arguments, resolved once per type (a plan reads thousands of
-    fields)."""
-    return typing.get_origin(hint), typing.get_args(hint)
-
-
-def _is_instance(value: Any, hint: Any) -> bool:
-    """Whether a JSON value fits a field's declared type (a JSON list stands for a tuple)."""
-    origin, args = _hint_parts(hint)
+def _fits(hint: Any) -> Callable[[Any], bool]:
+    """Whether a JSON value fits the declared type ``hint`` (a JSON list stands for a tuple),
+    as a function made once per field."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        return any(_is_instance(value, arg) for arg in args)
+        options = tuple(_fits(arg) for arg in args)
+        return lambda value: any(fits(value) for fits in options)
     if origin is typing.Literal:
-        return value in args
+        return lambda value: value in args
     if origin is tuple:
-        return isinstance(value, list | tuple) and all(_is_instance(v, args[0]) for v in value)
+        each = _fits(args[0])
+        return lambda value: isinstance(value, list | tuple) and all(map(each, value))
     if hint is type(None):
-        return value is None
+        return lambda value: value is None
     if hint is float:
-        return type(value) in (int, float)
+        return lambda value: type(value) in (int, float)
     if hint is int:
-        return type(value) is int
-    return isinstance(value, hint)
+        return lambda value: type(value) is int
+    return lambda value: isinstance(value, hint)
 
 
 def _type_name(hint: Any) -> str:

@@ -9,16 +9,17 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from memfit.data.files import write_text
 
 Stream = Literal["compute", "d2h", "h2d", "comm"]  # comm: collectives (sharded steps)
 
 
-@dataclass(frozen=True)
-class Interval:
-    """One action on one stream: ``[start_s, end_s)``."""
+class Interval(NamedTuple):
+    """One action on one stream: ``[start_s, end_s)``. A named tuple, as ``Action`` is: a
+    simulation with intervals makes one per action, and a frozen dataclass costs several times
+    as much to build."""
 
     stream: Stream
     label: str
@@ -58,7 +59,7 @@ class Timeline:
     meta: dict = field(default_factory=dict, compare=False)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "intervals": [interval._asdict() for interval in self.intervals]}
 
     @staticmethod
     def from_json(data: dict) -> Timeline:

@@ -29,6 +29,7 @@ import contextlib
 import contextvars
 import hashlib
 import json
+import operator
 import os
 import sys
 import weakref
@@ -39,7 +40,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from memfit.data.costgraph import CostGraph, Op, Tensor
+from memfit.data.costgraph import (
+    STRUCTURE_OP_FIELDS,
+    STRUCTURE_TENSOR_FIELDS,
+    CostGraph,
+    Op,
+    Tensor,
+)
 from memfit.data.errors import BudgetError
 from memfit.data.files import cache_dir, write_text
 from memfit.data.hardware import Hardware
@@ -57,15 +64,25 @@ def code_versions() -> dict[str, str]:
     versions. A source file is known by its path, size and modification
     time: an edit, a checkout or another copy changes them. torch's version is its installed
     distribution's, read without importing it (this layer is torch-free)."""
-    root = str(Path(__file__).resolve().parents[1])  # the memfit package
-    files = sorted(os.path.relpath(os.path.join(folder, name), root)
-                   for folder, _, names in os.walk(root) for name in names if name.endswith(".py"))
+    root = Path(__file__).resolve().parents[1]  # the memfit package
     sources = hashlib.sha256()
-    for relative in files:  # os.walk and os.stat: pathlib's rglob takes several times longer
-        found = os.stat(os.path.join(root, relative))
+    for relative, found in sorted(_source_files(str(root), "")):
         sources.update(f"{relative} {found.st_size} {found.st_mtime_ns}\n".encode())
     return {"sources": sources.hexdigest()[:16], "torch": _installed_version("torch"),
             "python": ".".join(map(str, sys.version_info[:2]))}
+
+
+def _source_files(folder: str, prefix: str) -> Iterator[tuple[str, os.stat_result]]:
+    """Every ``.py`` file under ``folder`` (``__pycache__`` left out) as (its path relative to
+    the package, its ``stat``): ``os.scandir`` hands the stat over with the listing, where
+    ``os.walk`` with ``relpath`` and ``stat`` took several times longer."""
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                if entry.name != "__pycache__":
+                    yield from _source_files(entry.path, f"{prefix}{entry.name}/")
+            elif entry.name.endswith(".py"):
+                yield f"{prefix}{entry.name}", entry.stat()
 
 
 def _installed_version(distribution: str) -> str:
@@ -101,24 +118,33 @@ _GRAPH_DIGESTS: dict[int, str] = {}  # id(graph) -> its record's hash, while the
 
 
 def graph_digest(graph: CostGraph) -> str:
-    """The hash of every field of every op and tensor of ``graph`` (``_graph_record``), once
-    per graph object: a region's graph is keyed at each of its budgets (a graph is frozen)."""
+    """The hash of every field of every op and tensor of ``graph``, once per graph object: a
+    region's graph is keyed at each of its budgets (a graph is frozen). It hashes the graph's
+    ``structure_text`` (its plans' ``graph_hash`` made it already) and the fields that text
+    leaves out (``_rest_record``)."""
     found = _GRAPH_DIGESTS.get(id(graph))
     if found is None:
-        found = hashlib.sha256(json.dumps(_graph_record(graph)).encode()).hexdigest()
+        hashed = hashlib.sha256(graph.structure_text.encode())
+        hashed.update(_RECORD_ENCODER.encode(_rest_record(graph)).encode())
+        found = hashed.hexdigest()
         _GRAPH_DIGESTS[id(graph)] = found
         weakref.finalize(graph, _GRAPH_DIGESTS.pop, id(graph), None)
     return found
 
 
-def _graph_record(graph: CostGraph) -> list:
-    """Every field of every op and tensor of ``graph``, in order (``CostGraph.to_json``'s
-    content, without ``asdict``'s deep copies)."""
-    op_fields = [item.name for item in fields(Op)]
-    tensor_fields = [item.name for item in fields(Tensor)]
-    return [graph.name, [[getattr(op, name) for name in op_fields] for op in graph.ops],
-            [[getattr(tensor, name) for name in tensor_fields]
-             for tensor in graph.tensors.values()]]
+def _rest_record(graph: CostGraph) -> list:
+    """The graph's name and every field of its ops and tensors that ``structure_text`` leaves
+    out, ops in program order and tensors in the graph's order (each with its name)."""
+    return [graph.name, [_OP_REST(op) for op in graph.ops],
+            [_TENSOR_REST(tensor) for tensor in graph.tensors.values()]]
+
+
+_OP_REST = operator.attrgetter(*(item.name for item in fields(Op)
+                                 if item.name not in STRUCTURE_OP_FIELDS))
+_TENSOR_REST = operator.attrgetter("name", *(item.name for item in fields(Tensor)
+                                             if item.name not in STRUCTURE_TENSOR_FIELDS))
+# the record holds no cycles: the encoder's check for them costs a fifth of the encoding
+_RECORD_ENCODER = json.JSONEncoder(check_circular=False)
 
 
 @dataclass
