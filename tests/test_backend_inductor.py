@@ -137,6 +137,9 @@ def run_case(case, budget_fraction: float, strategy: str):
     return model, reference, fitted, budget, run, reference_run
 
 
+FUSED_SMALL_OUTPUTS_BYTES = 4096
+
+
 def check(case, budget_fraction: float, strategy: str) -> None:
     model, reference, fitted, budget, run, reference_run = run_case(case, budget_fraction,
                                                                    strategy)
@@ -148,9 +151,13 @@ def check(case, budget_fraction: float, strategy: str) -> None:
         torch.testing.assert_close(parameter, expected, msg=name)
     assert max(peaks) <= budget, (peaks, budget)
     regions = fitted._memfit_backend.regions
-    # the plan's prediction bounds what inductor's kernels hold (see the Note)
-    assert max(peaks) <= max(region.predicted_peak_bytes for region in regions)
-    assert any(region.plan.swapped or region.plan.reruns for region in regions)
+    # the plan's prediction bounds what inductor's kernels hold (see the Note), but for the
+    # small outputs of a fused kernel, which inductor allocates together at the kernel's start,
+    # ahead of the op order memfit prices (the 3-block CNN: 776 B of per-channel sums at 5.72 MB)
+    predicted = max(region.predicted_peak_bytes for region in regions)
+    assert max(peaks) <= predicted + FUSED_SMALL_OUTPUTS_BYTES, (peaks, predicted)
+    assert any(region.plan.swapped or region.plan.reruns or region.plan.recomputed
+               for region in regions)
     assert kernels(code) > 0  # inductor's fused kernels are still there
     swapped = any(region.plan.swapped for region in regions)
     assert ("torch.ops.memfit.swap_out" in code) == swapped
@@ -165,8 +172,10 @@ def test_auto_at_half_the_eager_peak_holds_the_budget_on_a_cnn():
 def test_reruns_of_a_cnn_keep_their_planned_order_under_inductor():
     # without memfit.lowering.inductor.pin_planned_order inductor fused the re-runs of the first
     # block with each other and hoisted every re-run chain to the start of the backward:
-    # measured 9,937,692 B against this 6,061,829 B budget (predicted 5,524,260; 4,673,796 B
-    # with the pins)
+    # measured 9,937,692 B against a 6,061,829 B budget. With a chain pinned on the last op
+    # before it only, inductor fused the batch norm's input gradient before it into the chain,
+    # after its convolution: 6,770,348 B at 6,074,149 (predicted 5,722,532); 5,723,308 B now
+    # that a chain waits for every op before it
     check(cnn_case, 0.7, "optimal-recompute")
 
 

@@ -21,7 +21,11 @@ from memfit.data.hardware import Hardware
 from memfit.model.kernels import repriced
 from memfit.tracing.capture import SCOPE_KEY, TYPE_KEY, Binding, Captured
 from memfit.tracing.flops import node_flops
-from memfit.tracing.temporaries import kernel_output_storage_bytes, kernel_temporary_bytes_of
+from memfit.tracing.temporaries import (
+    inductor_channels_last,
+    kernel_output_storage_bytes,
+    kernel_temporary_bytes_of,
+)
 
 _PHASES = {"is_forward": "forward", "is_backward": "backward"}
 _ROLES = {"parameter": "parameter", "buffer": "buffer", "input": "input", "tangent": "input"}
@@ -79,7 +83,8 @@ def analyze(captured: Captured, hardware: Hardware, name: str = "step",
     placeholders = graph.find_nodes(op="placeholder")
     for node, binding in zip(placeholders, captured.inputs, strict=True):
         _add_input(node, binding, owner, tensors)
-    temporaries = kernel_temporary_bytes_of(graph.nodes) if kernel_temporaries else {}
+    temporaries = kernel_temporary_bytes_of(graph.nodes, inductor_channels_last(
+        captured.graph_module) if compiler == "inductor" else ()) if kernel_temporaries else {}
     for node in graph.nodes:
         if node.op == "call_function":
             temporary_bytes = temporaries.get(node, 0) if kernel_temporaries else None

@@ -26,7 +26,7 @@ import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +61,36 @@ def _encode(argument: object) -> object:
     raise _Unsupported(type(argument).__name__)
 
 
-def _signature(node: fx.Node) -> str | None:
-    """What the measurement depends on, as one string (``None`` when it cannot be probed)."""
+def _signature(node: fx.Node, channels_last: bool = False) -> str | None:
+    """What the measurement depends on, as one string (``None`` when it cannot be probed).
+    ``channels_last``: the node's first two arguments, where they are dense 4-D tensors, are
+    measured in the channels-last layout (``CHANNELS_LAST_NOTE``) instead of their fake values'."""
     try:
-        request = [str(node.target), _encode(list(node.args)), _encode(dict(node.kwargs))]
+        arguments = [_encode(argument) for argument in node.args]
+        if channels_last:
+            arguments[:2] = [_channels_last(argument) for argument in arguments[:2]]
+        request = [str(node.target), arguments, _encode(dict(node.kwargs))]
     except _Unsupported:
         return None
     return json.dumps(request + [_settings()])
+
+
+CHANNELS_LAST_NOTE = """inductor's layout optimization (``GraphLowering.decide_layout_opt``) lays
+out every 2D convolution's input and weight channels last, and the values made from them, so a
+convolution and its backward read their activations channels last: oneDNN then computes in that
+layout and makes none of the channel-blocked copies it makes of plain (NCHW) tensors."""
+
+
+def _channels_last(encoded: object) -> object:
+    """An encoded dense 4-D tensor with channels-last strides; anything else as it is."""
+    if not (isinstance(encoded, dict) and "tensor" in encoded):
+        return encoded
+    shape, stride, offset, dtype = encoded["tensor"]
+    if len(shape) != 4 or offset or not torch._prims_common.is_non_overlapping_and_dense_or_false(
+            torch.empty_strided(shape, stride, device="meta")):
+        return encoded
+    layout = list(torch._prims_common.make_channels_last_strides_for(shape))
+    return {"tensor": [shape, layout, 0, dtype]}
 
 
 def _settings() -> dict:
@@ -76,14 +99,16 @@ def _settings() -> dict:
             "deterministic": torch.are_deterministic_algorithms_enabled()}
 
 
-def measured_temporary_bytes(nodes: Iterable[fx.Node]) -> dict[fx.Node, int]:
-    """Each node's kernel bytes beyond its outputs, measured (once per signature) in a child.
+def measured_temporary_bytes(nodes: Iterable[fx.Node], channels_last: Collection[fx.Node] = ()
+                             ) -> dict[fx.Node, int]:
+    """Each node's kernel bytes beyond its outputs, measured (once per signature) in a child;
+    the nodes in ``channels_last`` with their activations in that layout (``_signature``).
 
     Nodes that cannot be probed (symbolic sizes, arguments that are not tensors or plain values)
     or whose probe failed are left out, with a warning for a failed probe.
     """
     signatures = {node: signature for node in nodes
-                  if (signature := _signature(node)) is not None}
+                  if (signature := _signature(node, node in channels_last)) is not None}
     missing = sorted({s for s in signatures.values() if s not in _MEASURED_BYTES})
     if missing:  # measured by an earlier process on this machine, with this torch
         _MEASURED_BYTES.update(machine_cache.read())

@@ -39,7 +39,7 @@ an output at the storage its kernel really returns where that is larger than the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import torch
 import torch.fx as fx
@@ -328,19 +328,37 @@ def kernel_temporary_bytes(node: fx.Node) -> int:
     return kernel_temporary_bytes_of([node]).get(node, 0)
 
 
-def kernel_temporary_bytes_of(nodes: Iterable[fx.Node]) -> dict[fx.Node, int]:
+def kernel_temporary_bytes_of(nodes: Iterable[fx.Node], channels_last: Collection[fx.Node] = ()
+                              ) -> dict[fx.Node, int]:
     """``kernel_temporary_bytes`` of each node that has any, the kernels no rule is exact for
-    measured together (one child process for all new signatures).
+    measured together (one child process for all new signatures). The nodes in
+    ``channels_last`` (``inductor_channels_last``) run on channels-last activations, which no
+    rule describes: they are measured so.
 
     A kernel whose measurement fails (a warning says so) gets its rule's estimate.
     """
     ruled = [node for node in nodes if _on_cpu(node) and node.target in _CPU_TEMPORARIES]
-    unruled = [node for node in ruled
-               if node.target in _EXACT_WHERE and not _EXACT_WHERE[node.target](node)]
-    measured = measured_temporary_bytes(unruled) if unruled else {}
+    unruled = [node for node in ruled if node in channels_last or (
+        node.target in _EXACT_WHERE and not _EXACT_WHERE[node.target](node))]
+    measured = measured_temporary_bytes(unruled, channels_last) if unruled else {}
     found = {node: measured[node] if node in measured else _CPU_TEMPORARIES[node.target](node)
              for node in ruled}
     return {node: size for node, size in found.items() if size}
+
+
+def inductor_channels_last(module: fx.GraphModule) -> frozenset[fx.Node]:
+    """The 2D convolutions and convolution backwards of ``module`` that inductor runs on
+    channels-last activations (``kernel_probe.CHANNELS_LAST_NOTE``): all of them where its
+    layout optimization is on for ``module``, decided as inductor decides it."""
+    from torch._inductor.graph import GraphLowering
+
+    convolutions = [node for node in module.graph.nodes if node.op == "call_function"
+                    and node.target in (aten.convolution.default,
+                                        aten.convolution_backward.default)
+                    and _values(node) and _argument(node, "weight").dim() == 4]
+    if not convolutions or not GraphLowering.decide_layout_opt(module, is_inference=False):
+        return frozenset()
+    return frozenset(convolutions)
 
 
 def _on_cpu(node: fx.Node) -> bool:

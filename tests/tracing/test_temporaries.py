@@ -382,3 +382,46 @@ def test_half_precision_attention_is_measured():
     (forward, arguments), _ = attention_case(ATTENTIONS[0], torch.bfloat16)
     assert measured_extra_bytes(forward, arguments) == kernel_temporary_bytes(
         traced(forward, *arguments))
+
+
+def to_channels_last(values: torch.Tensor) -> torch.Tensor:
+    return values.contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("mask", [(True, True, False), (True, False, False)])
+def test_channels_last_convolutions_are_measured_in_that_layout(mask):
+    """Under inductor's layout optimization a 2D convolution's backward reads its gradient and
+    input channels last, and oneDNN then makes none of the blocked copies it makes of plain
+    tensors (a 4 MiB copy at 16x32x32x32): the bytes counted for a node in ``channels_last`` are
+    the allocator's for that layout, and less than the plain layout's."""
+    shape = (16, 32, 32, 32, 3, 1, 1, 2, False)
+    backward, (gradient, values, weight) = backward_case(shape, mask)
+    node = traced(backward, gradient, values, weight)
+    plain = kernel_temporary_bytes_of([node]).get(node, 0)
+    channels_last = kernel_temporary_bytes_of([node], channels_last={node}).get(node, 0)
+    measured = measured_extra_bytes(backward, (to_channels_last(gradient),
+                                               to_channels_last(values), weight))
+    assert channels_last == measured < plain
+
+
+def test_inductor_lays_out_2d_convolutions_of_a_cnn_channels_last_and_3d_ones_not():
+    """``inductor_channels_last`` names the convolutions and their backwards, as inductor's own
+    ``decide_layout_opt`` decides on the module; 3D convolutions keep their layout."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(x, w1, w2):
+        hidden = aten.convolution.default(x, w1, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+        out = aten.convolution.default(hidden.relu(), w2, None, [1, 1], [1, 1], [1, 1], False,
+                                       [0, 0], 1)
+        return aten.convolution_backward.default(out, hidden, w2, None, [1, 1], [1, 1], [1, 1],
+                                                 False, [0, 0], 1, [True, True, False])
+
+    arguments = (torch.randn(8, 16, 32, 32), torch.randn(64, 16, 3, 3), torch.randn(64, 64, 3, 3))
+    module = make_fx(step, tracing_mode="fake")(*arguments)
+    found = temporaries.inductor_channels_last(module)
+    targets = sorted(str(node.target) for node in found)
+    assert targets == ["aten.convolution.default"] * 2 + ["aten.convolution_backward.default"]
+    three_d = make_fx(lambda x, w: aten.convolution.default(
+        x, w, None, [1, 1, 1], [1, 1, 1], [1, 1, 1], False, [0, 0, 0], 1), tracing_mode="fake")(
+        torch.randn(2, 16, 8, 8, 8), torch.randn(16, 16, 3, 3, 3))
+    assert temporaries.inductor_channels_last(three_d) == frozenset()
