@@ -175,7 +175,7 @@ def test_reruns_of_a_cnn_keep_their_planned_order_under_inductor():
     # measured 9,937,692 B against a 6,061,829 B budget. With a chain pinned on the last op
     # before it only, inductor fused the batch norm's input gradient before it into the chain,
     # after its convolution: 6,770,348 B at 6,074,149 (predicted 5,722,532); 5,723,308 B now
-    # that a chain waits for every op before it
+    # that a chain waits for the ops before it that free large tensors
     check(cnn_case, 0.7, "optimal-recompute")
 
 
