@@ -270,7 +270,7 @@ def pin_planned_order(module: fx.GraphModule) -> int:
     # since the previous pinned op: the ordered ops no anchorable op read yet (a re-run
     # chain waits for those that free a large tensor)
     frontier: dict[fx.Node, None] = {}
-    frees = _frees_bytes(module)  # ops since the previous pinned op, and the most one freed
+    frees = _frees_bytes(module)  # op -> the largest tensor it, or an unread op it reads, frees
     ordered: set[fx.Node] = set()  # pinned ops and the ops that read them, directly or not
     previous: fx.Node | None = None  # the last pinned op where it can anchor, else its anchor
     for node in module.graph.nodes:
