@@ -126,3 +126,38 @@ def test_a_swap_in_after_prefetches_in_a_row_waits_for_a_reader_of_any_of_them()
     assert pinned(module) == {"second_in": ("first_in",), "third_in": ("use_first",)}
     for got, want in zip(module(values[x], values[w]), expected, strict=True):
         assert torch.equal(got, want)
+
+
+def test_a_rerun_chain_also_waits_for_an_unread_op_that_frees_a_large_tensor():
+    """The op before a chain may be a small reduction while a large elementwise op before it is
+    read only after the chain: anchored on the last op only, inductor fused that op into the
+    chain's kernels after the chain's first one, and what it frees stayed alive across the
+    re-run (a 3-block CNN: 6.77 MB measured against 5.72 MB predicted). The chain also waits for
+    each unread op that frees a tensor as large as the chain's first value; an unread op that
+    frees only a small one (``scaled``) stays free to fuse where inductor likes."""
+    graph = fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    values = {x: torch.randn(64, 64), w: torch.randn(64, 64)}
+
+    def call(name: str, target, *args, kind: str | None = None) -> fx.Node:
+        node = graph.call_function(target, args, name=name)
+        values[node] = target(*[values.get(a, a) for a in args])
+        node.meta["val"] = values[node]
+        if kind:
+            node.meta["memfit"] = {"kind": kind, "tensor": name, "buffer": name}
+        return node
+
+    first = call("rerun_first", aten.relu.default, x, kind="recompute")
+    total = call("total", aten.sum.default, first)
+    gradient = call("gradient", aten.mul.Tensor, first, x)  # the last reader of a 16 KiB value
+    scaled = call("scaled", aten.mul.Tensor, total, 3.0)
+    halved = call("halved", aten.mul.Tensor, total, 0.5)  # the last reader of a scalar
+    second = call("rerun_second", aten.relu.default, w, kind="recompute")
+    graph.output((call("out", aten.add.Tensor, second, gradient), scaled, halved))
+    module = fx.GraphModule(torch.nn.Module(), graph)
+    expected = module(values[x], values[w])
+
+    assert pin_planned_order(module) == 1  # the first chain has no op before it
+    assert pinned(module) == {"rerun_second": ("gradient", "halved")}
+    for got, want in zip(module(values[x], values[w]), expected, strict=True):
+        assert torch.equal(got, want)
