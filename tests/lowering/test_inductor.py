@@ -6,6 +6,8 @@ on which anchor, and that the pinned program still computes what it did.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.fx as fx
 
@@ -95,14 +97,12 @@ def test_a_program_without_reruns_or_swap_ins_is_left_alone():
     assert module.code == before
 
 
-def test_a_swap_in_after_prefetches_in_a_row_waits_for_a_reader_of_any_of_them():
-    """vDNN brings several tensors back in a row, then a later one after the first is read:
-    anchored on the swap-in before it (no op between reads it), the later one, and each after
-    it, could run at the backward's start, where inductor put them (GPT-2: 183.7 MiB measured
-    in the backward, 69.8 MiB planned); it waits for the op that read the first instead."""
+def builder(size: int) -> tuple[fx.Graph, dict, Callable[..., fx.Node]]:
+    """A graph with inputs ``x`` and ``w`` (``size`` x ``size``), their example values, and a
+    ``call(name, target, *args, kind=None)`` that adds an op with its value (``kind``: memfit's)."""
     graph = fx.Graph()
     x, w = graph.placeholder("x"), graph.placeholder("w")
-    values = {x: torch.randn(4, 4), w: torch.randn(4, 4)}
+    values = {x: torch.randn(size, size), w: torch.randn(size, size)}
 
     def call(name: str, target, *args, kind: str | None = None) -> fx.Node:
         node = graph.call_function(target, args, name=name)
@@ -111,6 +111,17 @@ def test_a_swap_in_after_prefetches_in_a_row_waits_for_a_reader_of_any_of_them()
         if kind:
             node.meta["memfit"] = {"kind": kind, "tensor": name, "buffer": name}
         return node
+
+    return graph, values, call
+
+
+def test_a_swap_in_after_prefetches_in_a_row_waits_for_a_reader_of_any_of_them():
+    """vDNN brings several tensors back in a row, then a later one after the first is read:
+    anchored on the swap-in before it (no op between reads it), the later one, and each after
+    it, could run at the backward's start, where inductor put them (GPT-2: 183.7 MiB measured
+    in the backward, 69.8 MiB planned); it waits for the op that read the first instead."""
+    graph, values, call = builder(4)
+    x, w = values  # the two inputs (the first keys)
 
     first = call("first_in", aten.clone.default, x, kind="swap_in")
     second = call("second_in", aten.clone.default, w, kind="swap_in")
@@ -135,17 +146,8 @@ def test_a_rerun_chain_also_waits_for_an_unread_op_that_frees_a_large_tensor():
     re-run (a 3-block CNN: 6.77 MB measured against 5.72 MB predicted). The chain also waits for
     each unread op that frees a tensor as large as the chain's first value; an unread op that
     frees only a small one (``scaled``) stays free to fuse where inductor likes."""
-    graph = fx.Graph()
-    x, w = graph.placeholder("x"), graph.placeholder("w")
-    values = {x: torch.randn(64, 64), w: torch.randn(64, 64)}
-
-    def call(name: str, target, *args, kind: str | None = None) -> fx.Node:
-        node = graph.call_function(target, args, name=name)
-        values[node] = target(*[values.get(a, a) for a in args])
-        node.meta["val"] = values[node]
-        if kind:
-            node.meta["memfit"] = {"kind": kind, "tensor": name, "buffer": name}
-        return node
+    graph, values, call = builder(64)
+    x, w = values  # the two inputs (the first keys)
 
     first = call("rerun_first", aten.relu.default, x, kind="recompute")
     total = call("total", aten.sum.default, first)
