@@ -41,6 +41,7 @@ from bench.fit import (
 )
 from bench.recompute_methods import SINGLE_THREAD_NOTE
 from memfit import examples
+from memfit.data.units import parse_bytes
 
 HEADERS = ("model", "torch.compile's budget", "method", "iteration peak", "step time",
            "vs torch.compile", "weights after 2 steps")
@@ -127,19 +128,13 @@ def verdict(rows: list[tuple]) -> str:
             continue
         ratio = pair[1][5]
         faster = float(ratio.rstrip("x")) <= 1.0
-        within = _mebibytes(pair[1][3]) <= _mebibytes(pair[0][3])
+        within = parse_bytes(pair[1][3]) <= parse_bytes(pair[0][3])
         lines.append(f"{model}: memfit {pair[1][4]} at {pair[1][3]} against torch.compile's "
                      f"{pair[0][4]} at {pair[0][3]} ({ratio}"
                      f"{'' if within else ', over its peak'}): "
                      f"{'met' if faster and within else '**not met**'}")
     return "Goal (issue 30: at budget 0.5's measured peak, memfit inductor's step at most " \
            "torch.compile's): " + "; ".join(lines) + "."
-
-
-def _mebibytes(cell: str) -> float:
-    """A peak cell (``bench.common.mib``'s ``"10.82 MiB"``) in MiB."""
-    number, unit = cell.split()
-    return float(number) * {"B": 2 ** -20, "KiB": 2 ** -10, "MiB": 1, "GiB": 2 ** 10}[unit]
 
 
 def compile_budget_section(log) -> str:

@@ -239,11 +239,10 @@ def pin_planned_order(module: fx.GraphModule) -> int:
     chain's first value (where there is none, the previous pinned op). Each pinned op thus runs
     no earlier than planned, after ops that themselves wait for earlier pinned ones. A re-run
     chain waits for those too, not the last op only: the last may be a per-channel reduction,
-    and inductor then fused the large elementwise op before it (a batch norm's input gradient)
-    with the chain's own elementwise ops, after the chain's convolution, so the gradient's
-    inputs were alive across the re-run (a 3-block CNN measured 6.77 MB against 5.72
-    predicted). Anchoring on every op no later one read (small ones too) made inductor
-    materialize values it fuses otherwise: GPT-2 ran 2-5% slower.
+    and inductor would fuse the large elementwise op before it (a batch norm's input gradient)
+    with the chain's own elementwise ops, after the chain's convolution, keeping the gradient's
+    inputs alive across the re-run. Unread ops that free only small tensors are no anchors:
+    each anchor becomes a buffer inductor would otherwise fuse away.
     Returns the number of ops pinned; a module without re-runs or swap-ins (``keep``) is left as
     it is, so it compiles to exactly ``torch.compile``'s kernels.
 
@@ -282,7 +281,7 @@ def pin_planned_order(module: fx.GraphModule) -> int:
             else:
                 least = _bytes_of(node)
                 anchors = [n for n in frontier if n is latest or frees.get(n, 0) >= least]
-                anchors = anchors or ([latest or previous] if (latest or previous) else [])
+                anchors = anchors or ([previous] if previous is not None else [])
             if anchors:
                 dependencies[node] = OrderedSet(anchors)
             previous = node if _can_anchor(node) else (anchors[-1] if anchors else previous)

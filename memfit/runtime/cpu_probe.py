@@ -15,8 +15,9 @@ a second; the median of several runs of each probe is what a step sees):
   written a while before, a new output (what a memory-bound op of a step reaches);
 - elements per second of memory-bound ops that compute more than they move
   (``Hardware.element_rates``), on cold operands into new outputs as the add's:
-  transcendental functions (``tanh``, ``exp``, ``erf``), random draws (``bernoulli_``, dropout's mask), batch norm and layer norm in training, each over
-  a forward and its backward (a training step runs both), and eager kernels of several passes
+  transcendental functions (``tanh``, ``exp``, ``erf``), random draws (``bernoulli_``,
+  dropout's mask), batch norm and layer norm in training, each over a forward and its
+  backward (a training step runs both), and eager kernels of several passes
   (softmax, ``_safe_softmax``, dropout's backward), and the kernel inductor generates for
   attention's masked softmax (``compiled_softmax``);
 - the per-op overhead of eager dispatch (a tiny transformer layer's ops back to back, called

@@ -64,7 +64,8 @@ def _encode(argument: object) -> object:
 def _signature(node: fx.Node, channels_last: bool = False) -> str | None:
     """What the measurement depends on, as one string (``None`` when it cannot be probed).
     ``channels_last``: the node's first two arguments, where they are dense 4-D tensors, are
-    measured in the channels-last layout (``CHANNELS_LAST_NOTE``) instead of their fake values'."""
+    measured in the channels-last layout (``memfit.tracing.temporaries``: inductor's) instead of
+    their fake values'."""
     try:
         arguments = [_encode(argument) for argument in node.args]
         if channels_last:
@@ -73,12 +74,6 @@ def _signature(node: fx.Node, channels_last: bool = False) -> str | None:
     except _Unsupported:
         return None
     return json.dumps(request + [_settings()])
-
-
-CHANNELS_LAST_NOTE = """inductor's layout optimization (``GraphLowering.decide_layout_opt``) lays
-out every 2D convolution's input and weight channels last, and the values made from them, so a
-convolution and its backward read their activations channels last: oneDNN then computes in that
-layout and makes none of the channel-blocked copies it makes of plain (NCHW) tensors."""
 
 
 def _channels_last(encoded: object) -> object:

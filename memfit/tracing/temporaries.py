@@ -16,6 +16,12 @@ an input-sized one in the backward. The rules below hold where ``test_temporarie
 against the allocator (torch 2.13, AVX2; ``bench/kernel_survey.py`` runs every op of a captured
 graph alone under the allocator).
 
+Under inductor's layout optimization (``GraphLowering.decide_layout_opt``) every 2D convolution
+reads its input and weight channels last, and the values made from them are laid out so: a
+convolution and its backward then read their activations channels last, oneDNN computes in that
+layout and makes none of the blocked copies above, so those convolutions are measured in that
+layout (``inductor_channels_last``).
+
 Convolutions the rules are not exact for are measured instead (``kernel_probe.py``: the op run
 once at its exact shapes in a child process): transposed convolutions, 3D backward, bias
 gradients, strided data gradients, ATen's slow (non-oneDNN) paths. Their scratch follows oneDNN's
@@ -348,8 +354,8 @@ def kernel_temporary_bytes_of(nodes: Iterable[fx.Node], channels_last: Collectio
 
 def inductor_channels_last(module: fx.GraphModule) -> frozenset[fx.Node]:
     """The 2D convolutions and convolution backwards of ``module`` that inductor runs on
-    channels-last activations (``kernel_probe.CHANNELS_LAST_NOTE``): all of them where its
-    layout optimization is on for ``module``, decided as inductor decides it."""
+    channels-last activations (see the module note): all of them where its layout optimization
+    is on for ``module``, decided as inductor decides it."""
     from torch._inductor.graph import GraphLowering
 
     convolutions = [node for node in module.graph.nodes if node.op == "call_function"
