@@ -87,7 +87,7 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
             collect_before_backward(region)
         watch = planner.eager_watch()
         with active_engine(engine), watch.paused() if watch else contextlib.nullcontext():
-            if region is not None and region.measured_runs < 2 * planner.options.measure_runs:
+            if region is not None and region.measuring(planner.options.measure_runs):
                 result = measure_region_run(planner, region, forward, args, is_backward)
                 if planner.options.warn_over_prediction:
                     warn_if_over_its_prediction(region, is_backward)
