@@ -77,6 +77,7 @@ class Region:
     minimum_bytes: int | None = None  # its smallest peak, where it could not fit the budget
     saves_cap_bytes: int | None = None  # the most its forward may save, planned jointly
     own_pending_bytes: int = 0  # saves of its own code's earlier open forwards it planned beside
+    copies_planned: int = 0  # more copies of its saves its plan was fitted beside (``fit_copies``)
     replaced: bool = False  # a newer plan of its code replaces it (joint or resident re-plan)
     measured_forward_bytes: int | None = None  # device peak of its forward's latest measured run
     measured_backward_bytes: int | None = None  # ... and of its backward's
