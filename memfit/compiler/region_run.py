@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import unittest.mock
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +54,26 @@ def aot_eager_runner(engine: CopyEngine, planner: Planner):
         return region_run(planner, region, is_backward, module.forward, engine)
 
     return compile_module
+
+
+@contextlib.contextmanager
+def saved_tensors_not_donated():
+    """While AOTAutograd compiles an ``aot_eager`` region: none of its saved tensors is marked
+    *donated*. AOTAutograd marks saved tensors that alias no input or output as donated (for
+    inductor to reuse their memory in the backward), and then refuses a backward with
+    ``retain_graph=True`` once a backward without it compiled the region's backward: eager
+    PyTorch allows it (a second backward through a retained graph, a penalty on gradients). An
+    ``aot_eager`` backward reuses no memory of its inputs (it frees each at its last use), so
+    nothing is lost; which backward first runs a region's plan is memfit's (a plan made again
+    after the first iteration) and no longer decides whether the loop's second backward works."""
+    from torch._functorch._aot_autograd import graph_compile
+
+    def none_donated(*_: Any) -> list[int]:
+        return []
+
+    with unittest.mock.patch.object(graph_compile, "collect_bw_donated_buffer_idxs",
+                                    none_donated):
+        yield
 
 
 def inductor_runner(engine: CopyEngine, planner: Planner):
