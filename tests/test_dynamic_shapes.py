@@ -201,3 +201,26 @@ def test_bert_on_padded_batches_with_inductor_is_planned_twice_within_budget_clo
     _assert_close_training(model, compiled_reference, losses, reference_losses)
     assert max(peaks) <= budget, (peaks, budget)
     assert "2 plans made" in memfit.report(fitted)
+
+
+def test_a_run_past_the_sizes_measured_so_far_is_measured_too():
+    """A plan priced at a declared maximum is checked on its first runs, at their sizes; a later
+    run at larger sizes within the bound (a longer padded batch) has its forward and backward
+    measured too, so a peak over the budget there (inductor's kernels at that shape, the loop's
+    loss growing with it) is said at that call, not missed. Smaller runs after it are not."""
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    fitted = memfit.fit(model, budget="64MB", optimizer=optimizer)
+    measured = []
+    for x, y in _mlp_batches([300, 600, 400, 1024, 500, 1024]):
+        torch._dynamo.mark_dynamic(x, 0, min=2, max=1024)
+        nn.functional.mse_loss(fitted(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        region = fitted._memfit_backend.regions[-1]
+        measured.append((region.index, region.measured_runs, region.measured_forward_bytes))
+    (plan, before, _), (at_largest, runs, largest_bytes) = measured[2], measured[3]
+    assert plan == at_largest == measured[5][0], measured  # one plan from the third run on
+    assert runs == before + 2, "the forward and backward at 1024 rows measured"
+    assert measured[5][1] == runs, "runs within the sizes measured already are not measured"
+    assert largest_bytes > measured[2][2], measured

@@ -157,3 +157,25 @@ def test_modes_hooks_and_to_reach_the_model():
     assert fitted.training and fitted.norm.training
     doubled = fitted.to(torch.float64)
     assert doubled is fitted and fitted.first.weight.dtype == torch.float64
+
+
+def test_a_retained_graph_backs_up_twice_as_in_eager_after_normal_steps():
+    """``loss.backward(retain_graph=True)`` then a second backward, on an iteration after plain
+    ones (whose backward compiled the region's): eager allows it, and so does a fitted model, with
+    eager's gradients (AOTAutograd's donated buffers refused it, with a plan's timing deciding)."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                              nn.Linear(64, 4))
+    model = memfit.fit(copy.deepcopy(reference), budget="10MB")
+    generator = torch.Generator().manual_seed(1)
+    for index in range(4):
+        x = torch.randn(32, 64, generator=generator)
+        for net in (reference, model):
+            loss = net(x).square().mean()
+            if index >= 2:
+                loss.backward(retain_graph=True)
+                (0.5 * loss).backward()
+            else:
+                loss.backward()
+        for expected, parameter in zip(reference.parameters(), model.parameters(), strict=True):
+            assert torch.equal(parameter.grad, expected.grad), index

@@ -128,3 +128,60 @@ def test_an_output_the_loop_keeps_past_the_backward_is_not_a_copy():
     said = [str(w.message) for w in caught if issubclass(w.category, memfit.BudgetWarning)]
     assert not said, said
     assert len(fitted._memfit_backend.regions) == 1
+
+
+def _bn_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Dropout(0.2), nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8),
+                         nn.ReLU(), nn.Flatten(), nn.Dropout(0.3), nn.Linear(8 * 16 * 16, 10))
+
+
+def _loop_keeping_an_evaluation(model, optimizer, iterations, regions=lambda: 0):
+    """A training step, then an evaluation without ``no_grad`` whose output the loop keeps
+    (with its graph) until the next evaluation: through the next training step. Losses, and
+    per iteration its ``BudgetWarning``s and ``regions()`` after it."""
+    generator = torch.Generator().manual_seed(0)
+    evaluated = torch.randn(8, 3, 16, 16, generator=generator)
+    losses, warned, counted = [], [], []
+    for index in range(iterations):
+        x = torch.randn(16, 3, 16, 16, generator=generator)
+        y = torch.randint(0, 10, (16,), generator=generator)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.train()
+            torch.manual_seed(100 + index)
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            model.eval()
+            evaluation = model(evaluated)  # noqa: F841 (kept, with its graph, as loops do)
+            model.train()
+        losses.append(loss.detach())
+        warned.append([w for w in caught if issubclass(w.category, memfit.BudgetWarning)])
+        counted.append(regions())
+    return losses, warned, counted
+
+
+def test_an_evaluation_graph_kept_through_the_next_step_is_planned_for_once():
+    """Where no plan fits beside the copy of its saves that a kept evaluation graph holds, the
+    closest plan is made once and kept: no new plan, nor warning, on the later iterations
+    (before, each iteration planned the region twice and warned); training bitwise eager's."""
+    reference = _bn_net()
+    x = torch.randn(16, 3, 16, 16)
+    peak_bytes = memfit.measure_peak(
+        lambda: nn.functional.cross_entropy(reference(x), torch.zeros(16, dtype=torch.long))
+        .backward(), track=(list(reference.parameters()), x))
+    reference = _bn_net()
+    reference_losses, _, _ = _loop_keeping_an_evaluation(
+        reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), 6)
+    model = _bn_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    fitted = memfit.fit(model, budget=int(0.9 * peak_bytes), optimizer=optimizer)
+    losses, warned, regions = _loop_keeping_an_evaluation(
+        fitted, optimizer, 6, lambda: len(fitted._memfit_backend.regions))
+    assert any(warned), "the kept graph's copy does not fit: said"
+    assert regions[3:] == [regions[3]] * 3 and not any(warned[4:]), (regions, warned)
+    for loss, expected in zip(losses, reference_losses, strict=True):
+        assert torch.equal(loss, expected)

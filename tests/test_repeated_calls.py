@@ -10,10 +10,11 @@ from memfit.compiler.repeated_calls import fit_copies, uncounted_copies
 from memfit.data.errors import BudgetError
 
 
-def region(saved_bytes=20, copies=1, own_pending_bytes=0, minimum_bytes=None, cap=None):
+def region(saved_bytes=20, copies=1, own_pending_bytes=0, minimum_bytes=None, cap=None,
+           copies_planned=0):
     return SimpleNamespace(site="code", saved_bytes=saved_bytes, most_open_forwards=copies,
                            own_pending_bytes=own_pending_bytes, minimum_bytes=minimum_bytes,
-                           saves_cap_bytes=cap)
+                           saves_cap_bytes=cap, copies_planned=copies_planned)
 
 
 def test_copies_count_where_its_plan_did_not_fit_beside_them():
@@ -26,6 +27,11 @@ def test_copies_count_where_its_plan_did_not_fit_beside_them():
     assert uncounted_copies(region(copies=3, own_pending_bytes=25)) == 2  # a third call too
     # planned beside them, but only at its smallest peak, over the budget
     assert uncounted_copies(region(copies=2, own_pending_bytes=25, minimum_bytes=130)) == 1
+    # fitted beside that copy already (``fit_copies``), at the closest plan: not planned again
+    assert uncounted_copies(region(copies=2, own_pending_bytes=25, minimum_bytes=130,
+                                   copies_planned=1)) == 0
+    assert uncounted_copies(region(copies=3, own_pending_bytes=25, minimum_bytes=130,
+                                   copies_planned=1)) == 2  # but a third call is new
 
 
 def plan_at(budget_bytes):

@@ -44,7 +44,11 @@ from memfit.compiler.joint_planning import MAX_JOINT_ROUNDS, JointPlanning
 from memfit.compiler.loop_lifetimes import planned_for_the_loop
 from memfit.compiler.partners import partners_of
 from memfit.compiler.region import Region, timed_planning
-from memfit.compiler.region_run import aot_eager_runner, inductor_runner
+from memfit.compiler.region_run import (
+    aot_eager_runner,
+    inductor_runner,
+    saved_tensors_not_donated,
+)
 from memfit.compiler.replanning import plan_again_when_stale
 from memfit.compiler.shape_bound import InputSizes
 from memfit.compiler.step_graph import resolve_hardware
@@ -257,7 +261,8 @@ class Backend(EagerWatching, JointPlanning):
                                          self._partition(device, site, bound), engine,
                                          inductor_runner(engine, self))
         compile_module = aot_eager_runner(engine, self)
-        with eager_lstm_kernels():  # nn.LSTM traced as eager runs it (memfit.tracing.rnn)
+        # nn.LSTM traced as eager runs it (memfit.tracing.rnn); a retained graph's second backward
+        with eager_lstm_kernels(), saved_tensors_not_donated():
             return aot_autograd(fw_compiler=compile_module, bw_compiler=compile_module,
                                 partition_fn=self._partition(device, site, bound),
                                 decompositions=DECOMPOSE,

@@ -63,7 +63,7 @@ class EagerWatching:
         (``count_eager_in_prediction``)."""
         return (not self.eager_gave_up and self.options.measure_runs > 0
                 and (not self.regions or any(
-                    region.measured_runs < 2 * self.options.measure_runs
+                    region.measuring(self.options.measure_runs)
                     for region in latest_regions(self.regions))))
 
     def eager_watch(self) -> EagerWatch | None:

@@ -77,10 +77,15 @@ class Region:
     minimum_bytes: int | None = None  # its smallest peak, where it could not fit the budget
     saves_cap_bytes: int | None = None  # the most its forward may save, planned jointly
     own_pending_bytes: int = 0  # saves of its own code's earlier open forwards it planned beside
+    copies_planned: int = 0  # more copies of its saves its plan was fitted beside (``fit_copies``)
     replaced: bool = False  # a newer plan of its code replaces it (joint or resident re-plan)
     measured_forward_bytes: int | None = None  # device peak of its forward's latest measured run
     measured_backward_bytes: int | None = None  # ... and of its backward's
     measured_runs: int = 0  # runs of its modules measured so far
+    measured_sizes: dict = field(default_factory=dict, repr=False)  # a dynamic region: each
+    # symbolic size's largest value in a run measured so far
+    measure_pending: int = 0  # module runs still to measure beyond the first ones: a run at
+    # sizes past every measured run's (its forward and its backward)
     measured_by: str = ""  # "allocator" or "ops" (see memfit.compiler.region_peak.run_measured)
     forward_values: tuple = field(default=(), repr=False)  # its forward's inputs and outputs,
     # weakly: those still alive when its backward runs are measured with it (the loop holds them)
@@ -142,6 +147,26 @@ class Region:
                               and (node is None or reference is None or reference() is not node)]
         if node is None and None in self.open_nodes:
             del self.open_nodes[len(self.open_nodes) - 1 - self.open_nodes[::-1].index(None)]
+
+    def measuring(self, measure_runs: int) -> bool:
+        """Whether its next module run is measured: one of its first ``measure_runs`` forwards
+        and backwards, or one at sizes past those measured so far (``measure_larger_sizes``)."""
+        return self.measured_runs < 2 * measure_runs or self.measure_pending > 0
+
+    def measure_larger_sizes(self, sizes: dict, measure_runs: int) -> None:
+        """Measure this run (its forward and its backward) where a symbolic size is past its
+        largest value in the runs measured so far. Its plan is priced at the bound, but only a
+        measured run is checked against it: under inductor a shape's kernels, not the
+        simulation, make its peak, and the loop's own bytes (a loss computed in the loop) grow
+        with the shape. A run past the measured sizes is thus checked at that call, and a
+        ``BudgetWarning`` says so where it is over."""
+        if measure_runs <= 0 or all(value <= self.measured_sizes.get(symbol, 0)
+                                    for symbol, value in sizes.items()):
+            return
+        if not self.measuring(measure_runs):
+            self.measure_pending = 2
+        self.measured_sizes = {symbol: max(value, self.measured_sizes.get(symbol, 0))
+                               for symbol, value in {**self.measured_sizes, **sizes}.items()}
 
     @property
     def predicted_peak_bytes(self) -> int:

@@ -171,6 +171,7 @@ def measure_region_run(planner: Planner, region: Region, call: Callable[[list], 
                               functools.partial(device_bytes_alive, planner, device))
         region.measured_forward_bytes = peak_bytes
     region.measured_runs += 1
+    region.measure_pending = max(0, region.measure_pending - 1)
     return result
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import unittest.mock
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -55,6 +56,26 @@ def aot_eager_runner(engine: CopyEngine, planner: Planner):
     return compile_module
 
 
+@contextlib.contextmanager
+def saved_tensors_not_donated():
+    """While AOTAutograd compiles an ``aot_eager`` region: none of its saved tensors is marked
+    *donated*. AOTAutograd marks saved tensors that alias no input or output as donated (for
+    inductor to reuse their memory in the backward), and then refuses a backward with
+    ``retain_graph=True`` once a backward without it compiled the region's backward: eager
+    PyTorch allows it (a second backward through a retained graph, a penalty on gradients). An
+    ``aot_eager`` backward reuses no memory of its inputs (it frees each at its last use), so
+    nothing is lost; which backward first runs a region's plan is memfit's (a plan made again
+    after the first iteration) and no longer decides whether the loop's second backward works."""
+    from torch._functorch._aot_autograd import graph_compile
+
+    def none_donated(*_: Any) -> list[int]:
+        return []
+
+    with unittest.mock.patch.object(graph_compile, "collect_bw_donated_buffer_idxs",
+                                    none_donated):
+        yield
+
+
 def inductor_runner(engine: CopyEngine, planner: Planner):
     """What wraps each module inductor compiled for a region (``compile_with_inductor``): the
     same runs as ``aot_eager``'s (``region_run``: measured first runs, the eager code beside
@@ -87,7 +108,7 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
             collect_before_backward(region)
         watch = planner.eager_watch()
         with active_engine(engine), watch.paused() if watch else contextlib.nullcontext():
-            if region is not None and region.measured_runs < 2 * planner.options.measure_runs:
+            if region is not None and region.measuring(planner.options.measure_runs):
                 result = measure_region_run(planner, region, forward, args, is_backward)
                 if planner.options.warn_over_prediction:
                     warn_if_over_its_prediction(region, is_backward)

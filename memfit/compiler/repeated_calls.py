@@ -60,13 +60,19 @@ def uncounted_copies(region: Region) -> int:
     """How many copies of ``region``'s saves beyond one its iteration held where its plan did
     not fit beside them: it was planned beside fewer (``Region.own_pending_bytes``: before its
     second call, ``Backend.beside_own_copies``, or for the copies of an earlier iteration) or
-    could not fit there (``Region.minimum_bytes``); else 0. An FSDP2 unit capped in the first
-    iteration (``first_iteration_cap``) counts its copies its own way: 0."""
+    could not fit there (``Region.minimum_bytes``); else 0. A plan already fitted beside as many
+    (``fit_copies``, ``Region.copies_planned``) counts them, fitting or not: planning it again
+    for them would choose it again, once per iteration (a loop that holds an evaluation's graph,
+    made without ``no_grad``, through the next training step), and that none fits is said once.
+    An FSDP2 unit capped in the first iteration (``first_iteration_cap``) counts its copies its
+    own way: 0."""
     if region.site is None or not region.saved_bytes:
         return 0
     if region.saves_cap_bytes is not None and not region.own_pending_bytes:
         return 0
     extra = copies_held(region) - 1
+    if extra <= region.copies_planned:
+        return 0
     fitted_beside = (region.minimum_bytes is None
                      and region.saved_bytes * extra <= region.own_pending_bytes)
     return 0 if extra <= 0 or fitted_beside else extra

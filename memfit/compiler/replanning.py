@@ -62,6 +62,10 @@ def plan_again_when_stale(planner: Planner, graph_module: fx.GraphModule, device
             del inputs
             gc.collect()  # compiling leaves reference cycles that hold the real arguments
             current[1] = planner.regions[first:] or current[1]
+        if sizes is not None:
+            now = sizes.values(args)
+            for region in current[1]:
+                region.measure_larger_sizes(now, planner.options.measure_runs)
         return current[0](*args)
 
     return torch._dynamo.disable(run, reason="memfit: a planned region's callable")
