@@ -324,3 +324,52 @@ def test_an_earlier_regions_prediction_counts_the_gradients_of_the_regions_after
         measured = region.measured_peak_bytes
         gap = region.predicted_peak_bytes - measured
         assert 0 <= gap <= 0.01 * measured + above_bytes, (region.index, gap, measured)
+
+
+def test_an_iteration_over_the_budget_by_what_eager_code_held_says_so_at_that_call():
+    """A plain model trained beside the fitted one, made before ``memfit.fit``: a CPU's eager
+    watch first sees its tensors when its step writes them, after the fitted model's first
+    iteration, so the first plan has no room for them. The iteration that runs over the budget
+    for them says so (``BudgetWarning``, at its backward) and the report names the excess; the
+    next plan counts them and the iterations after it fit. (That iteration was silent.)"""
+    def build():
+        torch.manual_seed(0)
+        layers: list[nn.Module] = [nn.Linear(64, 128), nn.ReLU()]
+        for _ in range(5):
+            layers += [nn.Linear(128, 128), nn.GELU()]
+        return nn.Sequential(*layers, nn.LayerNorm(128), nn.Linear(128, 1))
+
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4096, 64, generator=generator), torch.randn(4096, 1, generator=generator))
+            for _ in range(4)]
+
+    def step(model, optimizer, x, y):
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    beside = build()
+    beside_optimizer = torch.optim.AdamW(beside.parameters())
+    step(beside, beside_optimizer, *data[0])
+    eager_bytes = memfit.measure_peak(lambda: step(beside, beside_optimizer, *data[0]),
+                                      track=(list(beside.parameters()), beside_optimizer.state))
+    budget = int(0.7 * eager_bytes)
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
+    over = []
+    for x, y in data:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            peak = memfit.measure_peak(
+                lambda: step(fitted, optimizer, x, y),  # noqa: B023 - called at once
+                track=(list(model.parameters()), optimizer.state, x, y,
+                       list(beside.parameters()), beside_optimizer.state))
+        said = [str(w.message) for w in caught if issubclass(w.category, BudgetWarning)]
+        step(beside, beside_optimizer, x, y)
+        if peak > budget:
+            over.append(peak)
+            assert any("eager code" in message and "over the budget" in message
+                       for message in said), (peak, budget, said)
+    assert len(over) == 1, (over, budget)  # the iteration before the plan counting them
+    assert "over the budget; a later plan of its code counts it" in memfit.report(fitted)
