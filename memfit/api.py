@@ -29,7 +29,12 @@ from memfit.data.hardware import PROFILES, Hardware, get_hardware
 from memfit.data.plan import Plan
 from memfit.data.timeline import Timeline
 from memfit.data.units import Budget
-from memfit.fitting.arguments import check_flags, check_hardware_and_optimizer, the_users_error
+from memfit.fitting.arguments import (
+    check_flags,
+    check_hardware_and_optimizer,
+    check_step,
+    the_users_error,
+)
 from memfit.fitting.callers_compile import own_trace
 from memfit.fitting.cluster import FsdpBlock, resolve_sharding
 from memfit.fitting.traced import as_planned, loss_module, memfit_error, trace_plan
@@ -315,6 +320,7 @@ def compile(model: torch.nn.Module, loss_fn: Callable, budget: str | int | float
         >>> step.plan.save("step.plan.json")   # later: memfit.compile(model, loss_fn,
         >>> #     plan=memfit.Plan.load("step.plan.json"))
     """
+    check_step(model, loss_fn)
     check_flags(measure=measure, linearize=linearize)
     check_hardware_and_optimizer(hardware, None)
     if plan is not None:
@@ -379,6 +385,10 @@ def plan(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor,
         >>> plan = memfit.plan(model, loss_fn, tokens, budget="70GiB", hardware="h100-sxm",
         ...                    world_size=8, sharding="fsdp", optimizer=adamw)
     """
+    check_step(model, loss_fn)
+    check_inputs(inputs)
+    check_flags(linearize=linearize)
+    check_hardware_and_optimizer(hardware, optimizer)
     parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
     spread = resolve_sharding(model, sharding, world_size, fsdp_block, bucket_bytes)
     return trace_plan(model, loss_fn, inputs, parsed, chosen, get_hardware(hardware), params,

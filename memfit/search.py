@@ -32,6 +32,7 @@ from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan
 from memfit.data.timeline import Timeline
 from memfit.data.units import Budget, format_bytes
+from memfit.fitting.arguments import check_flags, check_hardware_and_optimizer, check_step
 from memfit.fitting.cluster import FsdpBlock, resolve_sharding
 from memfit.fitting.symbolic_batch import SymbolicBatch, trace_batch
 from memfit.fitting.traced import PlanOptions, trace_plan, whole_step
@@ -199,6 +200,15 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
         the peak of a step but can be broken by a heuristic strategy's plan choices; ``tried``
         lists what was planned.
     """
+    check_step(model, loss_fn)
+    if not callable(make_inputs):
+        raise ValueError(f"make_inputs takes a callable make_inputs(batch_size) -> tuple of "
+                         f"input tensors, not {type(make_inputs).__name__}")
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch must be a whole number of samples, 1 or more, got "
+                         f"{max_batch!r}")
+    check_flags(linearize=linearize)
+    check_hardware_and_optimizer(hardware, optimizer)
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}: "
                          "'throughput' for the fastest batch, 'largest' for the largest")

@@ -37,17 +37,30 @@ CASES = {
     "fit parameter value": (lambda: memfit.fit(_mlp(), 0.5, strategy="swap", lb=-3), "lb"),
     "fit budget": (lambda: memfit.fit(_mlp(), "abc"), "fraction"),
     "fit optimizer": (lambda: memfit.fit(_mlp(), 0.5, optimizer="adam"), "Optimizer"),
+    "fit dynamic": (lambda: memfit.fit(_mlp(), 0.5, dynamic="yes"), "True or"),
     "backend hardware": (lambda: memfit.backend(0.5, hardware="h999"), "h100-pcie"),
     "backend measure_runs": (lambda: memfit.backend(0.5, measure_runs="2"), "int"),
     "compile hardware": (lambda: memfit.compile(_mlp(), _loss, 0.5, hardware="h999"), "cpu"),
     "compile strategy": (lambda: memfit.compile(_mlp(), _loss, 0.5, strategy="autoo"), "keep"),
     "compile measure": (lambda: memfit.compile(_mlp(), _loss, 0.5, measure="no"), "True or False"),
+    "compile model": (lambda: memfit.compile(_loss, _mlp(), 0.5), "nn.Module"),
+    "compile loss_fn": (lambda: memfit.compile(_mlp(), X, 0.5), "callable"),
     "plan hardware": (lambda: memfit.plan(_mlp(), _loss, X, budget=0.5, hardware="h999"), "a100"),
     "plan strategy": (lambda: memfit.plan(_mlp(), _loss, X, budget=0.5, strategy="autoo"), "swap"),
+    "plan loss_fn": (lambda: memfit.plan(_mlp(), X, budget=0.5), "callable"),
+    "plan inputs": (lambda: memfit.plan(_mlp(), _loss, [X], budget=0.5), "tensors only"),
+    "plan optimizer": (lambda: memfit.plan(_mlp(), _loss, X, budget=0.5,
+                                           optimizer=torch.optim.AdamW), "Optimizer"),
     "max_batch_size hardware": (lambda: memfit.max_batch_size(
         _mlp(), _loss, _inputs, "1MiB", hardware="h999"), "h200"),
     "max_batch_size strategy": (lambda: memfit.max_batch_size(
         _mlp(), _loss, _inputs, "1MiB", strategy="autoo"), "checkpoint"),
+    "max_batch_size make_inputs": (lambda: memfit.max_batch_size(
+        _mlp(), _loss, _inputs(4), "1MiB"), "callable"),
+    "max_batch_size max_batch": (lambda: memfit.max_batch_size(
+        _mlp(), _loss, _inputs, "1MiB", max_batch=0), "1 or more"),
+    "max_batch_size optimizer": (lambda: memfit.max_batch_size(
+        _mlp(), _loss, _inputs, "1MiB", optimizer="adam"), "Optimizer"),
 }
 
 
@@ -124,3 +137,13 @@ def test_auto_s_budget_error_names_no_strategy_a_user_cannot_pass():
     named = [word.strip(".,'") for word in message.split("Strategy ")[1:]]
     assert all(name.split()[0] in strategy_names() for name in named), message
     assert "jit-swap" not in message
+
+
+@pytest.mark.parametrize("loss_fn", [lambda model, x: model(x), lambda model, x: (model(x).mean(), x)],
+                         ids=["per-sample", "tuple"])
+def test_a_loss_that_is_not_a_scalar_is_refused_by_plan_as_by_compile(loss_fn):
+    """memfit.plan traced such a step and planned the backward of a gradient nobody passes."""
+    with pytest.raises(memfit.CaptureError, match="loss_fn must return a scalar tensor"):
+        memfit.plan(_mlp(), loss_fn, X, hardware="cpu")
+    with pytest.raises(memfit.CaptureError, match="loss_fn must return a scalar tensor"):
+        memfit.compile(_mlp(), loss_fn, strategy="keep")(X)

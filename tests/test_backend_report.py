@@ -324,3 +324,107 @@ def test_an_earlier_regions_prediction_counts_the_gradients_of_the_regions_after
         measured = region.measured_peak_bytes
         gap = region.predicted_peak_bytes - measured
         assert 0 <= gap <= 0.01 * measured + above_bytes, (region.index, gap, measured)
+
+
+def test_an_iteration_over_the_budget_by_what_eager_code_held_says_so_at_that_call():
+    """A plain model trained beside the fitted one, made before ``memfit.fit``: a CPU's eager
+    watch first sees its tensors when its step writes them, after the fitted model's first
+    iteration, so the first plan has no room for them. The iteration that runs over the budget
+    for them says so (``BudgetWarning``, at its backward) and the report names the excess; the
+    next plan counts them and the iterations after it fit. (That iteration was silent.)"""
+    def build():
+        torch.manual_seed(0)
+        layers: list[nn.Module] = [nn.Linear(64, 128), nn.ReLU()]
+        for _ in range(5):
+            layers += [nn.Linear(128, 128), nn.GELU()]
+        return nn.Sequential(*layers, nn.LayerNorm(128), nn.Linear(128, 1))
+
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4096, 64, generator=generator), torch.randn(4096, 1, generator=generator))
+            for _ in range(4)]
+
+    def step(model, optimizer, x, y):
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    beside = build()
+    beside_optimizer = torch.optim.AdamW(beside.parameters())
+    step(beside, beside_optimizer, *data[0])
+    eager_bytes = memfit.measure_peak(lambda: step(beside, beside_optimizer, *data[0]),
+                                      track=(list(beside.parameters()), beside_optimizer.state))
+    budget = int(0.7 * eager_bytes)
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
+    over = []
+    for x, y in data:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            peak = memfit.measure_peak(
+                lambda: step(fitted, optimizer, x, y),  # noqa: B023 - called at once
+                track=(list(model.parameters()), optimizer.state, x, y,
+                       list(beside.parameters()), beside_optimizer.state))
+        said = [str(w.message) for w in caught if issubclass(w.category, BudgetWarning)]
+        step(beside, beside_optimizer, x, y)
+        if peak > budget:
+            over.append(peak)
+            assert any("eager code" in message and "over the budget" in message
+                       for message in said), (peak, budget, said)
+    assert len(over) == 1, (over, budget)  # the iteration before the plan counting them
+    assert "over the budget; a later plan of its code counts it" in memfit.report(fitted)
+
+
+class LossAfterBreak(nn.Module):
+    """The loss computed after a graph break, as transformers' ``labels=`` loss runs after its
+    logger call: the region after the break holds little but the loss's own buffers."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        layers: list[nn.Module] = [nn.Linear(64, 256), nn.ReLU()]
+        for _ in range(4):
+            layers += [nn.Linear(256, 256), nn.ReLU()]
+        self.body = nn.Sequential(*layers, nn.Linear(256, 64))
+
+    def forward(self, x, y):
+        out = self.body(x)
+        torch._dynamo.graph_break()
+        return nn.functional.cross_entropy(out, y)
+
+
+def test_a_fraction_budget_is_of_the_whole_step_for_every_region_of_a_graph_broken_model():
+    """A fraction is of the step's unplanned peak, so every region gets the same device
+    budget: resolved per region, the loss's region got 0.85 of its own small peak, could not
+    fit beside the saves before the break, and every iteration warned that it ran over a
+    budget the step in fact met. Training stays bitwise eager's."""
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(1024, 64, generator=generator),
+             torch.randint(0, 64, (1024,), generator=generator)) for _ in range(3)]
+    reference = LossAfterBreak()
+    reference_optimizer = torch.optim.AdamW(reference.parameters())
+    expected = []
+    for x, y in data:
+        loss = reference(x, y)
+        loss.backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad(set_to_none=True)
+        expected.append(loss.detach())
+    model = LossAfterBreak()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=0.85, optimizer=optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BudgetWarning)
+        for (x, y), reference_loss in zip(data, expected, strict=True):
+            loss = fitted(x, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            assert torch.equal(loss, reference_loss)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(),
+                                                 strict=True))
+    regions = latest_regions(fitted._memfit_backend.regions)
+    assert len(regions) == 2
+    step_peak = max(region.baseline_peak_bytes for region in regions)
+    assert {region.budget_bytes for region in regions} == {int(0.85 * step_peak)}
+    assert all(region.measured_peak_bytes <= region.budget_bytes for region in regions)

@@ -56,7 +56,13 @@ from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError, BudgetWarning
 from memfit.data.hardware import Hardware
 from memfit.data.units import Budget, format_bytes
-from memfit.planning.step import Planned, plan_step, short_even_alone, with_eager_note
+from memfit.planning.step import (
+    Planned,
+    plan_step,
+    short_even_alone,
+    unplanned,
+    with_eager_note,
+)
 from memfit.runtime.outside import EagerWatch
 from memfit.runtime.ranks import agree_max, agree_on_hardware
 from memfit.runtime.resident import device_of, reserved_state_bytes, resident_bytes
@@ -321,8 +327,9 @@ class Backend(EagerWatching, JointPlanning):
         neither does, the error with the smaller minimum (``planned_for_the_loop``)."""
         options = self.options
         try:
-            return plan_step(graph, hardware, self.planning_budget, options.strategy,
-                             options.params, outside, options.fixed_plan, options.what_ifs), None
+            return plan_step(graph, hardware, self._region_budget(graph, hardware, outside),
+                             options.strategy, options.params, outside, options.fixed_plan,
+                             options.what_ifs), None
         except BudgetError as held_error:
             if loop_graph is None or options.fixed_plan is not None:
                 return None, held_error
@@ -331,6 +338,20 @@ class Backend(EagerWatching, JointPlanning):
                                             options.params, outside, options.what_ifs), None
             except BudgetError as smaller:
                 return None, smaller
+
+    def _region_budget(self, graph: CostGraph, hardware: Hardware, outside: int
+                       ) -> Budget | None:
+        """The budget a region is planned for: ``planning_budget``, where a fraction is of the
+        step's unplanned peak. A step of several regions (graph breaks) peaks in one of them, so
+        the fraction is of the highest unplanned whole-device peak among this region's and the
+        current regions' (as ``memfit.plan`` resolves it): of its own, a region that holds
+        little (transformers' loss after its logger call) would get a sliver of the device."""
+        budget = self.planning_budget
+        others = [region.baseline_peak_bytes for region in latest_regions(self.regions)]
+        if budget is None or budget.fraction is None or not others:
+            return budget
+        own = unplanned(graph, hardware).peak_bytes + outside
+        return Budget(bytes=budget.to_bytes(max(own, *others)))
 
     def _over_budget(self, graph: CostGraph, hardware: Hardware, error: BudgetError,
                      pending: int, outside: int, own_open: int = 0) -> Planned:

@@ -28,8 +28,10 @@ from memfit.compiler.region import Region
 from memfit.compiler.replanning import (
     count_eager_in_prediction,
     eager_gap_needed,
+    eager_overrun_bytes,
     eager_room_needed,
     warn_eager_gap_over,
+    warn_eager_held_over,
 )
 from memfit.data.errors import BudgetWarning
 from memfit.runtime.outside import EagerWatch
@@ -179,16 +181,21 @@ class EagerWatching:
                 "than the loss, or compute the loss inside the model.", BudgetWarning,
                 stacklevel=2)
             return {}
-        for region, held in needed:
-            self.eager_held[region.site] = held  # its site's next plan counts them
+        said: set[int] = set()
         for region, gap in gaps:  # its site's next plan saves less
             self.eager_gap[region.site] = max(gap, self.eager_gap.get(region.site, 0))
             over = region.gap_alive_bytes - (region.budget_bytes or 0)
             if over > 0:  # measured over: said, and the saves less by at least as much
                 warn_eager_gap_over(region)
+                said.add(region.index)
                 self.gap_saves_limit[region.site] = min(
                     region.saved_bytes - over,
                     self.gap_saves_limit.get(region.site, region.saved_bytes))
+        for region, held in needed:
+            self.eager_held[region.site] = held  # its site's next plan counts them
+            if (region.minimum_bytes is None and region.index not in said
+                    and eager_overrun_bytes(region)):  # measured over: said at this call
+                warn_eager_held_over(region, held)
         fitting = [region for region, _ in [*needed, *gaps] if region.minimum_bytes is None]
         if fitting:  # a short region runs at its smallest peak: only joint planning helps it
             self.eager_replans += 1

@@ -50,6 +50,7 @@ from memfit.lowering.joint import (
     realias_views,
     record_scopes,
     split,
+    tag_phases,
 )
 from memfit.lowering.rewrite import rewrite
 from memfit.model.plan_memo import plans_remembered
@@ -159,6 +160,7 @@ def prepared_joint(options: BackendOptions, joint: fx.GraphModule, num_fwd_outpu
     Raises:
         CaptureError: if a region with dynamic shapes would be reordered (``linearize``).
     """
+    tag_phases(joint)  # nodes AOTAutograd's passes added after its trace
     realias_views(joint)  # views left on a copy that inductor's joint-graph passes erased
     elide_clones(joint)
     drop_unread_running_statistics(joint)

@@ -156,6 +156,34 @@ def warn_eager_gap_over(region: Region) -> None:
         "the first.", BudgetWarning, stacklevel=4)
 
 
+def eager_overrun_bytes(region: Region) -> int:
+    """How far the latest measured run of ``region`` (forward or backward, eager code's bytes
+    included) was over its budget; 0 where it was within it, nothing was measured, or earlier
+    regions' saves were open beside it: a measured run adds their planned bytes to what it sees
+    alive, and a tensor at the graph break (an earlier region's saved output, this one's input)
+    is in both, so the figure there is no evidence of an overrun."""
+    if region.pending_bytes or region.own_pending_bytes:
+        return 0
+    measured = max(region.measured_forward_bytes or 0, region.measured_backward_bytes or 0)
+    return max(0, measured - (region.budget_bytes or measured))
+
+
+def warn_eager_held_over(region: Region, held: int) -> None:
+    """Say, in the iteration that ran it, that what eager code held at ``region``'s start
+    (``eager_room_needed``: the loop's loss and target, another model's tensors, code at a graph
+    break) took its measured run over the budget, by how much, and that the next plan counts
+    it."""
+    from memfit.data.errors import BudgetWarning
+    from memfit.data.units import format_bytes
+
+    warnings.warn(
+        f"memfit: eager code outside the compiled regions (the loop's loss and target, another "
+        f"model's tensors, code at a graph break) held {format_bytes(held)} while region "
+        f"{region.index} ran, which its plan had no room for: this iteration ran about "
+        f"{format_bytes(eager_overrun_bytes(region))} over the budget. The region is planned "
+        "again with room for it from the next iteration.", BudgetWarning, stacklevel=4)
+
+
 def count_eager_in_prediction(regions: list[Region]) -> None:
     """Count what eager code was seen to hold beside each region planned without a budget in
     its predicted (and unplanned) peak, as a re-plan counts it for a region with one

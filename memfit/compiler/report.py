@@ -108,7 +108,7 @@ def _bound_note(region: Region) -> str:
 def _eager_note(region: Region) -> str:
     """Bytes eager code held while ``region`` ran (``memfit.runtime.outside``), and whether its
     plan had room for them."""
-    from memfit.compiler.replanning import eager_bytes_to_plan
+    from memfit.compiler.replanning import eager_bytes_to_plan, eager_overrun_bytes
 
     held = max(region.eager_forward_bytes, region.eager_backward_bytes)
     if region.budget_bytes is None:
@@ -120,6 +120,9 @@ def _eager_note(region: Region) -> str:
                   "backward's less the outputs freed by then)")
     elif region.replaced:
         status = "a later plan of its code counts it"
+        if eager_overrun_bytes(region):
+            status = (f"its measured run was {format_bytes(eager_overrun_bytes(region))} over "
+                      f"the budget; {status}")
     else:
         status = "its plan had room for it"
     return (f"ran outside any plan: {format_bytes(held)} held by eager code while region "

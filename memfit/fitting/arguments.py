@@ -36,6 +36,25 @@ def check_hardware_and_optimizer(hardware: Hardware | str | None, optimizer: Any
                          f"{type(optimizer).__name__} {optimizer!r}")
 
 
+def check_step(model: Any, loss_fn: Any) -> None:
+    """Raise ``ValueError`` unless ``model`` is a ``torch.nn.Module`` and ``loss_fn`` a callable
+    (``memfit.compile``, ``plan`` and ``max_batch_size`` take ``loss_fn(model, *inputs)``): a
+    tensor passed where ``loss_fn`` goes is the usual slip."""
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model takes the torch.nn.Module trained, not {type(model).__name__}")
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn takes a callable loss_fn(model, *inputs) -> scalar loss, not "
+                         f"{type(loss_fn).__name__}: pass it before the inputs")
+
+
+def check_dynamic(dynamic: Any) -> None:
+    """Raise ``ValueError`` for a ``dynamic=`` that is not ``None``, ``True`` or ``False``
+    (``torch.compile`` would refuse it only at the first call)."""
+    if dynamic is not None and not isinstance(dynamic, bool):
+        raise ValueError(f"dynamic= takes None (symbolic sizes once a shape changes), True or "
+                         f"False, not {dynamic!r}")
+
+
 def check_flags(**flags: Any) -> None:
     """Raise ``ValueError`` for a flag argument that is not a ``bool`` (``measure="no"`` is true)."""
     for name, value in flags.items():

@@ -83,8 +83,10 @@ def fit(model: torch.nn.Module, budget: str | int | float | None = None,
         >>> loss = model(**batch).loss; loss.backward(); optimizer.step()
         >>> torch.save(model.state_dict(), "model.pt")  # the plain model's keys
     """
+    from memfit.fitting.arguments import check_dynamic
     from memfit.runtime.ranks import agreement_group
 
+    check_dynamic(dynamic)
     model = _uncompiled(model)  # a torch.compile wrapper's module is fitted in its place
     unfit(model)  # a model fitted before is fitted anew
     fitted = FittedCall(model, FitArguments(budget, strategy, hardware, compiler,

@@ -60,6 +60,33 @@ def record_scopes(joint: fx.GraphModule, prefix: str = "") -> None:
         custom[TYPE_KEY] = getattr(module_type, "__name__", str(module_type))
 
 
+def tag_phases(joint: fx.GraphModule) -> int:
+    """Give each node of ``joint`` without a phase tag (``partitioner_tag``) the phase torch's own
+    partitioner finds for it: backward where it reads a tangent or a backward node, forward
+    otherwise; returns how many were tagged.
+
+    AOTAutograd tags the nodes it traces, but its passes after the trace add nodes untagged: a
+    Python float argument that changed between calls becomes a 0-dim tensor input, and its
+    ``mul`` by the output's gradient is a new node (``tensorify_python_scalars``). Untagged, such a
+    node would be priced as a backward op wherever it stands and cut into the forward module
+    ahead of the first tagged backward node, reading a tangent the forward does not have.
+    """
+    backward: set[fx.Node] = set()
+    tagged = 0
+    for node in joint.graph.nodes:
+        if node.op == "placeholder" and node.name.startswith("tangents"):
+            backward.add(node)
+        if node.op != "call_function":
+            continue
+        if node.meta.get("partitioner_tag") is None:
+            reads_backward = any(source in backward for source in node.all_input_nodes)
+            node.meta["partitioner_tag"] = "is_backward" if reads_backward else "is_forward"
+            tagged += 1
+        if node.meta["partitioner_tag"] == "is_backward":
+            backward.add(node)
+    return tagged
+
+
 def module_path(dynamo_path: str, prefix: str = "") -> str:
     """``L['self'].model.transformer.h[0]`` -> ``transformer.h.0`` (with ``prefix="model."``)."""
     path = re.sub(r"\[\s*'?([^\]']*)'?\s*\]", r".\1", dynamo_path)  # h[0] -> h.0

@@ -110,12 +110,17 @@ def plan_step(graph: CostGraph, hardware: Hardware, budget: Budget | None, strat
                           what_ifs)
 
 
+def unplanned(graph: CostGraph, hardware: Hardware) -> Timeline:
+    """``graph`` run unplanned (``keep``): the timeline a fraction budget is of."""
+    return simulate(graph, get_strategy("keep")(graph, hardware), hardware)
+
+
 def _plan_step(graph: CostGraph, hardware: Hardware, budget: Budget | None, strategy: str,
                params: Mapping[str, Any], outside_bytes: int, fixed: Plan | None,
                what_ifs: bool) -> Planned:
     started = time.perf_counter()
     note_stage(f"choosing a plan ({strategy})")
-    baseline = simulate(graph, get_strategy("keep")(graph, hardware), hardware)
+    baseline = unplanned(graph, hardware)
     if fixed is not None:
         fixed = fixed.for_graph(graph, hardware.name)
         made_for = fixed.explanation.budget_bytes if fixed.explanation else fixed.budget_bytes

@@ -29,6 +29,7 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -108,12 +109,15 @@ class _StepModule(torch.nn.Module):
     def forward(self, *inputs):
         loss = self.loss_fn(self.model, *inputs)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise CaptureError(
-                f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
-                + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
-                + ": reduce it (e.g. .mean()) inside loss_fn"
-            )
+            raise CaptureError(scalar_loss_wanted(loss))
         return loss
+
+
+def scalar_loss_wanted(loss: Any) -> str:
+    """What to say when ``loss_fn`` returned ``loss``, which is not a one-element tensor."""
+    got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+           else type(loss).__name__)
+    return f"loss_fn must return a scalar tensor, got {got}: reduce it (e.g. .mean()) inside loss_fn"
 
 
 def input_signature(model: torch.nn.Module, inputs: Sequence) -> tuple:

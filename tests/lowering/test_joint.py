@@ -221,3 +221,37 @@ def test_a_value_re_run_for_the_first_backward_op_is_not_saved_by_the_forward():
     for parameter, reference_parameter in zip(model.parameters(), reference.parameters(),
                                               strict=True):
         assert torch.equal(parameter.grad, reference_parameter.grad)
+
+
+class _Scaled(nn.Module):
+    """A float argument of the forward, as a loss weight or a temperature is passed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(16, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(),
+                                    nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 1))
+
+    def forward(self, inputs: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.layers(inputs) * scale
+
+
+@pytest.mark.usefixtures("compiled_fresh")
+@pytest.mark.parametrize("budget", [None, 0.9])
+def test_a_float_argument_that_changes_trains_as_eager(budget):
+    """A float that changes between calls is traced again as a 0-dim tensor input, whose ops
+    AOTAutograd's passes add without a phase tag: the gradient's ``mul`` by it is a backward
+    node, which the split must not cut into the forward (it failed with "Node mul_tensor_1 was
+    invalid, but is output" at the second call)."""
+    torch.manual_seed(0)
+    model, reference = _Scaled(), _Scaled()
+    reference.load_state_dict(model.state_dict())
+    fitted = memfit.fit(model, budget=budget, strategy=None if budget else "keep")
+    inputs = torch.randn(1024, 16)
+    for scale in (1.0, 2.0, 0.5):
+        got, expected = fitted(inputs, scale=scale), reference(inputs, scale=scale)
+        got.square().sum().backward()
+        expected.square().sum().backward()
+        assert torch.equal(got, expected)
+        for parameter, reference_parameter in zip(model.parameters(), reference.parameters(),
+                                                  strict=True):
+            assert torch.equal(parameter.grad, reference_parameter.grad)
