@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import inspect
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -179,3 +180,59 @@ def test_a_retained_graph_backs_up_twice_as_in_eager_after_normal_steps():
                 loss.backward()
         for expected, parameter in zip(reference.parameters(), model.parameters(), strict=True):
             assert torch.equal(parameter.grad, expected.grad), index
+
+
+def test_a_retained_graph_after_measured_steps_is_over_budget_only_with_a_warning_at_that_call():
+    """A backward with ``retain_graph=True`` frees none of the saves it reads, so a plan made for
+    backwards that free them (one save swapped, three kept) peaks higher under it. Its first
+    such backward, after the region's measured runs, says so at that call; the region is then
+    planned with the saves kept to its backward's end, and the next retained backward fits.
+    Losses and weights stay eager's."""
+    from memfit.runtime.measure import measure_allocator_peak
+
+    def iterate(net, optimizer, x, retain):
+        loss = net(x).square().mean()
+        if retain:
+            loss.backward(retain_graph=True)
+            (0.5 * loss).backward()
+        else:
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        return loss.detach()
+
+    def train(net, budget=None):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        if budget is not None:
+            memfit.fit(net, budget=budget, optimizer=optimizer)
+        generator = torch.Generator().manual_seed(1)
+        peaks, said, losses = [], [], []
+        for index in range(6):
+            x = torch.randn(256, 128, generator=generator)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                measured = measure_allocator_peak(
+                    iterate, net, optimizer, x, index in (3, 5),
+                    track=(list(net.parameters()), optimizer.state,
+                           [parameter.grad for parameter in net.parameters()]))
+            peaks.append(measured.peak_bytes)
+            losses.append(measured.result)
+            said.append([str(warning.message) for warning in caught
+                         if issubclass(warning.category, memfit.BudgetWarning)])
+        return peaks, said, losses
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(*[layer for _ in range(4)
+                                for layer in (nn.Linear(128, 128), nn.Tanh())], nn.Linear(128, 4))
+    model = copy.deepcopy(reference)
+    eager_peaks, _, eager_losses = train(reference)
+    budget = int(0.97 * max(eager_peaks[:3]))  # under the plain iterations' peak: a swap
+    peaks, said, losses = train(model, budget)
+    for index, (peak, warned) in enumerate(zip(peaks, said, strict=True)):
+        assert peak <= budget or warned, (index, peaks, budget, said)
+    assert any("retain_graph" in message for message in said[3]), said
+    assert peaks[5] <= budget and not said[5], (peaks, budget, said)
+    assert all(torch.equal(loss, expected)
+               for loss, expected in zip(losses, eager_losses, strict=True))
+    for expected, parameter in zip(reference.parameters(), model.parameters(), strict=True):
+        assert torch.equal(parameter, expected)

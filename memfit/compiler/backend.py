@@ -122,6 +122,9 @@ class Backend(EagerWatching, JointPlanning):
         watch_recompile_limit(self)
         self.budget_note = ""  # where the budget came from, when memfit chose it (report)
         self.cache_ignored: list[str] = []  # plan-cache files ignored, and why (report)
+        self.retained_backward = False  # a backward kept its graph (retain_graph=True): every
+        # plan made since keeps the saves a backward reads to its end (``with_retained_saves``)
+        self.retained_replans = 0  # plans made again for it: over the budget with those saves
 
     @property
     def budget(self) -> Budget | None:

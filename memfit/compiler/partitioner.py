@@ -53,6 +53,7 @@ from memfit.lowering.joint import (
     tag_phases,
 )
 from memfit.lowering.rewrite import rewrite
+from memfit.model.lifetimes import with_retained_saves
 from memfit.model.plan_memo import plans_remembered
 from memfit.model.simulate import simulate
 from memfit.planning.plan_cache import note_stage
@@ -111,6 +112,8 @@ def _plan_region(planner: RegionPlanner, joint: fx.GraphModule, device: torch.de
     outside = bytes_outside(planner, prepared.joint, prepared.captured.inputs, device,
                             num_fwd_outputs, site)
     graph = with_later_gradients(prepared.graph, outside.later_gradient_bytes)
+    if planner.retained_backward:
+        graph = with_retained_saves(graph)
     lower = Lowering(prepared.program, graph, num_fwd_outputs, static_lifetime_input_indices,
                      held_input_names(planner.regions, prepared, outside.repeated_copies),
                      prepared.bound)

@@ -196,8 +196,12 @@ class Planner(Protocol):
     planning_s: float
     budget_note: str  # where the budget came from, when memfit chose it
     cache_ignored: list[str]  # plan-cache files ignored, and why (``memfit.planning.plan_cache``)
+    retained_backward: bool  # a backward kept its graph: plans keep the saves it reads
+    retained_replans: int  # plans made again for that
 
     def eager_watch(self) -> Any: ...
+
+    def state_to_come_bytes(self) -> int: ...
 
     def partners(self) -> list[tuple[Any, list]]: ...
 

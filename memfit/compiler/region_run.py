@@ -109,6 +109,8 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
         inputs = storages_of(args) if region is not None and not is_backward else set()
         if region is not None and is_backward:
             collect_before_backward(region)
+            if keeps_its_graph():
+                plan_for_retained_saves(planner, region)
         watch = planner.eager_watch()
         with active_engine(engine), watch.paused() if watch else contextlib.nullcontext():
             if region is not None and region.measuring(planner.options.measure_runs):
@@ -141,6 +143,45 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
+
+
+def keeps_its_graph() -> bool:
+    """Whether the backward running now was called with ``retain_graph=True``."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return bool(keep_graph()) if keep_graph is not None else False
+
+
+def plan_for_retained_saves(planner: Planner, region: Region) -> None:
+    """At a backward that keeps its graph (``retain_graph=True``: it frees none of the saves it
+    reads, the next backward reads them again): every plan made from now on keeps them to the
+    backward's end (``with_retained_saves``). Where ``region``'s plan was made without that and
+    its peak with them is over its budget, it is planned again before its next run, and this
+    call says so where it is over even without the optimizer state its plan reserves that no
+    step has made yet."""
+    from dataclasses import replace
+
+    from memfit.model.lifetimes import RETAINED_SAVES, with_retained_saves
+    from memfit.model.schedule import peak_bytes
+
+    planner.retained_backward = True
+    if region.budget_bytes is None or RETAINED_SAVES in region.plan_graph.tensors:
+        return
+    graph = with_retained_saves(region.plan_graph)
+    peak = peak_bytes(graph, replace(region.plan, graph_hash=graph.structure_hash))
+    if peak + region.outside_bytes <= region.budget_bytes:
+        return
+    if not region.replaced:  # a third backward through the same forward: counted once
+        region.replaced = True
+        planner.retained_replans += 1
+    if peak + region.outside_bytes - planner.state_to_come_bytes() <= region.budget_bytes:
+        return
+    region.warned_over = True  # what a measured run of it shows is this, said here
+    warnings.warn(
+        f"memfit: a backward with retain_graph=True keeps region {region.index}'s saved "
+        f"tensors to its end, and its plan, made for a backward that frees each as it reads "
+        f"it, then peaks at {format_bytes(peak + region.outside_bytes)}, over the budget "
+        f"{format_bytes(region.budget_bytes)}. memfit plans it again for retained backwards "
+        "before its next run.", BudgetWarning, stacklevel=2)
 
 
 def calling_autograd_node() -> Any:

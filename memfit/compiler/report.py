@@ -66,6 +66,10 @@ def _notes(planner: Planner) -> list[str]:
     if planner.replans:
         notes.append(f"planned again {planner.replans} time(s): more stayed resident than the "
                      "earlier plans left room for (optimizer state, kept gradients)")
+    if planner.retained_replans:
+        notes.append(f"planned again {planner.retained_replans} time(s): a backward with "
+                     "retain_graph=True keeps the saves it reads to its end, which the earlier "
+                     "plans freed as read; later plans keep them")
     notes += [_eager_note(region) for region in planner.regions
               if region.eager_forward_bytes or region.eager_backward_bytes]
     if planner.eager_replans:

@@ -16,6 +16,10 @@ The planner plans with the first kind added and the second assumed held (nothing
 is assumed away); once a backward has run, the loop's choices are known and the prediction
 reports them (``with_loop_lifetimes``).
 
+A third kind lives longer than the graph shows: a backward called with ``retain_graph=True``
+frees none of the forward's saves as it reads them (autograd's graph holds them for the next
+backward), so each one the backward reads stays alive to its end (``with_retained_saves``).
+
 Example:
     >>> graph = with_storage_from(graph, "later gradients", 4096, "mm_backward")
 """
@@ -41,6 +45,21 @@ def with_storage_from(graph: CostGraph, name: str, size_bytes: int, op_name: str
            for op in graph.ops]
     extra = Tensor(name, size_bytes, "gradient", is_output=True)
     return CostGraph.build(ops, [*_unbuilt(graph), extra], name=graph.name)
+
+
+RETAINED_SAVES = "memfit.retained_saves"  # marks a graph whose backward keeps the saves it reads
+
+
+def with_retained_saves(graph: CostGraph) -> CostGraph:
+    """``graph`` run by a backward that keeps its forward's saves (``retain_graph=True``): every
+    buffer a plan's forward makes and its backward reads (a kept save, a copy swapped in during
+    the forward) is alive to the step's end, while one the backward makes itself (a copy swapped
+    in, a value re-run) is freed after its last reader (``memfit.model.schedule.lower`` reads the
+    mark, a storage of no bytes). Unchanged without a backward, or already marked."""
+    first = next((op for op in graph.ops if op.phase == "backward"), None)
+    if first is None or RETAINED_SAVES in graph.tensors:
+        return graph
+    return with_storage_from(graph, RETAINED_SAVES, 0, first.name)
 
 
 def with_loop_lifetimes(graph: CostGraph, arriving: Mapping[str, str],

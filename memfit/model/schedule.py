@@ -23,6 +23,7 @@ import numpy as np
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import PlanError
 from memfit.data.plan import Plan, Recompute, Swap
+from memfit.model.lifetimes import RETAINED_SAVES
 from memfit.model.plan_memo import remembered_profile, remembered_schedule
 from memfit.model.recompute import PlannedRerun, planned_reruns, rebuilt_buffer
 
@@ -256,8 +257,11 @@ def _lowered(graph: CostGraph, plan: Plan) -> Schedule:
     newest: dict[str, str] = {}  # tensor -> the instance later readers read (re-runs replace)
     actions: list[Action] = []
     instances = 0
+    backward_at: int | None = None  # the first backward action's index, once found
     unchanged = _compute_actions(graph)
     for position, op in enumerate(graph.ops):  # the hot loop of every simulation
+        if backward_at is None and op.phase == "backward":
+            backward_at = len(actions)
         for rerun in reruns.get(op.name, ()):
             actions.extend(_rerun_actions(graph, rerun, instances, newest, buffer_bytes,
                                           fed, position))
@@ -280,7 +284,17 @@ def _lowered(graph: CostGraph, plan: Plan) -> Schedule:
         if op.name in swap_ins_after:
             actions.extend(swap_ins_after[op.name])
     outputs = frozenset(name for name, t in graph.tensors.items() if t.is_output)
+    if RETAINED_SAVES in graph.tensors and backward_at is not None:
+        outputs |= _read_across(actions, backward_at)
     return Schedule(tuple(actions), MappingProxyType(buffer_bytes), graph.resident_bytes, outputs)
+
+
+def _read_across(actions: list[Action], backward_at: int) -> frozenset[str]:
+    """Buffers allocated by an action before ``backward_at`` and read by one at or after it: the
+    saves a backward reads (``memfit.model.lifetimes.with_retained_saves``)."""
+    made_before = {buffer for action in actions[:backward_at] for buffer in action.allocates}
+    return frozenset(buffer for action in actions[backward_at:] for buffer in action.reads
+                     if buffer in made_before)
 
 
 def tensor_bytes(graph: CostGraph) -> Mapping[str, int]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from memfit.data.costgraph import CostGraph, Op, Tensor
-from memfit.data.plan import Plan
-from memfit.model.lifetimes import with_loop_lifetimes, with_storage_from
+from memfit.data.plan import Plan, Swap, SwapIn
+from memfit.model.lifetimes import with_loop_lifetimes, with_retained_saves, with_storage_from
 from memfit.model.schedule import lower, memory_profile
 
 KIB = 1024
@@ -67,3 +67,33 @@ def test_a_tangent_passed_as_none_and_read_by_nothing_counts_nothing():
     graph = with_loop_lifetimes(step(tangent_read=False), arriving={}, released={},
                                 absent=frozenset({"t"}))
     assert live_bytes(graph) == [8 * KIB, 12 * KIB, 13 * KIB, 5 * KIB + 16]
+
+
+def test_a_retained_backward_holds_the_saves_it_reads_not_the_copies_it_swaps_in():
+    """``retain_graph=True``: a kept save lives to the backward's end; a swapped one's copy, made
+    by the backward, still dies after its last reader, and the original after its swap-out."""
+    ops = [Op("f1", "aten.mm", "forward", outputs=("a",)),
+           Op("f2", "aten.mm", "forward", inputs=("a",), outputs=("b",)),
+           Op("f3", "aten.relu", "forward", inputs=("b",), outputs=("y",)),
+           Op("b1", "aten.mm", "backward", inputs=("b", "t"), outputs=("g",)),
+           Op("b2", "aten.mm", "backward", inputs=("a", "g"), outputs=("w",)),
+           Op("b3", "aten.mm", "backward", inputs=("w",), outputs=("v",))]
+    tensors = [Tensor("t", 2 * KIB, "input"), Tensor("a", 8 * KIB, "activation"),
+               Tensor("b", 4 * KIB, "activation"),
+               Tensor("y", 1 * KIB, "activation", is_output=True),
+               Tensor("g", 1 * KIB, "gradient"), Tensor("w", 16, "gradient"),
+               Tensor("v", 16, "gradient", is_output=True)]
+    graph = CostGraph.build(ops, tensors, name="step")
+    retained = with_retained_saves(graph)
+    assert with_retained_saves(retained) is retained and retained.saved_tensors() == \
+        graph.saved_tensors()
+    assert live_bytes(graph)[-1] == 3 * KIB + 32  # t, y, w, v
+    assert live_bytes(retained)[-1] == 15 * KIB + 32  # and the saves a and b
+    swap_a = Plan("test", {"a": Swap((SwapIn("b1", ("b2",)),))})
+
+    def swapped(step: CostGraph) -> list[int]:
+        return list(memory_profile(lower(step, swap_a)).high_bytes)
+
+    # b's kept to the end; a's copy made after b1, freed after b2 as without retain_graph
+    assert [h - s for h, s in zip(swapped(retained), swapped(graph), strict=True)] == \
+        [0] * 5 + [4 * KIB] * 4

@@ -56,8 +56,9 @@ def test_memfit_report_counts_of_the_saved_tensors_and_reruns_with_bytes():
     region = checkpointed_region()
     counted = tally(region.graph, region.plan, region.predicted)
     planner = SimpleNamespace(regions=[region], joint_rounds=0, replans=0, eager_replans=0,
-                              eager_codes=[], budget_note=None, planning_s=1.25, bound_replans=0,
-                              joint_first_regions=0, joint_first_note="")
+                              retained_replans=0, eager_codes=[], budget_note=None,
+                              planning_s=1.25, bound_replans=0, joint_first_regions=0,
+                              joint_first_note="")
     text = regions_report(planner)
     assert "1 plan made, 1.2 s tracing and planning" in text
     assert "swapped / saved" in text and "re-runs (bytes, time predicted)" in text
