@@ -113,6 +113,8 @@ class Region:
     freed_output_bytes: int | None = None  # its outputs freed by its backward's start (fewest)
     eager_read: bool = False  # eager code's bytes were read at a measured backward's start
     warned_over: bool = False  # said that a measured run of its plan exceeded budget and prediction
+    retained_peak_bytes: int | None = None  # its plan's peak with the saves a retaining
+    # backward holds (``plan_for_retained_saves``), once simulated
     shape_bound: Any = None  # a dynamic region: each symbolic size at the value it was priced at
     planning: RegionPlanning | None = None  # what planning it cost (``timed_planning``)
     released_outputs: frozenset[str] = frozenset()  # outputs its plan frees at its forward's end,

@@ -166,8 +166,11 @@ def plan_for_retained_saves(planner: Planner, region: Region) -> None:
     planner.retained_backward = True
     if region.budget_bytes is None or RETAINED_SAVES in region.plan_graph.tensors:
         return
-    graph = with_retained_saves(region.plan_graph)
-    peak = peak_bytes(graph, replace(region.plan, graph_hash=graph.structure_hash))
+    if region.retained_peak_bytes is None:  # once per plan, not at every retaining backward
+        graph = with_retained_saves(region.plan_graph)
+        region.retained_peak_bytes = peak_bytes(
+            graph, replace(region.plan, graph_hash=graph.structure_hash))
+    peak = region.retained_peak_bytes
     if peak + region.outside_bytes <= region.budget_bytes:
         return
     if not region.replaced:  # a third backward through the same forward: counted once

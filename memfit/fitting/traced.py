@@ -39,7 +39,7 @@ from memfit.model.schedule import PlanError
 from memfit.model.sharding import Sharding, shard_graph
 from memfit.planning.step import DeviceBudget, Planned, plan_step
 from memfit.runtime.resident import device_of
-from memfit.tracing.capture import refuse_meta_parameters, scalar_loss_wanted
+from memfit.tracing.capture import refuse_meta_parameters, scalar_loss
 from memfit.tracing.target import check_autocast
 
 MEMFIT_ERRORS = (BudgetError, CaptureError, PlanError)
@@ -61,10 +61,7 @@ class LossModule(torch.nn.Module):
     def forward(self, *inputs: Any) -> Any:
         if self.plans < 0:
             raise AssertionError("memfit's plan count is never negative")
-        loss = self.loss_fn(self.model, *inputs)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise CaptureError(scalar_loss_wanted(loss))
-        return loss
+        return scalar_loss(self.loss_fn(self.model, *inputs))
 
 
 def loss_module(model: torch.nn.Module, loss_fn: Callable) -> LossModule:

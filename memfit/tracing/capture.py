@@ -107,17 +107,21 @@ class _StepModule(torch.nn.Module):
         self.loss_fn = loss_fn
 
     def forward(self, *inputs):
-        loss = self.loss_fn(self.model, *inputs)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise CaptureError(scalar_loss_wanted(loss))
+        return scalar_loss(self.loss_fn(self.model, *inputs))
+
+
+def scalar_loss(loss: Any) -> torch.Tensor:
+    """``loss``, what ``loss_fn`` returned, where it is a one-element tensor.
+
+    Raises:
+        CaptureError: for anything else, saying to reduce it inside ``loss_fn``.
+    """
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         return loss
-
-
-def scalar_loss_wanted(loss: Any) -> str:
-    """What to say when ``loss_fn`` returned ``loss``, which is not a one-element tensor."""
     got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
            else type(loss).__name__)
-    return f"loss_fn must return a scalar tensor, got {got}: reduce it (e.g. .mean()) inside loss_fn"
+    raise CaptureError(f"loss_fn must return a scalar tensor, got {got}: reduce it (e.g. "
+                       ".mean()) inside loss_fn")
 
 
 def input_signature(model: torch.nn.Module, inputs: Sequence) -> tuple:
