@@ -65,7 +65,12 @@ from memfit.planning.step import (
 )
 from memfit.runtime.outside import EagerWatch
 from memfit.runtime.ranks import agree_max, agree_on_hardware
-from memfit.runtime.resident import device_of, reserved_state_bytes, resident_bytes
+from memfit.runtime.resident import (
+    device_of,
+    holds_parameters_of,
+    reserved_state_bytes,
+    resident_bytes,
+)
 from memfit.runtime.streams import CopyEngine
 from memfit.tracing.capture import DECOMPOSE
 from memfit.tracing.rnn import eager_lstm_kernels
@@ -428,10 +433,7 @@ class Backend(EagerWatching, JointPlanning):
 
     def steps_my_parameters(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` holds any of the model's parameters."""
-        if self.model is None:
-            return False
-        mine = {id(parameter) for parameter in self.model.parameters()}
-        return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
+        return self.model is not None and holds_parameters_of(optimizer, self.model)
 
     def state_to_come_bytes(self) -> int:
         """The state the adopted optimizers allocate at their first step, not yet made
