@@ -1,19 +1,90 @@
-"""Graph-broken models in a user's loop: the measured peak of a region after the break against
+"""Graph-broken models in a user's loop: a fraction budget whose first region is small (planned
+before the step's peak is known), and the measured peak of a region after the break against
 the allocator's own events."""
 
 from __future__ import annotations
 
 import gc
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
 import memfit
+from memfit.compiler.graph_breaks import latest_regions
+from memfit.data.errors import BudgetWarning
 from tests.measured_peaks import tolerance_bytes
-from tests.test_backend import Broken, batches
+from tests.test_backend import Broken, batches, train
 
 pytestmark = pytest.mark.usefixtures("compiled_fresh")
+
+
+class SmallFirst(nn.Module):
+    """One linear layer, a graph break (a ``print``, or a ``.item()`` that a trace on fake
+    inputs cannot take), optionally another small region and break, then the rest of the
+    model: the regions before the last hold a small part of the step's peak."""
+
+    def __init__(self, reads_a_value: bool = False, middle: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.reads_a_value = reads_a_value
+        self.first = nn.Linear(128, 128)
+        self.middle = nn.Linear(128, 128) if middle else None
+        layers: list[nn.Module] = []
+        for _ in range(6):
+            layers += [nn.Linear(128, 128), nn.ReLU()]
+        self.rest = nn.Sequential(*layers, nn.Linear(128, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.first(x)
+        if self.reads_a_value:
+            if hidden.sum().item() > 1e30:
+                raise AssertionError("a value no batch here reaches")
+        else:
+            print("first layer done", end="")
+        if self.middle is not None:
+            hidden = self.middle(torch.tanh(hidden))
+            print("middle layer done", end="")
+        return self.rest(hidden)
+
+
+@pytest.mark.parametrize("reads_a_value, middle", [(False, False), (False, True), (True, False)],
+                         ids=["traced-on-fakes", "three-regions", "not-traced"])
+def test_a_fraction_is_of_the_whole_step_from_the_first_call_when_the_first_region_is_small(
+        reads_a_value, middle):
+    """The first region (one linear layer) is compiled before the regions after its graph break
+    exist: resolved against its own peak, 0.75 of it was below anything that layer can run at,
+    so the first call raised ``BudgetError`` though the whole step fits 0.75 of its peak. It is
+    planned provisionally and again once the step is known: before its first run where the call
+    is traced on fakes (twice with three regions: unplanned, then under the budget), after the
+    first iteration where that trace fails (``.item()``). No call errs or warns, every region
+    is planned for the same fraction of the step's peak, every iteration is within it, and
+    training is bitwise eager's."""
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(2048, 128, generator=generator), torch.randn(2048, 1, generator=generator))
+            for _ in range(4)]
+    reference = SmallFirst(reads_a_value, middle)
+    reference_losses, _ = train(reference, torch.optim.Adam(reference.parameters()), data)
+    model = SmallFirst(reads_a_value, middle)
+    optimizer = torch.optim.Adam(model.parameters())
+    fitted = memfit.fit(model, 0.75, optimizer=optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BudgetWarning)
+        losses, peaks = train(fitted, optimizer, data)
+    assert all(torch.equal(a, b) for a, b in zip(losses, reference_losses, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(),
+                                                 strict=True))
+    backend = fitted._memfit_backend
+    regions = latest_regions(backend.regions)
+    count = 3 if middle else 2
+    assert len(regions) == count and not any(region.provisional for region in regions)
+    assert backend.regions[0].provisional and backend.regions[0].replaced
+    budget_bytes = int(0.75 * max(region.baseline_peak_bytes for region in regions))
+    for region in regions:  # a plan made again for eager code's bytes counts them in its peak
+        assert abs(region.budget_bytes - budget_bytes) <= tolerance_bytes(budget_bytes)
+    assert max(peaks) <= min(region.budget_bytes for region in regions), (peaks, budget_bytes)
+    assert backend.joint_first_regions == (0 if reads_a_value else count)
 
 
 def _region_windows(run) -> list[tuple[str, int]]:

@@ -75,6 +75,7 @@ class RegionPlanner(OutsideCounter, Protocol):
 
     eager_gap: dict[Any, int]
     gap_saves_limit: dict[Any, int]
+    provisional_now: bool  # the region is planned before the step's peak is known
 
     def hardware_for(self, device: torch.device) -> Hardware: ...
 
@@ -395,7 +396,7 @@ def region_of(planner: RegionPlanner, index: int, site: Any, hardware: Hardware,
                   chosen.budget_bytes, lowered.outside_bytes, lowered.forward, lowered.backward,
                   outside.resident_bytes, saved, site=site, pending_bytes=outside.pending_bytes,
                   minimum_bytes=chosen.minimum_bytes, saves_cap_bytes=cap,
-                  counted_saves=counted,
+                  provisional=planner.provisional_now, counted_saves=counted,
                   own_pending_bytes=outside.own_open_bytes + own_copies,
                   copies_planned=repeated if chosen.budget_bytes is not None else 0,
                   hardware=hardware,

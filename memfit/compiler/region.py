@@ -79,6 +79,8 @@ class Region:
     own_pending_bytes: int = 0  # saves of its own code's earlier open forwards it planned beside
     copies_planned: int = 0  # more copies of its saves its plan was fitted beside (``fit_copies``)
     replaced: bool = False  # a newer plan of its code replaces it (joint or resident re-plan)
+    provisional: bool = False  # planned under a fraction before the step's peak was known
+    # (``Backend._provisional``): no budget of its own until it is planned again
     measured_forward_bytes: int | None = None  # device peak of its forward's latest measured run
     measured_backward_bytes: int | None = None  # ... and of its backward's
     measured_runs: int = 0  # runs of its modules measured so far
