@@ -32,6 +32,7 @@ from memfit.data.units import Budget
 from memfit.fitting.arguments import (
     check_flags,
     check_hardware_and_optimizer,
+    check_optimizer_of,
     check_step,
     the_users_error,
 )
@@ -375,11 +376,13 @@ def plan(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor,
             module paths; default: the children of the largest ``nn.ModuleList``.
         bucket_bytes: DDP's gradient bucket size (default 25 MiB, DDP's ``bucket_cap_mb``).
         optimizer: the optimizer whose state is resident beside the step (reserved before its
-            first step); FSDP shards it. Default: none counted.
+            first step); FSDP shards it. Default: none counted. It must step some of
+            ``model``'s parameters.
 
     Raises:
         BudgetError, ValueError, CaptureError: as ``compile``; ValueError also for a sharding
-            the hardware profile states no interconnect for.
+            the hardware profile states no interconnect for, and for an optimizer that steps
+            none of ``model``'s parameters.
 
     Example:
         >>> plan = memfit.plan(model, loss_fn, tokens, budget="70GiB", hardware="h100-sxm",
@@ -389,6 +392,7 @@ def plan(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor,
     check_inputs(inputs)
     check_flags(linearize=linearize)
     check_hardware_and_optimizer(hardware, optimizer)
+    check_optimizer_of(model, optimizer)
     parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
     spread = resolve_sharding(model, sharding, world_size, fsdp_block, bucket_bytes)
     return trace_plan(model, loss_fn, inputs, parsed, chosen, get_hardware(hardware), params,

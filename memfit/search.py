@@ -32,7 +32,12 @@ from memfit.data.hardware import Hardware
 from memfit.data.plan import Plan
 from memfit.data.timeline import Timeline
 from memfit.data.units import Budget, format_bytes
-from memfit.fitting.arguments import check_flags, check_hardware_and_optimizer, check_step
+from memfit.fitting.arguments import (
+    check_flags,
+    check_hardware_and_optimizer,
+    check_optimizer_of,
+    check_step,
+)
 from memfit.fitting.cluster import FsdpBlock, resolve_sharding
 from memfit.fitting.symbolic_batch import SymbolicBatch, trace_batch
 from memfit.fitting.traced import PlanOptions, trace_plan, whole_step
@@ -209,6 +214,7 @@ def max_batch_size(model: torch.nn.Module, loss_fn: Callable,
                          f"{max_batch!r}")
     check_flags(linearize=linearize)
     check_hardware_and_optimizer(hardware, optimizer)
+    check_optimizer_of(model, optimizer)
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}: "
                          "'throughput' for the fastest batch, 'largest' for the largest")

@@ -28,7 +28,13 @@ def _inputs(batch: int) -> tuple[torch.Tensor]:
     return (torch.randn(batch, 8),)
 
 
+def _foreign_optimizer() -> torch.optim.Optimizer:
+    """An optimizer of another model: made for the original before ``copy.deepcopy``."""
+    return torch.optim.AdamW(_mlp().parameters())
+
+
 X = torch.randn(4, 8)
+OTHERS = "steps none of the model's parameters"
 CASES = {
     "fit hardware": (lambda: memfit.fit(_mlp(), 0.5, hardware="h999"), "h100-pcie"),
     "fit compiler": (lambda: memfit.fit(_mlp(), 0.5, compiler="inductr"), "aot_eager"),
@@ -38,6 +44,14 @@ CASES = {
     "fit budget": (lambda: memfit.fit(_mlp(), "abc"), "fraction"),
     "fit optimizer": (lambda: memfit.fit(_mlp(), 0.5, optimizer="adam"), "Optimizer"),
     "fit dynamic": (lambda: memfit.fit(_mlp(), 0.5, dynamic="yes"), "True or"),
+    "fit another model's optimizer": (
+        lambda: memfit.fit(_mlp(), 0.5, optimizer=_foreign_optimizer()), OTHERS),
+    "backend another model's optimizer": (
+        lambda: memfit.backend(0.5, optimizer=_foreign_optimizer(), model=_mlp()), OTHERS),
+    "plan another model's optimizer": (lambda: memfit.plan(
+        _mlp(), _loss, X, budget=0.5, optimizer=_foreign_optimizer()), OTHERS),
+    "max_batch_size another model's optimizer": (lambda: memfit.max_batch_size(
+        _mlp(), _loss, _inputs, "1MiB", optimizer=_foreign_optimizer()), OTHERS),
     "backend hardware": (lambda: memfit.backend(0.5, hardware="h999"), "h100-pcie"),
     "backend measure_runs": (lambda: memfit.backend(0.5, measure_runs="2"), "int"),
     "compile hardware": (lambda: memfit.compile(_mlp(), _loss, 0.5, hardware="h999"), "cpu"),
@@ -81,6 +95,23 @@ def call_cases_once() -> None:
             with pytest.raises(ValueError):
                 call()
         call_cases_once.done = True
+
+
+def test_an_optimizer_that_also_steps_parameters_outside_the_model_is_the_loops():
+    """An optimizer over the fitted model and a head trained beside it is accepted (it steps
+    the model), and the head's parameters and the state the optimizer makes for them are
+    planned as resident beside the model's, from the first plan."""
+    model, head = _mlp(), nn.Linear(1, 256)
+    optimizer = torch.optim.AdamW([*model.parameters(), *head.parameters()])
+    fitted = memfit.fit(model, budget=1 << 20, optimizer=optimizer)
+    before = [p.detach().clone() for p in [*model.parameters(), *head.parameters()]]
+    head(fitted(X)).mean().backward()
+    optimizer.step()
+    after = [*model.parameters(), *head.parameters()]
+    assert not any(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    (region,) = fitted._memfit_backend.regions
+    parameter_bytes = sum(p.untyped_storage().nbytes() for p in after)
+    assert region.resident_bytes >= 3 * parameter_bytes  # each, and AdamW's two states
 
 
 def test_the_built_in_strategy_names_are_the_registered_ones():

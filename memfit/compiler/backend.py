@@ -65,7 +65,12 @@ from memfit.planning.step import (
 )
 from memfit.runtime.outside import EagerWatch
 from memfit.runtime.ranks import agree_max, agree_on_hardware
-from memfit.runtime.resident import device_of, reserved_state_bytes, resident_bytes
+from memfit.runtime.resident import (
+    device_of,
+    holds_parameters_of,
+    reserved_state_bytes,
+    resident_bytes,
+)
 from memfit.runtime.streams import CopyEngine
 from memfit.tracing.capture import DECOMPOSE
 from memfit.tracing.rnn import eager_lstm_kernels
@@ -97,6 +102,9 @@ class Backend(EagerWatching, JointPlanning):
         self.joint_first_note = ""  # why they were not, where the trace failed
         self.joint_rounds = 0  # times the regions were planned again jointly
         self.joint_failed = False  # planning jointly could not make a region fit (said once)
+        self.step_peak_bytes = 0  # the whole step's unplanned peak, once its regions are known
+        self.break_sites: set[Any] = set()  # sites of regions a graph break follows
+        self.provisional_now = False  # the region compiled now is planned provisionally
         self.replanned_beside_copies: set[Any] = set()  # sites, in this iteration
         self.copies_sites: set[Any] = set()  # sites planned for copies of their saves
         self.copies_short_said = False  # no plan fit beside a region's copies (said once)
@@ -233,6 +241,11 @@ class Backend(EagerWatching, JointPlanning):
         call, and again by ``memfit.compiler.replanning`` to plan it anew, from the same graph.
         ``bound``: each symbolic size at the value its plan is priced at (a dynamic region)."""
         self.count_afresh(device, self.eager_bytes_now(example_inputs))  # alive at its start
+        if graph_break_follows(graph_module, example_inputs):
+            self.break_sites.add(site)
+        budget = self.planning_budget
+        self.provisional_now = (budget is not None and budget.fraction is not None
+                                and not self.step_peak_bytes and site in self.break_sites)
         started = time.perf_counter()
         first = len(self.regions)
         try:
@@ -308,7 +321,10 @@ class Backend(EagerWatching, JointPlanning):
         the error where no plan fits. Where no plan fits with every output held, ``loop_graph``
         (the step as a loop that keeps only its loss runs it, ``dropped_outputs_graph``) is
         planned instead; its ``Planned.graph`` is then ``loop_graph``, and where neither fits
-        the error is the smaller minimum's."""
+        the error is the smaller minimum's. A region planned provisionally (``provisional_now``)
+        is neither refused nor said over: ``_provisional``."""
+        if self.provisional_now:
+            return (*self._provisional(graph, hardware, outside), None)
         planned, error = self._plan_held_or_for_the_loop(graph, hardware, outside, loop_graph)
         if planned is not None:
             return planned, planned.budget.device_bytes, None
@@ -342,15 +358,56 @@ class Backend(EagerWatching, JointPlanning):
             except BudgetError as smaller:
                 return None, smaller
 
+    def _provisional(self, graph: CostGraph, hardware: Hardware, outside: int
+                     ) -> tuple[Planned, int | None]:
+        """A region a graph break follows, planned under a fraction before the step's unplanned
+        peak is known, and the whole-device budget it fits (``None``: none). Its share of the
+        fraction is of what is known so far (its own peak, for the first region), so it may be
+        too small: the region is planned within it, at its smallest peak where none fits,
+        without a refusal or a warning, and planned again where the step's peak, once known
+        (``step_peak_found``), gives it another budget (``replans_provisional``): before its first
+        run where ``memfit.fit`` traces the call on fakes, else after the first iteration
+        (``JointPlanning.settle_provisional``)."""
+        try:
+            planned = plan_step(graph, hardware, self._region_budget(graph, hardware, outside),
+                                self.strategy, self.options.params, outside)
+        except BudgetError as error:
+            return self._at_minimum(graph, hardware, error, outside), None
+        return planned, planned.budget.device_bytes
+
+    def replans_provisional(self, regions: list[Region]) -> bool:
+        """Whether one of ``regions`` planned provisionally (``_provisional``) is planned again
+        now that the step's peak is known: it was planned for another budget than that gives
+        it, or for none. A provisional plan made for the budget it gets now stands, no longer
+        provisional."""
+        again = False
+        for region in regions:
+            if not region.provisional:
+                continue
+            assert region.hardware is not None  # every region records its profile
+            now = self._region_budget(region.graph, region.hardware, region.outside_bytes)
+            if region.budget_bytes is None or now is None or now.bytes != region.budget_bytes:
+                again = True
+            else:
+                region.provisional = False
+        return again
+
+    def step_peak_found(self, peak_bytes: int) -> None:
+        """The whole step's unplanned peak is known to be at least ``peak_bytes`` (its regions
+        traced on fakes, or run once): a fraction budget is of it from now on."""
+        self.step_peak_bytes = max(self.step_peak_bytes, peak_bytes)
+
     def _region_budget(self, graph: CostGraph, hardware: Hardware, outside: int
                        ) -> Budget | None:
         """The budget a region is planned for: ``planning_budget``, where a fraction is of the
         step's unplanned peak. A step of several regions (graph breaks) peaks in one of them, so
-        the fraction is of the highest unplanned whole-device peak among this region's and the
-        current regions' (as ``memfit.plan`` resolves it): of its own, a region that holds
-        little (transformers' loss after its logger call) would get a sliver of the device."""
+        the fraction is of the highest unplanned whole-device peak among this region's, the
+        current regions' and the step's once known (``step_peak_bytes``, as ``memfit.plan``
+        resolves it): of its own, a region that holds little (a first layer before a logger
+        call, transformers' loss after one) would get a sliver of the device."""
         budget = self.planning_budget
         others = [region.baseline_peak_bytes for region in latest_regions(self.regions)]
+        others += [self.step_peak_bytes] if self.step_peak_bytes else []
         if budget is None or budget.fraction is None or not others:
             return budget
         own = unplanned(graph, hardware).peak_bytes + outside
@@ -428,10 +485,7 @@ class Backend(EagerWatching, JointPlanning):
 
     def steps_my_parameters(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` holds any of the model's parameters."""
-        if self.model is None:
-            return False
-        mine = {id(parameter) for parameter in self.model.parameters()}
-        return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
+        return self.model is not None and holds_parameters_of(optimizer, self.model)
 
     def state_to_come_bytes(self) -> int:
         """The state the adopted optimizers allocate at their first step, not yet made
@@ -499,7 +553,8 @@ class Backend(EagerWatching, JointPlanning):
         """Before the first run of a fitted model's first region, where a graph break follows
         it: trace the call on fakes, plan every region (``memfit.fitting.joint_first``), and
         take the caps on the earlier regions' saves; whether this region saves more than its
-        cap, and is planned again with it before it runs."""
+        cap, or was planned provisionally (``_provisional``), and is planned again before it
+        runs."""
         trace, self.joint_first_trace = self.joint_first_trace, None
         if trace is None:
             return False
@@ -508,7 +563,8 @@ class Backend(EagerWatching, JointPlanning):
         with torch.random.fork_rng(devices=cuda):  # a trace draws nothing, whatever it runs
             self.saves_caps.update(trace(self.joint_first_eager_bytes))
         cap = self.saves_caps.get(regions[0].site)
-        if cap is None or regions[-1].saved_bytes <= cap:
+        provisional = self.step_peak_bytes and self.replans_provisional(regions)
+        if not provisional and (cap is None or regions[-1].saved_bytes <= cap):
             return False
         for region in regions:
             region.replaced = True

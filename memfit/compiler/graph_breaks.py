@@ -85,8 +85,8 @@ def latest_regions(regions: Sequence[Region]) -> list[Region]:
     return sorted(newest.values(), key=lambda region: region.index)
 
 
-def saves_caps(regions: Sequence[Region], grown_bytes: Mapping[int, int] | None = None
-               ) -> dict[Any, int]:
+def saves_caps(regions: Sequence[Region], grown_bytes: Mapping[int, int] | None = None,
+               fitting: bool = False) -> dict[Any, int]:
     """The most device bytes each earlier region may save so that every region that ran short
     fits its budget: what a short region has for the saves before it (its budget less its
     smallest peak without them) split among the earlier regions in proportion to what they
@@ -95,14 +95,18 @@ def saves_caps(regions: Sequence[Region], grown_bytes: Mapping[int, int] | None 
     of the room divided among its copies. Regions whose smallest peak is over the budget even
     alone get nothing from this. ``grown_bytes``: region index -> bytes its next plan counts
     beyond this one's (eager code's, ``Backend.make_room_for_eager``), which raise its smallest
-    peak by at most as much.
+    peak by at most as much. ``fitting``: the regions that fit leave room too, their budget
+    less their predicted peak without the earlier saves, so that their plans keep fitting
+    (each earlier region's share is then at least what it saved).
     """
     caps: dict[Any, int] = {}
     for position, short in enumerate(regions):
-        if short.minimum_bytes is None or short.budget_bytes is None:
+        if short.budget_bytes is None or (short.minimum_bytes is None and not fitting):
             continue
         grown = (grown_bytes or {}).get(short.index, 0)
-        room = short.budget_bytes - (short.minimum_bytes + grown - short.pending_bytes)
+        needs = (short.predicted_peak_bytes if short.minimum_bytes is None
+                 else short.minimum_bytes + grown)
+        room = short.budget_bytes - (needs - short.pending_bytes)
         earlier = [region for region in regions[:position]
                    if region.site is not None and region.saved_bytes]
         total = sum(region.saved_bytes * copies_held(region) for region in earlier)

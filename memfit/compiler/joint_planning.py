@@ -54,6 +54,12 @@ class JointPlanning:
     def make_room_for_eager(self, current: list[Region]) -> dict[int, int]:
         raise NotImplementedError  # the backend's (memfit.compiler.eager_watching)
 
+    def step_peak_found(self, peak_bytes: int) -> None:
+        raise NotImplementedError  # the backend's
+
+    def replans_provisional(self, regions: list[Region]) -> bool:
+        raise NotImplementedError  # the backend's
+
     def _save_at_most(self, cap_bytes: int, graph: CostGraph, hardware: Hardware, outside: int,
                       budget_bytes: int, lower: Any) -> tuple[Plan, Any]:
         """A plan of this region whose forward saves at most ``cap_bytes`` (``save_at_most``)."""
@@ -75,6 +81,7 @@ class JointPlanning:
         if any(region.open_forwards for region in current):
             return
         self.replanned_beside_copies.clear()
+        self.settle_provisional(current)
         agree_on_eager_bytes(current)
         grown = self.make_room_for_eager(current)
         if self.joint_failed or self.plan_for_copies(current):
@@ -90,6 +97,25 @@ class JointPlanning:
         self.joint_rounds += 1
         self.saves_caps.update(caps)
         self.replan_regions()
+
+    def settle_provisional(self, current: list[Region]) -> None:
+        """Once an iteration ran every region, where some were planned provisionally (under a
+        fraction before the step's unplanned peak was known: ``Backend._provisional``), the
+        peak is the highest among the regions', and those whose budget that changes are planned
+        again under that fraction of it, each saving at most its share of the room the regions
+        after it leave (``saves_caps`` with ``fitting``), so that their plans, made beside the
+        provisional saves, keep fitting."""
+        if not any(region.provisional for region in current):
+            return
+        self.step_peak_found(max(region.baseline_peak_bytes for region in current))
+        caps = saves_caps(current, fitting=True)
+        for region in current:
+            if not self.replans_provisional([region]):
+                continue
+            cap = caps.get(region.site)
+            if cap is not None:
+                self.saves_caps[region.site] = min(self.saves_caps.get(region.site, cap), cap)
+            region.replaced = True
 
     def beside_own_copies(self, regions: list[Region]) -> bool:
         """Whether the compiled code planned as ``regions`` is planned again before its forward

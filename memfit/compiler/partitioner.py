@@ -27,7 +27,13 @@ from memfit.compiler.backend_options import BackendOptions
 from memfit.compiler.graph_breaks import first_iteration_cap, own_copies_bytes
 from memfit.compiler.loop_lifetimes import loop_lifetimes_apply
 from memfit.compiler.outside_bytes import OutsideBytes, OutsideCounter, bytes_outside
-from memfit.compiler.region import REGION_KEY, Region, saved_device_bytes, user_input_names
+from memfit.compiler.region import (
+    REGION_KEY,
+    Region,
+    counted_save_places,
+    saved_device_bytes,
+    user_input_names,
+)
 from memfit.compiler.region_lifetimes import (
     dropped_outputs_graph,
     output_tangents,
@@ -69,6 +75,7 @@ class RegionPlanner(OutsideCounter, Protocol):
 
     eager_gap: dict[Any, int]
     gap_saves_limit: dict[Any, int]
+    provisional_now: bool  # the region is planned before the step's peak is known
 
     def hardware_for(self, device: torch.device) -> Hardware: ...
 
@@ -383,10 +390,13 @@ def region_of(planner: RegionPlanner, index: int, site: Any, hardware: Hardware,
     cap, saved, repeated = lowered.saves_cap_bytes, lowered.saved_bytes, outside.repeated_copies
     own_copies = repeated * saved if repeated else own_copies_bytes(planner.regions, site, cap)
     released = lowered.released_outputs
+    counted = counted_save_places(lowered.forward, len(outputs.names), held_input_names(
+        planner.regions, prepared, outside.repeated_copies))
     return Region(index, graph, lowered.plan, chosen.planned.baseline, lowered.predicted,
                   chosen.budget_bytes, lowered.outside_bytes, lowered.forward, lowered.backward,
                   outside.resident_bytes, saved, site=site, pending_bytes=outside.pending_bytes,
                   minimum_bytes=chosen.minimum_bytes, saves_cap_bytes=cap,
+                  provisional=planner.provisional_now, counted_saves=counted,
                   own_pending_bytes=outside.own_open_bytes + own_copies,
                   copies_planned=repeated if chosen.budget_bytes is not None else 0,
                   hardware=hardware,

@@ -79,6 +79,8 @@ class Region:
     own_pending_bytes: int = 0  # saves of its own code's earlier open forwards it planned beside
     copies_planned: int = 0  # more copies of its saves its plan was fitted beside (``fit_copies``)
     replaced: bool = False  # a newer plan of its code replaces it (joint or resident re-plan)
+    provisional: bool = False  # planned under a fraction before the step's peak was known
+    # (``Backend._provisional``): no budget of its own until it is planned again
     measured_forward_bytes: int | None = None  # device peak of its forward's latest measured run
     measured_backward_bytes: int | None = None  # ... and of its backward's
     measured_runs: int = 0  # runs of its modules measured so far
@@ -99,6 +101,11 @@ class Region:
     output_storages: tuple = field(default=(), repr=False)  # weakly, of its latest forward
     saved_storages: tuple = field(default=(), repr=False)  # weakly, what its forwards saved
     saved_sizes: dict = field(default_factory=dict, repr=False)  # those storages' bytes
+    counted_saves: tuple[int, ...] = ()  # which of its forward's saved values ``saved_bytes``
+    # counts, by place among them (``counted_save_places``)
+    latest_saves: dict = field(default_factory=dict, repr=False)  # of its latest forward,
+    # weakly, the storages of those values with their bytes (``remember_outputs``)
+    latest_node: Any = field(default=None, repr=False)  # that forward's entry in ``open_nodes``
     live_saves: tuple = field(default=(), repr=False)  # per forward whose saves may live:
     # weakly, the storages it saved beyond its inputs (``memfit.compiler.repeated_calls``)
     backward_input_names: tuple[str, ...] = ()  # its backward module's placeholders, in order
@@ -140,6 +147,17 @@ class Region:
     def forward_opened(self, node: Any) -> None:
         """Note a forward run by autograd node ``node`` (``None``: not found)."""
         self.open_nodes.append(weakref.ref(node) if node is not None else None)
+        self.latest_node = self.open_nodes[-1]
+
+    def open_latest_saves(self) -> dict:
+        """``latest_saves`` where its forward is known to be open (its backward has not run and
+        its graph lives), else none: the saves ``saved_bytes`` counts for that forward."""
+        latest = self.latest_node
+        if latest is None or latest() is None or not any(
+                reference is latest for reference in self.open_nodes):
+            return {}
+        return {reference: size for reference, size in self.latest_saves.items()
+                if not reference.expired()}
 
     def backward_closed(self, node: Any) -> None:
         """Close the forward whose backward ran by ``node``: its own where found, else the
@@ -268,19 +286,27 @@ def saved_device_bytes(forward: fx.GraphModule, num_fwd_outputs: int,
     returns, so one it saves is alive because of it alone, and counted here (a pipeline of
     stages under FSDP2 saves the stage outputs before them).
     """
-    from memfit.tracing.analyze import inserted_kind, storage_key, tensors_in
+    from memfit.tracing.analyze import storage_key, tensors_in
     from memfit.tracing.shapes import evaluate
 
-    output = forward.graph.find_nodes(op="output")[0]
+    saved = forward.graph.find_nodes(op="output")[0].args[0][num_fwd_outputs:]
     sizes: dict = {}
-    for node in output.args[0][num_fwd_outputs:]:
-        if not isinstance(node, fx.Node):
-            continue
-        if node.op == "placeholder" and node.name not in held_inputs:
-            continue
-        if inserted_kind(node) in ("swap_out", "rng_save"):
-            continue
-        for tensor in tensors_in(node.meta.get("val")):
+    for place in counted_save_places(forward, num_fwd_outputs, held_inputs):
+        for tensor in tensors_in(saved[place].meta.get("val")):
             sizes.setdefault(storage_key(tensor),
                              evaluate(tensor.untyped_storage().nbytes(), bound or {}))
     return sum(sizes.values())
+
+
+def counted_save_places(forward: fx.GraphModule, num_fwd_outputs: int,
+                        held_inputs: frozenset[str] = frozenset()) -> tuple[int, ...]:
+    """The places, among the values ``forward`` returns for its backward, of those whose bytes
+    ``saved_device_bytes`` counts: not memfit's host copies and random states, and not its
+    inputs except ``held_inputs``."""
+    from memfit.tracing.analyze import inserted_kind
+
+    saved = forward.graph.find_nodes(op="output")[0].args[0][num_fwd_outputs:]
+    return tuple(place for place, node in enumerate(saved)
+                 if isinstance(node, fx.Node)
+                 and (node.op != "placeholder" or node.name in held_inputs)
+                 and inserted_kind(node) not in ("swap_out", "rng_save"))

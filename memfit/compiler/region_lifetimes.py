@@ -139,7 +139,8 @@ def _same_layout(tangent: object, tensor: torch.Tensor) -> bool:
 def remember_outputs(region: Region, outputs: Sequence) -> dict:
     """Note the storages of a forward run's user-visible outputs, weakly (``observe_loop``),
     and those of the values it saved for its backward (counted as the region's saves while
-    they wait, so not as eager code's bytes: ``memfit.compiler.region_peak``).
+    they wait, so not as eager code's bytes: ``memfit.compiler.region_peak``), those its
+    ``saved_bytes`` counts apart (``Region.latest_saves``).
 
     Returns:
         Each saved value's storage, weakly, with its bytes (0 for a host buffer: a swap's copy).
@@ -154,6 +155,11 @@ def remember_outputs(region: Region, outputs: Sequence) -> dict:
             storage = value.untyped_storage()
             saved.setdefault(StorageWeakRef(storage),
                              0 if is_host_storage(storage) else storage.nbytes())
+    counted = [outputs[visible + place] for place in region.counted_saves
+               if visible + place < len(outputs)]
+    region.latest_saves = {StorageWeakRef(value.untyped_storage()): value.untyped_storage().nbytes()
+                           for value in counted if isinstance(value, torch.Tensor)
+                           and not is_host_storage(value.untyped_storage())}
     region.saved_sizes = {**{reference: size for reference, size in region.saved_sizes.items()
                              if not reference.expired()},
                           **{reference: size for reference, size in saved.items() if size}}

@@ -12,7 +12,9 @@ Dynamo fall back to eager). What is alive at the start is read from the allocato
 counter, it is what memfit knows to be alive (parameters, gradients, buffers, optimizer state,
 the module's arguments, the saves of regions still open and, in a backward, its forward's
 inputs and outputs still alive) plus what eager code was seen to hold
-(``memfit.runtime.outside``: the loss computed in the loop, its buffers and labels).
+(``memfit.runtime.outside``: the loss computed in the loop, its buffers and labels), each
+storage once: a save of an open region that is also among those tensors (the tensor at a graph
+break, a parameter's transpose) is counted once (``saves_counted_twice``).
 
 Example:
     >>> result, peak_bytes = run_measured(module, args, device, resident, outside_bytes=0)
@@ -30,6 +32,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memfit.ops.host import is_host_storage
 from memfit.runtime.measure import profiler_running
+from memfit.runtime.resident import local_tensor
 from memfit.runtime.tracker import DeviceMemoryTracker
 
 if TYPE_CHECKING:
@@ -143,6 +146,9 @@ def measure_region_run(planner: Planner, region: Region, call: Callable[[list], 
     inputs = [weakref.ref(value) for value in args if isinstance(value, torch.Tensor)]
     if is_backward:
         alive += [value for value in (ref() for ref in region.forward_values) if value is not None]
+    # a save of another region that is among these tensors (the tensor at a graph break: an
+    # earlier region's saved output, this one's input) or another's save too counts once
+    others -= saves_counted_twice(planner, region, [*alive, *args], device)
     saved = open_saved_storages(planner)  # counted as others' (and own) saves
     eager = outside_plans_bytes(planner, device, [*alive, *args], others + max(own, 0), saved,
                                 region.saved_storages)
@@ -173,6 +179,30 @@ def measure_region_run(planner: Planner, region: Region, call: Callable[[list], 
     region.measured_runs += 1
     region.measure_pending = max(0, region.measure_pending - 1)
     return result
+
+
+def saves_counted_twice(planner: Planner, region: Region, counted: list,
+                        device: torch.device) -> int:
+    """Bytes of the other open regions' saves (as their ``saved_bytes`` count them) that are
+    counted already: storages of ``counted`` (what the measured run sees alive: the model, its
+    optimizers' state, its arguments; after a graph break, the earlier region's saved output
+    it takes) or saved by another of those regions too. Only the saves of each region's latest
+    forward, where it is known to be open (``Region.open_latest_saves``), and never more than
+    the region counts: what is taken off was counted twice, so the sum never falls below the
+    storages alive."""
+    seen = {StorageWeakRef(local_tensor(value).untyped_storage()) for value in counted
+            if isinstance(value, torch.Tensor) and value.device == device and not value.is_meta}
+    twice = 0
+    for other in planner.regions:
+        if other is region or not other.open_forwards:
+            continue
+        found = 0
+        for reference, size in other.open_latest_saves().items():
+            if reference in seen:
+                found += size
+            seen.add(reference)
+        twice += min(found, other.saved_bytes)
+    return twice
 
 
 def resident_alive(planner: Planner) -> list:

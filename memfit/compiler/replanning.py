@@ -159,9 +159,9 @@ def warn_eager_gap_over(region: Region) -> None:
 def eager_overrun_bytes(region: Region) -> int:
     """How far the latest measured run of ``region`` (forward or backward, eager code's bytes
     included) was over its budget; 0 where it was within it, nothing was measured, or earlier
-    regions' saves were open beside it: a measured run adds their planned bytes to what it sees
-    alive, and a tensor at the graph break (an earlier region's saved output, this one's input)
-    is in both, so the figure there is no evidence of an overrun."""
+    regions' saves were open beside it: a measured run counts those at their plans' bytes
+    (a dynamic region's priced at its bound, above a smaller batch's), so the figure there is
+    no evidence of an overrun."""
     if region.pending_bytes or region.own_pending_bytes:
         return 0
     measured = max(region.measured_forward_bytes or 0, region.measured_backward_bytes or 0)

@@ -36,6 +36,26 @@ def check_hardware_and_optimizer(hardware: Hardware | str | None, optimizer: Any
                          f"{type(optimizer).__name__} {optimizer!r}")
 
 
+def check_optimizer_of(model: torch.nn.Module | None, optimizer: Any) -> None:
+    """Raise ``ValueError`` for an ``optimizer`` that steps none of ``model``'s parameters (made
+    for another model, or for the original of a ``copy.deepcopy``): its state would be reserved
+    beside a model it never updates, and this model's would go uncounted. One that steps some of
+    them is the loop's, whatever else it steps (a head trained beside the model, an embedding
+    shared with another model: those parameters, gradients and state count as resident too), as
+    is one of several optimizers that each step a part of the model."""
+    from memfit.runtime.resident import holds_parameters_of
+
+    if model is None or optimizer is None or holds_parameters_of(optimizer, model):
+        return
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    raise ValueError(
+        f"optimizer= steps none of the model's parameters (its {count} tensors are another "
+        f"model's, or those of the original of a copy): pass the optimizer made from this "
+        f"model's parameters (torch.optim.{type(optimizer).__name__}(model.parameters()), "
+        "after any copy.deepcopy), or leave optimizer= out and memfit finds the one that steps "
+        "the model at its first step()")
+
+
 def check_step(model: Any, loss_fn: Any) -> None:
     """Raise ``ValueError`` unless ``model`` is a ``torch.nn.Module`` and ``loss_fn`` a callable
     (``memfit.compile``, ``plan`` and ``max_batch_size`` take ``loss_fn(model, *inputs)``): a

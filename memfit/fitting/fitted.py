@@ -382,7 +382,9 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
             partitioner, so results are ``torch.compile(model)``'s, see ``memfit.lowering.inductor``).
         optimizer: the optimizer of the loop, so that its state is reserved in the budget before
             its first ``step()`` creates it. Without it, state that exists when a region is
-            planned still counts, but on the first iteration none exists yet.
+            planned still counts, but on the first iteration none exists yet. With ``model``, it
+            must step some of the model's parameters; what else it steps (a head trained beside
+            the model, an embedding shared with another model) counts as resident too.
         model: the model, so that its parameters outside a region count (``memfit.fit`` passes it).
         measure_runs: how many forward and backward runs of each planned region are measured
             for ``report``'s measured column (the first ones after each plan; 2 covers the first
@@ -394,7 +396,8 @@ def backend(budget: str | int | float | None = None, strategy: str | None = None
 
     Raises:
         ValueError: at this call, for a malformed budget, an unknown strategy, parameter,
-            compiler or hardware profile, or an optimizer that is not one.
+            compiler or hardware profile, or an optimizer that is not one or that steps none of
+            ``model``'s parameters (another model's: ``check_optimizer_of``).
         BudgetError: when a region is compiled or planned again and no plan fits.
 
     Note:
@@ -431,12 +434,13 @@ def backend_options(budget: str | int | float | None, strategy: str | None,
     Raises:
         ValueError: as ``memfit.backend``.
     """
-    from memfit.fitting.arguments import check_hardware_and_optimizer
+    from memfit.fitting.arguments import check_hardware_and_optimizer, check_optimizer_of
     from memfit.planning.strategies import resolve_budget_and_strategy
 
     check_hardware_and_optimizer(hardware, optimizer)
     if model is not None and not isinstance(model, torch.nn.Module):
         raise ValueError(f"model= takes the torch.nn.Module trained, not {type(model).__name__}")
+    check_optimizer_of(model, optimizer)
     if isinstance(measure_runs, bool) or not isinstance(measure_runs, int):
         raise ValueError(f"measure_runs must be an int, got {measure_runs!r}")
     if measure_runs < 0:

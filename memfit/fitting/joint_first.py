@@ -33,9 +33,11 @@ import torch
 from memfit.compiler.backend import Backend
 from memfit.compiler.backend_options import BackendOptions
 from memfit.compiler.graph_breaks import latest_regions, saves_caps
+from memfit.compiler.region import Region
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError
 from memfit.data.hardware import Hardware
+from memfit.data.units import Budget
 from memfit.fitting.callers_compile import own_trace
 from memfit.fitting.traced import _PlanOnly, buffers_kept, fake_like
 from memfit.model.schedule import PlanError
@@ -51,10 +53,10 @@ class _OnFakes(_PlanOnly):
     fitted model's backend saw at its first region's compile."""
 
     def __init__(self, fitted_backend: Backend, eager_seen_bytes: int,
-                 arguments: tuple[torch.Tensor, ...]) -> None:
+                 arguments: tuple[torch.Tensor, ...], budget: Budget | None) -> None:
         fitted, device = fitted_backend.options, fitted_backend.device
         hardware = fitted.hardware if device is None else fitted_backend.hardware_for(device)
-        super().__init__(BackendOptions(fitted.budget, fitted.strategy, hardware,
+        super().__init__(BackendOptions(budget, fitted.strategy, hardware,
                                         params=fitted.params), model=fitted_backend.model)
         self.fitted_backend = fitted_backend  # the fitted model's backend this trace plans for
         self.eager_seen_bytes = eager_seen_bytes
@@ -92,20 +94,49 @@ def plan_regions_on_fakes(planner: Backend, call: Callable, args: tuple, kwargs:
     short ones fit (``saves_caps``: site -> bytes); empty where every region fits or the trace
     fails. Nothing runs on the device; the seconds count in ``planner.planning_s``.
 
+    Under a fraction budget the regions a graph break follows are traced unplanned
+    (``_PlanOnly._provisional``), so the trace finds the step's unplanned peak as ``memfit.plan``
+    does (``planner.step_peak_found``) and the last region is planned under that fraction of
+    it; with more than one such region, the call is traced again under those bytes, so that
+    each region is planned beside the saves of the regions before it.
+
     Raises:
         BackendCompilerFailed: Dynamo's, with memfit's ``BudgetError`` inside, where a region
             cannot fit the budget even without the saves of the regions before it.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._pytree import tree_leaves, tree_map
-
     if planner.model is None:
         return {}
     started = time.perf_counter()
+    try:
+        budget = planner.budget
+        regions = _planned_on_fakes(planner, call, args, kwargs, dynamic, eager_bytes, budget)
+        if regions and budget is not None and budget.fraction is not None:
+            peak_bytes = max(region.baseline_peak_bytes for region in regions)
+            planner.step_peak_found(peak_bytes)
+            if sum(region.provisional for region in regions) > 1:
+                regions = _planned_on_fakes(planner, call, args, kwargs, dynamic, eager_bytes,
+                                            Budget(bytes=budget.to_bytes(peak_bytes)))
+    finally:
+        planner.add_planning_time(time.perf_counter() - started)
+    if regions is None:
+        return {}
+    planner.first_call_traced(len(regions))
+    return saves_caps(regions)
+
+
+def _planned_on_fakes(planner: Backend, call: Callable, args: tuple, kwargs: dict,
+                      dynamic: bool | None, eager_bytes: int, budget: Budget | None
+                      ) -> list[Region] | None:
+    """The regions of one trace of the call on fakes planned under ``budget``
+    (``plan_regions_on_fakes``); ``None`` where the trace fails, said in ``planner``'s
+    report."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_leaves, tree_map
+
     with FakeTensorMode(allow_non_fake_inputs=True):
         fakes = tree_map(_fake, (args, kwargs))
     trial = _OnFakes(planner, eager_bytes, tuple(
-        leaf for leaf in tree_leaves(fakes) if isinstance(leaf, torch.Tensor)))
+        leaf for leaf in tree_leaves(fakes) if isinstance(leaf, torch.Tensor)), budget)
     compiled = torch.compile(call, backend=trial, dynamic=dynamic, isolate_recompiles=True)
     try:
         with own_trace(), buffers_kept(planner.model), warnings.catch_warnings():
@@ -121,14 +152,11 @@ def plan_regions_on_fakes(planner: Backend, call: Callable, args: tuple, kwargs:
         planner.first_call_traced(note=(
             "not planned jointly before the first run: the trace on fake inputs failed "
             f"({type(error).__name__}: {first})"))
-        return {}
+        return None
     finally:
         for runner in trial.runners:
             runner.close()
-        planner.add_planning_time(time.perf_counter() - started)
-    regions = latest_regions(trial.regions)
-    planner.first_call_traced(len(regions))
-    return saves_caps(regions)
+    return latest_regions(trial.regions)
 
 
 def _fake(value: Any) -> Any:

@@ -137,6 +137,14 @@ class _PlanOnly(Backend):
         self.runners.append(runner)
         return runner
 
+    def _provisional(self, graph: CostGraph, hardware: Hardware, outside: int
+                     ) -> tuple[Planned, int | None]:
+        """A region a graph break follows, under a fraction: unplanned (``keep``), with no
+        budget, so that the step's unplanned peak is taken beside the earlier regions'
+        unplanned saves, as ``memfit.plan`` takes it, and the last region is planned under
+        that fraction of it beside them."""
+        return plan_step(graph, hardware, None, "keep", {}, outside), None
+
     def _over_budget(self, graph: CostGraph, hardware: Hardware, error: BudgetError,
                      pending: int, outside: int, own_open: int = 0) -> Planned:
         """A region that only misses the budget beside the saves of the regions before its graph

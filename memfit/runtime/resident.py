@@ -53,6 +53,13 @@ def resident_bytes(model: torch.nn.Module | None,
             + sum(bucket_bytes(owner, device) for owner, _ in owners))
 
 
+def holds_parameters_of(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> bool:
+    """Whether ``optimizer`` steps any of ``model``'s parameters (the same tensor objects)."""
+    mine = {id(parameter) for parameter in model.parameters()}
+    return any(id(parameter) in mine for group in optimizer.param_groups
+               for parameter in group["params"])
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this process holds: a ``DTensor``'s local shard (FSDP2's
     parameters, their gradients and optimizer state), whose own ``untyped_storage()`` has the
