@@ -88,12 +88,23 @@ def _counted_by_ops(tracker: DeviceMemoryTracker, call: Callable[[list], Any], a
 def _allocator_rise(call: Callable[[list], Any], args: list) -> tuple[Any, int]:
     """``call(args)`` and the most bytes torch's CPU allocator held above its start level during
     it, from the profiler's memory events: scratch memory a kernel allocates inside itself (a
-    oneDNN convolution's) counts, which the dispatch tracker cannot see."""
+    oneDNN convolution's) counts, which the dispatch tracker cannot see. Python's cyclic
+    garbage collector is paused meanwhile: garbage made before the call and collected during it
+    would count as a fall below the start level, which the bytes memfit counts alive at the
+    start never held, and lower the figure."""
+    import gc
+
     from torch._C._autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        result = call(args)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+            result = call(args)
+    finally:
+        if collecting:
+            gc.enable()
     events = [event for event in profiler.profiler.kineto_results.events()
               if event.name() == "[memory]" and event.device_type() == DeviceType.CPU]
     live = peak = 0
