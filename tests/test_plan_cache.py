@@ -73,7 +73,8 @@ def test_the_same_call_reads_its_plan_and_any_changed_input_misses(cache_on, mon
 
 def test_every_field_of_every_op_and_tensor_reaches_the_graph_digest():
     """The key hashes the graph's structure text and the fields it leaves out: a change to any
-    one field of one op or tensor (a time, a scope, a size, a consumer) is another graph."""
+    one field of one op or tensor (a time, a scope, a size, a consumer), or to the graph's name
+    or compiler, is another graph."""
     graph = chain(6)
     op, tensor = graph.ops[2], graph.tensors[graph.ops[2].outputs[0]]
     changed = {"str": lambda value: value + "x", "tuple": lambda value: (*value, "x"),
@@ -94,8 +95,10 @@ def test_every_field_of_every_op_and_tensor_reaches_the_graph_digest():
             digest = plan_cache.graph_digest(with_field(item, name))
             assert digest not in digests, f"{type(item).__name__}.{name} is not in the digest"
             digests.add(digest)
-    assert plan_cache.graph_digest(CostGraph(graph.ops, dict(graph.tensors), "renamed")) \
-        not in digests
+    for name in (entry.name for entry in fields(CostGraph) if entry.name not in ("ops", "tensors")):
+        digest = plan_cache.graph_digest(replace(graph, **{name: changed["str"](getattr(graph, name))}))
+        assert digest not in digests, f"CostGraph.{name} is not in the digest"
+        digests.add(digest)
 
 
 def test_a_corrupt_or_foreign_entry_is_ignored_reported_and_written_again(cache_on):

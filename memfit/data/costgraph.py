@@ -93,17 +93,24 @@ class CostGraph:
 
     Build one with ``CostGraph.build(ops, tensors)``: it fills ``Tensor.consumers`` from the ops'
     inputs and checks that every name resolves.
+
+    Args:
+        compiler: what runs the ops: ``"aot_eager"`` (each op its own kernel, each output its
+            own buffer) or ``"inductor"``, whose generated kernels compute a pointwise value
+            inside the kernels that read it instead of storing it (``memfit.model.inlining``).
     """
 
     ops: tuple[Op, ...]
     tensors: Mapping[str, Tensor] = field(default_factory=dict)
     name: str = "graph"
+    compiler: str = "aot_eager"
 
     @staticmethod
     def build(
         ops: Iterable[Op],
         tensors: Iterable[Tensor],
         name: str = "graph",
+        compiler: str = "aot_eager",
     ) -> CostGraph:
         """Make a graph, deriving each tensor's consumers from the ops' inputs.
 
@@ -149,7 +156,7 @@ class CostGraph:
             built[tensor_name] = replace(
                 tensor, producer=producer, consumers=tuple(readers[tensor_name])
             )
-        return CostGraph(ops=ops, tensors=MappingProxyType(built), name=name)
+        return CostGraph(ops=ops, tensors=MappingProxyType(built), name=name, compiler=compiler)
 
     # ---- lookups -------------------------------------------------------------------------------
 
@@ -210,13 +217,14 @@ class CostGraph:
     def with_times(self, time_s: Mapping[str, float]) -> CostGraph:
         """The same graph with op times replaced from ``time_s`` (ops not named keep theirs)."""
         ops = tuple(replace(op, time_s=float(time_s.get(op.name, op.time_s))) for op in self.ops)
-        return CostGraph(ops=ops, tensors=self.tensors, name=self.name)
+        return CostGraph(ops=ops, tensors=self.tensors, name=self.name, compiler=self.compiler)
 
     # ---- identity and serialisation ------------------------------------------------------------
 
     def to_json(self) -> dict:
         return {
             "name": self.name,
+            "compiler": self.compiler,
             "ops": [asdict(op) for op in self.ops],
             "tensors": [asdict(t) for t in self.tensors.values()],
         }
@@ -225,7 +233,8 @@ class CostGraph:
     def from_json(data: Mapping) -> CostGraph:
         ops = [Op(**{**op, **_tuples(op, "inputs", "outputs", "depends_on")}) for op in data["ops"]]
         tensors = [Tensor(**{**t, "consumers": ()}) for t in data["tensors"]]
-        return CostGraph.build(ops, tensors, name=data.get("name", "graph"))
+        return CostGraph.build(ops, tensors, name=data.get("name", "graph"),
+                               compiler=data.get("compiler", "aot_eager"))
 
     @cached_property
     def structure_text(self) -> str:

@@ -122,6 +122,8 @@ def _with_engine(engine: CopyEngine, wrap: Wrap | None = None) -> Callable[..., 
                       ) -> Any:
         if not kwargs.get("is_backward", False):
             host_copies_in_saved_layout(module)
+        else:
+            swap_ins_in_host_layout(module, example_inputs)
         pin_planned_order(module)
         with inductor_config.patch(_module_config()), planned_order_kept(module):
             compiled = compile_fx_inner(module, example_inputs, **kwargs)
@@ -220,6 +222,29 @@ def host_copies_in_saved_layout(module: fx.GraphModule) -> int:
     return changed
 
 
+def swap_ins_in_host_layout(module: fx.GraphModule, example_inputs: Sequence[Any]) -> int:
+    """Give each swap-in of a backward ``module`` the strides of the host copy it reads
+    (``example_inputs``: the forward's outputs as they are), as ``memfit::swap_in`` returns them.
+    The traced value has the graph's strides; where the host copy is laid out otherwise
+    (``host_copies_in_saved_layout``: channels last), inductor copies the swapped-in value into
+    the traced strides, on the device, where ``pin_planned_order`` wraps the swap-in: a second
+    device copy of the value. Returns the number of swap-ins whose strides changed."""
+    arriving = dict(zip(module.graph.find_nodes(op="placeholder"), example_inputs, strict=False))
+    changed = 0
+    for node in module.graph.nodes:
+        if inserted_kind(node) != "swap_in" or not isinstance(node.args[0], fx.Node):
+            continue
+        value, host = node.meta.get("val"), arriving.get(node.args[0])
+        if not isinstance(value, torch.Tensor) or not isinstance(host, torch.Tensor) \
+                or value.stride() == host.stride() or value.shape != host.shape:
+            continue
+        with value.fake_mode:
+            node.meta["val"] = torch.empty_strided(value.shape, host.stride(), dtype=value.dtype,
+                                                   device=value.device)
+        changed += 1
+    return changed
+
+
 def _dense(value: torch.Tensor) -> bool:
     return bool(torch._prims_common.is_non_overlapping_and_dense_or_false(value))
 
@@ -245,6 +270,9 @@ def pin_planned_order(module: fx.GraphModule) -> int:
     each anchor becomes a buffer inductor would otherwise fuse away.
     Returns the number of ops pinned; a module without re-runs or swap-ins (``keep``) is left as
     it is, so it compiles to exactly ``torch.compile``'s kernels.
+    The memory model applies the same rule to a plan's actions
+    (``memfit.model.inlining.pinned_and_anchors``): inductor stores every pinned op and anchor,
+    so a change here is a change there.
 
     Anchors read what *any* pinned op made, not only the previous one: vDNN's plans bring
     several tensors back in a row, and anchoring each swap-in on the one before it (unread yet)

@@ -9,6 +9,7 @@ other's queries.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from functools import cached_property
 
 import numpy as np
@@ -26,11 +27,16 @@ class KeepProfile:
     """The Keep plan's memory profile, lifetimes and compute clock of one graph.
 
     Built from ``memory_profile(lower(graph, Plan("keep")))`` itself (one compute action per op),
-    so the base cannot drift from the truth.
+    so the base cannot drift from the truth. For a graph inductor runs it is the truth of the
+    same graph with every op its own kernel (``aot_eager``'s): the changes priced on it follow
+    op order, not inductor's inlined values and fused kernels (``memfit.model.inlining``), so
+    the planners that ask this model search on that proxy and check what they choose on the
+    truth.
     """
 
     def __init__(self, graph: CostGraph) -> None:
-        profile = memory_profile(lower(graph, Plan("keep")))
+        eager = graph if graph.compiler == "aot_eager" else replace(graph, compiler="aot_eager")
+        profile = memory_profile(lower(eager, Plan("keep")))
         self.graph, self.op_count = graph, len(graph.ops)
         self.resident_bytes, self.keep_peak_bytes = graph.resident_bytes, profile.peak_bytes
         self.high_bytes = np.asarray(profile.high_bytes, dtype=np.int64)  # while op k runs

@@ -22,6 +22,8 @@ part of a chain costs its share (inductor fuses a re-run chain too).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from memfit.data.costgraph import CostGraph, Op
 from memfit.data.hardware import Hardware
 from memfit.data.op_classes import (
@@ -133,9 +135,10 @@ def priced_for(graph: CostGraph, hardware: Hardware, compiler: str) -> CostGraph
     if compiler not in COMPILERS:
         raise ValueError(f"unknown compiler {compiler!r}: use one of {COMPILERS}")
     if compiler == "aot_eager":
-        return graph
+        return graph if graph.compiler == compiler else replace(graph, compiler=compiler)
     views = {op.name: 0.0 for op in graph.ops if not op.outputs}
-    return graph.with_times({**views, **compiled_times(graph, hardware)})
+    return replace(graph.with_times({**views, **compiled_times(graph, hardware)}),
+                   compiler=compiler)
 
 
 def kernel_count(graph: CostGraph, compiler: str) -> int:

@@ -44,7 +44,8 @@ def with_storage_from(graph: CostGraph, name: str, size_bytes: int, op_name: str
     ops = [replace(op, outputs=(*op.outputs, name)) if op.name == op_name else op
            for op in graph.ops]
     extra = Tensor(name, size_bytes, "gradient", is_output=True)
-    return CostGraph.build(ops, [*_unbuilt(graph), extra], name=graph.name)
+    return CostGraph.build(ops, [*_unbuilt(graph), extra], name=graph.name,
+                           compiler=graph.compiler)
 
 
 RETAINED_SAVES = "memfit.retained_saves"  # marks a graph whose backward keeps the saves it reads
@@ -91,7 +92,7 @@ def with_loop_lifetimes(graph: CostGraph, arriving: Mapping[str, str],
                else replace(tensor, is_output=False) if tensor.name in released
                else replace(tensor, is_output=True) if tensor.name in held else tensor
                for tensor in _unbuilt(graph)]
-    return CostGraph.build(ops, tensors, name=graph.name)
+    return CostGraph.build(ops, tensors, name=graph.name, compiler=graph.compiler)
 
 
 def _extended(op: Op, allocates, holds) -> Op:

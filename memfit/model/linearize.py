@@ -70,7 +70,7 @@ def linearize(graph: CostGraph) -> CostGraph:
     if order is None or order == tuple(op.name for op in graph.ops):
         return graph
     reordered = CostGraph.build(
-        (graph.op(name) for name in order), graph.tensors.values(), graph.name
+        (graph.op(name) for name in order), graph.tensors.values(), graph.name, graph.compiler
     )
     if peak_bytes(reordered, Plan("keep")) > peak_bytes(graph, Plan("keep")):
         return graph

@@ -14,7 +14,7 @@ Note:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal, NamedTuple
 
@@ -23,6 +23,8 @@ import numpy as np
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import PlanError
 from memfit.data.plan import Plan, Recompute, Swap
+from memfit.model.inlining import action_phase, inlined_buffers, pinned_and_anchors
+from memfit.model.kernels import fusible
 from memfit.model.lifetimes import RETAINED_SAVES
 from memfit.model.plan_memo import remembered_profile, remembered_schedule
 from memfit.model.recompute import PlannedRerun, planned_reruns, rebuilt_buffer
@@ -68,12 +70,24 @@ def copy_buffer(tensor: str, copy: int) -> str:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Actions in program order and the size of every device buffer they touch."""
+    """Actions in program order and the size of every device buffer they touch.
+
+    Args:
+        inlined: the buffers the compiler never stores (``memfit.model.inlining``: inductor's
+            pointwise values), each with the stored buffers its readers read instead; empty
+            for ``aot_eager``, which stores every op's output.
+        kernel_starts: per action, the first action of the fused kernel it may run in
+            (inductor: ``_fused_spans``); such a kernel allocates what any of its actions
+            allocates at its start and frees what it reads last at its end. Empty: every
+            action is its own kernel (``aot_eager``).
+    """
 
     actions: tuple[Action, ...]
     buffer_bytes: Mapping[str, int]
     resident_bytes: int
     outputs: frozenset[str]
+    inlined: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    kernel_starts: tuple[int, ...] = ()
 
 
 def check_plan(graph: CostGraph, plan: Plan) -> None:
@@ -286,7 +300,44 @@ def _lowered(graph: CostGraph, plan: Plan) -> Schedule:
     outputs = frozenset(name for name, t in graph.tensors.items() if t.is_output)
     if RETAINED_SAVES in graph.tensors and backward_at is not None:
         outputs |= _read_across(actions, backward_at)
-    return Schedule(tuple(actions), MappingProxyType(buffer_bytes), graph.resident_bytes, outputs)
+    if graph.compiler != "inductor":
+        return Schedule(tuple(actions), MappingProxyType(buffer_bytes), graph.resident_bytes,
+                        outputs)
+    pins = pinned_and_anchors(graph, actions, buffer_bytes)
+    return Schedule(tuple(actions), MappingProxyType(buffer_bytes), graph.resident_bytes, outputs,
+                    MappingProxyType(inlined_buffers(graph, actions, outputs, pins)),
+                    _fused_spans(graph, actions, pins))
+
+
+def _fused_spans(graph: CostGraph, actions: list[Action],
+                 pins: Mapping[int, tuple[int, ...]]) -> tuple[int, ...]:
+    """For each action, the index of the first action of the fused kernel it may run in (itself
+    where it is its own). Inductor fuses a pinned re-run chain (``pins``: each with its anchors)
+    with its anchors, along the ordering dependency ``memfit.lowering.inductor.pin_planned_order``
+    gives it, so the chain's values are made while what the anchors' ops read is still held:
+    such a kernel runs from the pin's earliest anchor to the end of the chain's run of generated
+    kernels (one pass's fusible ops in a row, no library call, copy or wait between them), never
+    before that run's start. Any other op is priced as its own kernel."""
+    spans = list(range(len(actions)))
+    start, phase, first = -1, "", -1  # the run's start, pass, and its earliest fused anchor
+    for index in range(len(actions) + 1):  # past the last action, the last run ends
+        action = actions[index] if index < len(actions) else None
+        made_here, pinned_rerun = "", False  # the pass of a generated kernel's op
+        if action is not None and action.kind in ("compute", "recompute") and (
+                not action.allocates or fusible(graph.op(action.op))):
+            made_here = action_phase(graph, action)
+            pinned_rerun = action.kind == "recompute" and index in pins
+            if start >= 0 and made_here == phase:
+                if pinned_rerun:
+                    earliest = max(start, min(pins[index], default=index))
+                    first = earliest if first < 0 else min(first, earliest)
+                continue
+        if first >= 0:
+            spans[first:index] = [first] * (index - first)
+        start = index if made_here and action is not None and action.allocates else -1
+        first = index if start >= 0 and pinned_rerun else -1
+        phase = made_here if start >= 0 else ""
+    return tuple(spans)
 
 
 def _read_across(actions: list[Action], backward_at: int) -> frozenset[str]:
@@ -400,20 +451,21 @@ def _profiled(schedule: Schedule) -> MemoryProfile:
     actions = schedule.actions
     size = dict(schedule.buffer_bytes)  # a plain dict: this runs once per simulated plan
     outputs = schedule.outputs
-    last_read: dict[str, int] = {}
-    for index, action in enumerate(actions):
-        for buffer in action.reads:
-            last_read[buffer] = index
+    last_read = _last_reads(schedule)
+    size.update(dict.fromkeys(schedule.inlined, 0))
     allocated = [0] * len(actions)  # bytes each action allocates
     freed = [0] * len(actions)  # bytes freed right after each action
     read_last = last_read.get
-    for index, action in enumerate(actions):  # the hot loop of every simulation
-        for buffer in action.allocates:
-            buffer_bytes = size[buffer]
-            allocated[index] += buffer_bytes
-            if buffer not in outputs:
-                end = read_last(buffer, index)
-                freed[end if end > index else index] += buffer_bytes
+    if schedule.kernel_starts:
+        _by_kernel(schedule, size, read_last, allocated, freed)
+    else:
+        for index, action in enumerate(actions):  # the hot loop of every simulation
+            for buffer in action.allocates:
+                buffer_bytes = size[buffer]
+                allocated[index] += buffer_bytes
+                if buffer not in outputs:
+                    end = read_last(buffer, index)
+                    freed[end if end > index else index] += buffer_bytes
     freed_after = np.asarray(freed, dtype=np.int64)
     live = schedule.resident_bytes + np.cumsum(np.asarray(allocated, dtype=np.int64) - freed_after)
     high = live + freed_after
@@ -429,15 +481,56 @@ def peak_bytes(graph: CostGraph, plan: Plan) -> int:
     return memory_profile(lower(graph, plan)).peak_bytes
 
 
-def live_buffers(schedule: Schedule, index: int) -> list[tuple[str, int]]:
-    """``(buffer, bytes)`` live while action ``index`` runs, largest first: what dominates a peak."""
+def _by_kernel(schedule: Schedule, size: Mapping[str, int], read_last, allocated: list[int],
+               freed: list[int]) -> None:
+    """``_profiled``'s allocations and frees where actions share fused kernels: a kernel
+    allocates what any of its actions allocates at its first action and frees what it reads
+    last after its last."""
+    starts, ends = schedule.kernel_starts, _kernel_ends(schedule.kernel_starts)
+    for index, action in enumerate(schedule.actions):
+        for buffer in action.allocates:
+            buffer_bytes = size[buffer]
+            allocated[starts[index]] += buffer_bytes
+            if buffer not in schedule.outputs:
+                end = read_last(buffer, index)
+                freed[ends[end if end > index else index]] += buffer_bytes
+
+
+def _kernel_ends(starts: tuple[int, ...]) -> list[int]:
+    """Per action, the last action of its fused kernel (``Schedule.kernel_starts``)."""
+    last_of: dict[int, int] = {}
+    for index, start in enumerate(starts):
+        last_of[start] = index
+    return [last_of[start] for start in starts]
+
+
+def _last_reads(schedule: Schedule) -> dict[str, int]:
+    """Each buffer's last reader, an inlined buffer's readers reading what it stands for."""
     last_read: dict[str, int] = {}
+    inlined = schedule.inlined
+    for index, action in enumerate(schedule.actions):  # once per simulated plan
+        if not inlined:
+            for buffer in action.reads:
+                last_read[buffer] = index
+            continue
+        for buffer in action.reads:
+            last_read.update(dict.fromkeys(inlined.get(buffer, (buffer,)), index))
+    return last_read
+
+
+def live_buffers(schedule: Schedule, index: int) -> list[tuple[str, int]]:
+    """``(buffer, bytes)`` live while action ``index`` runs, largest first: what dominates a peak
+    (a buffer the compiler never stores is none)."""
+    last_read = _last_reads(schedule)
+    starts = schedule.kernel_starts
+    if starts:
+        ends = _kernel_ends(starts)
+        last_read = {buffer: ends[at] for buffer, at in last_read.items()}
     allocated_at: dict[str, int] = {}
     for position, action in enumerate(schedule.actions):
-        for buffer in action.reads:
-            last_read[buffer] = position
         for buffer in action.allocates:
-            allocated_at[buffer] = position
+            if buffer not in schedule.inlined:
+                allocated_at[buffer] = starts[position] if starts else position
     live = [
         (buffer, schedule.buffer_bytes[buffer])
         for buffer, start in allocated_at.items()

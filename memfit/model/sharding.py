@@ -153,7 +153,8 @@ class _FullyShard:
             ops.extend(self.before.get(position, ()))
             ops.append(op)
             ops.extend(self.after.get(position, ()))
-        return CostGraph.build(ops, tensors.values(), name=self.source.name)
+        return CostGraph.build(ops, tensors.values(), name=self.source.name,
+                               compiler=self.source.compiler)
 
     def _sharded_input(self, tensor: Tensor) -> Tensor:
         changes: dict = {"consumers": ()}
@@ -251,7 +252,7 @@ def _data_parallel(graph: CostGraph, sharding: Sharding, hardware: Hardware) -> 
     bucket_bytes = sum(t.size_bytes for t in gradients)
     if bucket_bytes:
         tensors.append(Tensor(DDP_BUCKETS, bucket_bytes, "buffer"))
-    return CostGraph.build(ops, tensors, name=graph.name)
+    return CostGraph.build(ops, tensors, name=graph.name, compiler=graph.compiler)
 
 
 def _buckets(gradients: Iterable[Tensor], bucket_bytes: int) -> list[list[Tensor]]:

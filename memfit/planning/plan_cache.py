@@ -133,9 +133,10 @@ def graph_digest(graph: CostGraph) -> str:
 
 
 def _rest_record(graph: CostGraph) -> list:
-    """The graph's name and every field of its ops and tensors that ``structure_text`` leaves
-    out, ops in program order and tensors in the graph's order (each with its name)."""
-    return [graph.name, [_OP_REST(op) for op in graph.ops],
+    """The graph's name and compiler and every field of its ops and tensors that
+    ``structure_text`` leaves out, ops in program order and tensors in the graph's order (each
+    with its name)."""
+    return [graph.name, graph.compiler, [_OP_REST(op) for op in graph.ops],
             [_TENSOR_REST(tensor) for tensor in graph.tensors.values()]]
 
 

@@ -163,3 +163,27 @@ def test_a_rerun_chain_also_waits_for_an_unread_op_that_frees_a_large_tensor():
     assert pinned(module) == {"rerun_second": ("gradient", "halved")}
     for got, want in zip(module(values[x], values[w]), expected, strict=True):
         assert torch.equal(got, want)
+
+
+def test_a_swap_in_takes_the_strides_of_the_host_copy_it_reads():
+    # the traced swap-in has the graph's (contiguous) strides; the forward's host copy arrives
+    # channels last: inductor would copy the swapped-in value into the traced strides
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memfit.lowering.inductor import swap_ins_in_host_layout
+
+    graph = fx.Graph()
+    host = graph.placeholder("host")
+    swap_in = graph.call_function(aten.clone.default, (host,), name="swap_in")
+    swap_in.meta["memfit"] = {"kind": "swap_in", "tensor": "y", "buffer": "y#in0"}
+    graph.output((swap_in,))
+    module = fx.GraphModule(torch.nn.Module(), graph)
+    with FakeTensorMode() as mode:
+        host.meta["val"] = traced = torch.empty(2, 8, 4, 4)
+        swap_in.meta["val"] = torch.empty(2, 8, 4, 4)
+    arriving = torch.empty(2, 8, 4, 4).to(memory_format=torch.channels_last)
+
+    assert swap_ins_in_host_layout(module, [arriving]) == 1
+    assert swap_in.meta["val"].stride() == arriving.stride() != traced.stride()
+    assert swap_in.meta["val"].fake_mode is mode
+    assert swap_ins_in_host_layout(module, [arriving]) == 0  # already so
