@@ -28,13 +28,10 @@ last reader (``memfit.model.schedule.memory_profile``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 from memfit.data.costgraph import CostGraph
+from memfit.model.actions import Action
 from memfit.model.kernels import fusible
-
-if TYPE_CHECKING:
-    from memfit.model.schedule import Action
 
 REDUCTIONS = frozenset({
     "aten.sum", "aten.mean", "aten.amax", "aten.amin", "aten.var_mean", "aten.var", "aten.std",

@@ -16,51 +16,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import PlanError
 from memfit.data.plan import Plan, Recompute, Swap
+from memfit.model.actions import Action
 from memfit.model.inlining import action_phase, inlined_buffers, pinned_and_anchors
 from memfit.model.kernels import fusible
 from memfit.model.lifetimes import RETAINED_SAVES
 from memfit.model.plan_memo import remembered_profile, remembered_schedule
 from memfit.model.recompute import PlannedRerun, planned_reruns, rebuilt_buffer
-
-ActionKind = Literal["compute", "swap_out", "swap_in", "wait", "recompute"]
-
-
-class Action(NamedTuple):
-    """One step of the rewritten program.
-
-    A named tuple, not a dataclass: ``lower`` makes tens of thousands per simulated plan, and a
-    frozen dataclass costs several times as much to build.
-
-    Args:
-        kind: ``"compute"`` runs ``op``; ``"swap_out"`` copies ``tensor`` to the host after its
-            producer ``op``; ``"swap_in"`` issues copy number ``copy`` of ``tensor`` after the control
-            op ``op``; ``"wait"`` makes the compute stream wait for that copy before ``op``.
-        reads: device buffers the action reads.
-        allocates: device buffers the action allocates.
-    """
-
-    kind: ActionKind
-    op: str
-    tensor: str = ""
-    copy: int = -1
-    reads: tuple[str, ...] = ()
-    allocates: tuple[str, ...] = ()
-
-    @property
-    def label(self) -> str:
-        if self.kind == "compute":
-            return self.op
-        if self.kind == "recompute":
-            return f"recompute({self.op}#{self.copy})"
-        suffix = f"#{self.copy}" if self.copy >= 0 else ""
-        return f"{self.kind}({self.tensor}{suffix})"
 
 
 def copy_buffer(tensor: str, copy: int) -> str:
