@@ -124,6 +124,8 @@ def _with_engine(engine: CopyEngine, wrap: Wrap | None = None) -> Callable[..., 
             host_copies_in_saved_layout(module)
         else:
             swap_ins_in_host_layout(module, example_inputs)
+        if not engine.is_accelerator:
+            drop_host_waits(module)
         pin_planned_order(module)
         with inductor_config.patch(_module_config()), planned_order_kept(module):
             compiled = compile_fx_inner(module, example_inputs, **kwargs)
@@ -141,21 +143,47 @@ def _with_engine(engine: CopyEngine, wrap: Wrap | None = None) -> Callable[..., 
 
 
 def planned_order_kept(module: fx.GraphModule) -> contextlib.AbstractContextManager:
-    """Inductor's own reordering for peak memory off while it compiles a ``module`` that has any
-    op memfit inserted (a plan that is not ``keep``); a module without them compiles as
-    ``torch.compile`` compiles it.
+    """Inductor's own reordering for peak memory and its reuse of freed buffers off while it
+    compiles a ``module`` that has any op memfit inserted (a plan that is not ``keep``); a module
+    without them compiles as ``torch.compile`` compiles it.
 
     The plan's order is the one its peak was simulated in. Inductor's reordering
     (``config.reorder_for_peak_memory``) estimates memory without knowing memfit's ops: it
     moved every ``memfit::wait`` (which returns nothing and reads the swapped-in tensor) after
     the backward's last kernel, so each swapped-in tensor lived to the backward's end. It moves
     no kernel into or out of a fusion, so turning it off changes the order, not the kernels.
+
+    The memory model frees a buffer after its last reader. Inductor's wrapper instead keeps a
+    freed buffer for the next one it allocates of the same size (``config.allow_buffer_reuse``),
+    alive until then. A plan's swap-ins and re-runs allocate buffers of their own, or later than
+    the unplanned step does, so freed buffers waited longer, several at once across the peak (a
+    swap plan's backward held a freed attention-score gradient and the gradients of a layer's
+    inputs while the next layer's copies came in). Without that reuse each buffer is freed at
+    its last reader, as the model prices it; an in-place reuse (a kernel that writes into an
+    input it reads last, ``config.inplace_buffers``) stays, and no kernel changes.
     """
     if not any(inserted_kind(node) for node in module.graph.nodes):
         return contextlib.nullcontext()
     from torch._inductor import config as inductor_config
 
-    return inductor_config.patch(reorder_for_peak_memory=False)
+    return inductor_config.patch(reorder_for_peak_memory=False, allow_buffer_reuse=False)
+
+
+def drop_host_waits(module: fx.GraphModule) -> int:
+    """Remove each ``memfit::wait`` from a ``module`` that runs on the CPU; returns how many.
+
+    On the CPU a swap-in copies synchronously and a wait does nothing (there is no copy stream),
+    but under inductor it still reads the copy: a kernel with no output that inductor's scheduler
+    places where its fusions leave it, after the copy's readers where a fused kernel pulled them
+    ahead of it (a bias gradient's sum fused with a later layer norm's backward), holding the
+    copy until then. The model frees a copy after its last reader, and the wait is not one.
+    """
+    waits = [node for node in module.graph.nodes if inserted_kind(node) == "wait"]
+    for node in waits:
+        module.graph.erase_node(node)
+    if waits:
+        module.recompile()
+    return len(waits)
 
 
 def layout_copy_bytes(joint: fx.GraphModule) -> int:
