@@ -31,7 +31,7 @@ Note:
     swapped-in tensor are not ordered after its ``memfit::wait`` (a no-op on the CPU): that
     dependency, given the same way, raises the peak and moves the parameters away from
     ``torch.compile``'s (other kernels, other roundings), so ``memfit.backend`` warns for inductor
-    on an accelerator instead.
+    on an accelerator instead; on the CPU the waits are left out (``drop_host_waits``).
 """
 
 from __future__ import annotations
@@ -238,9 +238,15 @@ def host_copies_in_saved_layout(module: fx.GraphModule) -> int:
         if node not in channels_last or value.dim() != 4 or not _dense(value):
             continue
         stride = torch._prims_common.make_channels_last_strides_for(value.shape)
-        if tuple(stride) == value.stride():
+        if [_expression(step) for step in stride] == [_expression(step) for step in
+                                                      value.stride()]:
             continue
-        node.args = (*node.args[:2], list(stride))
+        replaced = [step for step in node.args[2] or () if isinstance(step, fx.Node)]
+        with module.graph.inserting_before(node):
+            node.args = (*node.args[:2], _channels_last_arguments(module.graph, node.args[0]))
+        for step in replaced:
+            if not step.users:
+                module.graph.erase_node(step)
         with value.fake_mode:
             node.meta["val"] = torch.empty_strided(value.shape, stride, dtype=value.dtype,
                                                    device=value.device)
@@ -271,6 +277,43 @@ def swap_ins_in_host_layout(module: fx.GraphModule, example_inputs: Sequence[Any
                                                    device=value.device)
         changed += 1
     return changed
+
+
+def _channels_last_arguments(graph: fx.Graph, source: fx.Node) -> list:
+    """The channels-last strides of 4-D ``source`` as op arguments, as
+    ``make_channels_last_strides_for`` computes them: a static one an int, a symbolic one nodes
+    that multiply ``source``'s sizes where it runs (a graph holds no symbolic size as a constant:
+    torch warns, and a compiler specializes it)."""
+    strides: list = [0, 1, 0, 0]
+    multiplier: int | fx.Node = 1
+    for inner, dim in ((1, 3), (3, 2), (2, 0)):  # channels, then width, then height innermost
+        size = source.meta["val"].shape[inner]
+        if isinstance(size, torch.SymInt):
+            size = _symbolic(graph, torch.ops.aten.sym_size.int, (source, inner), size)
+        if isinstance(size, fx.Node) or isinstance(multiplier, fx.Node):
+            value = _value(multiplier) * _value(size)
+            multiplier = _symbolic(graph, operator.mul, (multiplier, size), value)
+        else:
+            multiplier = multiplier * size
+        strides[dim] = multiplier
+    return strides
+
+
+def _symbolic(graph: fx.Graph, target: Any, args: tuple, value: Any) -> fx.Node:
+    node = graph.call_function(target, args)
+    node.meta["val"] = value
+    return node
+
+
+def _value(step: int | fx.Node) -> Any:
+    return step.meta["val"] if isinstance(step, fx.Node) else step
+
+
+def _expression(step: Any) -> Any:
+    """A stride as a sympy expression: symbolic ones compared without a guard."""
+    import sympy
+
+    return step.node.expr if isinstance(step, torch.SymInt) else sympy.Integer(step)
 
 
 def _dense(value: torch.Tensor) -> bool:
