@@ -191,8 +191,16 @@ def test_bert_on_padded_batches_with_inductor_is_planned_twice_within_budget_clo
     with torch._inductor.config.patch(fallback_random=True):
         reference_losses, _ = _train_hf(torch.compile(compiled_reference, dynamic=True),
                                         torch.optim.AdamW(compiled_reference.parameters()), data)
+    fitted = _fitted_with_inductor(_bert, data, budget, compiled_reference, reference_losses)
+    assert "2 plans made" in memfit.report(fitted)
+
+
+def _fitted_with_inductor(build, data, budget: int, compiled_reference, reference_losses):
+    """``build()`` fitted with ``compiler="inductor"`` at ``budget`` and fine-tuned on ``data``
+    with no ``BudgetWarning``, every iteration within the budget, losses and weights close to
+    ``compiled_reference``'s; the fitted model."""
     torch._dynamo.reset()
-    model = _bert()
+    model = build()
     optimizer = torch.optim.AdamW(model.parameters())
     fitted = memfit.fit(model, budget=budget, optimizer=optimizer, compiler="inductor")
     with warnings.catch_warnings():
@@ -200,7 +208,7 @@ def test_bert_on_padded_batches_with_inductor_is_planned_twice_within_budget_clo
         losses, peaks = _train_hf(fitted, optimizer, data)
     _assert_close_training(model, compiled_reference, losses, reference_losses)
     assert max(peaks) <= budget, (peaks, budget)
-    assert "2 plans made" in memfit.report(fitted)
+    return fitted
 
 
 @pytest.mark.slow
@@ -222,16 +230,8 @@ def test_a_swap_plan_at_the_length_bound_holds_its_prediction_under_inductor():
     reference_losses, compiled_peaks = _train_hf(
         torch.compile(compiled_reference), torch.optim.AdamW(compiled_reference.parameters()),
         data)
-    torch._dynamo.reset()
     budget = int(0.6 * max(compiled_peaks))
-    model = bert()
-    optimizer = torch.optim.AdamW(model.parameters())
-    fitted = memfit.fit(model, budget=budget, optimizer=optimizer, compiler="inductor")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", memfit.BudgetWarning)
-        losses, peaks = _train_hf(fitted, optimizer, data)
-    _assert_close_training(model, compiled_reference, losses, reference_losses)
-    assert max(peaks) <= budget, (peaks, budget)
+    fitted = _fitted_with_inductor(bert, data, budget, compiled_reference, reference_losses)
     regions = fitted._memfit_backend.regions
     bounded = [region for region in regions if region.shape_bound]
     assert bounded and all(region.plan.swapped for region in bounded), memfit.report(fitted)
