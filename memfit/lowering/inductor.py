@@ -31,7 +31,7 @@ Note:
     swapped-in tensor are not ordered after its ``memfit::wait`` (a no-op on the CPU): that
     dependency, given the same way, raises the peak and moves the parameters away from
     ``torch.compile``'s (other kernels, other roundings), so ``memfit.backend`` warns for inductor
-    on an accelerator instead.
+    on an accelerator instead; on the CPU the waits are left out (``drop_host_waits``).
 """
 
 from __future__ import annotations
@@ -124,6 +124,8 @@ def _with_engine(engine: CopyEngine, wrap: Wrap | None = None) -> Callable[..., 
             host_copies_in_saved_layout(module)
         else:
             swap_ins_in_host_layout(module, example_inputs)
+        if not engine.is_accelerator:
+            drop_host_waits(module)
         pin_planned_order(module)
         with inductor_config.patch(_module_config()), planned_order_kept(module):
             compiled = compile_fx_inner(module, example_inputs, **kwargs)
@@ -141,21 +143,47 @@ def _with_engine(engine: CopyEngine, wrap: Wrap | None = None) -> Callable[..., 
 
 
 def planned_order_kept(module: fx.GraphModule) -> contextlib.AbstractContextManager:
-    """Inductor's own reordering for peak memory off while it compiles a ``module`` that has any
-    op memfit inserted (a plan that is not ``keep``); a module without them compiles as
-    ``torch.compile`` compiles it.
+    """Inductor's own reordering for peak memory and its reuse of freed buffers off while it
+    compiles a ``module`` that has any op memfit inserted (a plan that is not ``keep``); a module
+    without them compiles as ``torch.compile`` compiles it.
 
     The plan's order is the one its peak was simulated in. Inductor's reordering
     (``config.reorder_for_peak_memory``) estimates memory without knowing memfit's ops: it
     moved every ``memfit::wait`` (which returns nothing and reads the swapped-in tensor) after
     the backward's last kernel, so each swapped-in tensor lived to the backward's end. It moves
     no kernel into or out of a fusion, so turning it off changes the order, not the kernels.
+
+    The memory model frees a buffer after its last reader. Inductor's wrapper instead keeps a
+    freed buffer for the next one it allocates of the same size (``config.allow_buffer_reuse``),
+    alive until then. A plan's swap-ins and re-runs allocate buffers of their own, or later than
+    the unplanned step does, so freed buffers waited longer, several at once across the peak (a
+    swap plan's backward held a freed attention-score gradient and the gradients of a layer's
+    inputs while the next layer's copies came in). Without that reuse each buffer is freed at
+    its last reader, as the model prices it; an in-place reuse (a kernel that writes into an
+    input it reads last, ``config.inplace_buffers``) stays, and no kernel changes.
     """
     if not any(inserted_kind(node) for node in module.graph.nodes):
         return contextlib.nullcontext()
     from torch._inductor import config as inductor_config
 
-    return inductor_config.patch(reorder_for_peak_memory=False)
+    return inductor_config.patch(reorder_for_peak_memory=False, allow_buffer_reuse=False)
+
+
+def drop_host_waits(module: fx.GraphModule) -> int:
+    """Remove each ``memfit::wait`` from a ``module`` that runs on the CPU; returns how many.
+
+    On the CPU a swap-in copies synchronously and a wait does nothing (there is no copy stream),
+    but under inductor it still reads the copy: a kernel with no output that inductor's scheduler
+    places where its fusions leave it, after the copy's readers where a fused kernel pulled them
+    ahead of it (a bias gradient's sum fused with a later layer norm's backward), holding the
+    copy until then. The model frees a copy after its last reader, and the wait is not one.
+    """
+    waits = [node for node in module.graph.nodes if inserted_kind(node) == "wait"]
+    for node in waits:
+        module.graph.erase_node(node)
+    if waits:
+        module.recompile()
+    return len(waits)
 
 
 def layout_copy_bytes(joint: fx.GraphModule) -> int:
@@ -210,9 +238,15 @@ def host_copies_in_saved_layout(module: fx.GraphModule) -> int:
         if node not in channels_last or value.dim() != 4 or not _dense(value):
             continue
         stride = torch._prims_common.make_channels_last_strides_for(value.shape)
-        if tuple(stride) == value.stride():
+        if [_expression(step) for step in stride] == [_expression(step) for step in
+                                                      value.stride()]:
             continue
-        node.args = (*node.args[:2], list(stride))
+        replaced = [step for step in node.args[2] or () if isinstance(step, fx.Node)]
+        with module.graph.inserting_before(node):
+            node.args = (*node.args[:2], _channels_last_arguments(module.graph, node.args[0]))
+        for step in replaced:
+            if not step.users:
+                module.graph.erase_node(step)
         with value.fake_mode:
             node.meta["val"] = torch.empty_strided(value.shape, stride, dtype=value.dtype,
                                                    device=value.device)
@@ -243,6 +277,43 @@ def swap_ins_in_host_layout(module: fx.GraphModule, example_inputs: Sequence[Any
                                                    device=value.device)
         changed += 1
     return changed
+
+
+def _channels_last_arguments(graph: fx.Graph, source: fx.Node) -> list:
+    """The channels-last strides of 4-D ``source`` as op arguments, as
+    ``make_channels_last_strides_for`` computes them: a static one an int, a symbolic one nodes
+    that multiply ``source``'s sizes where it runs (a graph holds no symbolic size as a constant:
+    torch warns, and a compiler specializes it)."""
+    strides: list = [0, 1, 0, 0]
+    multiplier: int | fx.Node = 1
+    for inner, dim in ((1, 3), (3, 2), (2, 0)):  # channels, then width, then height innermost
+        size = source.meta["val"].shape[inner]
+        if isinstance(size, torch.SymInt):
+            size = _symbolic(graph, torch.ops.aten.sym_size.int, (source, inner), size)
+        if isinstance(size, fx.Node) or isinstance(multiplier, fx.Node):
+            value = _value(multiplier) * _value(size)
+            multiplier = _symbolic(graph, operator.mul, (multiplier, size), value)
+        else:
+            multiplier = multiplier * size
+        strides[dim] = multiplier
+    return strides
+
+
+def _symbolic(graph: fx.Graph, target: Any, args: tuple, value: Any) -> fx.Node:
+    node = graph.call_function(target, args)
+    node.meta["val"] = value
+    return node
+
+
+def _value(step: int | fx.Node) -> Any:
+    return step.meta["val"] if isinstance(step, fx.Node) else step
+
+
+def _expression(step: Any) -> Any:
+    """A stride as a sympy expression: symbolic ones compared without a guard."""
+    import sympy
+
+    return step.node.expr if isinstance(step, torch.SymInt) else sympy.Integer(step)
 
 
 def _dense(value: torch.Tensor) -> bool:

@@ -151,9 +151,7 @@ class _Rewriter:
             self._rerun(self.old[action.op], action)
         elif action.kind == "swap_out":
             root = self.emit(self.root_of(action.tensor))
-            stride = list(root.meta["val"].stride())  # a symbolic one: the root's own, at run
-            args = (root, self.out_key[action.tensor],
-                    None if any(isinstance(step, torch.SymInt) for step in stride) else stride)
+            args = (root, self.out_key[action.tensor], self._strides(root, action.tensor))
             self.host[action.tensor] = self._call(ops.swap_out.default, args, "swap_out", action.tensor)
         elif action.kind == "swap_in":
             buffer = copy_buffer(action.tensor, action.copy)
@@ -166,6 +164,26 @@ class _Rewriter:
             args = (self.buffers[buffer], self.copy_key[buffer])
             self._call(ops.wait.default, args, "wait", action.tensor, buffer)
         self.reading = {}
+
+    def _strides(self, root: fx.Node, name: str) -> list:
+        """The strides a swap-out of ``root`` lays its host copy out with: the graph's, each
+        symbolic one as an ``aten.sym_stride`` node (the size it evaluates to at run).
+
+        Under a compiler that lays values out as it likes (inductor), only these keep the host
+        copy in the layout the backward was traced with: a copy in the layout the value ran in
+        is copied again on the device where the two differ, and that device copy is what the
+        forward saves."""
+        strides: list = []
+        for dim, step in enumerate(root.meta["val"].stride()):
+            if isinstance(step, torch.SymInt):
+                node = self.graph.create_node("call_function", torch.ops.aten.sym_stride.int,
+                                              (root, dim), name="memfit_swap_out_stride")
+                node.meta = {"val": step, "memfit": {"kind": "swap_out_stride", "tensor": name,
+                                                     "buffer": ""}}
+                strides.append(node)
+            else:
+                strides.append(step)
+        return strides
 
     # ---- recomputation -------------------------------------------------------------------------
 

@@ -73,7 +73,8 @@ def swap_out(x: torch.Tensor, key: int, stride: list[int] | None = None) -> torc
         x: the device tensor to offload.
         key: the event key the matching ``swap_in`` waits on (``out_key`` there).
         stride: the host copy's strides, where given: the strides the graph's value has
-            (``rewrite``), or those inductor requires of it as a saved value
+            (``rewrite``; a symbolic one read where it runs), or those inductor requires of it
+            as a saved value
             (``memfit.lowering.inductor.host_copies_in_saved_layout``). Inductor lays out a value
             as it likes (an attention ``clone`` in its source's order), and a saved host copy
             whose strides differ from the required ones is copied again, on the device, so the

@@ -1,4 +1,5 @@
-"""pin_planned_order: the ordering-only dependencies that keep inductor from hoisting re-runs.
+"""pin_planned_order: the ordering-only dependencies that keep inductor from hoisting re-runs;
+drop_host_waits and planned_order_kept: what else a planned module is compiled without.
 
 Checked on a hand-built program (no inductor compile): which ops get a ``control_deps`` wrapper,
 on which anchor, and that the pinned program still computes what it did.
@@ -11,7 +12,8 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
-from memfit.lowering.inductor import pin_planned_order
+import memfit.ops.swap  # noqa: F401  (registers torch.ops.memfit.*)
+from memfit.lowering.inductor import drop_host_waits, pin_planned_order, planned_order_kept
 
 aten = torch.ops.aten
 
@@ -187,3 +189,42 @@ def test_a_swap_in_takes_the_strides_of_the_host_copy_it_reads():
     assert swap_in.meta["val"].stride() == arriving.stride() != traced.stride()
     assert swap_in.meta["val"].fake_mode is mode
     assert swap_ins_in_host_layout(module, [arriving]) == 0  # already so
+
+
+def test_waits_are_dropped_where_a_swap_in_copies_synchronously():
+    """On the CPU a ``memfit::wait`` does nothing but read the copy; inductor placed the waits
+    of a BERT layer's swapped-in attention values after a kernel that fused a bias gradient's
+    sum with the next layer norm's backward, which pulled the copies' readers ahead of them, and
+    so held each copy past its last reader (0.63 MiB over the plan's peak). Without the waits
+    the copies are freed after their readers, as the plan prices them."""
+    graph, values, call = builder(4)
+    x, w = values  # the two inputs (the first keys)
+
+    copy = call("copy_in", aten.clone.default, x, kind="swap_in")
+    wait = graph.call_function(torch.ops.memfit.wait.default, (copy, 0), name="wait")
+    wait.meta["memfit"] = {"kind": "wait", "tensor": "copy_in", "buffer": "copy_in"}
+    graph.output((call("use", aten.mm.default, copy, w),))
+    module = fx.GraphModule(torch.nn.Module(), graph)
+
+    assert drop_host_waits(module) == 1
+    assert [node.name for node in module.graph.nodes if node.op == "call_function"] == [
+        "copy_in", "use"]
+    assert torch.equal(module(values[x], values[w])[0], values[x] @ values[w])
+    assert drop_host_waits(module) == 0
+
+
+def test_a_planned_module_compiles_without_inductor_reusing_freed_buffers():
+    """Inductor's wrapper keeps a freed buffer alive until it allocates the next one of the same
+    size; a plan's swap-ins allocate their own, so freed buffers waited across its peak (a swap
+    plan's backward: a 1 MiB score gradient and six 256 KiB ones). A planned module is compiled
+    without that reuse, each buffer freed after its last reader as the model prices it; a module
+    memfit inserted nothing into compiles as ``torch.compile`` compiles it."""
+    from torch._inductor import config as inductor_config
+
+    with planned_order_kept(program(RERUNS)):
+        assert not inductor_config.allow_buffer_reuse
+        assert not inductor_config.reorder_for_peak_memory
+        assert inductor_config.inplace_buffers  # a kernel writing into an input it reads last
+    default = inductor_config.allow_buffer_reuse
+    with planned_order_kept(program({})):
+        assert inductor_config.allow_buffer_reuse == default

@@ -91,3 +91,33 @@ def test_a_plan_for_another_graph_is_refused(captured):
     plan = Plan("test", {}, graph_hash="0" * 16)
     with pytest.raises(PlanError, match="plan again"):
         rewrite(result.graph_module, graph, plan)
+
+
+def test_a_swap_out_takes_the_graphs_strides_under_symbolic_sizes():
+    """Each swap-out is given the strides of the value as the graph traced it, a symbolic one as
+    an ``aten.sym_stride`` of that value (its size where it runs). Given none (its value's own
+    layout where it runs), inductor, which lays an attention value out otherwise, copied the
+    host copy back onto the device in the traced layout and saved that copy: a padded BERT's
+    swap plan measured 7.64 MiB against its 5.51 MiB prediction."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                          nn.Linear(16, 1))
+    fitted = memfit.fit(model, budget="64MB", strategy="vdnn_all", dynamic=True)
+    for length in (12, 20):
+        fitted(torch.randn(4, length, 16)).sum().backward()
+    region = fitted._memfit_backend.regions[-1]
+    assert region.shape_bound, "planned with symbolic sizes"
+    swap_outs = [node for node in region.forward.graph.nodes
+                 if node.target is torch.ops.memfit.swap_out.default]
+    assert swap_outs
+    for swap_out in swap_outs:
+        value, strides = swap_out.args[0], swap_out.args[2]
+        traced = value.meta["val"].stride()
+        assert any(isinstance(step, torch.SymInt) for step in traced)
+        for dim, (step, given) in enumerate(zip(traced, strides, strict=True)):
+            if isinstance(step, torch.SymInt):
+                assert given.target is torch.ops.aten.sym_stride.int
+                assert given.args == (value, dim)
+            else:
+                assert given == step
+        assert swap_out.meta["val"].stride() == traced
