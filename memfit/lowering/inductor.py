@@ -416,11 +416,15 @@ def _frees_bytes(module: fx.GraphModule) -> dict[fx.Node, int]:
 
 
 def _bytes_of(node: fx.Node) -> int:
-    """The bytes of ``node``'s tensor value (0 for another value or a symbolic size)."""
+    """The bytes of ``node``'s tensor value (0 for another value), a symbolic size at the size
+    it was traced with: the memory model, which applies the same rule
+    (``memfit.model.inlining.pinned_and_anchors``), reads sizes, not symbols."""
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
     value = node.meta.get("val")
-    if not isinstance(value, torch.Tensor) or not isinstance(value.numel(), int):
+    if not isinstance(value, torch.Tensor):
         return 0
-    return value.numel() * value.element_size()
+    return optimization_hint(value.numel(), fallback=0) * value.element_size()
 
 
 def _starts_pinned_work(node: fx.Node) -> bool:
