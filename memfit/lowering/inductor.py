@@ -143,9 +143,10 @@ def _with_engine(engine: CopyEngine, wrap: Wrap | None = None) -> Callable[..., 
 
 
 def planned_order_kept(module: fx.GraphModule) -> contextlib.AbstractContextManager:
-    """Inductor's own reordering for peak memory and its reuse of freed buffers off while it
-    compiles a ``module`` that has any op memfit inserted (a plan that is not ``keep``); a module
-    without them compiles as ``torch.compile`` compiles it.
+    """Inductor's own reordering for peak memory off while it compiles a ``module`` that has any
+    op memfit inserted (a plan that is not ``keep``), and its reuse of freed buffers off where
+    those are copies (a plan that swaps); a module without them compiles as ``torch.compile``
+    compiles it.
 
     The plan's order is the one its peak was simulated in. Inductor's reordering
     (``config.reorder_for_peak_memory``) estimates memory without knowing memfit's ops: it
@@ -160,13 +161,19 @@ def planned_order_kept(module: fx.GraphModule) -> contextlib.AbstractContextMana
     swap plan's backward held a freed attention-score gradient and the gradients of a layer's
     inputs while the next layer's copies came in). Without that reuse each buffer is freed at
     its last reader, as the model prices it; an in-place reuse (a kernel that writes into an
-    input it reads last, ``config.inplace_buffers``) stays, and no kernel changes.
+    input it reads last, ``config.inplace_buffers``) stays, and no kernel changes. A module that
+    only re-runs keeps the reuse: its re-runs' buffers are the sizes the backward frees, its
+    peaks are priced with it (``memfit.model.inlining``), and without it a recomputing GPT-2
+    plan ran slower.
     """
-    if not any(inserted_kind(node) for node in module.graph.nodes):
+    kinds = {inserted_kind(node) for node in module.graph.nodes} - {None}
+    if not kinds:
         return contextlib.nullcontext()
     from torch._inductor import config as inductor_config
 
-    return inductor_config.patch(reorder_for_peak_memory=False, allow_buffer_reuse=False)
+    swaps = bool(kinds & {"swap_out", "swap_in", "wait"})
+    return inductor_config.patch(reorder_for_peak_memory=False,
+                                 **({"allow_buffer_reuse": False} if swaps else {}))
 
 
 def drop_host_waits(module: fx.GraphModule) -> int:

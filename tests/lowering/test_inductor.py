@@ -216,15 +216,19 @@ def test_waits_are_dropped_where_a_swap_in_copies_synchronously():
 def test_a_planned_module_compiles_without_inductor_reusing_freed_buffers():
     """Inductor's wrapper keeps a freed buffer alive until it allocates the next one of the same
     size; a plan's swap-ins allocate their own, so freed buffers waited across its peak (a swap
-    plan's backward: a 1 MiB score gradient and six 256 KiB ones). A planned module is compiled
-    without that reuse, each buffer freed after its last reader as the model prices it; a module
-    memfit inserted nothing into compiles as ``torch.compile`` compiles it."""
+    plan's backward: a 1 MiB score gradient and six 256 KiB ones). A module that swaps is
+    compiled without that reuse, each buffer freed after its last reader as the model prices it;
+    one that only re-runs keeps it, and a module memfit inserted nothing into compiles as
+    ``torch.compile`` compiles it."""
     from torch._inductor import config as inductor_config
 
-    with planned_order_kept(program(RERUNS)):
+    default = inductor_config.allow_buffer_reuse
+    with planned_order_kept(program({"rerun_relu": "swap_in"})):
         assert not inductor_config.allow_buffer_reuse
         assert not inductor_config.reorder_for_peak_memory
         assert inductor_config.inplace_buffers  # a kernel writing into an input it reads last
-    default = inductor_config.allow_buffer_reuse
+    with planned_order_kept(program(RERUNS)):  # re-runs only: their peaks are priced with it
+        assert inductor_config.allow_buffer_reuse == default
+        assert not inductor_config.reorder_for_peak_memory
     with planned_order_kept(program({})):
         assert inductor_config.allow_buffer_reuse == default
