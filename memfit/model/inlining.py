@@ -102,7 +102,6 @@ def inlined_buffers(graph: CostGraph, actions: Sequence[Action], outputs: frozen
     return inlined
 
 
-
 def pinned_and_anchors(graph: CostGraph, actions: Sequence[Action],
                        buffer_bytes: Mapping[str, int]) -> dict[int, tuple[int, ...]]:
     """The actions ``memfit.lowering.inductor.pin_planned_order`` pins (a swap-in, or the first
@@ -176,12 +175,12 @@ def _can_anchor(action: Action) -> bool:
 
 
 def _elementwise(graph: CostGraph, action: Action) -> bool:
-    """Whether ``action`` runs a pointwise op (PyTorch's ``pointwise`` tag, read as: fusible and
-    no reduction)."""
+    """Whether ``action`` runs a pointwise op (PyTorch's ``pointwise`` tag, read as: fusible, no
+    reduction, no op that writes through indices or joins tensors)."""
     if action.kind not in ("compute", "recompute"):
         return False
     op = graph.op(action.op)
-    return fusible(op) and op.kind not in REDUCTIONS
+    return fusible(op) and op.kind not in REDUCTIONS and op.kind not in STORED_KINDS
 
 
 def action_phase(graph: CostGraph, action: Action) -> str:

@@ -476,11 +476,12 @@ def _last_reads(schedule: Schedule) -> dict[str, int]:
     """Each buffer's last reader, an inlined buffer's readers reading what it stands for."""
     last_read: dict[str, int] = {}
     inlined = schedule.inlined
-    for index, action in enumerate(schedule.actions):  # once per simulated plan
-        if not inlined:
+    if not inlined:
+        for index, action in enumerate(schedule.actions):  # once per simulated plan
             for buffer in action.reads:
                 last_read[buffer] = index
-            continue
+        return last_read
+    for index, action in enumerate(schedule.actions):
         for buffer in action.reads:
             last_read.update(dict.fromkeys(inlined.get(buffer, (buffer,)), index))
     return last_read
