@@ -9,7 +9,7 @@ it is measured (the iteration's peak: forward, ``loss.backward()``, AdamW ``step
 CPU's measured profile (``memfit.measure_hardware()``, what ``memfit.fit`` measures on its own
 on a GPU; on a CPU its default is the nominal ``cpu`` profile). Both are timed in
 the same interleaved rounds as eager and plain ``torch.compile(backend="inductor")`` (medians of
-``TIMED_REPEATS``, after warm-ups that compile, plan and finish memfit's measured runs), and
+``TIMED_ROUNDS``, after warm-ups that compile, plan and finish memfit's measured runs), and
 their weights after the measured iterations are compared with plain ``torch.compile``'s.
 
 The models have no dropout: memfit's inductor draws eager's random numbers
@@ -46,6 +46,9 @@ from memfit.data.units import parse_bytes
 HEADERS = ("model", "torch.compile's budget", "method", "iteration peak", "step time",
            "vs torch.compile", "weights after 2 steps")
 FRACTIONS = (0.5, 0.3)  # torch.compile's activation_memory_budget
+# interleaved timed rounds: steps of tens of milliseconds, whose ratios the goal compares within a
+# few percent; five rounds put the same plan 10% apart between its 0.5 and 0.3 rows
+TIMED_ROUNDS = 21
 INDUCTOR = compiled_name("inductor")
 MODELS = (
     FitModel(functools.partial(examples.gpt2, layers=4, width=128, heads=4, vocab=256,
@@ -99,7 +102,7 @@ def budget_rows(bench: FitModel) -> list[tuple]:
             log(f"compile budget bench: {bench.name}: {planned.name}")
             results[planned.name] = _measure(planned, inputs)
             pairs.append((fraction, compiled.name, planned.name))
-        times = _timed(results, log)
+        times = _timed(results, log, TIMED_ROUNDS)
     reference = results[INDUCTOR].model
     rows = []
     for fraction, compiled_row, planned_row in pairs:

@@ -251,15 +251,16 @@ def _measure_all(example: examples.Example, bench: FitModel, log) -> dict[str, M
     return results
 
 
-def _timed(results: dict[str, Measured], log) -> dict[str, float]:
-    """Median seconds per iteration of each method that ran, interleaved; says so if Dynamo
-    compiled anything while they were timed (then a time includes a compile)."""
+def _timed(results: dict[str, Measured], log, repeats: int = TIMED_REPEATS) -> dict[str, float]:
+    """Median seconds per iteration of each method that ran, interleaved (``repeats`` rounds);
+    says so if Dynamo compiled anything while they were timed (then a time includes a
+    compile)."""
     from torch._dynamo.utils import counters
 
     runs: dict[str, Callable[[], object]] = {
         name: r.run for name, r in results.items() if r.run is not None}
     graphs = counters["stats"]["unique_graphs"]
-    medians = interleaved_medians_s(list(runs.values()), repeats=TIMED_REPEATS)
+    medians = interleaved_medians_s(list(runs.values()), repeats=repeats)
     if counters["stats"]["unique_graphs"] != graphs:
         log(f"fit bench: {counters['stats']['unique_graphs'] - graphs} graphs compiled while "
             "timed: their methods' times include compiling")

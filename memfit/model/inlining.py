@@ -23,6 +23,11 @@ inductor never stores, by the rules of ``torch._inductor.graph.GraphLowering.run
 
 The readers of an inlined value read what it reads instead, so those buffers live until its
 last reader (``memfit.model.schedule.memory_profile``).
+
+A generated pointwise kernel also writes its value *in place*, into a buffer it reads last,
+where inductor can (``in_place_writes``, the rule of
+``torch._inductor.scheduler.SchedulerNode.decide_inplace_update``): that storage then holds the
+new value, and no new one is allocated.
 """
 
 from __future__ import annotations
@@ -100,6 +105,68 @@ def inlined_buffers(graph: CostGraph, actions: Sequence[Action], outputs: frozen
         inlined[buffer] = tuple(reads)
         made_of[buffer] = (ops, heavy)
     return inlined
+
+
+def in_place_writes(graph: CostGraph, actions: Sequence[Action], outputs: frozenset[str],
+                    inlined: Mapping[str, tuple[str, ...]],
+                    buffer_bytes: Mapping[str, int]) -> dict[str, str]:
+    """The stored values of ``actions`` that inductor writes into the storage of a buffer their
+    kernel reads last, each with that buffer (whose bytes it takes: nothing is allocated).
+
+    The rule, as inductor decides it for a generated kernel's output: the kernel is pointwise
+    (``_elementwise``) and stores a value the module does not return; the buffer it takes has
+    the same bytes, is made by an op of the same module (a module's inputs are taken only
+    where AOTAutograd donates them, which this does not count), is not returned either, and
+    this kernel is its last reader, through the inlined values it computes. The value is read
+    with the index it is written with: this takes only a buffer read along fx data edges of
+    ops that allocate (an op read through a view, a ``getitem`` or a permute is not taken,
+    whatever its layout), which never claims an in-place write inductor does not make.
+    """
+    last_read: dict[str, int] = {}
+    for index, action in enumerate(actions):
+        for buffer in action.reads:
+            for source in inlined.get(buffer, (buffer,)):
+                last_read[source] = index
+    made_by: dict[str, tuple[str, str]] = {}  # buffer -> (its op, the module that made it)
+    direct: dict[str, tuple[str, ...]] = {}  # inlined buffer -> stored buffers it reads directly
+    taken: dict[str, str] = {}
+    for index, action in enumerate(actions):
+        if action.kind not in ("compute", "recompute"):
+            continue
+        phase = action_phase(graph, action)
+        op = graph.op(action.op)
+        reached = _read_directly(action, op.depends_on, made_by, direct, inlined)
+        if len(action.allocates) == 1 and action.allocates[0] in inlined:
+            direct[action.allocates[0]] = reached
+        elif (len(action.allocates) == 1 and action.allocates[0] not in outputs
+              and _elementwise(graph, action)):
+            written = action.allocates[0]
+            size = buffer_bytes.get(written, 0)
+            for source in reached:
+                if (size and last_read.get(source) == index and source not in outputs
+                        and made_by[source][1] == phase and buffer_bytes.get(source) == size
+                        and source not in taken.values()):
+                    taken[written] = source
+                    break
+        for buffer in action.allocates:
+            made_by[buffer] = (action.op, phase)
+    return taken
+
+
+def _read_directly(action: Action, depends_on: Sequence[str],
+                   made_by: Mapping[str, tuple[str, str]], direct: Mapping[str, tuple[str, ...]],
+                   inlined: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """The stored buffers ``action`` reads along fx data edges (its op's ``depends_on``), through
+    the inlined values it reads so, in the order it reads them."""
+    reached: dict[str, None] = {}
+    for buffer in action.reads:
+        if buffer not in made_by or made_by[buffer][0] not in depends_on:
+            continue
+        if buffer in inlined:
+            reached.update(dict.fromkeys(direct.get(buffer, ())))
+        else:
+            reached[buffer] = None
+    return tuple(reached)
 
 
 def pinned_and_anchors(graph: CostGraph, actions: Sequence[Action],

@@ -24,7 +24,12 @@ from memfit.data.costgraph import CostGraph
 from memfit.data.errors import PlanError
 from memfit.data.plan import Plan, Recompute, Swap
 from memfit.model.actions import Action
-from memfit.model.inlining import action_phase, inlined_buffers, pinned_and_anchors
+from memfit.model.inlining import (
+    action_phase,
+    in_place_writes,
+    inlined_buffers,
+    pinned_and_anchors,
+)
 from memfit.model.kernels import fusible
 from memfit.model.lifetimes import RETAINED_SAVES
 from memfit.model.plan_memo import remembered_profile, remembered_schedule
@@ -48,6 +53,9 @@ class Schedule:
             (inductor: ``_fused_spans``); such a kernel allocates what any of its actions
             allocates at its start and frees what it reads last at its end. Empty: every
             action is its own kernel (``aot_eager``).
+        in_place: the buffers a kernel writes into the storage of a buffer it reads last
+            (``memfit.model.inlining.in_place_writes``), each with that buffer: it allocates
+            nothing, and the storage lives until the last reader of either.
     """
 
     actions: tuple[Action, ...]
@@ -56,6 +64,7 @@ class Schedule:
     outputs: frozenset[str]
     inlined: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     kernel_starts: tuple[int, ...] = ()
+    in_place: Mapping[str, str] = field(default_factory=dict)
 
 
 def check_plan(graph: CostGraph, plan: Plan) -> None:
@@ -272,9 +281,11 @@ def _lowered(graph: CostGraph, plan: Plan) -> Schedule:
         return Schedule(tuple(actions), MappingProxyType(buffer_bytes), graph.resident_bytes,
                         outputs)
     pins = pinned_and_anchors(graph, actions, buffer_bytes)
+    inlined = inlined_buffers(graph, actions, outputs, pins)
     return Schedule(tuple(actions), MappingProxyType(buffer_bytes), graph.resident_bytes, outputs,
-                    MappingProxyType(inlined_buffers(graph, actions, outputs, pins)),
-                    _fused_spans(graph, actions, pins))
+                    MappingProxyType(inlined), _fused_spans(graph, actions, pins),
+                    MappingProxyType(in_place_writes(graph, actions, outputs, inlined,
+                                                     buffer_bytes)))
 
 
 def _fused_spans(graph: CostGraph, actions: list[Action],
@@ -421,6 +432,7 @@ def _profiled(schedule: Schedule) -> MemoryProfile:
     outputs = schedule.outputs
     last_read = _last_reads(schedule)
     size.update(dict.fromkeys(schedule.inlined, 0))
+    size.update(dict.fromkeys(schedule.in_place, 0))
     allocated = [0] * len(actions)  # bytes each action allocates
     freed = [0] * len(actions)  # bytes freed right after each action
     read_last = last_read.get
@@ -473,17 +485,20 @@ def _kernel_ends(starts: tuple[int, ...]) -> list[int]:
 
 
 def _last_reads(schedule: Schedule) -> dict[str, int]:
-    """Each buffer's last reader, an inlined buffer's readers reading what it stands for."""
+    """Each buffer's last reader, an inlined buffer's readers reading what it stands for; a
+    buffer written over in place is read until its last value's last reader."""
     last_read: dict[str, int] = {}
     inlined = schedule.inlined
     if not inlined:
         for index, action in enumerate(schedule.actions):  # once per simulated plan
             for buffer in action.reads:
                 last_read[buffer] = index
-        return last_read
-    for index, action in enumerate(schedule.actions):
-        for buffer in action.reads:
-            last_read.update(dict.fromkeys(inlined.get(buffer, (buffer,)), index))
+    else:
+        for index, action in enumerate(schedule.actions):
+            for buffer in action.reads:
+                last_read.update(dict.fromkeys(inlined.get(buffer, (buffer,)), index))
+    for written, taken in reversed(list(schedule.in_place.items())):  # later writes first
+        last_read[taken] = max(last_read[taken], last_read.get(written, -1))
     return last_read
 
 
@@ -498,7 +513,7 @@ def live_buffers(schedule: Schedule, index: int) -> list[tuple[str, int]]:
     allocated_at: dict[str, int] = {}
     for position, action in enumerate(schedule.actions):
         for buffer in action.allocates:
-            if buffer not in schedule.inlined:
+            if buffer not in schedule.inlined and buffer not in schedule.in_place:
                 allocated_at[buffer] = starts[position] if starts else position
     live = [
         (buffer, schedule.buffer_bytes[buffer])

@@ -68,6 +68,9 @@ class Tuning:
     # recompute-then-swap rounds of swapped checkpoints; a captured GPT-2 settles (or cycles)
     # before this
     auto_checkpoint_rounds: int = 6
+    # library calls auto's fused-chains candidate tries re-running (one simulation each): a
+    # CNN fits once its first convolution re-runs; a transformer's calls are many and alike
+    fused_chains_calls_tried: int = 8
 
     def __post_init__(self) -> None:
         for field in fields(self):

@@ -63,13 +63,15 @@ def _encode(argument: object) -> object:
 
 def _signature(node: fx.Node, channels_last: bool = False) -> str | None:
     """What the measurement depends on, as one string (``None`` when it cannot be probed).
-    ``channels_last``: the node's first two arguments, where they are dense 4-D tensors, are
-    measured in the channels-last layout (``memfit.tracing.temporaries``: inductor's) instead of
-    their fake values'."""
+    ``channels_last``: the node's dense 4-D tensor arguments (activations, gradients and the
+    weight: inductor converts the weight too) are measured in the channels-last layout
+    (``memfit.tracing.temporaries``: inductor's) instead of their fake values'. A convolution
+    backward given a contiguous weight beside channels-last activations converts it into
+    scratch of its own, which inductor's never does."""
     try:
         arguments = [_encode(argument) for argument in node.args]
         if channels_last:
-            arguments[:2] = [_channels_last(argument) for argument in arguments[:2]]
+            arguments = [_channels_last(argument) for argument in arguments]
         request = [str(node.target), arguments, _encode(dict(node.kwargs))]
     except _Unsupported:
         return None

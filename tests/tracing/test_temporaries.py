@@ -390,17 +390,18 @@ def to_channels_last(values: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("mask", [(True, True, False), (True, False, False)])
 def test_channels_last_convolutions_are_measured_in_that_layout(mask):
-    """Under inductor's layout optimization a 2D convolution's backward reads its gradient and
-    input channels last, and oneDNN then makes none of the blocked copies it makes of plain
-    tensors (a 4 MiB copy at 16x32x32x32): the bytes counted for a node in ``channels_last`` are
-    the allocator's for that layout, and less than the plain layout's."""
+    """Under inductor's layout optimization a 2D convolution's backward reads its gradient,
+    input and weight channels last (inductor converts the weight in the forward), and oneDNN
+    then makes none of the blocked copies it makes of plain tensors (a 4 MiB copy at
+    16x32x32x32) nor a converted copy of the weight: the bytes counted for a node in
+    ``channels_last`` are the allocator's for that layout, and less than the plain layout's."""
     shape = (16, 32, 32, 32, 3, 1, 1, 2, False)
     backward, (gradient, values, weight) = backward_case(shape, mask)
     node = traced(backward, gradient, values, weight)
     plain = kernel_temporary_bytes_of([node]).get(node, 0)
     channels_last = kernel_temporary_bytes_of([node], channels_last={node}).get(node, 0)
     measured = measured_extra_bytes(backward, (to_channels_last(gradient),
-                                               to_channels_last(values), weight))
+                                               to_channels_last(values), to_channels_last(weight)))
     assert channels_last == measured < plain
 
 

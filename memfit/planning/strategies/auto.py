@@ -31,6 +31,9 @@ The candidates, each simulated exactly by ``simulate`` (memory is program-order 
    feeds re-runs). What those swaps save relaxes the DP's budget, and the two steps repeat to
    a fixed point (``TUNING.auto_checkpoint_rounds`` at most: a DP call, a linear swap pass and
    one simulation each, once the DP's tables are built).
+8. under inductor, fused chains (``_fused_chains``): every memory-bound forward value re-run
+   inside the backward's kernels, and the fewest library calls' values that fits, as
+   ``torch.compile``'s partitioner plans under its activation memory budget.
 
 A candidate fits when its simulated device peak fits the budget and what it holds on the host
 at once fits ``hardware.host_bytes`` (``memfit.model.host_memory``); the swapping candidates
@@ -65,6 +68,7 @@ from memfit.planning.solvers import segments
 from memfit.planning.strategies import get_strategy, register, strategy_names
 from memfit.planning.strategies._budget_checks import fits, live_at_peak
 from memfit.planning.strategies._strategy_config import StrategyConfig
+from memfit.planning.strategies.recomputing import _fused_chains
 from memfit.planning.strategies.recomputing.optimal_recompute import MILP_MAX_OPS, priced_segments
 from memfit.planning.strategies.swapping import _just_in_time_swap
 from memfit.planning.strategies.swapping._free_swaps import free_swaps
@@ -135,6 +139,7 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
         consider("block-checkpoints",
                  run("checkpoint", checkpoints=[f"{stack}.*" for stack in stacks]))
     consider("swapped-checkpoints", lambda: _swapped_checkpoints(graph, hardware, budget_bytes))
+    consider(_fused_chains.NAME, lambda: _fused_chains.plan(graph, hardware, budget_bytes))
     for strategy in _others(graph):  # only where nothing fits: auto never gives up before them
         if not any(found.values()):
             consider(strategy, _none_where_inapplicable(run(strategy)))
