@@ -191,8 +191,10 @@ def _measure(method: Method, inputs: tuple) -> Measured:
         model, run, optimizer = method.build()
         peaks = []
         for _ in range(2):
-            measured = measure_allocator_peak(
-                run, track=(list(model.parameters()), optimizer.state, inputs))
+            # the model's buffers too (batch norms' running statistics): device bytes that were
+            # allocated before the measurement started, as its parameters were
+            measured = measure_allocator_peak(run, track=(
+                list(model.parameters()), list(model.buffers()), optimizer.state, inputs))
             peaks.append(measured.peak_bytes)
     except memfit.BudgetError as error:
         return Measured(method, refused=f"does not fit: smallest {mib(error.minimum_bytes)}")
