@@ -51,6 +51,16 @@ STORED_KINDS = frozenset({
     "aten._unsafe_index_put", "aten.index_add", "aten.copy_", "aten.sort", "aten.topk",
     "aten.embedding_dense_backward", "aten.constant_pad_nd", "aten.nonzero",
 })
+# pointwise-looking ops that read an input at other indices than the one they write: inductor
+# never writes their value into that input's storage (``NodeUser.can_inplace`` is false)
+READ_ELSEWHERE = frozenset({
+    "aten.gather", "aten.index", "aten._unsafe_index", "aten.index_select", "aten.take",
+    "aten.flip", "aten.roll", "aten.repeat", "aten.embedding", "aten.slice_scatter",
+    "aten.select_scatter", "aten.diagonal_scatter", "aten.as_strided_scatter",
+    "aten.reflection_pad1d", "aten.reflection_pad2d", "aten.reflection_pad3d",
+    "aten.replication_pad1d", "aten.replication_pad2d", "aten.replication_pad3d",
+    "aten.upsample_nearest2d", "aten.upsample_bilinear2d", "aten.im2col", "aten.col2im",
+})
 REUSED_TRANSCENDENTALS = frozenset({
     "aten.exp", "aten.log", "aten.log10", "aten.log1p", "aten.log2", "aten.sigmoid", "aten.tanh",
 })
@@ -120,7 +130,8 @@ def in_place_writes(graph: CostGraph, actions: Sequence[Action], outputs: frozen
     this kernel is its last reader, through the inlined values it computes. The value is read
     with the index it is written with: this takes only a buffer read along fx data edges of
     ops that allocate (an op read through a view, a ``getitem`` or a permute is not taken,
-    whatever its layout), which never claims an in-place write inductor does not make.
+    whatever its layout), by an op that reads where it writes (not ``READ_ELSEWHERE``), so
+    it never claims an in-place write inductor does not make.
     """
     last_read: dict[str, int] = {}
     for index, action in enumerate(actions):
@@ -139,13 +150,12 @@ def in_place_writes(graph: CostGraph, actions: Sequence[Action], outputs: frozen
         if len(action.allocates) == 1 and action.allocates[0] in inlined:
             direct[action.allocates[0]] = reached
         elif (len(action.allocates) == 1 and action.allocates[0] not in outputs
-              and _elementwise(graph, action)):
+              and _elementwise(graph, action) and op.kind not in READ_ELSEWHERE):
             written = action.allocates[0]
             size = buffer_bytes.get(written, 0)
-            for source in reached:
+            for source in reached:  # each source dies at one action: none is taken twice
                 if (size and last_read.get(source) == index and source not in outputs
-                        and made_by[source][1] == phase and buffer_bytes.get(source) == size
-                        and source not in taken.values()):
+                        and made_by[source][1] == phase and buffer_bytes.get(source) == size):
                     taken[written] = source
                     break
         for buffer in action.allocates:

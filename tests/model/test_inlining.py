@@ -143,11 +143,13 @@ def test_a_pointwise_kernel_writes_into_a_same_sized_buffer_it_reads_last():
     assert _peak(eager) == RESIDENT_BYTES + 100 + 100  # at b: a and b
 
 
-def test_no_write_in_place_through_a_view_into_another_size_or_a_buffer_read_later():
+def test_no_write_in_place_through_a_view_at_other_indices_sizes_or_a_buffer_read_later():
     through_view = _with_edges(_graph(IN_PLACE, ("loss",)), except_reader="b")
     assert lower(through_view, Plan("keep")).in_place == {}
     resized = [IN_PLACE[0], ("b", "aten.relu", "forward", ("a",), 50), *IN_PLACE[2:]]
     assert lower(_with_edges(_graph(resized, ("loss",))), Plan("keep")).in_place == {}
+    flipped = [IN_PLACE[0], ("b", "aten.flip", "forward", ("a",), 100), *IN_PLACE[2:]]
+    assert lower(_with_edges(_graph(flipped, ("loss",))), Plan("keep")).in_place == {}
     # the backward reads a again: b is not its last reader, and the backward's module takes it
     # as an input (not donated under memfit's accounting), so its reader there writes elsewhere
     saved = [*IN_PLACE, ("ga", "aten.mul", "backward", ("loss", "a"), 100),
