@@ -33,13 +33,14 @@ from bench.recompute_methods import SINGLE_THREAD_NOTE, block_paths, wrap_blocks
 from memfit import examples
 from memfit.runtime.measure import measure_allocator_peak
 
+TIMED_REPEATS = 5  # interleaved timed iterations per method; the median is reported
+# weights are compared after every iteration each method ran: two measured, one more, the timed
 FIT_HEADERS = ("model", "method", "iteration peak", "vs eager", "step time", "vs eager",
-               "weights after 2 steps")
+               f"weights after {3 + TIMED_REPEATS} steps")
 COMPILERS = ("aot_eager", "inductor")
 FRACTIONS = (0.5, 0.3)  # memfit auto's budgets, of eager's measured peak
 EAGER = "eager"
 CHECKPOINT = "torch.utils.checkpoint, every block"
-TIMED_REPEATS = 5  # interleaved timed iterations per method; the median is reported
 # Every compiled method of a model adds a Dynamo cache entry to the same code objects (one per
 # torch.compile call: its backend differs). A torch._dynamo.reset() between builds would drop the
 # earlier methods' entries, so each would compile (and memfit plan, and measure) again inside
