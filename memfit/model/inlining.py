@@ -117,6 +117,21 @@ def inlined_buffers(graph: CostGraph, actions: Sequence[Action], outputs: frozen
     return inlined
 
 
+def stored_last_reads(actions: Sequence[Action], inlined: Mapping[str, tuple[str, ...]]
+                      ) -> dict[str, int]:
+    """Each buffer's last reader, an inlined buffer's readers reading what it stands for."""
+    last_read: dict[str, int] = {}
+    if not inlined:
+        for index, action in enumerate(actions):  # once per simulated plan
+            for buffer in action.reads:
+                last_read[buffer] = index
+        return last_read
+    for index, action in enumerate(actions):
+        for buffer in action.reads:
+            last_read.update(dict.fromkeys(inlined.get(buffer, (buffer,)), index))
+    return last_read
+
+
 def in_place_writes(graph: CostGraph, actions: Sequence[Action], outputs: frozenset[str],
                     inlined: Mapping[str, tuple[str, ...]],
                     buffer_bytes: Mapping[str, int]) -> dict[str, str]:
@@ -133,11 +148,7 @@ def in_place_writes(graph: CostGraph, actions: Sequence[Action], outputs: frozen
     whatever its layout), by an op that reads where it writes (not ``READ_ELSEWHERE``), so
     it never claims an in-place write inductor does not make.
     """
-    last_read: dict[str, int] = {}
-    for index, action in enumerate(actions):
-        for buffer in action.reads:
-            for source in inlined.get(buffer, (buffer,)):
-                last_read[source] = index
+    last_read = stored_last_reads(actions, inlined)
     made_by: dict[str, tuple[str, str]] = {}  # buffer -> (its op, the module that made it)
     direct: dict[str, tuple[str, ...]] = {}  # inlined buffer -> stored buffers it reads directly
     taken: dict[str, str] = {}

@@ -29,6 +29,7 @@ from memfit.model.inlining import (
     in_place_writes,
     inlined_buffers,
     pinned_and_anchors,
+    stored_last_reads,
 )
 from memfit.model.kernels import fusible
 from memfit.model.lifetimes import RETAINED_SAVES
@@ -487,16 +488,7 @@ def _kernel_ends(starts: tuple[int, ...]) -> list[int]:
 def _last_reads(schedule: Schedule) -> dict[str, int]:
     """Each buffer's last reader, an inlined buffer's readers reading what it stands for; a
     buffer written over in place is read until its last value's last reader."""
-    last_read: dict[str, int] = {}
-    inlined = schedule.inlined
-    if not inlined:
-        for index, action in enumerate(schedule.actions):  # once per simulated plan
-            for buffer in action.reads:
-                last_read[buffer] = index
-    else:
-        for index, action in enumerate(schedule.actions):
-            for buffer in action.reads:
-                last_read.update(dict.fromkeys(inlined.get(buffer, (buffer,)), index))
+    last_read = stored_last_reads(schedule.actions, schedule.inlined)
     for written, taken in reversed(list(schedule.in_place.items())):  # later writes first
         last_read[taken] = max(last_read[taken], last_read.get(written, -1))
     return last_read

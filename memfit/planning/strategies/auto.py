@@ -32,8 +32,9 @@ The candidates, each simulated exactly by ``simulate`` (memory is program-order 
    a fixed point (``TUNING.auto_checkpoint_rounds`` at most: a DP call, a linear swap pass and
    one simulation each, once the DP's tables are built).
 8. under inductor, fused chains (``_fused_chains``): every memory-bound forward value re-run
-   inside the backward's kernels, and the fewest library calls' values that fits, as
-   ``torch.compile``'s partitioner plans under its activation memory budget.
+   inside the backward's kernels, and library calls' values, cheapest per byte first, where
+   re-running one lowers the peak, as ``torch.compile``'s partitioner plans under its
+   activation memory budget.
 
 A candidate fits when its simulated device peak fits the budget and what it holds on the host
 at once fits ``hardware.host_bytes`` (``memfit.model.host_memory``); the swapping candidates
