@@ -135,3 +135,38 @@ def test_inductor_holds_per_block_checkpointing_peak_on_a_basic_block_cnn():
         torch.testing.assert_close(parameter, expected, msg=name)
     for (name, buffer), expected in zip(model.named_buffers(), reference.buffers(), strict=True):
         torch.testing.assert_close(buffer, expected, msg=name)
+
+
+def test_fused_chains_trains_at_the_peak_torch_compiles_budget_reaches():
+    """``strategy="fused-chains"``: the CNN's batch norms and ReLUs re-run inside the backward's
+    kernels, convolutions re-run where that lowers the peak, as ``torch.compile``'s partitioner
+    plans under ``activation_memory_budget=0.5``; at that run's measured peak, every iteration
+    within it and torch.compile's losses, weights and running statistics."""
+    compiled = BlockNet()
+    with torch._functorch.config.patch(activation_memory_budget=0.5):
+        _, compile_peaks = train(compiled, torch.compile(compiled), sgd(compiled))
+    torch._dynamo.reset()
+    budget = max(compile_peaks)
+    reference = BlockNet()
+    reference_losses, _ = train(reference, torch.compile(reference), sgd(reference))
+    torch._dynamo.reset()
+
+    model = BlockNet()
+    optimizer = sgd(model)
+    fitted = memfit.fit(model, budget=budget, strategy="fused-chains", compiler="inductor",
+                        optimizer=optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memfit.BudgetWarning)
+        losses, peaks = train(model, fitted, optimizer)
+    print(f"budget {budget}, fused chains peaks {peaks}")
+
+    (region,) = fitted._memfit_backend.regions
+    assert region.plan.strategy == "fused-chains" and region.plan.recomputed
+    assert all(peak <= budget for peak in peaks), (peaks, budget)
+    for loss, expected in zip(losses, reference_losses, strict=True):
+        torch.testing.assert_close(loss, expected)
+    for (name, parameter), expected in zip(model.named_parameters(), reference.parameters(),
+                                           strict=True):
+        torch.testing.assert_close(parameter, expected, msg=name)
+    for (name, buffer), expected in zip(model.named_buffers(), reference.buffers(), strict=True):
+        torch.testing.assert_close(buffer, expected, msg=name)

@@ -64,3 +64,42 @@ def test_inductor_at_half_the_eager_peak_computes_torch_compiles_step(build):
     for (name, parameter), expected in zip(model.named_parameters(), reference.parameters(),
                                            strict=True):
         torch.testing.assert_close(parameter, expected, msg=name)
+
+
+def test_fused_chains_trains_bert_at_torch_compiles_budget_peak_with_a_smaller_last_batch():
+    """``strategy="fused-chains"`` (every memory-bound chain re-run inside the backward's
+    kernels, library calls where that lowers the peak) trains padded BERT at the peak
+    ``torch.compile`` measures with ``activation_memory_budget=0.5``; the last batch is smaller,
+    as a loader's last one is: every iteration within it, torch.compile's losses and weights."""
+    example = bert()
+    data = [example.make_inputs(example.batch_size) for _ in range(STEPS - 1)]
+    data.append(example.make_inputs(example.batch_size // 2))
+    with torch._functorch.config.patch(activation_memory_budget=0.5):
+        _, compile_peaks, _, _ = train(torch.compile(bert().model), example.loss_fn, data)
+    torch._dynamo.reset()
+    budget = max(compile_peaks)
+    reference = bert().model
+    reference_losses, _, _, _ = train(torch.compile(reference), example.loss_fn, data)
+    torch._dynamo.reset()
+
+    model = bert().model
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=budget, strategy="fused-chains", compiler="inductor",
+                        optimizer=optimizer)
+    losses, peaks, _, _ = train(fitted, example.loss_fn, data, optimizer)
+    print(f"budget {budget}, torch.compile at 0.5 {compile_peaks}, fused chains {peaks}")
+
+    regions = fitted._memfit_backend.regions
+    assert regions and all(region.plan.strategy == "fused-chains" and region.plan.recomputed
+                           for region in regions)
+    assert all(peak <= budget for peak in peaks), (peaks, budget)
+    for loss, expected in zip(losses, reference_losses, strict=True):
+        torch.testing.assert_close(loss, expected)
+    for (name, parameter), expected in zip(model.named_parameters(), reference.parameters(),
+                                           strict=True):
+        torch.testing.assert_close(parameter, expected, msg=name)
+
+
+def test_fused_chains_is_refused_at_the_call_under_aot_eager():
+    with pytest.raises(ValueError, match="compiler='inductor'"):
+        memfit.fit(gpt2().model, budget=0.5, strategy="fused-chains")

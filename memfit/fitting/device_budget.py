@@ -69,7 +69,8 @@ def fit_device(planner: Backend, device: torch.device, strategy: str | None,
         return
     usable = -agree_max([-usable_device_bytes(device)])[0]
     budget_bytes, margin_bytes = automatic_budget(usable)
-    budget, chosen = resolve_budget_and_strategy(budget_bytes, strategy, params)
+    budget, chosen = resolve_budget_and_strategy(budget_bytes, strategy, params,
+                                                 planner.options.compiler)
     planner.choose_budget(budget, chosen, note=(
         f"budget: {format_bytes(budget_bytes)}, chosen by memfit: the device's free memory at the "
         f"first call ({format_bytes(usable)}, torch's cached bytes included) less a "

@@ -447,5 +447,5 @@ def backend_options(budget: str | int | float | None, strategy: str | None,
         raise ValueError(f"measure_runs must be 0 or more, got {measure_runs}")
     if compiler not in COMPILERS:
         raise ValueError(f"unknown compiler {compiler!r}: use one of {COMPILERS}")
-    parsed, chosen = resolve_budget_and_strategy(budget, strategy, params)
+    parsed, chosen = resolve_budget_and_strategy(budget, strategy, params, compiler)
     return BackendOptions(parsed, chosen, hardware, compiler, params, measure_runs)

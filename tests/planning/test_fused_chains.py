@@ -1,4 +1,4 @@
-"""auto's fused-chains candidate on a captured BatchNorm CNN priced for inductor: every
+"""The fused-chains strategy (auto's candidate under inductor) on a captured BatchNorm CNN: every
 memory-bound forward value re-runs inside the backward's kernels, the outputs of library calls
 (convolutions) are kept but those whose re-run lowers the peak, as ``torch.compile``'s partitioner
 plans under its activation memory budget. Its peak is what memfit's model of inductor's program
@@ -18,7 +18,7 @@ from memfit.data.op_classes import MEMORY, op_class
 from memfit.data.plan import Recompute
 from memfit.model.schedule import lower, memory_profile
 from memfit.planning.strategies import get_strategy
-from memfit.planning.strategies.recomputing import _fused_chains
+from memfit.planning.strategies.recomputing import fused_chains
 
 pytestmark = [
     pytest.mark.slow,
@@ -52,38 +52,42 @@ def _peak(graph, plan) -> int:
 def test_every_chain_reruns_and_only_library_calls_that_lower_the_peak(joint):
     graph = _graph(joint, "inductor")
     keep = get_strategy("keep")(graph, HARDWARE)
-    chains_only = _fused_chains._plan(graph, _fused_chains._chain_values(graph), ())
+    chains_only = fused_chains._plan(graph, fused_chains._chain_values(graph), ())
     assert _peak(graph, chains_only) < _peak(graph, keep)
 
-    plan = _fused_chains.plan(graph, HARDWARE, _peak(graph, chains_only) - 1)
-    assert plan is not None and plan.params["library_calls_recomputed"] >= 1
+    plan = get_strategy("fused-chains")(graph, HARDWARE, _peak(graph, chains_only) - 1)
+    assert plan.params["library_calls_recomputed"] >= 1
     assert _peak(graph, plan) < _peak(graph, chains_only)
     for tensor, decision in plan.decisions.items():
         producer = graph.op(graph.tensors[tensor].producer)
         assert isinstance(decision, Recompute) and producer.phase == "forward"
-        assert op_class(producer.kind) == MEMORY or tensor in _fused_chains._library_values(graph)
-    assert _fused_chains.plan(graph, HARDWARE, 1) is None  # nothing fits a byte
+        assert op_class(producer.kind) == MEMORY or tensor in fused_chains._library_values(graph, fused_chains._chain_values(graph))
+    with pytest.raises(memfit.BudgetError) as refused:  # nothing fits a byte
+        fused_chains.plan(graph, HARDWARE, 1)
+    assert refused.value.minimum_bytes <= _peak(graph, plan)
+    assert fused_chains.plan(graph, HARDWARE).params["library_calls_recomputed"] == 0
 
 
 def test_auto_offers_it_under_inductor_only_and_takes_it_where_it_is_the_fastest_fit(joint):
     inductor = _graph(joint, "inductor")
-    budget = _peak(inductor, _fused_chains.plan(inductor, HARDWARE, 10**12))
+    budget = _peak(inductor, fused_chains.plan(inductor, HARDWARE))
     planned = get_strategy("auto")(inductor, HARDWARE, budget)
     candidates = planned.params["candidates"]
-    assert candidates[_fused_chains.NAME] is not None  # it fits its own peak
+    assert candidates[fused_chains.NAME] is not None  # it fits its own peak
     fastest = min((time, name) for name, time in candidates.items() if time is not None)[1]
     assert planned.params["solver"] == fastest
     eager = _graph(joint, "aot_eager")
-    assert _fused_chains.plan(eager, HARDWARE, 10**12) is None
+    with pytest.raises(ValueError, match="inductor"):
+        fused_chains.plan(eager, HARDWARE)
     assert get_strategy("auto")(eager, HARDWARE, budget).params["candidates"].get(
-        _fused_chains.NAME) is None
+        fused_chains.NAME) is None
 
 
 def test_the_batch_norm_gradient_takes_the_storage_of_the_rerun_relu_it_reads_last(joint):
     """Inductor's backward kernel for a batch norm reads the re-run ReLU's value last (its mask)
     and writes the input gradient into that storage: the model counts one buffer, not two."""
     graph = _graph(joint, "inductor")
-    plan = _fused_chains._plan(graph, _fused_chains._chain_values(graph), ())
+    plan = fused_chains._plan(graph, fused_chains._chain_values(graph), ())
     schedule = lower(graph, plan)
     reruns = {source for source in schedule.in_place.values() if "#re" in source}
     assert {source.split("#")[0] for source in reruns} & {"relu", "relu_1", "relu_2"}

@@ -44,7 +44,7 @@ _REGISTRY: dict[str, Strategy] = {}
 # parameters checked, without loading every strategy and the solvers they import
 BUILTIN_MODULES = {
     "auto": "auto", "checkpoint": "recomputing.checkpoint", "keep": "keep",
-    "memory-poor": "recomputing.memory_poor", "optimal-recompute": "recomputing.optimal_recompute",
+    "fused-chains": "recomputing.fused_chains", "memory-poor": "recomputing.memory_poor", "optimal-recompute": "recomputing.optimal_recompute",
     "swap": "swapping.tflms", "vdnn_all": "swapping.vdnn", "vdnn_conv": "swapping.vdnn",
     "vdnn_dyn": "swapping.vdnn",
 }
@@ -178,23 +178,32 @@ def _by_spelling() -> dict[str, str]:
     return {_spelling(registered): registered for registered in _REGISTRY}
 
 
-def check_params(name: str, params: Mapping[str, Any]) -> None:
-    """Validate a strategy's parameters without a graph, so bad ones fail before any capture.
+def check_params(name: str, params: Mapping[str, Any], compiler: str = "aot_eager") -> None:
+    """Validate a strategy's parameters and compiler without a graph, so bad ones fail before
+    any capture.
 
     Builds the strategy's registered ``StrategyConfig``, which raises ``ValueError`` naming the
-    accepted values.
+    accepted values, and raises ``ValueError`` where the strategy does not plan ``compiler``'s
+    programs.
     """
     name = canonical_name(name)
     if name not in _CONFIGS:
         _load_builtin(name)
-    _CONFIGS[name].from_params(params)
+    config = _CONFIGS[name]
+    config.from_params(params)
+    if compiler not in config.compilers:
+        raise ValueError(f"strategy {name!r} plans the programs of compiler="
+                         f"{' or '.join(repr(c) for c in config.compilers)} only, got "
+                         f"compiler={compiler!r}: pass compiler={config.compilers[0]!r} "
+                         "(memfit.fit, memfit.backend) or choose another strategy")
 
 
 def resolve_budget_and_strategy(budget: str | int | float | Budget | None, strategy: str | None,
-                                params: Mapping[str, Any]) -> tuple[Budget | None, str]:
+                                params: Mapping[str, Any], compiler: str = "aot_eager"
+                                ) -> tuple[Budget | None, str]:
     """Parse the budget and pick the strategy (``auto`` with a budget, ``keep`` without) by its
-    registered name (``canonical_name``); check its parameters now, so a mistake fails at
-    ``compile``, not at the first step.
+    registered name (``canonical_name``); check its parameters and ``compiler`` now, so a
+    mistake fails at ``compile``, not at the first step.
 
     Torch-free, so the command line checks its arguments with it before importing torch.
 
@@ -202,13 +211,16 @@ def resolve_budget_and_strategy(budget: str | int | float | Budget | None, strat
     fits it, whatever mix of swapping and recomputation that takes on their hardware."""
     parsed = parse_budget(budget)
     chosen = canonical_name(strategy or ("auto" if parsed is not None else "keep"))
-    check_params(chosen, params)
+    check_params(chosen, params, compiler)
     return parsed, chosen
 
 
-def strategy_names() -> tuple[str, ...]:
+def strategy_names(compiler: str | None = None) -> tuple[str, ...]:
+    """The registered strategies' names, sorted; with ``compiler``, those that plan its
+    programs (``StrategyConfig.compilers``)."""
     _load_builtin()
-    return tuple(sorted(_REGISTRY))
+    return tuple(sorted(name for name in _REGISTRY
+                        if compiler is None or compiler in _CONFIGS[name].compilers))
 
 
 def _load_builtin(name: str | None = None) -> None:

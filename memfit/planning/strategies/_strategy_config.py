@@ -19,6 +19,8 @@ class StrategyConfig:
     raises ``ValueError`` naming the accepted values."""
 
     strategy: ClassVar[str]  # the registered name, for the error messages
+    # the compilers whose programs the strategy plans (fused-chains: inductor's only)
+    compilers: ClassVar[tuple[str, ...]] = ("aot_eager", "inductor")
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> Self:

@@ -31,7 +31,7 @@ The candidates, each simulated exactly by ``simulate`` (memory is program-order 
    feeds re-runs). What those swaps save relaxes the DP's budget, and the two steps repeat to
    a fixed point (``TUNING.auto_checkpoint_rounds`` at most: a DP call, a linear swap pass and
    one simulation each, once the DP's tables are built).
-8. under inductor, fused chains (``_fused_chains``): every memory-bound forward value re-run
+8. under inductor, fused chains (``fused_chains``): every memory-bound forward value re-run
    inside the backward's kernels, and library calls' values, cheapest per byte first, where
    re-running one lowers the peak, as ``torch.compile``'s partitioner plans under its
    activation memory budget.
@@ -69,7 +69,7 @@ from memfit.planning.solvers import segments
 from memfit.planning.strategies import get_strategy, register, strategy_names
 from memfit.planning.strategies._budget_checks import fits, live_at_peak
 from memfit.planning.strategies._strategy_config import StrategyConfig
-from memfit.planning.strategies.recomputing import _fused_chains
+from memfit.planning.strategies.recomputing import fused_chains
 from memfit.planning.strategies.recomputing.optimal_recompute import MILP_MAX_OPS, priced_segments
 from memfit.planning.strategies.swapping import _just_in_time_swap
 from memfit.planning.strategies.swapping._free_swaps import free_swaps
@@ -140,7 +140,8 @@ def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
         consider("block-checkpoints",
                  run("checkpoint", checkpoints=[f"{stack}.*" for stack in stacks]))
     consider("swapped-checkpoints", lambda: _swapped_checkpoints(graph, hardware, budget_bytes))
-    consider(_fused_chains.NAME, lambda: _fused_chains.plan(graph, hardware, budget_bytes))
+    if graph.compiler in fused_chains.FusedChainsConfig.compilers:
+        consider(fused_chains.NAME, run(fused_chains.NAME))
     for strategy in _others(graph):  # only where nothing fits: auto never gives up before them
         if not any(found.values()):
             consider(strategy, _none_where_inapplicable(run(strategy)))
@@ -173,8 +174,8 @@ def _others(graph: CostGraph) -> list[str]:
     """The registered strategies the portfolio has not run with their defaults, cheapest first:
     the rest, then optimal-recompute's MILP where the graph is small enough for it (above, its
     default is the DP, which the portfolio ran)."""
-    ran = {"auto", "keep", "swap", LAST_RESORT, *VDNN_POLICIES}
-    others = [name for name in strategy_names() if name not in ran]
+    ran = {"auto", "keep", "swap", fused_chains.NAME, LAST_RESORT, *VDNN_POLICIES}
+    others = [name for name in strategy_names(graph.compiler) if name not in ran]
     return others + ([LAST_RESORT] if len(graph.ops) <= MILP_MAX_OPS else [])
 
 

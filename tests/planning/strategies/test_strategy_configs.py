@@ -85,7 +85,7 @@ def test_every_strategy_has_a_frozen_config_whose_defaults_pass(name):
     assert issubclass(config, StrategyConfig) and config.strategy == name
     built = config.from_params({})
     assert built == config()
-    check_params(name, {})
+    check_params(name, {}, config.compilers[0])
     for field in dataclasses.fields(config):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(built, field.name, getattr(built, field.name))

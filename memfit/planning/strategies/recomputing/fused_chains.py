@@ -1,4 +1,4 @@
-"""Re-run every chain of memory-bound ops from the library calls' outputs: auto's inductor plan.
+"""Re-run every chain of memory-bound ops from the library calls' outputs (inductor only).
 
 Under inductor a chain of memory-bound ops (a batch norm's statistics and normalisation, an
 activation, a residual add) re-runs inside the backward kernels that read it: fused, it costs
@@ -18,10 +18,14 @@ fused re-runs, in-place writes) and checked against the budget:
 
 The separator-block DP prices recomputation on eager's program (every value stored,
 ``memfit.model.keep_profile``), on which re-running a whole chain frees little: this plan is
-what it cannot see.
+what it cannot see. ``auto`` prices it as one of its candidates under inductor; named on its own
+(``strategy="fused-chains"``) it plans the same way and refuses where it does not fit.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
 
 from memfit.data.costgraph import CostGraph
 from memfit.data.hardware import Hardware
@@ -29,39 +33,59 @@ from memfit.data.op_classes import MEMORY, op_class
 from memfit.data.plan import Plan, Recompute
 from memfit.model.kernels import fusible
 from memfit.model.schedule import lower, memory_profile
+from memfit.planning.strategies import register
+from memfit.planning.strategies._budget_checks import require_fit
+from memfit.planning.strategies._strategy_config import StrategyConfig
 from memfit.planning.tuning import TUNING
 
 NAME = "fused-chains"
 
 
-def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int) -> Plan | None:
-    """The plan recomputing every memory-bound forward value, and library calls' values until
-    it fits ``budget_bytes``; ``None`` for a graph inductor does not run (nothing is fused
-    there) or where it does not fit.
+@dataclass(frozen=True)
+class FusedChainsConfig(StrategyConfig):
+    """fused-chains takes no parameters; it plans inductor's program only."""
+
+    strategy: ClassVar[str] = NAME
+    compilers: ClassVar[tuple[str, ...]] = ("inductor",)
+
+
+@register(NAME, config=FusedChainsConfig)
+def plan(graph: CostGraph, hardware: Hardware, budget_bytes: int | None = None,
+         **params) -> Plan:
+    """The plan recomputing every memory-bound forward value the step does not return, and
+    library calls' values, cheapest per byte first, where each lowers the peak, until it fits
+    ``budget_bytes`` (``None``: the chains alone).
+
+    Raises:
+        ValueError: for any parameter, or a graph inductor does not run (nothing is fused
+            there: use ``compiler="inductor"``).
+        BudgetError: where the lowest peak it finds does not fit ``budget_bytes`` (that peak
+            is the minimum), or the host does not hold what it swaps (none).
 
     Example:
         >>> from memfit.data.hardware import get_hardware
         >>> from memfit.model.synthetic import chain
-        >>> plan(chain(4), get_hardware("cpu"), 1) is None  # an aot_eager graph
-        True
+        >>> plan(chain(4), get_hardware("cpu"))  # an aot_eager graph
+        Traceback (most recent call last):
+        ValueError: strategy 'fused-chains' plans the program inductor runs ...
     """
+    FusedChainsConfig.from_params(params)
     if graph.compiler != "inductor":
-        return None
+        raise ValueError(f"strategy {NAME!r} plans the program inductor runs (fused kernels), "
+                         f"this graph is {graph.compiler}'s: use compiler=\"inductor\" or "
+                         "another strategy")
     chains = _chain_values(graph)
-    calls = _library_values(graph)
-    if not chains and not calls:
-        return None
+    calls = _library_values(graph, chains)
     chosen: tuple[str, ...] = ()
     peak = _peak(graph, chains, chosen)
     for call in calls[:TUNING.fused_chains_calls_tried]:
-        if peak <= budget_bytes:
+        if budget_bytes is None or peak <= budget_bytes:
             break
         lower_peak = _peak(graph, chains, (*chosen, call))
         if lower_peak < peak:
             chosen, peak = (*chosen, call), lower_peak
-    if peak > budget_bytes:
-        return None
-    return _plan(graph, chains, chosen, budget_bytes, hardware)
+    return require_fit(graph, _plan(graph, chains, chosen, budget_bytes, hardware),
+                       budget_bytes, hardware.host_bytes)
 
 
 def _chain_values(graph: CostGraph) -> tuple[str, ...]:
@@ -70,14 +94,25 @@ def _chain_values(graph: CostGraph) -> tuple[str, ...]:
                  if not graph.tensors[tensor].is_output)
 
 
-def _library_values(graph: CostGraph) -> tuple[str, ...]:
-    """The saved values of forward library calls (matmuls, convolutions, attention), cheapest
-    re-run per byte first."""
-    saved = {tensor.name for tensor in graph.saved_tensors()}
+def _library_values(graph: CostGraph, chains: tuple[str, ...]) -> tuple[str, ...]:
+    """The values of forward library calls (matmuls, convolutions, attention) the backward reads
+    once ``chains`` re-run there (directly, or as what a re-run chain reads: attention scores
+    under a re-run softmax), cheapest re-run per byte first."""
+    rerun = set(chains)
+    held: set[str] = set()
+    reached = [tensor.name for tensor in graph.saved_tensors()]
+    while reached:
+        tensor = reached.pop()
+        if tensor in held:
+            continue
+        held.add(tensor)
+        producer = graph.tensors[tensor].producer
+        if tensor in rerun and producer is not None:
+            reached.extend(graph.op(producer).inputs)
     values = [(op.time_s / graph.tensors[tensor].size_bytes, tensor)
               for op in graph.forward_ops if op_class(op.kind) != MEMORY
-              for tensor in op.outputs if tensor in saved and not graph.tensors[tensor].is_output
-              and graph.tensors[tensor].size_bytes > 0]
+              for tensor in op.outputs if tensor in held and tensor not in rerun
+              and not graph.tensors[tensor].is_output and graph.tensors[tensor].size_bytes > 0]
     return tuple(tensor for _, tensor in sorted(values))
 
 
