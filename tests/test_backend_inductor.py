@@ -122,6 +122,17 @@ def train(model, loss_fn, data, optimizer=None):
     return losses, peaks, times_s, "\n".join(code)
 
 
+def assert_trained_as(model, losses, reference, reference_losses) -> None:
+    """The losses, parameters and buffers of ``model``'s run are ``reference``'s within
+    ``torch.testing.assert_close``'s float32 defaults."""
+    for loss, expected in zip(losses, reference_losses, strict=True):
+        torch.testing.assert_close(loss, expected)
+    for (name, value), expected in zip([*model.named_parameters(), *model.named_buffers()],
+                                       [*reference.parameters(), *reference.buffers()],
+                                       strict=True):
+        torch.testing.assert_close(value, expected, msg=name)
+
+
 def kernels(code: str) -> int:
     """Inductor's fused C++ kernels in generated code (``cpp_fused_*`` definitions)."""
     return len(re.findall(r"^cpp_fused_\w+ = ", code, flags=re.MULTILINE))

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 import memfit
 from memfit.runtime.measure import measure_allocator_peak
+from tests.test_backend_inductor import assert_trained_as
 
 pytestmark = [
     pytest.mark.slow,
@@ -128,13 +129,7 @@ def test_inductor_holds_per_block_checkpointing_peak_on_a_basic_block_cnn():
     regions = fitted._memfit_backend.regions
     assert any(region.plan.swapped or region.plan.reruns for region in regions)
     assert all(peak <= budget for peak in peaks), (peaks, budget)
-    for loss, expected in zip(losses, reference_losses, strict=True):
-        torch.testing.assert_close(loss, expected)
-    for (name, parameter), expected in zip(model.named_parameters(), reference.parameters(),
-                                           strict=True):
-        torch.testing.assert_close(parameter, expected, msg=name)
-    for (name, buffer), expected in zip(model.named_buffers(), reference.buffers(), strict=True):
-        torch.testing.assert_close(buffer, expected, msg=name)
+    assert_trained_as(model, losses, reference, reference_losses)
 
 
 def test_fused_chains_trains_at_the_peak_torch_compiles_budget_reaches():
@@ -163,10 +158,4 @@ def test_fused_chains_trains_at_the_peak_torch_compiles_budget_reaches():
     (region,) = fitted._memfit_backend.regions
     assert region.plan.strategy == "fused-chains" and region.plan.recomputed
     assert all(peak <= budget for peak in peaks), (peaks, budget)
-    for loss, expected in zip(losses, reference_losses, strict=True):
-        torch.testing.assert_close(loss, expected)
-    for (name, parameter), expected in zip(model.named_parameters(), reference.parameters(),
-                                           strict=True):
-        torch.testing.assert_close(parameter, expected, msg=name)
-    for (name, buffer), expected in zip(model.named_buffers(), reference.buffers(), strict=True):
-        torch.testing.assert_close(buffer, expected, msg=name)
+    assert_trained_as(model, losses, reference, reference_losses)

@@ -22,7 +22,12 @@ import pytest
 import torch
 
 import memfit
-from tests.test_backend_inductor import _fresh_dynamo, pytestmark, train  # noqa: F401
+from tests.test_backend_inductor import (  # noqa: F401
+    _fresh_dynamo,
+    assert_trained_as,
+    pytestmark,
+    train,
+)
 
 STEPS = 3
 
@@ -59,11 +64,7 @@ def test_inductor_at_half_the_eager_peak_computes_torch_compiles_step(build):
     assert any(region.plan.swapped or region.plan.recomputed for region in regions)
     assert all(peak <= budget for peak in peaks), (peaks, budget)
     assert "cpp_fused_" in code  # inductor's fused kernels are still there
-    for loss, expected in zip(losses, reference_losses, strict=True):
-        torch.testing.assert_close(loss, expected)
-    for (name, parameter), expected in zip(model.named_parameters(), reference.parameters(),
-                                           strict=True):
-        torch.testing.assert_close(parameter, expected, msg=name)
+    assert_trained_as(model, losses, reference, reference_losses)
 
 
 def test_fused_chains_trains_bert_at_torch_compiles_budget_peak_with_a_smaller_last_batch():
@@ -93,11 +94,7 @@ def test_fused_chains_trains_bert_at_torch_compiles_budget_peak_with_a_smaller_l
     assert regions and all(region.plan.strategy == "fused-chains" and region.plan.recomputed
                            for region in regions)
     assert all(peak <= budget for peak in peaks), (peaks, budget)
-    for loss, expected in zip(losses, reference_losses, strict=True):
-        torch.testing.assert_close(loss, expected)
-    for (name, parameter), expected in zip(model.named_parameters(), reference.parameters(),
-                                           strict=True):
-        torch.testing.assert_close(parameter, expected, msg=name)
+    assert_trained_as(model, losses, reference, reference_losses)
 
 
 def test_fused_chains_is_refused_at_the_call_under_aot_eager():
