@@ -206,13 +206,43 @@ def _measure(method: Method, inputs: tuple) -> Measured:
 def weights_verdict(model: torch.nn.Module, reference: torch.nn.Module, name: str) -> str:
     """How ``model``'s parameters compare with ``reference``'s: bitwise, within torch's
     inductor-test tolerance, or the largest difference."""
-    pairs = list(zip(model.parameters(), reference.parameters(), strict=True))
+    return _verdict(list(model.parameters()), list(reference.parameters()), name)
+
+
+def _verdict(values: list[torch.Tensor], reference: list[torch.Tensor], name: str) -> str:
+    pairs = list(zip(values, reference, strict=True))
     if all(torch.equal(a, b) for a, b in pairs):
         return f"bitwise {name}'s"
     if all(torch.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in pairs):
         return f"allclose {name}'s"
     largest = max(float((a - b).detach().abs().max()) for a, b in pairs)
     return f"differ from {name}'s (up to {largest:.1e})"
+
+
+def first_step_gradients(method: Method) -> list[torch.Tensor]:
+    """The gradients a fresh build of ``method`` hands its optimizer at its first iteration (an
+    unmeasured run: the copies would count in a measured peak)."""
+    model, run, optimizer = method.build()
+    gradients: list[torch.Tensor] = []
+
+    def snapshot(*_: object) -> None:
+        if not gradients:
+            gradients.extend(torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+                             for p in model.parameters())
+
+    handle = optimizer.register_step_pre_hook(snapshot)
+    run()
+    handle.remove()
+    return gradients
+
+
+def gradients_verdict(method: Method, reference: list[torch.Tensor], name: str) -> str:
+    """How ``method``'s first-step gradients compare with ``reference`` (``name``'s, in
+    ``weights_verdict``'s terms): where weights differ after several AdamW steps, whether the
+    gradients already did. AdamW moves a weight by about its learning rate whatever its
+    gradient's size, so a gradient near zero that rounds differently moves it by up to that
+    much."""
+    return _verdict(first_step_gradients(method), reference, name)
 
 
 def fit_rows(bench: FitModel, log) -> list[tuple]:
