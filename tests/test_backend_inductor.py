@@ -138,14 +138,16 @@ def kernels(code: str) -> int:
     return len(re.findall(r"^cpp_fused_\w+ = ", code, flags=re.MULTILINE))
 
 
-def run_case(case, budget_fraction: float, strategy: str):
+def run_case(case, budget_fraction: float, strategy: str, optimizer_type=torch.optim.AdamW):
     build, loss_fn, data = case()
-    _, eager_peaks, _, _ = train(build(), loss_fn, data)
+    eager = build()
+    _, eager_peaks, _, _ = train(eager, loss_fn, data, optimizer_type(eager.parameters()))
     reference = build()
-    reference_run = train(torch.compile(reference), loss_fn, data)
+    reference_run = train(torch.compile(reference), loss_fn, data,
+                          optimizer_type(reference.parameters()))
     model = build()
     budget = int(budget_fraction * max(eager_peaks))
-    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer = optimizer_type(model.parameters())
     fitted = memfit.fit(model, budget=budget, strategy=strategy, compiler="inductor",
                         optimizer=optimizer)
     run = train(fitted, loss_fn, data, optimizer)
@@ -162,9 +164,9 @@ def run_case(case, budget_fraction: float, strategy: str):
 FUSED_SMALL_OUTPUTS_BYTES = 4096
 
 
-def check(case, budget_fraction: float, strategy: str) -> None:
+def check(case, budget_fraction: float, strategy: str, optimizer_type=torch.optim.AdamW) -> None:
     model, reference, fitted, budget, run, reference_run = run_case(case, budget_fraction,
-                                                                   strategy)
+                                                                   strategy, optimizer_type)
     losses, peaks, _, code = run
     for loss, expected in zip(losses, reference_run[0], strict=True):
         torch.testing.assert_close(loss, expected)  # the min-cut reference re-runs, see Note
@@ -185,10 +187,19 @@ def check(case, budget_fraction: float, strategy: str) -> None:
     assert ("torch.ops.memfit.swap_out" in code) == swapped
 
 
+def sgd(parameters) -> torch.optim.Optimizer:
+    return torch.optim.SGD(parameters, lr=0.01)
+
+
 def test_auto_at_half_the_eager_peak_holds_the_budget_on_a_cnn():
     # six blocks: with three, the convolutions' backward scratch buffers alone put every plan's
-    # smallest peak at 0.63 of eager's; auto plans swaps here (vdnn_all on the cpu profile)
-    check(lambda: cnn_case(blocks=6), 0.5, "auto")
+    # smallest peak at 0.63 of eager's. SGD, not AdamW: on one thread plain torch.compile's
+    # first gradients already differ from eager's by up to 0.7% of a tensor's largest (six batch
+    # norms' backward cancel), and auto's plan here (fused chains: the batch norms re-run in
+    # the backward's kernels) rounds them differently again (1.7e-8 apart); AdamW moves every
+    # weight by about its learning rate whatever its gradient's size, which took that to 3.6e-5
+    # in the weights after two steps, past float32's tolerance, where SGD keeps it at lr x 1e-8
+    check(lambda: cnn_case(blocks=6), 0.5, "auto", sgd)
 
 
 def test_reruns_of_a_cnn_keep_their_planned_order_under_inductor():
