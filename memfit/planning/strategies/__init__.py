@@ -44,7 +44,8 @@ _REGISTRY: dict[str, Strategy] = {}
 # parameters checked, without loading every strategy and the solvers they import
 BUILTIN_MODULES = {
     "auto": "auto", "checkpoint": "recomputing.checkpoint", "keep": "keep",
-    "fused-chains": "recomputing.fused_chains", "memory-poor": "recomputing.memory_poor", "optimal-recompute": "recomputing.optimal_recompute",
+    "fused-chains": "recomputing.fused_chains", "memory-poor": "recomputing.memory_poor",
+    "optimal-recompute": "recomputing.optimal_recompute",
     "swap": "swapping.tflms", "vdnn_all": "swapping.vdnn", "vdnn_conv": "swapping.vdnn",
     "vdnn_dyn": "swapping.vdnn",
 }
