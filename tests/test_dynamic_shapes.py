@@ -260,3 +260,23 @@ def test_a_run_past_the_sizes_measured_so_far_is_measured_too():
     assert runs == before + 2, "the forward and backward at 1024 rows measured"
     assert measured[5][1] == runs, "runs within the sizes measured already are not measured"
     assert largest_bytes > measured[2][2], measured
+
+
+def test_a_plan_made_again_on_fakes_counts_what_the_loop_holds_beside_it():
+    """A dynamic region is planned again from fake inputs (here: a batch past its bound), beside
+    which eager code holds nothing; what the loop holds by then (a kept evaluation's outputs,
+    metrics) is read beside the real arguments. Where the plan has no room for it, the call is
+    refused before anything runs (before, that iteration ran over the budget, and said so
+    after), and the model is as it was."""
+    data = _mlp_batches([512, 640, 1536])
+    _, _, model, optimizer, fitted, budget = _fitted_at(0.7, data)
+    _, peaks = _train(fitted, optimizer, data[:2])
+    assert max(peaks) <= budget, (peaks, budget)
+    kept = torch.zeros(budget // 16 // 4)  # a sixteenth of the budget, made after both plans
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    with pytest.raises(memfit.BudgetError, match="held by eager code") as refused:
+        _train(fitted, optimizer, data[2:])
+    assert refused.value.minimum_bytes > budget
+    assert all(torch.equal(parameter, was)
+               for parameter, was in zip(model.parameters(), before, strict=True))
+    del kept

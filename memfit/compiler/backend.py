@@ -236,11 +236,16 @@ class Backend(EagerWatching, JointPlanning):
                                      self.regions[first:], sizes)
 
     def compile_region(self, graph_module: fx.GraphModule, example_inputs: list,
-                       device: torch.device, site: Any, bound: Bound | None = None) -> Any:
+                       device: torch.device, site: Any, bound: Bound | None = None,
+                       eager_bytes: int | None = None) -> Any:
         """The region compiled with memfit as its partitioner (``plan_region``): by Dynamo's
         call, and again by ``memfit.compiler.replanning`` to plan it anew, from the same graph.
-        ``bound``: each symbolic size at the value its plan is priced at (a dynamic region)."""
-        self.count_afresh(device, self.eager_bytes_now(example_inputs))  # alive at its start
+        ``bound``: each symbolic size at the value its plan is priced at (a dynamic region).
+        ``eager_bytes``: what eager code holds beside it, where ``example_inputs`` are fakes
+        that cannot tell (``None``: read beside ``example_inputs``)."""
+        if eager_bytes is None:
+            eager_bytes = self.eager_bytes_now(example_inputs)
+        self.count_afresh(device, eager_bytes)  # alive at its start
         if graph_break_follows(graph_module, example_inputs):
             self.break_sites.add(site)
         budget = self.planning_budget

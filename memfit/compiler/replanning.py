@@ -55,10 +55,13 @@ def plan_again_when_stale(planner: Planner, graph_module: fx.GraphModule, device
                 for region in current[1]:
                     region.replaced = True
             inputs = list(args) if sizes is None else list(sizes.fake_inputs)
+            # a dynamic region plans on fakes, beside which eager code holds nothing: what it
+            # holds (an evaluation's outputs the loop kept) is read beside the real arguments
+            eager = planner.eager_bytes_now(list(args)) if sizes is not None else None
             traced = sizes.traced_again() if sizes is not None else contextlib.nullcontext()
             with _generators_kept(device), planner.eager_watch_off(), traced:
                 current[0] = planner.compile_region(graph_module, inputs, device, site,
-                                                    raised or bound)
+                                                    raised or bound, eager)
             del inputs
             gc.collect()  # compiling leaves reference cycles that hold the real arguments
             current[1] = planner.regions[first:] or current[1]
