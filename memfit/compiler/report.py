@@ -13,6 +13,7 @@ from memfit.data.units import format_bytes
 
 if TYPE_CHECKING:
     from memfit.compiler.region import Planner, Region
+    from memfit.data.plan import Plan
 
 
 def regions_report(planner: Planner) -> str:
@@ -151,11 +152,18 @@ def _row(region: Region) -> tuple:
     return (f"{region.index}{'*' if region.replaced else ''}", len(graph.ops), budget,
             format_bytes(region.baseline_peak_bytes), format_bytes(region.predicted_peak_bytes),
             _measured(region), gap,
-            f"{plan.strategy} ({plan.params.get('solver', plan.strategy)})",
+            _strategy_cell(plan),
             f"{counted.swapped} / {counted.saved}", f"{counted.recomputed} / {counted.saved}",
             f"{counted.rerun_count} ({format_bytes(counted.rerun_bytes)}, "
             f"{counted.recompute_s * 1e3:.2f} ms)",
             f"{region.predicted.step_time_s * 1e3:.2f} ms")
+
+
+def _strategy_cell(plan: Plan) -> str:
+    """The strategy, and in brackets the solver or candidate that made the plan where it names
+    another (``auto (fused-chains)``, ``optimal-recompute (segments)``)."""
+    solver = plan.params.get("solver", plan.strategy)
+    return plan.strategy if solver == plan.strategy else f"{plan.strategy} ({solver})"
 
 
 def _measured(region: Region) -> str:
