@@ -44,6 +44,8 @@ CASES = {
     "fit budget": (lambda: memfit.fit(_mlp(), "abc"), "fraction"),
     "fit optimizer": (lambda: memfit.fit(_mlp(), 0.5, optimizer="adam"), "Optimizer"),
     "fit dynamic": (lambda: memfit.fit(_mlp(), 0.5, dynamic="yes"), "True or"),
+    "fit inductor-only strategy": (lambda: memfit.fit(_mlp(), 0.5, strategy="fused-chains"),
+                                   "compiler='inductor'"),
     "fit another model's optimizer": (
         lambda: memfit.fit(_mlp(), 0.5, optimizer=_foreign_optimizer()), OTHERS),
     "backend another model's optimizer": (
@@ -61,6 +63,8 @@ CASES = {
     "compile loss_fn": (lambda: memfit.compile(_mlp(), X, 0.5), "callable"),
     "plan hardware": (lambda: memfit.plan(_mlp(), _loss, X, budget=0.5, hardware="h999"), "a100"),
     "plan strategy": (lambda: memfit.plan(_mlp(), _loss, X, budget=0.5, strategy="autoo"), "swap"),
+    "plan inductor-only strategy": (lambda: memfit.plan(
+        _mlp(), _loss, X, budget=0.5, strategy="fused-chains"), "compiler='inductor'"),
     "plan loss_fn": (lambda: memfit.plan(_mlp(), X, budget=0.5), "callable"),
     "plan inputs": (lambda: memfit.plan(_mlp(), _loss, [X], budget=0.5), "tensors only"),
     "plan optimizer": (lambda: memfit.plan(_mlp(), _loss, X, budget=0.5,

@@ -95,8 +95,3 @@ def test_fused_chains_trains_bert_at_torch_compiles_budget_peak_with_a_smaller_l
                            for region in regions)
     assert all(peak <= budget for peak in peaks), (peaks, budget)
     assert_trained_as(model, losses, reference, reference_losses)
-
-
-def test_fused_chains_is_refused_at_the_call_under_aot_eager():
-    with pytest.raises(ValueError, match="compiler='inductor'"):
-        memfit.fit(gpt2().model, budget=0.5, strategy="fused-chains")
