@@ -432,12 +432,14 @@ class Backend(EagerWatching, JointPlanning):
         again = ("memfit plans the regions again jointly after this iteration"
                  if self.joint_rounds < MAX_JOINT_ROUNDS else
                  "planning the regions jointly did not make it fit")
+        others = ("other compiled code's open forwards (the regions before a graph break, or "
+                  "an evaluation run with gradients on whose output the loop still holds: each "
+                  "step beside such a graph runs over the budget)")
         holders = ("its own earlier forwards, whose backward has not run yet," if own_open >= pending
-                   else "the regions before it (a graph break) and its own earlier forwards"
-                   if own_open else "the regions before it (a graph break)")
+                   else f"{others} and its own earlier forwards" if own_open else others)
         fix = ("Raise the budget" if own_open >= pending else
-               "Remove the graph break (torch._dynamo.explain(model)(...) shows it) or raise "
-               "the budget")
+               "Remove the graph break (torch._dynamo.explain(model)(...) shows it), evaluate "
+               "under torch.no_grad(), or raise the budget")
         warnings.warn(
             f"memfit: a compiled region cannot fit {format_bytes(error.budget_bytes)} while "
             f"{holders} hold {format_bytes(pending)} of saved values; it runs at its smallest "
@@ -538,13 +540,15 @@ class Backend(EagerWatching, JointPlanning):
     def must_plan_again(self, regions: list[Region], device: torch.device) -> bool:
         """Whether the compiled region whose plans are ``regions`` is planned again before it
         runs: a newer plan was asked for (``replan_regions``), its own earlier forwards' saves
-        are alive beside it (``beside_own_copies``), or more is resident than its plan left room
-        for, which asks for a newer plan of every current region (``replans``)."""
+        are alive beside it (``beside_own_copies``), or more of other regions' than it counted
+        (``beside_more_saves``), or more is resident than its plan left room for, which asks for
+        a newer plan of every current region (``replans``)."""
         if self.joint_first_site is not None and regions[0].site == self.joint_first_site:
             self.joint_first_site = None
             if self._capped_jointly(regions):
                 return True
-        if any(region.replaced for region in regions) or self.beside_own_copies(regions):
+        if (any(region.replaced for region in regions) or self.beside_own_copies(regions)
+                or self.beside_more_saves(regions)):
             return True
         if not self.stale(device, min(region.resident_bytes for region in regions)):
             return False

@@ -38,8 +38,11 @@ def compiling_site() -> Any:
     ``fully_shard``: its hooks are skipped, so each block is a region between graph breaks)
     runs one code object as several regions per iteration, and DDP's ``DDPOptimizer`` splits one
     frame's graph into a region per gradient bucket; keyed by the code alone, they would replace
-    one another in ``latest_regions`` and share one saves cap. A new shape of the same block is
-    the same site, and replaces its older region. ``None`` outside Dynamo."""
+    one another in ``latest_regions`` and share one saves cap. The module's ``training`` flag is
+    part of it: an evaluation run with gradients on (``model.eval()`` without ``no_grad``) is
+    another program beside the training one, whose saves the loop may hold through the next
+    training step, not a newer plan of it. A new shape of the same block is the same site, and
+    replaces its older region. ``None`` outside Dynamo."""
     import torch
     from torch._dynamo.symbolic_convert import InstructionTranslator
 
@@ -48,12 +51,17 @@ def compiling_site() -> Any:
     except AttributeError:  # no translation running (a backend called by hand)
         return None
     code = getattr(translator, "f_code", None)
-    owner = getattr(translator, "f_locals", {}).get("self")
+    frame_locals = getattr(translator, "f_locals", {})
+    owner = frame_locals.get("self")
     place = _REGIONS_COMPILED.get(translator, 0)
     _REGIONS_COMPILED[translator] = place + 1
-    if not isinstance(owner, torch.nn.Module) and not place:
-        return code
-    return code, id(owner) if isinstance(owner, torch.nn.Module) else None, place
+    if isinstance(owner, torch.nn.Module):
+        return code, id(owner), place, owner.training
+    # ``model.compile()`` runs the module's call inside a wrapper frame (``wrap_inline``)
+    called = getattr(frame_locals.get("fn"), "__self__", None)
+    if isinstance(called, torch.nn.Module):
+        return code, None, place, called.training
+    return code if not place else (code, None, place)
 
 
 _REGIONS_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per Dynamo compile

@@ -137,6 +137,25 @@ class JointPlanning:
             region.replaced = True
         return True
 
+    def beside_more_saves(self, regions: list[Region]) -> bool:
+        """Whether the compiled code planned as ``regions`` is planned again before it runs,
+        beside more saves of other regions' open forwards than its plan counted: an evaluation
+        run with gradients on whose output (and so its graph) the loop still holds, a region
+        before a graph break whose newer plan saves more. Its next plan counts them, or says it
+        cannot fit beside them; a plan made beside more than are open now stays, so that saves
+        held only now and then do not plan it again each time."""
+        newest = regions[-1]
+        if newest.budget_bytes is None or self.options.fixed_plan is not None:
+            return False
+        alive = sum(region.saved_bytes * region.open_forwards for region in self.regions
+                    if region.site != newest.site or newest.site is None
+                    and region not in regions)
+        if alive <= newest.others_pending_bytes:
+            return False
+        for region in regions:
+            region.replaced = True
+        return True
+
     def plan_for_copies(self, current: list[Region]) -> bool:
         """Have each region whose forward ran again before its backward, where its plan did
         not fit beside the copies of its saves that its iteration held (``uncounted_copies``),

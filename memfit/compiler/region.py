@@ -74,6 +74,8 @@ class Region:
     site: Any = None  # where Dynamo compiled it from (``compiling_site``: its code object, and
     # the module it runs for): one per region an iteration runs, which a newer plan replaces
     pending_bytes: int = 0  # saves of earlier regions (before a graph break) it planned around
+    others_pending_bytes: int = 0  # ... of those, the other sites' (``pending_bytes`` less its
+    # own code's open forwards)
     minimum_bytes: int | None = None  # its smallest peak, where it could not fit the budget
     saves_cap_bytes: int | None = None  # the most its forward may save, planned jointly
     own_pending_bytes: int = 0  # saves of its own code's earlier open forwards it planned beside
