@@ -107,6 +107,9 @@ class Backend(EagerWatching, JointPlanning):
         self.provisional_now = False  # the region compiled now is planned provisionally
         self.replanned_beside_copies: set[Any] = set()  # sites, in this iteration
         self.copies_sites: set[Any] = set()  # sites planned for copies of their saves
+        self.beside_evaluation: set[Any] = set()  # training sites short beside an evaluation's
+        # saves, waiting for its plan under a cap (``evaluations_planned``)
+        self.evaluations_capped: set[Any] = set()  # evaluation sites planned again for them
         self.copies_short_said = False  # no plan fit beside a region's copies (said once)
         self.eager_codes: list[str] = []  # code Dynamo stopped compiling (its recompile limit)
         self.limit_codes: dict[Any, str] = {}  # code object past its recompile limit -> cause
@@ -255,7 +258,10 @@ class Backend(EagerWatching, JointPlanning):
         first = len(self.regions)
         try:
             with self._target(device):
-                return self._compile_region(graph_module, example_inputs, device, site, bound)
+                compiled = self._compile_region(graph_module, example_inputs, device, site,
+                                                bound)
+            self.evaluations_planned(self.regions[first:])
+            return compiled
         except BaseException as error:
             if not getattr(error, "keeps_region", False):  # a planning-only trace's stop keeps it
                 del self.regions[first:]  # planned, but its compile failed: it never runs
@@ -433,8 +439,8 @@ class Backend(EagerWatching, JointPlanning):
                  if self.joint_rounds < MAX_JOINT_ROUNDS else
                  "planning the regions jointly did not make it fit")
         others = ("other compiled code's open forwards (the regions before a graph break, or "
-                  "an evaluation run with gradients on whose output the loop still holds: each "
-                  "step beside such a graph runs over the budget)")
+                  "an evaluation run with gradients on whose output the loop still holds, "
+                  "which memfit plans again to save less before its next run)")
         holders = ("its own earlier forwards, whose backward has not run yet," if own_open >= pending
                    else f"{others} and its own earlier forwards" if own_open else others)
         fix = ("Raise the budget" if own_open >= pending else

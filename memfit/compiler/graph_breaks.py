@@ -169,6 +169,28 @@ def own_copies_bytes(regions: Sequence[Region], site: Any, cap_bytes: int | None
     return extra_copies(regions, site) * cap_bytes
 
 
+def mode_sibling(site: Any, other: Any) -> bool:
+    """Whether ``other`` is ``site``'s code run in the module's other mode (``training``)."""
+    return (isinstance(site, tuple) and isinstance(other, tuple) and len(site) == 4
+            and len(other) == 4 and site[:3] == other[:3] and site[3] is not other[3])
+
+
+def evaluation_cap(regions: Sequence[Region], site: Any) -> int | None:
+    """The most an evaluation's region may save: one compiled from the same code as training
+    (``compiling_site`` but for the module's ``training`` flag, here ``False``) runs with
+    gradients on (``model.eval()`` without ``no_grad``), and the loop may keep its output, so
+    its graph and saves, through the next training step. That step's plan leaves room for what
+    the newest training region's budget holds beyond its predicted peak without other code's
+    saves (``Region.others_pending_bytes``); the evaluation saves at most that. ``None`` for
+    other regions, or without a budgeted training region."""
+    if not isinstance(site, tuple) or len(site) != 4 or site[3] is not False:
+        return None
+    rooms = [region.budget_bytes - (region.predicted_peak_bytes - region.others_pending_bytes)
+             for region in latest_regions(regions)
+             if mode_sibling(site, region.site) and region.budget_bytes is not None]
+    return max(0, min(rooms)) if rooms else None
+
+
 def extra_copies(regions: Sequence[Region], site: Any) -> int:
     """How many copies of its saves beyond its own the last run of ``site``'s code in an
     iteration has beside it (``copies_held`` of its regions, less one)."""

@@ -22,6 +22,7 @@ from memfit.compiler.graph_breaks import (
     copies_held,
     joint_failure_reason,
     latest_regions,
+    mode_sibling,
     save_at_most,
     saves_caps,
 )
@@ -50,6 +51,8 @@ class JointPlanning:
     replanned_beside_copies: set[Any]
     copies_sites: set[Any]
     copies_short_said: bool
+    beside_evaluation: set[Any]
+    evaluations_capped: set[Any]
 
     def make_room_for_eager(self, current: list[Region]) -> dict[int, int]:
         raise NotImplementedError  # the backend's (memfit.compiler.eager_watching)
@@ -86,7 +89,8 @@ class JointPlanning:
         grown = self.make_room_for_eager(current)
         if self.joint_failed or self.plan_for_copies(current):
             return
-        short = [region for region in current if region.minimum_bytes is not None]
+        short = [region for region in current if region.minimum_bytes is not None
+                 and region.site not in self.beside_evaluation]
         if not short:
             return
         caps = saves_caps(current, grown)
@@ -155,6 +159,33 @@ class JointPlanning:
         for region in regions:
             region.replaced = True
         return True
+
+    def evaluations_planned(self, made: list[Region]) -> None:
+        """After regions ``made`` were planned: a training region that could only run at its
+        smallest peak beside an evaluation's open saves (its code in ``eval()`` mode, run with
+        gradients on, its output kept: ``evaluation_cap``) has that evaluation planned again
+        before its next run (once per evaluation), under the cap its room now gives; an
+        evaluation planned under such a cap has its training code planned again beside its
+        smaller saves."""
+        for region in made:
+            site = region.site
+            if not isinstance(site, tuple) or len(site) != 4:
+                continue
+            if site[3] is False and region.saves_cap_bytes is not None:
+                for other in latest_regions(self.regions):
+                    if mode_sibling(site, other.site) and other.site in self.beside_evaluation:
+                        self.beside_evaluation.discard(other.site)
+                        other.replaced = True
+            elif site[3] is True and region.minimum_bytes is not None:
+                open_sites = {other.site for other in self.regions if other.open_forwards
+                              and mode_sibling(site, other.site)}
+                if open_sites:  # short beside them: not joint planning's to fix
+                    self.beside_evaluation.add(site)
+                open_sites -= self.evaluations_capped  # once each: no plan ping-pong
+                self.evaluations_capped |= open_sites
+                for other in self.regions:
+                    if other.site in open_sites:
+                        other.replaced = True
 
     def plan_for_copies(self, current: list[Region]) -> bool:
         """Have each region whose forward ran again before its backward, where its plan did

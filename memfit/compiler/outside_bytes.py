@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from memfit.compiler.graph_breaks import extra_copies, own_copies_bytes
+from memfit.compiler.graph_breaks import evaluation_cap, extra_copies, own_copies_bytes
 from memfit.compiler.region import Planner, Region
 from memfit.compiler.region_lifetimes import scalar_output_bytes, trainable_parameter_bytes
 from memfit.runtime.outside import CUDA_BLOCK_BYTES
@@ -56,7 +56,8 @@ class OutsideBytes:
         own_open_bytes: those of ``pending_bytes`` its own code's open forwards hold.
         repeated_copies: copies of its saves alive beside its last call, where its code runs
             again before its backward (``memfit.compiler.repeated_calls``); 0 otherwise.
-        saves_cap_bytes: the most its forward may save, planned jointly (``None``: no cap).
+        saves_cap_bytes: the most its forward may save, planned jointly, or an evaluation's
+            (``evaluation_cap``) (``None``: no cap).
         outside_bytes: ``resident_bytes + gathered_bytes`` less ``parameter_bytes``, plus
             ``pending_bytes``, ``eager_bytes``, inductor's layout copies of its inputs and,
             without ``repeated_copies``, its own copies under ``saves_cap_bytes``.
@@ -102,7 +103,7 @@ def bytes_outside(planner: OutsideCounter, joint: fx.GraphModule, inputs: Sequen
         from memfit.lowering.inductor import layout_copy_bytes
 
         outside += layout_copy_bytes(joint)
-    cap = planner.saves_caps.get(site)
+    cap = planner.saves_caps.get(site, evaluation_cap(planner.regions, site))
     # its plan is chosen for its repeated calls' copies (``partitioner.lowered_beside_copies``)
     repeated = extra_copies(planner.regions, site) if site in planner.copies_sites else 0
     outside += 0 if repeated else own_copies_bytes(planner.regions, site, cap)
