@@ -242,20 +242,26 @@ def _steps_beside_a_kept_evaluation(model, optimizer):
     return losses, peaks, said
 
 
+def _eager_and_fitted(loop, budget: int):
+    """``loop`` run on the dropout net in eager, then fitted at ``budget``: eager's losses,
+    the fitted model and what its run returned."""
+    reference = _dropout_net()
+    reference_losses = loop(reference, torch.optim.SGD(reference.parameters(), lr=0.1))[0]
+    model = _dropout_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
+    return reference_losses, fitted, loop(fitted, optimizer)
+
+
 def test_an_evaluation_whose_graph_the_loop_keeps_saves_what_the_training_step_leaves_room_for():
     """The evaluation (``eval()`` mode: another compiled program than training's) is not a
     second call of the training code: it saves at most what the training plan leaves room for,
     so the steps beside its kept graph fit (before, it saved all it could, was taken for the
     model called twice per step, and those steps measured 3,673,620 B at this budget, warned of
     two calls per step)."""
-    reference = _dropout_net()
-    reference_losses, _, _ = _steps_beside_a_kept_evaluation(
-        reference, torch.optim.SGD(reference.parameters(), lr=0.1))
-    model = _dropout_net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     budget = 3_567_212  # 0.8 of eager's measured 4,459,016 B per step
-    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
-    losses, peaks, said = _steps_beside_a_kept_evaluation(fitted, optimizer)
+    reference_losses, fitted, (losses, peaks, said) = _eager_and_fitted(
+        _steps_beside_a_kept_evaluation, budget)
     assert max(peaks) <= budget, (peaks, budget)
     assert not any(said), said
     evaluation = [region for region in fitted._memfit_backend.regions
@@ -271,13 +277,8 @@ def test_a_training_step_that_cannot_fit_beside_a_kept_evaluation_graph_says_so_
     cannot fit beside them, naming the evaluation (before: "ran 2 times before its backward",
     and a joint plan said to be short of "the regions before its graph break"). The steps after
     it, still beside the graph, say that they ran over too."""
-    reference = _dropout_net()
-    reference_losses, _, _ = _steps_beside_a_kept_evaluation(
-        reference, torch.optim.SGD(reference.parameters(), lr=0.1))
-    model = _dropout_net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    fitted = memfit.fit(model, budget=3_121_311, optimizer=optimizer)  # 0.7 of eager's peak
-    losses, _, said = _steps_beside_a_kept_evaluation(fitted, optimizer)
+    reference_losses, _, (losses, _, said) = _eager_and_fitted(
+        _steps_beside_a_kept_evaluation, 3_121_311)  # 0.7 of eager's peak
     assert not said[0] and not said[1], said
     assert any("an evaluation run with gradients on" in message for message in said[2]), said
     assert not any("times before its backward" in message for step in said for message in step)
@@ -321,14 +322,8 @@ def test_an_evaluation_run_before_the_training_step_is_planned_again_to_leave_it
     cannot fit, says so naming it, and has it planned again under the room its plan leaves:
     from the second iteration on, both fit (measured: 3,739,156 B in the first iteration, then
     2,690,580 B, at this budget)."""
-    reference = _dropout_net()
-    reference_losses, _, _ = _evaluation_then_step(
-        reference, torch.optim.SGD(reference.parameters(), lr=0.1))
-    model = _dropout_net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     budget = 3_343_876  # 0.6 of eager's measured 5,573,128 B per iteration
-    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
-    losses, peaks, said = _evaluation_then_step(fitted, optimizer)
+    reference_losses, _, (losses, peaks, said) = _eager_and_fitted(_evaluation_then_step, budget)
     assert any("an evaluation run with gradients on" in message for message in said[0]), said
     assert max(peaks[1:]) <= budget and not any(said[1:]), (peaks, budget, said)
     for loss, expected in zip(losses, reference_losses, strict=True):
