@@ -84,8 +84,8 @@ def site_code(site: Any) -> Any:
 
 
 def latest_regions(regions: Sequence[Region]) -> list[Region]:
-    """The newest region of each site (``compiling_site``), in the order they were first
-    compiled: the regions one iteration runs now (a re-planned site replaces its older ones)."""
+    """The newest region of each site (``compiling_site``), in the order those newest plans were
+    made: the regions one iteration runs now (a re-planned site replaces its older ones)."""
     newest: dict[Any, Region] = {}
     for region in regions:
         if not region.replaced:
@@ -169,10 +169,16 @@ def own_copies_bytes(regions: Sequence[Region], site: Any, cap_bytes: int | None
     return extra_copies(regions, site) * cap_bytes
 
 
+def site_training(site: Any) -> bool | None:
+    """The module's ``training`` flag a ``compiling_site`` was compiled in (``None``: no module)."""
+    return site[3] if isinstance(site, tuple) and len(site) == 4 else None
+
+
 def mode_sibling(site: Any, other: Any) -> bool:
     """Whether ``other`` is ``site``'s code run in the module's other mode (``training``)."""
-    return (isinstance(site, tuple) and isinstance(other, tuple) and len(site) == 4
-            and len(other) == 4 and site[:3] == other[:3] and site[3] is not other[3])
+    training, other_training = site_training(site), site_training(other)
+    return (training is not None and other_training is not None
+            and training is not other_training and site[:3] == other[:3])
 
 
 def evaluation_cap(regions: Sequence[Region], site: Any) -> int | None:
@@ -183,7 +189,7 @@ def evaluation_cap(regions: Sequence[Region], site: Any) -> int | None:
     the newest training region's budget holds beyond its predicted peak without other code's
     saves (``Region.others_pending_bytes``); the evaluation saves at most that. ``None`` for
     other regions, or without a budgeted training region."""
-    if not isinstance(site, tuple) or len(site) != 4 or site[3] is not False:
+    if site_training(site) is not False:
         return None
     rooms = [region.budget_bytes - (region.predicted_peak_bytes - region.others_pending_bytes)
              for region in latest_regions(regions)

@@ -25,6 +25,7 @@ from memfit.compiler.graph_breaks import (
     mode_sibling,
     save_at_most,
     saves_caps,
+    site_training,
 )
 from memfit.compiler.region import Region
 from memfit.compiler.repeated_calls import fit_copies, live_forwards, uncounted_copies
@@ -151,9 +152,10 @@ class JointPlanning:
         newest = regions[-1]
         if newest.budget_bytes is None or self.options.fixed_plan is not None:
             return False
-        alive = sum(region.saved_bytes * region.open_forwards for region in self.regions
-                    if region.site != newest.site or newest.site is None
-                    and region not in regions)
+        others = [region for region in self.regions
+                  if (region.site != newest.site if newest.site is not None
+                      else region not in regions)]
+        alive = sum(region.saved_bytes * region.open_forwards for region in others)
         if alive <= newest.others_pending_bytes:
             return False
         for region in regions:
@@ -168,15 +170,13 @@ class JointPlanning:
         evaluation planned under such a cap has its training code planned again beside its
         smaller saves."""
         for region in made:
-            site = region.site
-            if not isinstance(site, tuple) or len(site) != 4:
-                continue
-            if site[3] is False and region.saves_cap_bytes is not None:
+            site, training = region.site, site_training(region.site)
+            if training is False and region.saves_cap_bytes is not None:
                 for other in latest_regions(self.regions):
                     if mode_sibling(site, other.site) and other.site in self.beside_evaluation:
                         self.beside_evaluation.discard(other.site)
                         other.replaced = True
-            elif site[3] is True and region.minimum_bytes is not None:
+            elif training and region.minimum_bytes is not None:
                 open_sites = {other.site for other in self.regions if other.open_forwards
                               and mode_sibling(site, other.site)}
                 if open_sites:  # short beside them: not joint planning's to fix

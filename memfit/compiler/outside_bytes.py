@@ -58,6 +58,7 @@ class OutsideBytes:
             again before its backward (``memfit.compiler.repeated_calls``); 0 otherwise.
         saves_cap_bytes: the most its forward may save, planned jointly, or an evaluation's
             (``evaluation_cap``) (``None``: no cap).
+        evaluation_capped: ``saves_cap_bytes`` is an evaluation's, which no plan may meet.
         outside_bytes: ``resident_bytes + gathered_bytes`` less ``parameter_bytes``, plus
             ``pending_bytes``, ``eager_bytes``, inductor's layout copies of its inputs and,
             without ``repeated_copies``, its own copies under ``saves_cap_bytes``.
@@ -74,6 +75,7 @@ class OutsideBytes:
     repeated_copies: int
     saves_cap_bytes: int | None
     outside_bytes: int
+    evaluation_capped: bool = False
 
 
 def bytes_outside(planner: OutsideCounter, joint: fx.GraphModule, inputs: Sequence[Binding],
@@ -103,14 +105,17 @@ def bytes_outside(planner: OutsideCounter, joint: fx.GraphModule, inputs: Sequen
         from memfit.lowering.inductor import layout_copy_bytes
 
         outside += layout_copy_bytes(joint)
-    cap = planner.saves_caps.get(site, evaluation_cap(planner.regions, site))
+    cap, evaluation = planner.saves_caps.get(site), False
+    if cap is None:  # an evaluation's, where its code also trains (``evaluation_cap``)
+        cap = evaluation_cap(planner.regions, site)
+        evaluation = cap is not None
     # its plan is chosen for its repeated calls' copies (``partitioner.lowered_beside_copies``)
     repeated = extra_copies(planner.regions, site) if site in planner.copies_sites else 0
     outside += 0 if repeated else own_copies_bytes(planner.regions, site, cap)
     own_open = sum(region.saved_bytes * region.open_forwards for region in planner.regions
                    if site is not None and region.site == site)
     return OutsideBytes(parameters, trainable, later, eager, resident, gathered, pending,
-                        own_open, repeated, cap, outside)
+                        own_open, repeated, cap, outside, evaluation)
 
 
 def later_gradient_bytes(model: torch.nn.Module | None, regions: list[Region],

@@ -364,7 +364,7 @@ def within_saves_limits(planner: RegionPlanner, chosen: ChosenPlan, lowered: Low
         return lowered
     made, (forward, backward, saved) = planner._save_at_most(
         limit, graph, hardware, lowered.outside_bytes, budget_bytes, lower)
-    if saved > limit and site not in planner.saves_caps and limit == lowered.saves_cap_bytes:
+    if saved > limit and outside.evaluation_capped and limit == lowered.saves_cap_bytes:
         # an evaluation's cap (``evaluation_cap``) no plan within the budget meets: its first
         # plan stands, and the training step planned again beside its saves says so
         return replace(lowered, saves_cap_bytes=None)
