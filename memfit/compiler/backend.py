@@ -49,6 +49,7 @@ from memfit.compiler.region_run import (
     inductor_runner,
     saved_tensors_not_donated,
 )
+from memfit.compiler.repeated_calls import call_site
 from memfit.compiler.replanning import plan_again_when_stale
 from memfit.compiler.shape_bound import InputSizes
 from memfit.compiler.step_graph import resolve_hardware
@@ -222,10 +223,10 @@ class Backend(EagerWatching, JointPlanning):
 
     def __call__(self, graph_module: fx.GraphModule, example_inputs: list) -> Any:
         device = device_of(example_inputs)
-        site = compiling_site()
         first = len(self.regions)
         sizes = InputSizes.of(graph_module)  # where a dynamic region's sizes are read
         bound = sizes.first_bound() if sizes else None
+        site = call_site(self.regions, compiling_site(), bound)
         joint_first = (self.joint_first_trace is not None and not latest_regions(self.regions)
                        and self.budget is not None
                        and graph_break_follows(graph_module, example_inputs))
@@ -438,9 +439,10 @@ class Backend(EagerWatching, JointPlanning):
         again = ("memfit plans the regions again jointly after this iteration"
                  if self.joint_rounds < MAX_JOINT_ROUNDS else
                  "planning the regions jointly did not make it fit")
-        others = ("other compiled code's open forwards (the regions before a graph break, or "
-                  "an evaluation run with gradients on whose output the loop still holds, "
-                  "which memfit plans again to save less before its next run)")
+        others = ("other compiled code's open forwards (the regions before a graph break, the "
+                  "model's call earlier in the step with other arguments, or an evaluation run "
+                  "with gradients on whose output the loop still holds, which memfit plans "
+                  "again to save less before its next run)")
         holders = ("its own earlier forwards, whose backward has not run yet," if own_open >= pending
                    else f"{others} and its own earlier forwards" if own_open else others)
         fix = ("Raise the budget" if own_open >= pending else

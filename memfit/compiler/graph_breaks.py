@@ -171,7 +171,7 @@ def own_copies_bytes(regions: Sequence[Region], site: Any, cap_bytes: int | None
 
 def site_training(site: Any) -> bool | None:
     """The module's ``training`` flag a ``compiling_site`` was compiled in (``None``: no module)."""
-    return site[3] if isinstance(site, tuple) and len(site) == 4 else None
+    return site[3] if isinstance(site, tuple) and len(site) >= 4 else None
 
 
 def mode_sibling(site: Any, other: Any) -> bool:
@@ -225,16 +225,18 @@ def joint_failure_reason(short: Region, eager_bytes: int) -> str:
 
     alone, budget = (short.minimum_bytes or 0) - short.pending_bytes, short.budget_bytes or 0
     if alone > budget:
-        return (f"it needs {format_bytes(alone)} even without the saves of the regions before "
-                "its graph break")
+        return f"it needs {format_bytes(alone)} even without the saves of {EARLIER_REGIONS}"
     if eager_bytes > 0 and alone + eager_bytes >= budget:
         return (f"it needs {format_bytes(alone)} and the {format_bytes(eager_bytes)} eager code "
                 "holds beside it (the loss computed in the loop and its buffers), which leaves "
-                f"no room for the {format_bytes(short.pending_bytes)} of saves of the regions "
-                "before its graph break")
-    return (f"the regions before its graph break cannot save less than the "
-            f"{format_bytes(short.pending_bytes)} it ran beside")
+                f"no room for the {format_bytes(short.pending_bytes)} of saves of "
+                f"{EARLIER_REGIONS}")
+    return (f"{EARLIER_REGIONS} cannot save less than the {format_bytes(short.pending_bytes)} "
+            "it ran beside")
 
+
+EARLIER_REGIONS = ("the regions that ran before it (those before a graph break, the model's call "
+                   "earlier in the step with other arguments)")  # whose saves wait beside it
 
 SAVES_BISECTION_STEPS = 6  # budgets tried for a region whose saves are capped (1/64 resolution)
 

@@ -244,8 +244,8 @@ class JointPlanning:
         warnings.warn(
             f"memfit: planning the regions jointly cannot fit region {short.index} in "
             f"{format_bytes(short.budget_bytes or 0)}: {why}; every iteration runs over the "
-            "budget. Raise the budget or remove the graph break (torch._dynamo.explain(model)"
-            "(...) shows it).", BudgetWarning, stacklevel=2)
+            "budget. Raise the budget, remove the graph break (torch._dynamo.explain(model)"
+            "(...) shows it), or call the model once per step.", BudgetWarning, stacklevel=2)
 
     def replan_regions(self) -> None:
         """Have every current region planned again before its next run (each region's callable,

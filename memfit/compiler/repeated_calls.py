@@ -12,8 +12,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from memfit.compiler.graph_breaks import SAVES_BISECTION_STEPS, copies_held
 
@@ -129,3 +129,35 @@ def fit_copies(plan_at: Callable[[int], tuple[Plan, int]], lower: Callable[[Plan
         return tried[-1][1], tried[-1][2], True
     least = min(tried, key=lambda candidate: candidate[0])
     return least[1], least[2], False
+
+
+def call_site(regions: Sequence[Region], site: Any, bound: Mapping | None) -> Any:
+    """Where Dynamo compiling ``site``'s code again makes a second program of one step, the site
+    of that program, else ``site``. A model called again in a step with other arguments (an
+    optional argument given, another flag, an input that needs its gradient) fails the guards of
+    the graph its first call runs, while that call's saves wait for the backward: the two graphs
+    run side by side every iteration, each with its own saves, and neither replaces the other.
+    Such a compile gets the first of ``site``'s variants (``variant_of``) with no forward open
+    now; a graph with more symbolic sizes (``bound``) than an open one of its site is Dynamo's
+    more general program for both calls (another batch size, automatic dynamic shapes), which
+    replaces it, and keeps its site."""
+    if site is None:
+        return None
+    symbols = len(bound or {})
+    for variant in range(len(regions) + 1):
+        candidate = variant_of(site, variant)
+        open_regions = [region for region in regions
+                        if region.site == candidate and live_forwards(region)]
+        if not open_regions or any(symbols > len(region.shape_bound or {})
+                                   for region in open_regions):
+            return candidate
+    return site
+
+
+def variant_of(site: Any, variant: int) -> Any:
+    """``site`` (``compiling_site``) as its ``variant``-th program of one step (0: itself)."""
+    if not variant:
+        return site
+    code, owner, place, training = (site + (None,) * 3)[:4] if isinstance(site, tuple) else (
+        site, None, 0, None)
+    return code, owner, place, training, variant

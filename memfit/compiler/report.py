@@ -60,7 +60,8 @@ def _notes(planner: Planner) -> list[str]:
         notes.append(planner.joint_first_note)
     if planner.joint_rounds:
         notes.append(f"planned jointly {planner.joint_rounds} time(s): a region could not fit "
-                     "beside the saves of the regions before its graph break, so those save "
+                     "beside the saves of the regions that ran before it (a graph break's, the "
+                     "model's earlier call with other arguments), so those save "
                      "at most their share ('saves <=' in budget)")
     if any(region.replaced for region in planner.regions):
         notes.append("*: a plan replaced by a later one of the same code")

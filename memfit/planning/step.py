@@ -221,7 +221,8 @@ def short_even_alone(error: BudgetError, pending: int, eager: int) -> BudgetErro
     earlier regions' plans made them at this budget; at a larger budget they may save more,
     and joint planning caps them (``memfit.compiler.graph_breaks``)."""
     note = (f"It cannot fit even without the {format_bytes(pending)} of saved values the "
-            "regions before its graph break hold.")
+            "regions that ran before it hold (those before a graph break, the model's call "
+            "earlier in the step with other arguments).")
     return with_eager_note(BudgetError(error.budget_bytes, error.minimum_bytes, error.dominant,
                                        error.strategy, f"{error.note} {note}".strip(),
                                        host_bytes=error.host_bytes), eager)
