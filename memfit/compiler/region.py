@@ -91,6 +91,9 @@ class Region:
     measure_pending: int = 0  # module runs still to measure beyond the first ones: a run at
     # sizes past every measured run's (its forward and its backward)
     measured_by: str = ""  # "allocator" or "ops" (see memfit.compiler.region_peak.run_measured)
+    measured_most_bytes: int = 0  # the most any measured run of its plan showed, eager code's
+    # bytes at its start included, with the optimizer state its plan reserves counted as made
+    measured_only_allocator: bool = True  # every measured run was read from the allocator
     forward_values: tuple = field(default=(), repr=False)  # its forward's inputs and outputs,
     # weakly: those still alive when its backward runs are measured with it (the loop holds them)
     hardware: Hardware | None = None  # the profile it was planned with

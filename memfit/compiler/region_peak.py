@@ -178,6 +178,9 @@ def measure_region_run(planner: Planner, region: Region, call: Callable[[list], 
     on_cpu = eager if device.type != "cuda" else 0  # CUDA's allocator counts them already
     result, peak_bytes, region.measured_by = run_measured(call, args, device, alive,
                                                           others + max(own, 0) + on_cpu)
+    region.measured_most_bytes = max(region.measured_most_bytes,
+                                     peak_bytes + planner.state_to_come_bytes())
+    region.measured_only_allocator &= region.measured_by == "allocator"
     if is_backward:
         region.measured_backward_bytes = peak_bytes
     else:

@@ -84,11 +84,15 @@ def eager_room_needed(regions: list[Region]) -> list[tuple[Region, int]]:
     """The regions whose plans leave no room for what eager code was seen to hold at the start
     of their measured forwards or backwards (measured by ``memfit.compiler.region_peak``), each
     with the bytes its next plan counts (``eager_bytes_to_plan``). A region whose checked peak
-    has room for them is left as it is.
+    has room for them is left as it is, and so is one whose every measured run, eager code's
+    bytes at its start included, was within its budget (``shown_to_fit``): the checked peak
+    holds every output to the end, where the loop frees one before eager code's bytes peak (a
+    loss's input, whose log-softmax takes its place), and a plan made again for the sum could
+    miss a budget its runs showed it fits.
     """
     needed = []
     for region in regions:
-        if region.budget_bytes is None:
+        if region.budget_bytes is None or shown_to_fit(region):
             continue
         held = eager_bytes_to_plan(region)
         checked = (region.bound or region.predicted).peak_bytes + region.outside_bytes
@@ -96,6 +100,14 @@ def eager_room_needed(regions: list[Region]) -> list[tuple[Region, int]]:
                 and checked + held - region.planned_eager_bytes > region.budget_bytes):
             needed.append((region, held))
     return needed
+
+
+def shown_to_fit(region: Region) -> bool:
+    """Whether every measured run of ``region``'s plan was read from the allocator (kernel
+    scratch seen) and within its budget with the optimizer state its plan reserves counted as
+    made (``Region.measured_most_bytes``)."""
+    return (region.measured_runs > 0 and region.measured_only_allocator
+            and region.measured_most_bytes <= (region.budget_bytes or 0))
 
 
 def eager_gap_needed(regions: list[Region]) -> list[tuple[Region, int]]:
