@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -545,18 +545,20 @@ class Backend(EagerWatching, JointPlanning):
             self._resident_counted = (key, agree_max([counted])[0])  # as plan_region counts
         return self._resident_counted[1]
 
-    def must_plan_again(self, regions: list[Region], device: torch.device) -> bool:
+    def must_plan_again(self, regions: list[Region], device: torch.device,
+                        args: Sequence = ()) -> bool:
         """Whether the compiled region whose plans are ``regions`` is planned again before it
-        runs: a newer plan was asked for (``replan_regions``), its own earlier forwards' saves
-        are alive beside it (``beside_own_copies``), or more of other regions' than it counted
-        (``beside_more_saves``), or more is resident than its plan left room for, which asks for
-        a newer plan of every current region (``replans``)."""
+        runs with ``args``: a newer plan was asked for (``replan_regions``), its own earlier
+        forwards' saves are alive beside it (``beside_own_copies``), or more of other regions'
+        than it counted (``beside_more_saves``), or more bytes of eager code's than its plan
+        has room for (``beside_more_eager``), or more is resident than its plan left room for,
+        which asks for a newer plan of every current region (``replans``)."""
         if self.joint_first_site is not None and regions[0].site == self.joint_first_site:
             self.joint_first_site = None
             if self._capped_jointly(regions):
                 return True
         if (any(region.replaced for region in regions) or self.beside_own_copies(regions)
-                or self.beside_more_saves(regions)):
+                or self.beside_more_saves(regions) or self.beside_more_eager(regions, args)):
             return True
         if not self.stale(device, min(region.resident_bytes for region in regions)):
             return False

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from memfit.compiler.replanning import (
     eager_gap_needed,
     eager_overrun_bytes,
     eager_room_needed,
+    shown_to_fit,
     warn_eager_gap_over,
     warn_eager_held_over,
 )
@@ -142,6 +144,31 @@ class EagerWatching:
         pending = sum(region.saved_bytes * region.open_forwards for region in self.regions)
         saved = open_saved_storages(self)  # type: ignore[arg-type]
         return outside_plans_bytes(self, device, alive, pending, saved)  # type: ignore[arg-type]
+
+    def beside_more_eager(self, regions: list[Region], args: Sequence) -> bool:
+        """Whether the compiled region planned as ``regions`` is planned again before it runs
+        with ``args``, beside more bytes of eager code's than its plan counted where its
+        checked peak has no room for them: tensors made since its plan that the loop keeps
+        (an EMA copy of the model, another model's state), which a measured run would only
+        show over the budget; not where its measured runs beside as many fit (``shown_to_fit``).
+        On a CPU while runs are measured (``eager_bytes_now``), within ``MAX_EAGER_REPLANS``;
+        its next plan counts them (``eager_held``)."""
+        newest = regions[-1]
+        if (newest.budget_bytes is None or self.options.fixed_plan is not None
+                or self.eager_gave_up or self.eager_replans >= MAX_EAGER_REPLANS):
+            return False
+        now = self.eager_bytes_now(list(args))
+        checked = (newest.bound or newest.predicted).peak_bytes + newest.outside_bytes
+        seen = max(newest.eager_forward_bytes, newest.eager_backward_bytes)
+        if (now <= newest.planned_eager_bytes
+                or checked + now - newest.planned_eager_bytes <= newest.budget_bytes
+                or (now <= seen and shown_to_fit(newest))):  # its runs beside them fit
+            return False
+        self.eager_held[newest.site] = max(now, self.eager_held.get(newest.site, 0))
+        self.eager_replans += 1
+        for region in regions:
+            region.replaced = True
+        return True
 
     def eager_watch_off(self) -> contextlib.AbstractContextManager:
         """No watch on the mode stack inside the block (memfit's own tracing of a region, which

@@ -232,7 +232,8 @@ class Planner(Protocol):
 
     def eager_watch_off(self) -> contextlib.AbstractContextManager: ...
 
-    def must_plan_again(self, regions: list[Region], device: torch.device) -> bool: ...
+    def must_plan_again(self, regions: list[Region], device: torch.device,
+                        args: Sequence = ()) -> bool: ...
 
     def compile_region(self, graph_module: fx.GraphModule, example_inputs: list,
                        device: torch.device, site: Any, bound: Any = None,

@@ -48,7 +48,7 @@ def plan_again_when_stale(planner: Planner, graph_module: fx.GraphModule, device
     def run(*args: Any) -> Any:
         bound = current[1][0].shape_bound
         raised = sizes.beyond(args, bound) if sizes is not None else None
-        if raised is not None or planner.must_plan_again(current[1], device):
+        if raised is not None or planner.must_plan_again(current[1], device, args):
             first = len(planner.regions)
             if raised is not None:
                 planner.bound_replans += 1

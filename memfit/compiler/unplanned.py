@@ -128,9 +128,19 @@ def _cause(planner: Backend, start: CallStart) -> str:
     if new:
         first = str(new[0]).strip().splitlines()[0]
         planner.skip_cause = (f"Dynamo could not trace it ({first}) and runs it eagerly; "
-                              'TORCH_LOGS="graph_breaks" shows where')
+                              'TORCH_LOGS="graph_breaks" shows where' + _remedy(first))
     return planner.skip_cause or ("Dynamo ran it eagerly without saying why "
                                   '(TORCH_LOGS="recompiles,graph_breaks" shows it)')
+
+
+def _remedy(cause: str) -> str:
+    """What lets Dynamo trace code it gave up on for ``cause``, where a setting does."""
+    if "dynamic shape operator" in cause.lower():  # nonzero, torch.where(mask): an MoE's routing
+        return ("; an op whose output size depends on the data (torch.nonzero, "
+                "torch.where(mask), a mixture of experts' routing) is traced with "
+                "torch._dynamo.config.capture_dynamic_output_shape_ops = True, and memfit then "
+                "plans its sizes at their largest")
+    return ""
 
 
 def dispatch_modes() -> list[str]:
