@@ -113,6 +113,30 @@ def test_a_second_call_with_other_arguments_is_another_program_planned_beside_th
     assert not said, said
 
 
+class _NamedOtherwise(nn.Module):
+    """A module whose methods call their first argument ``this``; its dropout reads its mode."""
+
+    def __init__(this) -> None:
+        super().__init__()
+        this.layer = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1))
+
+    def forward(this, batch: torch.Tensor) -> torch.Tensor:
+        return this.layer(batch)
+
+
+def test_a_region_knows_its_module_and_mode_whatever_the_methods_first_argument_is_named():
+    # read from ``self`` alone, such a region's site was its code object: its evaluation with
+    # gradients on was taken for a newer plan of its training code
+    model = memfit.fit(_NamedOtherwise(), budget=10_000_000)
+    model(torch.randn(4, 8)).sum().backward()
+    model.zero_grad(set_to_none=False)  # no new gradients to plan again for
+    model.eval()
+    model(torch.randn(4, 8)).sum().backward()
+    training, evaluation = (region.site for region in model._memfit_backend.regions)
+    assert training[1] == evaluation[1] == id(model)
+    assert (training[3], evaluation[3]) == (True, False)
+
+
 def test_a_forward_whose_graph_is_dropped_without_a_backward_is_not_a_copy():
     # an evaluation with gradients on (no ``no_grad``): autograd drops its graph with the loss;
     # counted as an open forward, it made the next call plan again beside saves that were gone

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 def compiling_site() -> Any:
     """Where the region Dynamo is compiling now runs in one iteration: its code object, the
-    module whose method it is (by id) where it is one, and its place among the regions of one
+    module whose method it is (by id; its first argument, however named) where it is one, and
+    its place among the regions of one
     Dynamo compile. A model whose blocks Dynamo compiles one by one (FSDP2's per-block
     ``fully_shard``: its hooks are skipped, so each block is a region between graph breaks)
     runs one code object as several regions per iteration, and DDP's ``DDPOptimizer`` splits one
@@ -53,6 +54,11 @@ def compiling_site() -> Any:
     code = getattr(translator, "f_code", None)
     frame_locals = getattr(translator, "f_locals", {})
     owner = frame_locals.get("self")
+    if not isinstance(owner, torch.nn.Module) and getattr(code, "co_argcount", 0):
+        first = frame_locals.get(code.co_varnames[0])  # a method's first argument, however named
+        method = getattr(type(first), code.co_name, None)
+        if getattr(method, "__code__", None) is code:
+            owner = first
     place = _REGIONS_COMPILED.get(translator, 0)
     _REGIONS_COMPILED[translator] = place + 1
     if isinstance(owner, torch.nn.Module):
