@@ -151,11 +151,16 @@ class EagerWatching:
         checked peak has no room for them: tensors made since its plan that the loop keeps
         (an EMA copy of the model, another model's state), which a measured run would only
         show over the budget; not where its measured runs beside as many fit (``shown_to_fit``).
-        On a CPU while runs are measured (``eager_bytes_now``), within ``MAX_EAGER_REPLANS``;
+        On a CPU while runs are measured (``eager_bytes_now``), within ``MAX_EAGER_REPLANS``,
+        in a job of one rank (each rank reads its own bytes, and a plan made on one rank alone
+        would leave the others waiting in its collectives; iteration_closed agrees on them);
         its next plan counts them (``eager_held``)."""
+        from memfit.runtime.ranks import agreement_group
+
         newest = regions[-1]
         if (newest.budget_bytes is None or self.options.fixed_plan is not None
-                or self.eager_gave_up or self.eager_replans >= MAX_EAGER_REPLANS):
+                or self.eager_gave_up or self.eager_replans >= MAX_EAGER_REPLANS
+                or agreement_group() is not None):
             return False
         now = self.eager_bytes_now(list(args))
         checked = (newest.bound or newest.predicted).peak_bytes + newest.outside_bytes

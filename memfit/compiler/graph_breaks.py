@@ -34,12 +34,12 @@ if TYPE_CHECKING:
 def compiling_site() -> Any:
     """Where the region Dynamo is compiling now runs in one iteration: its code object, the
     module whose method it is (by id; its first argument, however named) where it is one, and
-    its place among the regions of one
-    Dynamo compile. A model whose blocks Dynamo compiles one by one (FSDP2's per-block
-    ``fully_shard``: its hooks are skipped, so each block is a region between graph breaks)
-    runs one code object as several regions per iteration, and DDP's ``DDPOptimizer`` splits one
-    frame's graph into a region per gradient bucket; keyed by the code alone, they would replace
-    one another in ``latest_regions`` and share one saves cap. The module's ``training`` flag is
+    its place among the regions of one Dynamo compile. A model whose blocks Dynamo compiles
+    one by one (FSDP2's per-block ``fully_shard``: its hooks are skipped, so each block is a
+    region between graph breaks) runs one code object as several regions per iteration, and
+    DDP's ``DDPOptimizer`` splits one frame's graph into a region per gradient bucket; keyed by
+    the code alone, they would replace one another in ``latest_regions`` and share one saves
+    cap. The module's ``training`` flag is
     part of it: an evaluation run with gradients on (``model.eval()`` without ``no_grad``) is
     another program beside the training one, whose saves the loop may hold through the next
     training step, not a newer plan of it. A new shape of the same block is the same site, and
