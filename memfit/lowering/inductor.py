@@ -273,7 +273,8 @@ def swap_ins_in_host_layout(module: fx.GraphModule, example_inputs: Sequence[Any
     arriving = dict(zip(module.graph.find_nodes(op="placeholder"), example_inputs, strict=False))
     changed = 0
     for node in module.graph.nodes:
-        if inserted_kind(node) != "swap_in" or not isinstance(node.args[0], fx.Node):
+        if (inserted_kind(node) != "swap_in" or node.op != "call_function"  # not a placeholder
+                or not node.args or not isinstance(node.args[0], fx.Node)):  # with its meta
             continue
         value, host = node.meta.get("val"), arriving.get(node.args[0])
         if not isinstance(value, torch.Tensor) or not isinstance(host, torch.Tensor) \

@@ -191,6 +191,20 @@ def test_a_swap_in_takes_the_strides_of_the_host_copy_it_reads():
     assert swap_ins_in_host_layout(module, [arriving]) == 0  # already so
 
 
+def test_a_swap_in_the_forward_made_is_a_placeholder_of_the_backward_and_is_left_as_it_is():
+    # a swap-in planned right after the forward's last op (a prefetch) runs in the forward
+    # module; the backward takes its value as a placeholder that keeps its meta: this raised
+    # IndexError on the placeholder's empty args (Llama, output_hidden_states=True, inductor)
+    from memfit.lowering.inductor import swap_ins_in_host_layout
+
+    graph = fx.Graph()
+    arrived = graph.placeholder("memfit_swap_in")
+    arrived.meta["memfit"] = {"kind": "swap_in", "tensor": "y", "buffer": "y#in0"}
+    graph.output((graph.call_function(aten.neg.default, (arrived,)),))
+    module = fx.GraphModule(torch.nn.Module(), graph)
+    assert swap_ins_in_host_layout(module, [torch.empty(())]) == 0
+
+
 def test_waits_are_dropped_where_a_swap_in_copies_synchronously():
     """On the CPU a ``memfit::wait`` does nothing but read the copy; inductor placed the waits
     of a BERT layer's swapped-in attention values after a kernel that fused a bias gradient's
