@@ -61,14 +61,15 @@ class EagerWatching:
 
     def watching_eager(self) -> bool:
         """Whether what eager code holds is still watched: over the iterations whose region
-        runs are measured (from the first call on, ``watch_first_call``), until planning for it
-        gave up. Without a budget too: nothing is planned again, but a region's predicted peak
+        runs are measured (from the first call on, ``watch_first_call``) and while every plan is
+        to be made again (joint planning replaced them: the new plans count what eager code
+        holds and are measured), until planning for it gave up. Without a budget too: nothing is planned again, but a region's predicted peak
         is the whole device's, and the loop's loss and target are on the device beside it
         (``count_eager_in_prediction``)."""
+        current = latest_regions(self.regions)
         return (not self.eager_gave_up and self.options.measure_runs > 0
-                and (not self.regions or any(
-                    region.measuring(self.options.measure_runs)
-                    for region in latest_regions(self.regions))))
+                and (not current or any(region.measuring(self.options.measure_runs)
+                                        for region in current)))
 
     def eager_watch(self) -> EagerWatch | None:
         """This thread's ``EagerWatch`` (a CPU's), if one is on."""
