@@ -63,9 +63,9 @@ class EagerWatching:
         """Whether what eager code holds is still watched: over the iterations whose region
         runs are measured (from the first call on, ``watch_first_call``) and while every plan is
         to be made again (joint planning replaced them: the new plans count what eager code
-        holds and are measured), until planning for it gave up. Without a budget too: nothing is planned again, but a region's predicted peak
-        is the whole device's, and the loop's loss and target are on the device beside it
-        (``count_eager_in_prediction``)."""
+        holds and are measured), until planning for it gave up. Without a budget too: nothing
+        is planned again, but a region's predicted peak is the whole device's, and the loop's
+        loss and target are on the device beside it (``count_eager_in_prediction``)."""
         current = latest_regions(self.regions)
         return (not self.eager_gave_up and self.options.measure_runs > 0
                 and (not current or any(region.measuring(self.options.measure_runs)

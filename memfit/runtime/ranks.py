@@ -150,10 +150,10 @@ def agree_on_eager_bytes(regions: list) -> None:
     """What eager code held beside each region, as the rank that saw most saw it: the bytes at
     its forwards' and backwards' start and between them (the largest), the outputs freed by its
     backward's start (the fewest), whether any rank read them, and the most a measured run
-    showed (the largest). Each rank reads them from its own
-    allocator, where they can differ by a few bytes, and they decide whether a region is planned
-    again (``memfit.compiler.replanning.eager_room_needed``), so every rank takes the same ones
-    and plans the same."""
+    showed (the largest). Each rank reads them from its own allocator, where they can differ by
+    a few bytes, and they decide whether a region is planned again
+    (``memfit.compiler.replanning.eager_room_needed``), so every rank takes the same ones and
+    plans the same."""
     if agreement_group() is None or not regions:
         return
     numbers = []
