@@ -31,7 +31,6 @@ from memfit.compiler.replanning import (
     eager_gap_needed,
     eager_overrun_bytes,
     eager_room_needed,
-    shown_to_fit,
     warn_eager_gap_over,
     warn_eager_held_over,
 )
@@ -151,24 +150,29 @@ class EagerWatching:
         with ``args``, beside more bytes of eager code's than its plan counted where its
         checked peak has no room for them: tensors made since its plan that the loop keeps
         (an EMA copy of the model, another model's state), which a measured run would only
-        show over the budget; not where its measured runs beside as many fit (``shown_to_fit``).
-        On a CPU while runs are measured (``eager_bytes_now``), within ``MAX_EAGER_REPLANS``,
-        in a job of one rank (each rank reads its own bytes, and a plan made on one rank alone
+        show over the budget; not where its measured runs, with what they saw of them, fit
+        with the bytes added since (``Region.measured_most_bytes``): a loop that keeps its
+        batches in a list and reads each in eager code (an augmentation) holds one more each
+        iteration, and a plan made again for each would keep its runs measured, and so
+        watched, and planned again. Not a region at its smallest peak beside other regions'
+        saves: the same plan would come back (``make_room_for_eager``). On a CPU while runs
+        are measured (``eager_bytes_now``), within ``MAX_EAGER_REPLANS``, in a job of one rank (each rank reads its own bytes, and a plan made on one rank alone
         would leave the others waiting in its collectives; iteration_closed agrees on them);
         its next plan counts them (``eager_held``)."""
         from memfit.runtime.ranks import agreement_group
 
         newest = regions[-1]
-        if (newest.budget_bytes is None or self.options.fixed_plan is not None
-                or self.eager_gave_up or self.eager_replans >= MAX_EAGER_REPLANS
-                or agreement_group() is not None):
+        if (newest.budget_bytes is None or newest.minimum_bytes is not None  # the same again
+                or self.options.fixed_plan is not None or self.eager_gave_up
+                or self.eager_replans >= MAX_EAGER_REPLANS or agreement_group() is not None):
             return False
         now = self.eager_bytes_now(list(args))
         checked = (newest.bound or newest.predicted).peak_bytes + newest.outside_bytes
         seen = max(newest.eager_forward_bytes, newest.eager_backward_bytes)
         if (now <= newest.planned_eager_bytes
                 or checked + now - newest.planned_eager_bytes <= newest.budget_bytes
-                or (now <= seen and shown_to_fit(newest))):  # its runs beside them fit
+                or (newest.measured_runs and newest.measured_most_bytes + max(0, now - seen)
+                    <= newest.budget_bytes)):  # its runs beside them, and the rest, fit
             return False
         self.eager_held[newest.site] = max(now, self.eager_held.get(newest.site, 0))
         self.eager_replans += 1
