@@ -31,6 +31,7 @@ from memfit.compiler.replanning import (
     eager_gap_needed,
     eager_overrun_bytes,
     eager_room_needed,
+    shown_to_fit,
     warn_eager_gap_over,
     warn_eager_held_over,
 )
@@ -60,15 +61,14 @@ class EagerWatching:
 
     def watching_eager(self) -> bool:
         """Whether what eager code holds is still watched: over the iterations whose region
-        runs are measured (from the first call on, ``watch_first_call``) and while every plan is
-        to be made again (joint planning replaced them: the new plans count what eager code
-        holds and are measured), until planning for it gave up. Without a budget too: nothing
-        is planned again, but a region's predicted peak is the whole device's, and the loop's
-        loss and target are on the device beside it (``count_eager_in_prediction``)."""
-        current = latest_regions(self.regions)
+        runs are measured (from the first call on, ``watch_first_call``), until planning for it
+        gave up. Without a budget too: nothing is planned again, but a region's predicted peak
+        is the whole device's, and the loop's loss and target are on the device beside it
+        (``count_eager_in_prediction``)."""
         return (not self.eager_gave_up and self.options.measure_runs > 0
-                and (not current or any(region.measuring(self.options.measure_runs)
-                                        for region in current)))
+                and (not self.regions or any(
+                    region.measuring(self.options.measure_runs)
+                    for region in latest_regions(self.regions))))
 
     def eager_watch(self) -> EagerWatch | None:
         """This thread's ``EagerWatch`` (a CPU's), if one is on."""
@@ -150,8 +150,8 @@ class EagerWatching:
         with ``args``, beside more bytes of eager code's than its plan counted where its
         checked peak has no room for them: tensors made since its plan that the loop keeps
         (an EMA copy of the model, another model's state), which a measured run would only
-        show over the budget; not where its measured runs, with what they saw of them, fit
-        with the bytes added since (``Region.measured_most_bytes``): a loop that keeps its
+        show over the budget; not where its measured runs, read from the allocator with what
+        they saw of them, fit with the bytes added since (``shown_to_fit``): a loop that keeps its
         batches in a list and reads each in eager code (an augmentation) holds one more each
         iteration, and a plan made again for each would keep its runs measured, and so
         watched, and planned again. Not a region at its smallest peak beside other regions'
@@ -171,8 +171,8 @@ class EagerWatching:
         seen = max(newest.eager_forward_bytes, newest.eager_backward_bytes)
         if (now <= newest.planned_eager_bytes
                 or checked + now - newest.planned_eager_bytes <= newest.budget_bytes
-                or (newest.measured_runs and newest.measured_most_bytes + max(0, now - seen)
-                    <= newest.budget_bytes)):  # its runs beside them, and the rest, fit
+                or (shown_to_fit(newest)  # its runs beside them, and the rest, fit
+                    and newest.measured_most_bytes + max(0, now - seen) <= newest.budget_bytes)):
             return False
         self.eager_held[newest.site] = max(now, self.eager_held.get(newest.site, 0))
         self.eager_replans += 1

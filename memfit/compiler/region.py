@@ -93,7 +93,7 @@ class Region:
     measured_by: str = ""  # "allocator" or "ops" (see memfit.compiler.region_peak.run_measured)
     measured_most_bytes: int = 0  # the most any measured run of its plan showed, eager code's
     # bytes at its start included, with the optimizer state its plan reserves counted as made
-    # and, for a run counted by ops, its largest kernel scratch (``scratch_bytes``) added
+    measured_only_allocator: bool = True  # every measured run was read from the allocator
     forward_values: tuple = field(default=(), repr=False)  # its forward's inputs and outputs,
     # weakly: those still alive when its backward runs are measured with it (the loop holds them)
     hardware: Hardware | None = None  # the profile it was planned with

@@ -37,7 +37,6 @@ from memfit.runtime.tracker import DeviceMemoryTracker
 
 if TYPE_CHECKING:
     from memfit.compiler.region import Planner, Region
-    from memfit.data.costgraph import CostGraph
 
 # One CPU profiler at a time in the process: two threads' profilers starting and stopping
 # together crash torch (tests/test_threads.py); a run that finds it taken is counted by ops.
@@ -179,9 +178,9 @@ def measure_region_run(planner: Planner, region: Region, call: Callable[[list], 
     on_cpu = eager if device.type != "cuda" else 0  # CUDA's allocator counts them already
     result, peak_bytes, region.measured_by = run_measured(call, args, device, alive,
                                                           others + max(own, 0) + on_cpu)
-    unseen = scratch_bytes(region.plan_graph) if region.measured_by == "ops" else 0
     region.measured_most_bytes = max(region.measured_most_bytes,
-                                     peak_bytes + unseen + planner.state_to_come_bytes())
+                                     peak_bytes + planner.state_to_come_bytes())
+    region.measured_only_allocator &= region.measured_by == "allocator"
     if is_backward:
         region.measured_backward_bytes = peak_bytes
     else:
@@ -194,14 +193,6 @@ def measure_region_run(planner: Planner, region: Region, call: Callable[[list], 
     region.measured_runs += 1
     region.measure_pending = max(0, region.measure_pending - 1)
     return result
-
-
-def scratch_bytes(graph: CostGraph) -> int:
-    """The largest kernel scratch among ``graph``'s ops (``.temporary``: a storage nothing
-    reads, freed as its op ends): what a run counted by ops misses at most at any moment, as
-    one op runs at a time."""
-    return max((tensor.size_bytes for name, tensor in graph.tensors.items()
-                if name.endswith(".temporary")), default=0)
 
 
 def saves_counted_twice(planner: Planner, region: Region, counted: list,

@@ -103,10 +103,10 @@ def eager_room_needed(regions: list[Region]) -> list[tuple[Region, int]]:
 
 
 def shown_to_fit(region: Region) -> bool:
-    """Whether every measured run of ``region``'s plan was within its budget with the optimizer
-    state its plan reserves counted as made and, for a run counted by ops (under the user's
-    profiler), its largest kernel scratch added (``Region.measured_most_bytes``)."""
-    return (region.measured_runs > 0
+    """Whether every measured run of ``region``'s plan was read from the allocator (kernel
+    scratch seen) and within its budget with the optimizer state its plan reserves counted as
+    made (``Region.measured_most_bytes``)."""
+    return (region.measured_runs > 0 and region.measured_only_allocator
             and region.measured_most_bytes <= (region.budget_bytes or 0))
 
 

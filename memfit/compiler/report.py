@@ -114,7 +114,7 @@ def _bound_note(region: Region) -> str:
 def _eager_note(region: Region) -> str:
     """Bytes eager code held while ``region`` ran (``memfit.runtime.outside``), and whether its
     plan had room for them."""
-    from memfit.compiler.replanning import eager_bytes_to_plan, eager_overrun_bytes, shown_to_fit
+    from memfit.compiler.replanning import eager_bytes_to_plan, eager_overrun_bytes
 
     held = max(region.eager_forward_bytes, region.eager_backward_bytes)
     if region.budget_bytes is None:
@@ -129,8 +129,6 @@ def _eager_note(region: Region) -> str:
         if eager_overrun_bytes(region):
             status = (f"its measured run was {format_bytes(eager_overrun_bytes(region))} over "
                       f"the budget; {status}")
-    elif shown_to_fit(region):
-        status = "its measured runs with it were within the budget"
     else:
         status = "its plan had room for it"
     return (f"ran outside any plan: {format_bytes(held)} held by eager code while region "

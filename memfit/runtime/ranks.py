@@ -150,10 +150,10 @@ def agree_on_eager_bytes(regions: list) -> None:
     """What eager code held beside each region, as the rank that saw most saw it: the bytes at
     its forwards' and backwards' start and between them (the largest), the outputs freed by its
     backward's start (the fewest), whether any rank read them, and the most a measured run
-    showed (the largest). Each rank reads them from its own allocator, where they can differ by
-    a few bytes, and they decide whether a region is planned again
-    (``memfit.compiler.replanning.eager_room_needed``), so every rank takes the same ones and
-    plans the same."""
+    showed (the largest; read from the allocator only where every rank's was). Each rank reads
+    them from its own allocator, where they can differ by a few bytes, and they decide whether a
+    region is planned again (``memfit.compiler.replanning.eager_room_needed``), so every rank
+    takes the same ones and plans the same."""
     if agreement_group() is None or not regions:
         return
     numbers = []
@@ -162,11 +162,13 @@ def agree_on_eager_bytes(regions: list) -> None:
         numbers += [region.eager_forward_bytes, region.eager_backward_bytes,
                     region.eager_gap_bytes, region.gap_alive_bytes,
                     _NONE if freed is None else -freed,
-                    int(region.eager_read), region.measured_most_bytes]
+                    int(region.eager_read), region.measured_most_bytes,
+                    int(not region.measured_only_allocator)]
     agreed = agree_max(numbers)
     for position, region in enumerate(regions):
-        forward, backward, gap, alive, freed, read, most = agreed[7 * position:7 * position + 7]
-        region.measured_most_bytes = most
+        (forward, backward, gap, alive, freed, read, most,
+         not_allocator) = agreed[8 * position:8 * position + 8]
+        region.measured_most_bytes, region.measured_only_allocator = most, not not_allocator
         region.eager_forward_bytes, region.eager_backward_bytes = forward, backward
         region.eager_gap_bytes, region.gap_alive_bytes = gap, alive
         region.freed_output_bytes = None if freed == _NONE else -freed
