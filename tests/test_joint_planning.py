@@ -167,6 +167,7 @@ def _gpt2_twice_loop(model, optimizer, budget_bytes=None):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("compiled_fresh")  # transformers' GPT-2 code is compiled by other tests
 def test_gpt2_called_with_and_without_labels_per_step_trains_as_torch_compile_within_budget():
     # a compiled backward sums each call's gradient of the tied embedding before autograd adds
     # the two calls, so plain torch.compile is not eager's bit for bit from the second step;
