@@ -31,6 +31,7 @@ from memfit.compiler.replanning import (
     eager_gap_needed,
     eager_overrun_bytes,
     eager_room_needed,
+    no_room_for,
     shown_to_fit,
     warn_eager_gap_over,
     warn_eager_held_over,
@@ -147,18 +148,16 @@ class EagerWatching:
 
     def beside_more_eager(self, regions: list[Region], args: Sequence) -> bool:
         """Whether the compiled region planned as ``regions`` is planned again before it runs
-        with ``args``, beside more bytes of eager code's than its plan counted where its
-        checked peak has no room for them: tensors made since its plan that the loop keeps
-        (an EMA copy of the model, another model's state), which a measured run would only
-        show over the budget; not where its measured runs, read from the allocator with what
-        they saw of them, fit with the bytes added since (``shown_to_fit``): a loop that keeps its
-        batches in a list and reads each in eager code (an augmentation) holds one more each
-        iteration, and a plan made again for each would keep its runs measured, and so
-        watched, and planned again. Not a region at its smallest peak beside other regions'
-        saves: the same plan would come back (``make_room_for_eager``). On a CPU while runs
-        are measured (``eager_bytes_now``), within ``MAX_EAGER_REPLANS``, in a job of one rank (each rank reads its own bytes, and a plan made on one rank alone
-        would leave the others waiting in its collectives; iteration_closed agrees on them);
-        its next plan counts them (``eager_held``)."""
+        with ``args``, beside more of eager code's bytes than its checked peak has room for
+        (``no_room_for``): tensors the loop made since its plan and keeps (an EMA copy of the
+        model, another model's state), which a measured run would only show over the budget.
+        Left alone: a region whose measured runs, read from the allocator, fit with the bytes
+        added since (``shown_to_fit``; a loop keeping its batches in a list holds one more
+        each iteration, and a plan made for each would keep its runs measured and planned
+        again), and one at its smallest peak (the same plan would come back). On a CPU while
+        runs are measured (``eager_bytes_now``), within ``MAX_EAGER_REPLANS``, on one rank
+        only (each reads its own bytes; a plan made on one alone would leave the others in its
+        collectives). Its next plan counts them (``eager_held``)."""
         from memfit.runtime.ranks import agreement_group
 
         newest = regions[-1]
@@ -167,12 +166,10 @@ class EagerWatching:
                 or self.eager_replans >= MAX_EAGER_REPLANS or agreement_group() is not None):
             return False
         now = self.eager_bytes_now(list(args))
-        checked = (newest.bound or newest.predicted).peak_bytes + newest.outside_bytes
         seen = max(newest.eager_forward_bytes, newest.eager_backward_bytes)
-        if (now <= newest.planned_eager_bytes
-                or checked + now - newest.planned_eager_bytes <= newest.budget_bytes
-                or (shown_to_fit(newest)  # its runs beside them, and the rest, fit
-                    and newest.measured_most_bytes + max(0, now - seen) <= newest.budget_bytes)):
+        if not no_room_for(newest, now) or (
+                shown_to_fit(newest)  # its runs beside them, and the rest, fit
+                and newest.measured_most_bytes + max(0, now - seen) <= newest.budget_bytes):
             return False
         self.eager_held[newest.site] = max(now, self.eager_held.get(newest.site, 0))
         self.eager_replans += 1

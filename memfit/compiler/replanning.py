@@ -95,11 +95,17 @@ def eager_room_needed(regions: list[Region]) -> list[tuple[Region, int]]:
         if region.budget_bytes is None or shown_to_fit(region):
             continue
         held = eager_bytes_to_plan(region)
-        checked = (region.bound or region.predicted).peak_bytes + region.outside_bytes
-        if (held > region.planned_eager_bytes
-                and checked + held - region.planned_eager_bytes > region.budget_bytes):
+        if no_room_for(region, held):
             needed.append((region, held))
     return needed
+
+
+def no_room_for(region: Region, held: int) -> bool:
+    """Whether ``region``'s checked peak (``Region.bound``), with ``held`` bytes of eager
+    code's in place of those its plan counts, is over its budget."""
+    checked = (region.bound or region.predicted).peak_bytes + region.outside_bytes
+    return (held > region.planned_eager_bytes
+            and checked + held - region.planned_eager_bytes > (region.budget_bytes or 0))
 
 
 def shown_to_fit(region: Region) -> bool:
