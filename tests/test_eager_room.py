@@ -9,17 +9,25 @@
 - An EMA copy the loop makes of the fitted model (``AveragedModel``): on a CPU nothing sees its
   parameters until an op reads them, after the first plan; seen at the next call, the region is
   planned again for them before it runs (``beside_more_eager``), not after an iteration over.
+- A ``DataLoader`` over a ``TensorDataset``: its collate reads the dataset's rows, and the whole
+  dataset was counted as eager code's; it is the store the batches are drawn from, not the
+  step's (``memfit.runtime.outside.SOURCE_OPS``, views).
+- Under a profiler of the user's, no run is shown to fit by the allocator: eager bytes are
+  checked against the plan's peak in the phase they are held in, the backward's less the
+  outputs freed by then (``no_room_for``).
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 
 import pytest
 import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.utils.data import DataLoader, TensorDataset
 
 import memfit
 from memfit.runtime.measure import measure_allocator_peak
@@ -52,9 +60,10 @@ def _step(model, optimizer, volume, labels):
     return loss.detach()
 
 
-def test_a_plan_its_measured_runs_show_within_the_budget_is_not_planned_again_for_eager_bytes():
-    # before: 2,336,000 and 2,440,204 B measured at 2,451,217 B, then "cannot fit 2.34 MiB ...
-    # the smallest peak it can reach is 2.36 MiB" at the third call
+def _segmenter_fitted_at(fraction: float):
+    """Four batches, eager's measured runs of them on a segmenter, and a copy of it fitted at
+    ``fraction`` of eager's peak: ``(batches, eager, reference, model, optimizer, budget,
+    fitted)``."""
     generator = torch.Generator().manual_seed(1)
     batches = [(torch.randn(2, 1, 16, 16, 16, generator=generator),
                 torch.randint(0, 3, (2, 16, 16, 16), generator=generator)) for _ in range(4)]
@@ -66,9 +75,16 @@ def test_a_plan_its_measured_runs_show_within_the_budget_is_not_planned_again_fo
                                     track=(list(reference.parameters()),
                                            reference_optimizer.state))
              for volume, labels in batches]
-    budget = int(0.73 * max(measured.peak_bytes for measured in eager))
+    budget = int(fraction * max(measured.peak_bytes for measured in eager))
     optimizer = torch.optim.AdamW(model.parameters())
     fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
+    return batches, eager, reference, model, optimizer, budget, fitted
+
+
+def test_a_plan_its_measured_runs_show_within_the_budget_is_not_planned_again_for_eager_bytes():
+    # before: 2,336,000 and 2,440,204 B measured at 2,451,217 B, then "cannot fit 2.34 MiB ...
+    # the smallest peak it can reach is 2.36 MiB" at the third call
+    batches, eager, reference, model, optimizer, budget, fitted = _segmenter_fitted_at(0.73)
     # memfit measures its first runs itself, by the allocator: no profiler of ours around them
     losses = [_step(fitted, optimizer, volume, labels) for volume, labels in batches[:3]]
     region, = fitted._memfit_backend.regions
@@ -131,3 +147,77 @@ def test_an_average_of_the_model_made_by_the_loop_is_planned_for_before_the_regi
     assert max(peaks) <= budget and not said, (peaks, budget, said)
     assert all(torch.equal(mine, theirs) for mine, theirs in zip(losses, reference_losses,
                                                                 strict=True))
+
+
+def test_the_dataset_a_loader_draws_its_batches_from_is_not_counted_as_the_steps():
+    # before: the whole TensorDataset (its rows read by the loader's collate) counted as 8.14 MiB
+    # of eager code's bytes, and at the second call "the step cannot fit 25.77 MiB"
+    generator = torch.Generator().manual_seed(1)
+    dataset = TensorDataset(torch.randn(16384, 128, generator=generator),
+                            torch.randint(0, 10, (16384,), generator=generator))
+    loader = DataLoader(dataset, batch_size=2048)
+    reference = _mlp()
+    reference_optimizer = torch.optim.AdamW(reference.parameters())
+    eager = [measure_allocator_peak(_step, reference, reference_optimizer, inputs, labels,
+                                    track=(list(reference.parameters()),
+                                           reference_optimizer.state))
+             for inputs, labels in itertools.islice(loader, 4)]
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    budget = int(0.7 * max(measured.peak_bytes for measured in eager))
+    assert budget < sum(tensor.nbytes for tensor in dataset.tensors) + eager[0].peak_bytes
+    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        measured = [measure_allocator_peak(_step, fitted, optimizer, inputs, labels,
+                                           track=(list(model.parameters()), optimizer.state))
+                    for inputs, labels in itertools.islice(loader, 4)]
+    said = [str(w.message) for w in caught if issubclass(w.category, memfit.BudgetWarning)]
+    peaks = [run.peak_bytes for run in measured]
+    assert max(peaks) <= budget and not said, (peaks, budget, said)
+    assert all(torch.equal(mine.result, theirs.result)
+               for mine, theirs in zip(measured, eager, strict=True))
+
+
+def _peaks_in_the_profile(profiler, start_bytes: int) -> list[int]:
+    """Each ``record_function`` span named ``iteration``'s peak, read from the profiler's CPU
+    allocator events: ``start_bytes`` and what was allocated since the profile began."""
+    from torch.autograd import DeviceType
+
+    events = list(profiler.profiler.kineto_results.events())
+    memory = sorted((event.start_ns(), event.nbytes()) for event in events
+                    if event.name() == "[memory]" and event.device_type() == DeviceType.CPU)
+    spans = sorted((event.start_ns(), event.end_ns()) for event in events
+                   if event.name() == "iteration")
+    peaks = []
+    for start_ns, end_ns in spans:
+        live = start_bytes + sum(size for at_ns, size in memory if at_ns < start_ns)
+        peak = live
+        for at_ns, size in memory:
+            if start_ns <= at_ns <= end_ns:
+                live += size
+                peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
+
+
+def test_a_loss_in_the_loop_under_the_users_profiler_holds_the_budget_the_plan_was_made_for():
+    # a profiler of the user's records: memfit counts its runs by ops, so no run is shown to fit
+    # by the allocator (``shown_to_fit``). Before, the labels made for the second iteration were
+    # checked against the plan's peak in its backward, where the logits they outweigh are
+    # freed: "the step cannot fit 2.34 MiB" at the second call
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    batches, eager, _, model, optimizer, budget, fitted = _segmenter_fitted_at(0.73)
+    losses = []
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        for volume, labels in batches:
+            with record_function("iteration"):  # the loop copies each batch it trains on
+                losses.append(_step(fitted, optimizer, volume.clone(), labels.clone()))
+    region, = fitted._memfit_backend.regions
+    assert region.measured_by == "ops"
+    parameters = sum(parameter.nbytes for parameter in model.parameters())
+    peaks = _peaks_in_the_profile(profiler, parameters)
+    assert len(peaks) == 4 and max(peaks) <= budget, (peaks, budget)
+    assert all(torch.equal(mine, theirs.result)
+               for mine, theirs in zip(losses, eager, strict=True))

@@ -149,8 +149,10 @@ class EagerWatching:
     def beside_more_eager(self, regions: list[Region], args: Sequence) -> bool:
         """Whether the compiled region planned as ``regions`` is planned again before it runs
         with ``args``, beside more of eager code's bytes than its checked peak has room for
-        (``no_room_for``): tensors the loop made since its plan and keeps (an EMA copy of the
-        model, another model's state), which a measured run would only show over the budget.
+        (``no_room_for``: the bytes now over its forward; over its backward, those at its last
+        backward's start less its outputs freed by then, and the bytes added since): tensors
+        the loop made since its plan and keeps (an EMA copy of the model, another model's
+        state), which a measured run would only show over the budget.
         Left alone: a region whose measured runs, read from the allocator, fit with the bytes
         added since (``shown_to_fit``; a loop keeping its batches in a list holds one more
         each iteration, and a plan made for each would keep its runs measured and planned
@@ -167,7 +169,10 @@ class EagerWatching:
             return False
         now = self.eager_bytes_now(list(args))
         seen = max(newest.eager_forward_bytes, newest.eager_backward_bytes)
-        if not no_room_for(newest, now) or (
+        # what the loop made since its last forward it holds through this backward too
+        backward = (newest.eager_backward_bytes - (newest.freed_output_bytes or 0)
+                    + max(0, now - newest.eager_forward_bytes))
+        if not no_room_for(newest, now, backward) or (
                 shown_to_fit(newest)  # its runs beside them, and the rest, fit
                 and newest.measured_most_bytes + max(0, now - seen) <= newest.budget_bytes):
             return False

@@ -119,6 +119,9 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
                     warn_if_over_its_prediction(region, is_backward)
             else:
                 result = forward(args)
+        if watch is not None:  # what it returns is eager code's once an eager op reads it
+            watch.note_made(result if is_backward or region is None
+                            else result[:len(region.output_names)])
         node = calling_autograd_node() if region is not None or follow_loop else None
         if follow_loop and not is_backward and node is not None:
             # the backward module takes ``None`` for an output nothing used, not the zeros

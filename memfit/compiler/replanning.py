@@ -94,18 +94,36 @@ def eager_room_needed(regions: list[Region]) -> list[tuple[Region, int]]:
     for region in regions:
         if region.budget_bytes is None or shown_to_fit(region):
             continue
-        held = eager_bytes_to_plan(region)
-        if no_room_for(region, held):
-            needed.append((region, held))
+        backward = region.eager_backward_bytes - (region.freed_output_bytes or 0)
+        if no_room_for(region, region.eager_forward_bytes, backward):
+            needed.append((region, eager_bytes_to_plan(region)))
     return needed
 
 
-def no_room_for(region: Region, held: int) -> bool:
-    """Whether ``region``'s checked peak (``Region.bound``), with ``held`` bytes of eager
-    code's in place of those its plan counts, is over its budget."""
-    checked = (region.bound or region.predicted).peak_bytes + region.outside_bytes
-    return (held > region.planned_eager_bytes
-            and checked + held - region.planned_eager_bytes > (region.budget_bytes or 0))
+def no_room_for(region: Region, forward_bytes: int, backward_bytes: int) -> bool:
+    """Whether ``region``'s checked peak (``Region.bound``), with eager code's bytes in place of
+    those its plan counts, is over its budget: ``forward_bytes`` held over its forward,
+    ``backward_bytes`` over its backward (less its outputs freed by then: the plan holds them
+    to the end)."""
+    if max(forward_bytes, backward_bytes) <= region.planned_eager_bytes:
+        return False
+    forward_peak, backward_peak = phase_peaks(region)
+    room = (region.budget_bytes or 0) - region.outside_bytes + region.planned_eager_bytes
+    return forward_peak + forward_bytes > room or backward_peak + backward_bytes > room
+
+
+def phase_peaks(region: Region) -> tuple[int, int]:
+    """The most bytes ``region``'s checked timeline holds before its first backward op and
+    from it on (its peak for both where the timeline has no labels or no backward)."""
+    timeline = region.bound or region.predicted
+    graph = region.planned_graph or region.graph
+    backward = {op.name for op in graph.ops if op.phase == "backward"}
+    first = next((index for index, label in enumerate(timeline.memory_labels)
+                  if label in backward), None)
+    if first is None or len(timeline.memory_bytes) != len(timeline.memory_labels):
+        return timeline.peak_bytes, timeline.peak_bytes
+    return (max(timeline.memory_bytes[:first], default=0),
+            max(timeline.memory_bytes[first:]))
 
 
 def shown_to_fit(region: Region) -> bool:

@@ -12,8 +12,9 @@ memfit knows to be alive there. A CPU allocator has no such counter, so on a CPU
 ``EagerWatch`` notes the storages that ops run outside the regions make or read: a dispatch mode
 that Dynamo leaves compiled code running under (``ignore_compile_internals``; an ordinary mode
 makes Dynamo fall back to eager), kept on the thread's mode stack only over the iterations memfit
-measures. It sees what ops see: a tensor made before the watch started and never passed to an
-op since is not in it.
+measures. A tensor made before the watch started and never passed to an op since is not in
+it, nor one an op only copies, samples from or reads rows of (a ``TensorDataset`` in a
+``DataLoader``, a list of batches the loop copies: the step holds the batch made of them).
 
 Example:
     >>> watch = EagerWatch(torch.device("cpu"))
@@ -37,11 +38,24 @@ from torch.utils._pytree import tree_leaves
 from memfit.ops.host import is_host_storage
 from memfit.runtime.resident import local_tensor
 
+# ops that make new data from what they read: a tensor made before the watch that only these
+# read is a store the loop draws its batches from, not the step's
+SOURCE_OPS = frozenset(getattr(torch.ops.aten, name) for name in (
+    "index", "index_select", "gather", "take", "take_along_dim", "embedding", "masked_select",
+    "clone", "_to_copy", "copy_"))
+
 
 class EagerWatch(TorchDispatchMode):
-    """Notes, weakly, every device storage that an op run inside it makes or reads while
-    ``recording``; ``held_bytes`` sums those still alive. Compiled regions run with ``recording``
-    off (``paused``), so what it holds is eager code's."""
+    """Notes, weakly, the device storages eager code holds while ``recording``, and
+    ``held_bytes`` sums those still alive: what an op run inside it makes (a result that is no
+    input's storage; all of ``lift_fresh``'s, ``torch.tensor``'s new data), and what it reads
+    that a compiled region made (``note_made``), that holds a parameter, or that it reads
+    whole (the loop's target). Not a tensor made before the watch that an op copies or
+    samples from (``SOURCE_OPS``) or reads a part of (a view: a dataset's rows): a CPU's
+    profiler sees only what is allocated while it runs, and the step holds the batch made of
+    them.
+    Compiled regions run with ``recording`` off (``paused``), so what it holds is eager
+    code's."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
@@ -49,6 +63,7 @@ class EagerWatch(TorchDispatchMode):
         self.recording = True
         self.thread = threading.get_ident()  # a mode stack is per thread: only this one's ops
         self._storages: dict[StorageWeakRef, int] = {}
+        self._made: dict[StorageWeakRef, int] = {}  # made while watched (ops and regions)
         self._loop_storages: dict[StorageWeakRef, int] = {}  # the model's call arguments
         self._pruned_at = 0  # entries after the last pruning of dead storages
         self._windows: dict[Any, GapWindow] = {}  # open regions' gaps (``open_window``)
@@ -61,10 +76,38 @@ class EagerWatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
         if self.recording:
-            self.note((args, kwargs, result))
+            made, read = self._storages_of(result), self._storages_of((args, kwargs))
+            self.note_op(func, (args, kwargs), made, read)
             for window in self._windows.values():
-                window.grow(self._storages_of(result), self._storages_of((args, kwargs)))
+                window.grow(made, read)
         return result
+
+    def note_op(self, func: Any, inputs: Any, results: dict[StorageWeakRef, int],
+                read: dict[StorageWeakRef, int]) -> None:
+        """Note what op ``func`` made (``results``: its result storages, with ``read`` those of
+        its ``inputs``) and what of its inputs eager code holds (see the class)."""
+        made = (results if func is torch.ops.aten.lift_fresh.default
+                else {ref: size for ref, size in results.items() if ref not in read})
+        self._made.update(made)
+        self._storages.update(made)
+        source = getattr(func, "overloadpacket", None) in SOURCE_OPS
+        for leaf in tree_leaves(inputs):
+            storage = self._device_storage(leaf)
+            if storage is None:
+                continue
+            reference = StorageWeakRef(storage)
+            if (reference in self._made or isinstance(leaf, torch.nn.Parameter)
+                    or (not source and reference not in results
+                        and leaf.numel() * leaf.element_size() >= storage.nbytes())):
+                self._storages.setdefault(reference, storage.nbytes())
+        if len(self._storages) > 2 * self._pruned_at + 1024:  # drop the dead now and then
+            self._prune()
+
+    def note_made(self, values: Any) -> None:
+        """Note the device storages of ``values`` as made while watched (a compiled region's
+        outputs): counted once an eager op reads them."""
+        if self.recording:
+            self._note_into(self._made, values)
 
     def open_window(self, key: Any, outputs: Any,
                     alive_bytes: Callable[[dict[StorageWeakRef, int]], int]) -> None:
@@ -102,24 +145,25 @@ class EagerWatch(TorchDispatchMode):
         """The storages of the model's latest call arguments still alive, with their bytes."""
         return {ref: size for ref, size in self._loop_storages.items() if not ref.expired()}
 
-    def note(self, values: Any) -> None:
-        """Note the device storages of the tensors in ``values``, weakly."""
-        self._note_into(self._storages, values)
-        if len(self._storages) > 2 * self._pruned_at + 1024:  # drop the dead now and then
-            self._prune()
-
     def _note_into(self, storages: dict[StorageWeakRef, int], values: Any) -> None:
         for leaf in tree_leaves(values):
-            if (not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided
-                    or leaf.device != self.device or leaf.is_meta
-                    or torch._subclasses.fake_tensor.is_fake(leaf)):
-                continue
-            storage = local_tensor(leaf).untyped_storage()  # a DTensor's shard
-            if not is_host_storage(storage):
+            storage = self._device_storage(leaf)
+            if storage is not None:
                 storages.setdefault(StorageWeakRef(storage), storage.nbytes())
+
+    def _device_storage(self, leaf: Any) -> Any:
+        """``leaf``'s storage where it is a dense tensor on the watched device (a DTensor's
+        shard's), not memfit's host tier; else ``None``."""
+        if (not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided
+                or leaf.device != self.device or leaf.is_meta
+                or torch._subclasses.fake_tensor.is_fake(leaf)):
+            return None
+        storage = local_tensor(leaf).untyped_storage()
+        return None if is_host_storage(storage) else storage
 
     def _prune(self) -> None:
         self._storages = {ref: size for ref, size in self._storages.items() if not ref.expired()}
+        self._made = {ref: size for ref, size in self._made.items() if not ref.expired()}
         self._loop_storages = {ref: size for ref, size in self._loop_storages.items()
                                if not ref.expired()}
         self._pruned_at = len(self._storages)

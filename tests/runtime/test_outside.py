@@ -13,7 +13,7 @@ FLOATS = 1000  # 4,000 B float32 tensors
 
 
 def test_the_watch_counts_storages_made_or_read_outside_a_pause_while_they_live():
-    before = torch.randn(FLOATS)  # made before the watch: counted once an op reads it
+    before = torch.randn(FLOATS)  # made before the watch: counted once an op reads it whole
     watch = EagerWatch(torch.device("cpu"))
     watch.start()
     try:
@@ -21,17 +21,41 @@ def test_the_watch_counts_storages_made_or_read_outside_a_pause_while_they_live(
         view = made[:10]  # no storage of its own
         with watch.paused():  # a compiled region's run
             unseen = torch.randn(FLOATS) * 3
+            output = torch.randn(FLOATS)
+        watch.note_made([output])  # the region's output: counted once an eager op reads it
+        view.add_(output[:10])
     finally:
         watch.stop()
     assert not watch.on_stack()
     after = torch.randn(FLOATS) * 4  # the watch is off: not noted
-    assert watch.held_bytes([]) == 2 * 4 * FLOATS  # before and made
-    assert watch.held_bytes([before]) == 4 * FLOATS  # counted elsewhere (a region's argument)
-    del made
+    assert watch.held_bytes([]) == 3 * 4 * FLOATS  # before, made and output
+    assert watch.held_bytes([before, output]) == 4 * FLOATS  # counted elsewhere
+    del made, output
     assert watch.held_bytes([before]) == 4 * FLOATS  # the view keeps made's storage alive
     del view
     assert watch.held_bytes([before]) == 0
     assert unseen.numel() == after.numel() == FLOATS
+
+
+def test_a_dataset_an_op_copies_samples_or_reads_rows_of_is_not_the_steps_but_its_batches_are():
+    """A ``TensorDataset`` made before the loop: the batch ``stack`` makes of its rows, and
+    the targets indexed from it, are the step's, and so are another model's weights; the
+    dataset is not, as a CPU's profiler sees only what is allocated while it runs."""
+    dataset = torch.randn(64, FLOATS)
+    labels = torch.arange(64)
+    weight = torch.nn.Parameter(torch.randn(FLOATS, 4))  # another model's, made before too
+    watch = EagerWatch(torch.device("cpu"))
+    watch.start()
+    try:
+        batch = torch.stack([dataset[index] for index in range(4)])
+        chosen = torch.tensor([0, 1, 2, 3])  # its data is made here too (``lift_fresh``)
+        targets = labels[chosen]
+        features = batch[:, :FLOATS] @ weight
+        copied = labels[:4].clone()
+    finally:
+        watch.stop()
+    made = batch.nbytes + chosen.nbytes + targets.nbytes + features.nbytes + copied.nbytes
+    assert watch.held_bytes([]) == made + weight.nbytes < dataset.nbytes
 
 
 def test_compiled_code_runs_compiled_under_the_watch():
