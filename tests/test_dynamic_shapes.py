@@ -280,3 +280,43 @@ def test_a_plan_made_again_on_fakes_counts_what_the_loop_holds_beside_it():
     assert all(torch.equal(parameter, was)
                for parameter, was in zip(model.parameters(), before, strict=True))
     del kept
+
+
+def test_a_smaller_last_batch_of_volumes_is_planned_at_the_sizes_seen_not_at_a_guards_limit():
+    """A 3D segmentation net with a loss in the loop, batches of 4, a last batch of 2, then 4
+    again. Tracing the batch size as a symbol, a CPU 3D convolution guards ``batch < 16`` to
+    pick its kernel, so Dynamo's range for it ends at 15: priced there, no plan fit ("the
+    smallest peak it can reach is 13.42 MiB" at 4.03 MiB, at the third call, one thread). No
+    plan fitting that limit, the region is planned at the sizes it was traced with, and planned
+    again for the batch of 4 after it: every iteration within the budget, bitwise eager's. (The
+    loop's targets, made before it, count in their iteration and the next, not all at once.)"""
+    from tests.test_eager_room import _Segmenter
+    from tests.test_eager_room import _step as _segmentation_step
+
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(size, 1, 16, 16, 16, generator=generator),
+             torch.randint(0, 3, (size, 16, 16, 16), generator=generator)) for size in (4, 4, 2, 4)]
+    torch.manual_seed(0)
+    reference = _Segmenter()
+    model = _Segmenter()
+    model.load_state_dict(reference.state_dict())
+    reference_optimizer = torch.optim.AdamW(reference.parameters())
+    eager = [measure_allocator_peak(_segmentation_step, reference, reference_optimizer, *batch,
+                                    track=(list(reference.parameters()),
+                                           reference_optimizer.state, *batch))
+             for batch in data]
+    budget = int(0.76 * max(measured.peak_bytes for measured in eager))
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memfit.BudgetWarning)
+        measured = [measure_allocator_peak(_segmentation_step, fitted, optimizer, *batch,
+                                           track=(list(model.parameters()), optimizer.state,
+                                                  *batch))
+                    for batch in data]
+    peaks = [run.peak_bytes for run in measured]
+    assert max(peaks) <= budget, (peaks, budget)
+    assert all(torch.equal(mine.result, theirs.result)
+               for mine, theirs in zip(measured, eager, strict=True))
+    dynamic = [region for region in fitted._memfit_backend.regions if region.shape_bound]
+    assert [list(region.shape_bound.values()) for region in dynamic] == [[2], [4]]

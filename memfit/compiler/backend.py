@@ -230,7 +230,13 @@ class Backend(EagerWatching, JointPlanning):
         joint_first = (self.joint_first_trace is not None and not latest_regions(self.regions)
                        and self.budget is not None
                        and graph_break_follows(graph_module, example_inputs))
-        compiled = self.compile_region(graph_module, example_inputs, device, site, bound)
+        try:
+            compiled = self.compile_region(graph_module, example_inputs, device, site, bound)
+        except BudgetError:  # at a maximum Dynamo's guards set: planned at the sizes seen
+            if sizes is None or bound == sizes.seen_bound():
+                raise
+            bound = sizes.seen_bound()
+            compiled = self.compile_region(graph_module, example_inputs, device, site, bound)
         if joint_first and len(self.regions) > first:  # traced on fakes before its first run
             self.joint_first_site, self.joint_first_eager_bytes = site, self._eager_now
         self.limit_codes.pop(site_code(site), None)  # compiled again: planned from here on

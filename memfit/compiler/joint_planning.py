@@ -36,6 +36,7 @@ from memfit.data.plan import Plan
 from memfit.data.units import Budget, format_bytes
 from memfit.model.simulate import simulate
 from memfit.planning.step import plan_step, rerun_whole
+from memfit.runtime.outside import EagerWatch
 from memfit.runtime.ranks import agree_on_eager_bytes
 
 MAX_JOINT_ROUNDS = 2  # joint re-plans of a graph-broken model; each costs a trace of every region
@@ -61,6 +62,9 @@ class JointPlanning:
     def step_peak_found(self, peak_bytes: int) -> None:
         raise NotImplementedError  # the backend's
 
+    def eager_watch(self) -> EagerWatch | None:
+        raise NotImplementedError  # the backend's (memfit.compiler.eager_watching)
+
     def replans_provisional(self, regions: list[Region]) -> bool:
         raise NotImplementedError  # the backend's
 
@@ -84,6 +88,9 @@ class JointPlanning:
         current = latest_regions(self.regions)
         if any(region.open_forwards for region in current):
             return
+        watch = self.eager_watch()
+        if watch is not None:
+            watch.new_iteration()
         self.replanned_beside_copies.clear()
         self.settle_provisional(current)
         agree_on_eager_bytes(current)

@@ -43,6 +43,7 @@ class InputSizes:
     places: tuple[tuple[int, int | None, sympy.Symbol], ...]
     declared: tuple[tuple[sympy.Symbol, int], ...]
     hints: tuple[tuple[sympy.Symbol, int], ...]
+    users: tuple[tuple[sympy.Symbol, int], ...] = ()  # the maximums the user declared
     fake_inputs: tuple = ()  # Dynamo's symbolic fake inputs: what a new plan is traced from
     fake_mode: Any = None  # their fake mode, with the shape environment of the symbols
 
@@ -69,7 +70,10 @@ class InputSizes:
         hints = tuple((s, int(env.backed_var_to_val[s])) for s in symbols
                       if s in env.backed_var_to_val)
         mode = next(value.fake_mode for value in fakes if isinstance(value, FakeTensor))
-        return InputSizes(tuple(places), declared, hints, fakes, mode)
+        derived = dict(declared)
+        users = tuple((s, min(upper, derived.get(s, upper)))
+                      for s, upper in users_maximums(graph_module, places).items())
+        return InputSizes(tuple(places), declared, hints, users, fakes, mode)
 
     def traced_again(self) -> contextlib.AbstractContextManager:
         """Where AOTAutograd traces ``fake_inputs`` again with their symbols (Dynamo's own
@@ -81,6 +85,14 @@ class InputSizes:
     def first_bound(self) -> dict[sympy.Symbol, int]:
         """The bound of the first plan: each declared maximum, else the traced value."""
         return {**dict(self.hints), **dict(self.declared)}
+
+    def seen_bound(self) -> dict[sympy.Symbol, int]:
+        """The bound of a first plan where none fits ``first_bound``: each maximum the user
+        declared, else the traced value. A maximum Dynamo derived from its guards may be a
+        limit of the graph, not of the loop's sizes (a CPU convolution guards ``batch < 16``
+        to pick its kernel: a plan for batches of 4 priced at 15); a later run past this bound
+        has the region planned again at its sizes."""
+        return {**dict(self.hints), **dict(self.users)}
 
     def values(self, args: Sequence[Any]) -> dict[sympy.Symbol, int]:
         """Each symbol's value in this run's arguments (the largest place, should two differ)."""
@@ -100,6 +112,23 @@ class InputSizes:
             return None
         return {symbol: max(bound.get(symbol, 0), now.get(symbol, 0))
                 for symbol in {*bound, *now}}
+
+
+def users_maximums(graph_module: fx.GraphModule,
+                   places: Sequence[tuple[int, int | None, sympy.Symbol]]
+                   ) -> dict[sympy.Symbol, int]:
+    """The maximums the user declared for the symbols at ``places`` of Dynamo's graph
+    (``torch._dynamo.mark_dynamic(x, dim, max=...)``, read off the example tensors Dynamo
+    keeps with its placeholders)."""
+    examples = [getattr(node.meta.get("grapharg"), "example", None)
+                for node in graph_module.graph.find_nodes(op="placeholder")]
+    found: dict[sympy.Symbol, int] = {}
+    for position, dimension, symbol in places:
+        example = examples[position] if position < len(examples) else None
+        for declared in getattr(example, "_dynamo_dynamic_range", ()):
+            if declared.dim == dimension and declared.max is not None:
+                found[symbol] = min(int(declared.max), found.get(symbol, int(declared.max)))
+    return found
 
 
 def priced_bound(joint: fx.GraphModule, bound: Bound | None) -> dict[sympy.Symbol, int]:

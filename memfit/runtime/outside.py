@@ -49,9 +49,11 @@ class EagerWatch(TorchDispatchMode):
     """Notes, weakly, the device storages eager code holds while ``recording``, and
     ``held_bytes`` sums those still alive: what an op run inside it makes (a result that is no
     input's storage; all of ``lift_fresh``'s, ``torch.tensor``'s new data), and what it reads
-    that a compiled region made (``note_made``), that holds a parameter, or that it reads
-    whole (the loop's target). Not a tensor made before the watch that an op copies or
-    samples from (``SOURCE_OPS``) or reads a part of (a view: a dataset's rows): a CPU's
+    that a compiled region made (``note_made``), that holds a parameter, or that it reads or
+    writes whole (the loop's target, an average of the weights it updates in place), over
+    that iteration and the next (``new_iteration``). Not a
+    tensor made before the watch that an op copies or samples from (``SOURCE_OPS``), views
+    or reads a part of (a dataset's rows): a CPU's
     profiler sees only what is allocated while it runs, and the step holds the batch made of
     them.
     Compiled regions run with ``recording`` off (``paused``), so what it holds is eager
@@ -64,6 +66,9 @@ class EagerWatch(TorchDispatchMode):
         self.thread = threading.get_ident()  # a mode stack is per thread: only this one's ops
         self._storages: dict[StorageWeakRef, int] = {}
         self._made: dict[StorageWeakRef, int] = {}  # made while watched (ops and regions)
+        # tensors made before the watch that ops read whole, in this iteration and the last
+        self._read: dict[StorageWeakRef, int] = {}
+        self._read_before: dict[StorageWeakRef, int] = {}
         self._loop_storages: dict[StorageWeakRef, int] = {}  # the model's call arguments
         self._pruned_at = 0  # entries after the last pruning of dead storages
         self._windows: dict[Any, GapWindow] = {}  # open regions' gaps (``open_window``)
@@ -90,18 +95,27 @@ class EagerWatch(TorchDispatchMode):
                 else {ref: size for ref, size in results.items() if ref not in read})
         self._made.update(made)
         self._storages.update(made)
-        source = getattr(func, "overloadpacket", None) in SOURCE_OPS
+        # a view reads a part (a dataset's row); an in-place op writes the loop's own state
+        source = getattr(func, "overloadpacket", None) in SOURCE_OPS or getattr(
+            func, "is_view", False)
         for leaf in tree_leaves(inputs):
             storage = self._device_storage(leaf)
             if storage is None:
                 continue
             reference = StorageWeakRef(storage)
-            if (reference in self._made or isinstance(leaf, torch.nn.Parameter)
-                    or (not source and reference not in results
-                        and leaf.numel() * leaf.element_size() >= storage.nbytes())):
+            if reference in self._made or isinstance(leaf, torch.nn.Parameter):
                 self._storages.setdefault(reference, storage.nbytes())
+            elif not source and leaf.numel() * leaf.element_size() >= storage.nbytes():
+                self._read.setdefault(reference, storage.nbytes())
         if len(self._storages) > 2 * self._pruned_at + 1024:  # drop the dead now and then
             self._prune()
+
+    def new_iteration(self) -> None:
+        """An iteration's backward ended: what ops read of the tensors made before the watch
+        counts over this iteration and the next (the loop's target; another model's state its
+        optimizer reads each step), not beyond: of a list of batches made before the loop, one
+        or two are the step's, not all that were read."""
+        self._read_before, self._read = self._read, {}
 
     def note_made(self, values: Any) -> None:
         """Note the device storages of ``values`` as made while watched (a compiled region's
@@ -164,6 +178,9 @@ class EagerWatch(TorchDispatchMode):
     def _prune(self) -> None:
         self._storages = {ref: size for ref, size in self._storages.items() if not ref.expired()}
         self._made = {ref: size for ref, size in self._made.items() if not ref.expired()}
+        self._read = {ref: size for ref, size in self._read.items() if not ref.expired()}
+        self._read_before = {ref: size for ref, size in self._read_before.items()
+                             if not ref.expired()}
         self._loop_storages = {ref: size for ref, size in self._loop_storages.items()
                                if not ref.expired()}
         self._pruned_at = len(self._storages)
@@ -182,7 +199,8 @@ class EagerWatch(TorchDispatchMode):
         known.update(own_storages)
         loop = {ref: size for ref, size in self._loop_storages.items() if ref not in known}
         known.update(storages)
-        held = {ref: size for ref, size in self._storages.items() if ref not in known}
+        held = {ref: size for ref, size in {**self._read_before, **self._read,
+                                            **self._storages}.items() if ref not in known}
         return sum({**held, **loop}.values())
 
     @contextlib.contextmanager

@@ -13,7 +13,7 @@ FLOATS = 1000  # 4,000 B float32 tensors
 
 
 def test_the_watch_counts_storages_made_or_read_outside_a_pause_while_they_live():
-    before = torch.randn(FLOATS)  # made before the watch: counted once an op reads it whole
+    before = torch.randn(FLOATS)  # made before the watch: counted while an op reads it whole
     watch = EagerWatch(torch.device("cpu"))
     watch.start()
     try:
@@ -30,6 +30,10 @@ def test_the_watch_counts_storages_made_or_read_outside_a_pause_while_they_live(
     after = torch.randn(FLOATS) * 4  # the watch is off: not noted
     assert watch.held_bytes([]) == 3 * 4 * FLOATS  # before, made and output
     assert watch.held_bytes([before, output]) == 4 * FLOATS  # counted elsewhere
+    watch.new_iteration()  # read in the last iteration: still counted
+    assert watch.held_bytes([]) == 3 * 4 * FLOATS
+    watch.new_iteration()  # read two iterations ago and not since: not the step's
+    assert watch.held_bytes([]) == 2 * 4 * FLOATS
     del made, output
     assert watch.held_bytes([before]) == 4 * FLOATS  # the view keeps made's storage alive
     del view
@@ -39,11 +43,13 @@ def test_the_watch_counts_storages_made_or_read_outside_a_pause_while_they_live(
 
 def test_a_dataset_an_op_copies_samples_or_reads_rows_of_is_not_the_steps_but_its_batches_are():
     """A ``TensorDataset`` made before the loop: the batch ``stack`` makes of its rows, and
-    the targets indexed from it, are the step's, and so are another model's weights; the
-    dataset is not, as a CPU's profiler sees only what is allocated while it runs."""
+    the targets indexed from it, are the step's, and so are another model's weights and the
+    average of them the loop updates in place; the dataset is not, as a CPU's profiler sees
+    only what is allocated while it runs."""
     dataset = torch.randn(64, FLOATS)
     labels = torch.arange(64)
     weight = torch.nn.Parameter(torch.randn(FLOATS, 4))  # another model's, made before too
+    average = torch.zeros(FLOATS, 4)  # an average of its weights the loop updates in place
     watch = EagerWatch(torch.device("cpu"))
     watch.start()
     try:
@@ -52,10 +58,11 @@ def test_a_dataset_an_op_copies_samples_or_reads_rows_of_is_not_the_steps_but_it
         targets = labels[chosen]
         features = batch[:, :FLOATS] @ weight
         copied = labels[:4].clone()
+        average.lerp_(weight.detach(), 0.1)
     finally:
         watch.stop()
     made = batch.nbytes + chosen.nbytes + targets.nbytes + features.nbytes + copied.nbytes
-    assert watch.held_bytes([]) == made + weight.nbytes < dataset.nbytes
+    assert watch.held_bytes([]) == made + weight.nbytes + average.nbytes < dataset.nbytes
 
 
 def test_compiled_code_runs_compiled_under_the_watch():
