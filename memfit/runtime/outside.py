@@ -46,16 +46,19 @@ SOURCE_OPS = frozenset(getattr(torch.ops.aten, name) for name in (
 
 
 class EagerWatch(TorchDispatchMode):
-    """Notes, weakly, the device storages eager code holds while ``recording``, and
-    ``held_bytes`` sums those still alive: what an op run inside it makes (a result that is no
-    input's storage; all of ``lift_fresh``'s, ``torch.tensor``'s new data), and what it reads
-    that a compiled region made (``note_made``), that holds a parameter, or that it reads or
-    writes whole (the loop's target, an average of the weights it updates in place), over
-    that iteration and the next (``new_iteration``). Not a
-    tensor made before the watch that an op copies or samples from (``SOURCE_OPS``), views
-    or reads a part of (a dataset's rows): a CPU's
-    profiler sees only what is allocated while it runs, and the step holds the batch made of
-    them.
+    """Notes, weakly, the device storages eager code holds while ``recording``;
+    ``held_bytes`` sums those still alive:
+
+    - what an op run inside it makes (a result that is no input's storage; all of
+      ``lift_fresh``'s: ``torch.tensor``'s new data);
+    - what an op reads that a compiled region made (``note_made``) or that holds a parameter
+      (another model's weights);
+    - a tensor made before the watch that an op reads or writes whole (the loop's target, an
+      average of the weights it updates in place), over that iteration and the next
+      (``new_iteration``). Not one an op copies or samples from (``SOURCE_OPS``) or views (a
+      dataset's rows): a CPU's profiler sees only what is allocated while it runs, and the
+      step holds the batch made of them.
+
     Compiled regions run with ``recording`` off (``paused``), so what it holds is eager
     code's."""
 
@@ -95,7 +98,7 @@ class EagerWatch(TorchDispatchMode):
                 else {ref: size for ref, size in results.items() if ref not in read})
         self._made.update(made)
         self._storages.update(made)
-        # a view reads a part (a dataset's row); an in-place op writes the loop's own state
+        # a batch drawn from a store: copied, sampled or viewed (in place: the loop's own state)
         source = getattr(func, "overloadpacket", None) in SOURCE_OPS or getattr(
             func, "is_view", False)
         for leaf in tree_leaves(inputs):
