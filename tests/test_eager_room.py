@@ -221,3 +221,66 @@ def test_a_loss_in_the_loop_under_the_users_profiler_holds_the_budget_the_plan_w
     assert len(peaks) == 4 and max(peaks) <= budget, (peaks, budget)
     assert all(torch.equal(mine, theirs.result)
                for mine, theirs in zip(losses, eager, strict=True))
+
+
+def _widths(width: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(128, width), nn.GELU(), nn.Linear(width, width), nn.GELU(),
+                         nn.Linear(width, width), nn.GELU(), nn.Linear(width, 10))
+
+
+def _distill(student, optimizer, teacher, loader):
+    """Losses, measured peaks and the ``BudgetWarning`` messages of each iteration of a loop
+    that distils ``teacher`` (eager, under ``no_grad``) into ``student``."""
+    losses, peaks, said = [], [], []
+    for inputs, labels in loader:
+        def iteration(inputs=inputs, labels=labels):
+            with torch.no_grad():
+                targets = teacher(inputs).softmax(-1)
+            outputs = student(inputs)
+            loss = nn.functional.cross_entropy(outputs, labels) + nn.functional.kl_div(
+                outputs.log_softmax(-1), targets, reduction="batchmean")
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss.detach()
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            measured = measure_allocator_peak(iteration, track=(
+                list(student.parameters()), optimizer.state, list(teacher.parameters()),
+                inputs, labels))
+        losses.append(measured.result)
+        peaks.append(measured.peak_bytes)
+        said.append([str(w.message) for w in caught if issubclass(w.category,
+                                                                  memfit.BudgetWarning)])
+    return losses, peaks, said
+
+
+def test_a_teachers_forward_over_the_budget_between_iterations_is_said_at_the_next_call():
+    # before: 33,966,272 B at 32,770,830 B in the second iteration, without a word: the
+    # teacher's own eager forward, with no compiled region open, is over the budget
+    generator = torch.Generator().manual_seed(1)
+    dataset = TensorDataset(torch.randn(6144, 128, generator=generator),
+                            torch.randint(0, 10, (6144,), generator=generator))
+    torch.manual_seed(0)
+    teacher = _widths(1024).eval()
+    reference = _widths(512)
+    student = copy.deepcopy(reference)
+    reference_optimizer = torch.optim.AdamW(reference.parameters())
+    reference_losses, eager_peaks, _ = _distill(reference, reference_optimizer, teacher,
+                                                DataLoader(dataset, batch_size=2048))
+    optimizer = torch.optim.AdamW(student.parameters())
+    budget = int(0.7 * max(eager_peaks))
+    fitted = memfit.fit(student, budget=budget, optimizer=optimizer)
+    losses, peaks, said = _distill(fitted, optimizer, teacher,
+                                   DataLoader(dataset, batch_size=2048))
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip(losses, reference_losses,
+                                                                strict=True))
+    # the first iteration's teacher ran before the fitted model's first call: a CPU's eager
+    # watch starts there. From the second on, an iteration over the budget says so.
+    over = [index for index, peak in enumerate(peaks) if peak > budget]
+    assert 1 in over, (peaks, budget)
+    for index in over[1:] if over[0] == 0 else over:
+        assert any("between iterations" in message for message in said[index]), (index, said)
+    assert "over the budget outside any plan: eager code between iterations" in memfit.report(
+        fitted)

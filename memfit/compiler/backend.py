@@ -123,6 +123,7 @@ class Backend(EagerWatching, JointPlanning):
         self.gap_saves_limit: dict[Any, int] = {}  # site -> saves under a measured gap overrun
         self.eager_replans = 0  # times regions were planned again for what eager code held
         self.eager_gave_up = False  # eager code held more each time: no longer planned for
+        self.eager_between_bytes = 0  # the device's most bytes between iterations, over budget
         self._eager_watch: EagerWatch | None = None  # on a CPU, over the measured iterations
         self._eager_now = 0  # eager code's bytes alive as the region compiled now is called
         self.device: torch.device | None = None  # of the latest region compiled

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from collections.abc import Sequence
@@ -37,10 +38,14 @@ from memfit.compiler.replanning import (
     warn_eager_held_over,
 )
 from memfit.data.errors import BudgetWarning
+from memfit.data.units import format_bytes
 from memfit.runtime.outside import EagerWatch
 from memfit.runtime.resident import local_tensor
 
 MAX_EAGER_REPLANS = 3  # re-plans for what eager code holds beside the regions (it may keep growing)
+
+
+BETWEEN_ITERATIONS = "between iterations"  # the eager watch's window from a backward's end
 
 
 class EagerWatching:
@@ -58,6 +63,7 @@ class EagerWatching:
     eager_held: dict[Any, int]
     eager_gap: dict[Any, int]
     gap_saves_limit: dict[Any, int]
+    eager_between_bytes: int
     _eager_watch: EagerWatch | None
 
     def watching_eager(self) -> bool:
@@ -181,6 +187,36 @@ class EagerWatching:
         for region in regions:
             region.replaced = True
         return True
+
+    def watch_between_iterations(self) -> None:
+        """An iteration's backward ended: watch eager code's peak until a region's forward
+        runs again (the data loading, another model's forward: a teacher's beside a student),
+        with every byte the device holds then (``device_bytes_alive``)."""
+        from memfit.compiler.region_peak import device_bytes_alive
+
+        watch, device = self.eager_watch(), self.device
+        if watch is not None and device is not None:
+            watch.open_window(BETWEEN_ITERATIONS, (),
+                              functools.partial(device_bytes_alive, self, device),
+                              alive_each_op=True)
+
+    def check_between_iterations(self, region: Region) -> None:
+        """Before ``region``'s forward opens an iteration: where the device held more than its
+        budget while eager code ran since the last iteration (no plan open: nothing of memfit's
+        can lower it), say so at this call, and note it for the report."""
+        watch = self.eager_watch()
+        if watch is None:
+            return
+        _, alive = watch.close_window(BETWEEN_ITERATIONS)
+        if region.budget_bytes is None or alive <= region.budget_bytes:
+            return
+        warnings.warn(
+            f"memfit: eager code between iterations (before the model's call: another model's "
+            f"forward, the batch's loading) held the device at {format_bytes(alive)}, over the "
+            f"{format_bytes(region.budget_bytes)} budget, with no compiled region open: no plan "
+            "can lower that. Raise the budget, or fit the other model too (memfit.fit) or run "
+            "it in smaller pieces.", BudgetWarning, stacklevel=3)
+        self.eager_between_bytes = max(self.eager_between_bytes, alive)
 
     def eager_watch_off(self) -> contextlib.AbstractContextManager:
         """No watch on the mode stack inside the block (memfit's own tracing of a region, which

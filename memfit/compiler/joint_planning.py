@@ -65,6 +65,9 @@ class JointPlanning:
     def eager_watch(self) -> EagerWatch | None:
         raise NotImplementedError  # the backend's (memfit.compiler.eager_watching)
 
+    def watch_between_iterations(self) -> None:
+        raise NotImplementedError  # the backend's (memfit.compiler.eager_watching)
+
     def replans_provisional(self, regions: list[Region]) -> bool:
         raise NotImplementedError  # the backend's
 
@@ -91,6 +94,7 @@ class JointPlanning:
         watch = self.eager_watch()
         if watch is not None:
             watch.new_iteration()
+            self.watch_between_iterations()
         self.replanned_beside_copies.clear()
         self.settle_provisional(current)
         agree_on_eager_bytes(current)

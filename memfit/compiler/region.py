@@ -248,6 +248,8 @@ class Planner(Protocol):
 
     def forward_ran(self, region: Region) -> None: ...
 
+    def check_between_iterations(self, region: Region) -> None: ...
+
 
 @contextlib.contextmanager
 def timed_planning(planner: Planner) -> Iterator[None]:

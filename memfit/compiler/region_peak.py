@@ -238,7 +238,8 @@ def device_bytes_alive(planner: Planner, device: torch.device,
                        made: dict[StorageWeakRef, int]) -> int:
     """Bytes alive on ``device`` now among what memfit sees, each storage once: the model, its
     optimizers' state, the saves of open regions and their forwards' inputs and outputs, the
-    loop's tensors eager code noted and ``made`` (storages eager code made)."""
+    loop's tensors and what else eager code noted (``EagerWatch.noted_storages``: another
+    model's weights) and ``made`` (storages eager code made)."""
     sizes = dict(made)
     for tensor in resident_alive(planner):
         _add_storage(sizes, tensor, device)
@@ -251,6 +252,7 @@ def device_bytes_alive(planner: Planner, device: torch.device,
     watch = planner.eager_watch()
     if watch is not None:
         sizes.update(watch.loop_storages())
+        sizes.update(watch.noted_storages())
     return sum(sizes.values())
 
 

@@ -107,6 +107,9 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
         given = (tangents_given(region, args) if region is not None and is_backward
                  and (follow_loop or region.released_outputs) else ())
         inputs = storages_of(args) if region is not None and not is_backward else set()
+        if region is not None and not is_backward and not any(
+                other.open_forwards for other in planner.regions):
+            planner.check_between_iterations(region)  # an iteration opens
         if region is not None and is_backward:
             collect_before_backward(region)
             if keeps_its_graph():

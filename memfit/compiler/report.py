@@ -79,6 +79,11 @@ def _notes(planner: Planner) -> list[str]:
                      "code held beside the regions (its plan's budget counts it)")
     for where in planner.eager_codes:
         notes.append(f"ran outside any plan: {where} (Dynamo's recompile limit)")
+    between = getattr(planner, "eager_between_bytes", 0)
+    if between:
+        notes.append(f"over the budget outside any plan: eager code between iterations held "
+                     f"the device at {format_bytes(between)} with no compiled region open "
+                     "(another model's forward, the batch's loading)")
     return notes + _unplanned_notes(planner)
 
 

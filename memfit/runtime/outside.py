@@ -127,15 +127,18 @@ class EagerWatch(TorchDispatchMode):
             self._note_into(self._made, values)
 
     def open_window(self, key: Any, outputs: Any,
-                    alive_bytes: Callable[[dict[StorageWeakRef, int]], int]) -> None:
+                    alive_bytes: Callable[[dict[StorageWeakRef, int]], int],
+                    alive_each_op: bool = False) -> None:
         """Track, from now until ``close_window(key)``, the most bytes eager ops make and keep
         alive at once, less the bytes of ``outputs`` (a region's forward outputs, which its plan
         holds to the end) freed by then: what eager code holds at its own peak between a
         region's forward and backward (a loss's softmax and its gradient), which no reading at
         a region's start sees; and, at that peak, every byte alive on the device as
-        ``alive_bytes`` counts it, given the storages eager code made."""
+        ``alive_bytes`` counts it, given the storages eager code made (``alive_each_op``: the
+        most it counts after any op, for a window where what the device holds beside eager
+        code's own bytes changes: another model's weights read as it runs)."""
         self._windows[key] = GapWindow(outputs=self._storages_of(outputs),
-                                       alive_bytes=alive_bytes)
+                                       alive_bytes=alive_bytes, alive_each_op=alive_each_op)
 
     def close_window(self, key: Any) -> tuple[int, int]:
         """Eager code's most bytes that the window ``key`` saw, and the device's bytes alive
@@ -157,6 +160,12 @@ class EagerWatch(TorchDispatchMode):
         """
         self._loop_storages = {}
         self._note_into(self._loop_storages, values)
+
+    def noted_storages(self) -> dict[StorageWeakRef, int]:
+        """The storages ``held_bytes`` counts that are alive, with their bytes (the model's
+        and others it counts elsewhere included)."""
+        return {ref: size for ref, size in {**self._read_before, **self._read,
+                                            **self._storages}.items() if not ref.expired()}
 
     def loop_storages(self) -> dict[StorageWeakRef, int]:
         """The storages of the model's latest call arguments still alive, with their bytes."""
@@ -252,6 +261,7 @@ class GapWindow:
 
     outputs: dict[StorageWeakRef, int]
     alive_bytes: Callable[[dict[StorageWeakRef, int]], int]
+    alive_each_op: bool = False
     made: dict[StorageWeakRef, int] = dataclasses.field(default_factory=dict)
     peak_bytes: int = 0
     alive_at_peak_bytes: int = 0
@@ -264,8 +274,8 @@ class GapWindow:
         self.made = {ref: size for ref, size in self.made.items() if not ref.expired()}
         freed = sum(size for ref, size in self.outputs.items() if ref.expired())
         held = sum(self.made.values()) - freed
-        if held > self.peak_bytes:
-            self.peak_bytes = held
+        if held > self.peak_bytes or self.alive_each_op:
+            self.peak_bytes = max(self.peak_bytes, held)
             self.alive_at_peak_bytes = max(self.alive_at_peak_bytes, self.alive_bytes(self.made))
 
 
