@@ -29,6 +29,7 @@ from memfit.compiler.graph_breaks import latest_regions
 from memfit.compiler.region import Region
 from memfit.compiler.replanning import (
     count_eager_in_prediction,
+    eager_at_backward_bytes,
     eager_gap_needed,
     eager_overrun_bytes,
     eager_room_needed,
@@ -176,8 +177,7 @@ class EagerWatching:
         now = self.eager_bytes_now(list(args))
         seen = max(newest.eager_forward_bytes, newest.eager_backward_bytes)
         # what the loop made since its last forward it holds through this backward too
-        backward = (newest.eager_backward_bytes - (newest.freed_output_bytes or 0)
-                    + max(0, now - newest.eager_forward_bytes))
+        backward = eager_at_backward_bytes(newest) + max(0, now - newest.eager_forward_bytes)
         if not no_room_for(newest, now, backward) or (
                 shown_to_fit(newest)  # its runs beside them, and the rest, fit
                 and newest.measured_most_bytes + max(0, now - seen) <= newest.budget_bytes):

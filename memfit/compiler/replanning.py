@@ -94,8 +94,7 @@ def eager_room_needed(regions: list[Region]) -> list[tuple[Region, int]]:
     for region in regions:
         if region.budget_bytes is None or shown_to_fit(region):
             continue
-        backward = region.eager_backward_bytes - (region.freed_output_bytes or 0)
-        if no_room_for(region, region.eager_forward_bytes, backward):
+        if no_room_for(region, region.eager_forward_bytes, eager_at_backward_bytes(region)):
             needed.append((region, eager_bytes_to_plan(region)))
     return needed
 
@@ -251,5 +250,10 @@ def eager_bytes_to_plan(region: Region) -> int:
     between its forward and backward is planned for by a cap on its saves instead
     (``gap_saves_cap``).
     """
-    backward = region.eager_backward_bytes - (region.freed_output_bytes or 0)
-    return max(region.eager_forward_bytes, backward, 0)
+    return max(region.eager_forward_bytes, eager_at_backward_bytes(region), 0)
+
+
+def eager_at_backward_bytes(region: Region) -> int:
+    """Eager code's bytes seen at ``region``'s backwards' start less its outputs freed by then
+    (its checked plan holds them to the end: room those bytes take in fact)."""
+    return region.eager_backward_bytes - (region.freed_output_bytes or 0)
