@@ -236,6 +236,43 @@ def test_routing_by_data_dependent_sizes_says_which_setting_traces_it_and_is_pla
         assert torch.equal(mine.grad, theirs.grad)
 
 
+class _BlockWithBackwardHook(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+                                    for _ in range(2))
+        self.gradient_norms: list[float] = []
+        self.blocks[1].register_full_backward_hook(
+            lambda module, grad_input, grad_output:
+            self.gradient_norms.append(grad_output[0].norm().item()))
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            batch = batch + block(batch)
+        return batch
+
+
+def test_a_modules_backward_hook_says_what_lets_the_call_be_planned_and_the_hookless_part_fits():
+    batch = torch.randn(256, 32, generator=torch.Generator().manual_seed(1))
+    model = _BlockWithBackwardHook()
+    fitted = memfit.fit(model, budget=10_000_000)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fitted(batch).pow(2).mean().backward()
+    said = [str(w.message) for w in caught if w.category is BudgetWarning]
+    assert len(said) == 1 and "ran eagerly, outside any plan" in said[0], said
+    assert "backward hook" in said[0] and "memfit.fit(model.block" in said[0], said
+    assert len(model.gradient_norms) == 1 and not fitted._memfit_backend.regions
+    torch._dynamo.reset()
+    model = _BlockWithBackwardHook()
+    memfit.fit(model.blocks[0], budget=10_000_000)  # the submodule without the hook
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BudgetWarning)
+        model(batch).pow(2).mean().backward()
+    assert model.blocks[0]._memfit_backend.regions and len(model.gradient_norms) == 1
+
+
 class LazyAdamW:
     """AdamW made at the loop's first step, after the model's first call: memfit finds it by
     that step."""

@@ -140,6 +140,11 @@ def _remedy(cause: str) -> str:
                 "torch.where(mask), a mixture of experts' routing) is traced with "
                 "torch._dynamo.config.capture_dynamic_output_shape_ops = True, and memfit then "
                 "plans its sizes at their largest")
+    if "backwards hooks" in cause.lower():  # register_full_backward_hook on a module it calls
+        return ("; a module's backward hook (register_full_backward_hook or "
+                "register_full_backward_pre_hook, on it or a submodule) stops Dynamo for the "
+                "whole call, as under torch.compile: remove the hook, or fit the submodules "
+                "that have none (memfit.fit(model.block, ...))")
     return ""
 
 
