@@ -32,6 +32,7 @@ import torch.fx as fx
 
 from memfit.compiler import partitioner
 from memfit.compiler.backend_options import BackendOptions
+from memfit.compiler.dropped_gradients import GradientsSeen, gradient_bytes
 from memfit.compiler.eager_watching import EagerWatching
 from memfit.compiler.graph_breaks import (
     compiling_site,
@@ -118,6 +119,8 @@ class Backend(EagerWatching, JointPlanning):
         self.codes_run: set[Any] = set()  # codes whose planned region ran in the current call
         self.unplanned_calls: dict[str, int] = {}  # "code: cause" -> calls run outside a plan
         self.skip_cause = ""  # why Dynamo last ran the whole model eagerly, where it said
+        self.gradients_seen: dict[Any, GradientsSeen] = {}  # site -> what the loop does
+        # with the gradients between its forward and backward
         self.eager_held: dict[Any, int] = {}  # site -> eager code's bytes its plan counts
         self.eager_gap: dict[Any, int] = {}  # site -> eager code's peak its saves leave room for
         self.gap_saves_limit: dict[Any, int] = {}  # site -> saves under a measured gap overrun
@@ -266,8 +269,8 @@ class Backend(EagerWatching, JointPlanning):
         first = len(self.regions)
         try:
             with self._target(device):
-                compiled = self._compile_region(graph_module, example_inputs, device, site,
-                                                bound)
+                compiled = self._compiled_as_gradients_go(graph_module, example_inputs, device,
+                                                          site, bound)
             self.evaluations_planned(self.regions[first:])
             return compiled
         except BaseException as error:
@@ -276,6 +279,30 @@ class Backend(EagerWatching, JointPlanning):
             raise
         finally:
             self.planning_s += time.perf_counter() - started
+
+    def _compiled_as_gradients_go(self, graph_module: fx.GraphModule, example_inputs: list,
+                                  device: torch.device, site: Any, bound: Bound | None) -> Any:
+        """``_compile_region``; where no plan fits while the model's gradients exist and no
+        backward of this code has shown what the loop does with them, planned again as if the
+        loop drops them before the backward (``zero_grad()`` before ``backward()``, the order
+        of PyTorch's examples), which its next backward checks: a loop that keeps them
+        (accumulation) has it planned again counting them, and a measured run over the budget
+        is said. Where that fails too, the first error stands."""
+        first = len(self.regions)
+        try:
+            return self._compile_region(graph_module, example_inputs, device, site, bound)
+        except BudgetError:
+            seen = self.gradients_seen.setdefault(site, GradientsSeen())
+            if seen.drops is not None or not gradient_bytes(self.model, device):
+                raise
+            del self.regions[first:]
+            seen.drops = True
+            try:
+                return self._compile_region(graph_module, example_inputs, device, site, bound)
+            except BudgetError:
+                seen.drops = None
+                del self.regions[first:]
+            raise
 
     def _target(self, device: torch.device) -> contextlib.AbstractContextManager:
         """The capture personality of a planning-only trace (``memfit.tracing.target``)."""

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from memfit.compiler.dropped_gradients import GradientsSeen, dropped_gradient_bytes
 from memfit.compiler.graph_breaks import evaluation_cap, extra_copies, own_copies_bytes
 from memfit.compiler.region import Planner, Region
 from memfit.compiler.region_lifetimes import scalar_output_bytes, trainable_parameter_bytes
@@ -37,6 +38,7 @@ class OutsideCounter(Planner, Protocol):
     copies_sites: set[Any]
     eager_held: dict[Any, int]
     _eager_now: int
+    gradients_seen: dict[Any, GradientsSeen]
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,9 @@ class OutsideBytes:
         saves_cap_bytes: the most its forward may save, planned jointly, or an evaluation's
             (``evaluation_cap``) (``None``: no cap).
         evaluation_capped: ``saves_cap_bytes`` is an evaluation's, which no plan may meet.
+        dropped_gradient_bytes: the model's gradients, among ``resident_bytes``, that the loop
+            frees before the backward (``memfit.compiler.dropped_gradients``): the plan's graph
+            holds them over its forward, and ``outside_bytes`` leaves them out.
         outside_bytes: ``resident_bytes + gathered_bytes`` less ``parameter_bytes``, plus
             ``pending_bytes``, ``eager_bytes``, inductor's layout copies of its inputs and,
             without ``repeated_copies``, its own copies under ``saves_cap_bytes``.
@@ -76,6 +81,7 @@ class OutsideBytes:
     saves_cap_bytes: int | None
     outside_bytes: int
     evaluation_capped: bool = False
+    dropped_gradient_bytes: int = 0
 
 
 def bytes_outside(planner: OutsideCounter, joint: fx.GraphModule, inputs: Sequence[Binding],
@@ -97,10 +103,13 @@ def bytes_outside(planner: OutsideCounter, joint: fx.GraphModule, inputs: Sequen
     # regions whose forward ran and whose backward has not hold their saved values meanwhile
     # (a model with graph breaks: the later region plans around the earlier one's saves)
     pending = sum(region.saved_bytes * region.open_forwards for region in planner.regions)
-    later, eager, resident, pending, gathered = agree_max(
-        [later, eager, resident, pending, gathered])
+    seen = planner.gradients_seen.get(site)
+    dropped = dropped_gradient_bytes(seen, planner.model, device) if seen is not None else 0
+    later, eager, resident, pending, gathered, fewest_dropped = agree_max(
+        [later, eager, resident, pending, gathered, -dropped])
+    dropped = min(-fewest_dropped, resident)  # what every rank drops
     # the region's parameters are among the resident or, under FSDP2, the gathered bytes
-    outside = max(0, resident + gathered - parameters) + pending + eager
+    outside = max(0, resident - dropped + gathered - parameters) + pending + eager
     if planner.options.compiler == "inductor":  # its channels-last copies of the region's inputs
         from memfit.lowering.inductor import layout_copy_bytes
 
@@ -115,7 +124,7 @@ def bytes_outside(planner: OutsideCounter, joint: fx.GraphModule, inputs: Sequen
     own_open = sum(region.saved_bytes * region.open_forwards for region in planner.regions
                    if site is not None and region.site == site)
     return OutsideBytes(parameters, trainable, later, eager, resident, gathered, pending,
-                        own_open, repeated, cap, outside, evaluation)
+                        own_open, repeated, cap, outside, evaluation, dropped)
 
 
 def later_gradient_bytes(model: torch.nn.Module | None, regions: list[Region],

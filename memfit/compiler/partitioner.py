@@ -39,6 +39,7 @@ from memfit.compiler.region_lifetimes import (
     output_tangents,
     output_tensor_names,
     scalar_output_bytes,
+    with_dropped_gradients,
     with_later_gradients,
 )
 from memfit.compiler.replanning import gap_saves_cap, outputs_and_inputs_bytes
@@ -119,6 +120,7 @@ def _plan_region(planner: RegionPlanner, joint: fx.GraphModule, device: torch.de
     outside = bytes_outside(planner, prepared.joint, prepared.captured.inputs, device,
                             num_fwd_outputs, site)
     graph = with_later_gradients(prepared.graph, outside.later_gradient_bytes)
+    graph = with_dropped_gradients(graph, outside.dropped_gradient_bytes)
     if planner.retained_backward:
         graph = with_retained_saves(graph)
     lower = Lowering(prepared.program, graph, num_fwd_outputs, static_lifetime_input_indices,

@@ -223,6 +223,7 @@ class Planner(Protocol):
     cache_ignored: list[str]  # plan-cache files ignored, and why (``memfit.planning.plan_cache``)
     retained_backward: bool  # a backward kept its graph: plans keep the saves it reads
     retained_replans: int  # plans made again for that
+    gradients_seen: dict  # site -> what the loop did with the gradients in between
 
     def eager_watch(self) -> Any: ...
 

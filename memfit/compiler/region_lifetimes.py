@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memfit.data.costgraph import CostGraph
-from memfit.model.lifetimes import with_loop_lifetimes, with_storage_from
+from memfit.model.lifetimes import with_forward_storage, with_loop_lifetimes, with_storage_from
 from memfit.model.simulate import simulate
 from memfit.ops.host import is_host_storage
 from memfit.tracing.analyze import storage_key, tensors_in
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from memfit.compiler.region import Region
 
 LATER_GRADIENTS = "memfit.later_gradients"  # the storage standing for other regions' gradients
+DROPPED_GRADIENTS = "memfit.dropped_gradients"  # the model's gradients the loop frees in between
 EAGER_AT_BACKWARD = "memfit.eager_at_backward"  # eager code's bytes seen at the backward's start
 
 
@@ -62,6 +63,12 @@ def with_later_gradients(graph: CostGraph, size_bytes: int) -> CostGraph:
     """``graph`` with ``size_bytes`` of other regions' gradients alive from its first backward op
     on (unchanged without a backward or without such gradients)."""
     return with_backward_storage(graph, LATER_GRADIENTS, size_bytes)
+
+
+def with_dropped_gradients(graph: CostGraph, size_bytes: int) -> CostGraph:
+    """``graph`` with ``size_bytes`` of the model's gradients alive over its forward only: the
+    loop frees them before the backward makes new ones (``memfit.compiler.dropped_gradients``)."""
+    return with_forward_storage(graph, DROPPED_GRADIENTS, size_bytes)
 
 
 def with_backward_storage(graph: CostGraph, name: str, size_bytes: int) -> CostGraph:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from memfit.compiler.dropped_gradients import GradientsSeen, note_backward, note_forward
 from memfit.compiler.loop_lifetimes import check_loop_lifetimes, collect_before_backward
 from memfit.compiler.region import REGION_KEY, Planner, Region
 from memfit.compiler.region_lifetimes import observe_loop, remember_outputs, tangents_given
@@ -110,8 +111,12 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
         if region is not None and not is_backward and not any(
                 other.open_forwards for other in planner.regions):
             planner.check_between_iterations(region)  # an iteration opens
+        if region is not None and not is_backward and region.site is not None:
+            note_forward(planner.gradients_seen.setdefault(region.site, GradientsSeen()),
+                         planner.model)
         if region is not None and is_backward:
             collect_before_backward(region)
+            plan_for_dropped_gradients(planner, region)
             if keeps_its_graph():
                 plan_for_retained_saves(planner, region)
         watch = planner.eager_watch()
@@ -155,6 +160,24 @@ def keeps_its_graph() -> bool:
     """Whether the backward running now was called with ``retain_graph=True``."""
     keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     return bool(keep_graph()) if keep_graph is not None else False
+
+
+def plan_for_dropped_gradients(planner: Planner, region: Region) -> None:
+    """At a backward's start: where it is the first to show that the loop drops the model's
+    gradients after ``region``'s forward (``zero_grad()`` before ``backward()``), the plans of
+    its code, made counting them over their backward too, are made again before their next run,
+    counting them over their forward only. On one process only: each rank sees its own loop, and a plan made
+    again on one alone would leave the others in its collectives (they plan again with it at
+    their next plan)."""
+    from memfit.runtime.ranks import agreement_group
+
+    seen = planner.gradients_seen.get(region.site)
+    if (seen is not None and note_backward(seen, planner.model)
+            and region.budget_bytes is not None
+            and planner.options.fixed_plan is None and agreement_group() is None):
+        for other in planner.regions:
+            if other.site == region.site:
+                other.replaced = True
 
 
 def plan_for_retained_saves(planner: Planner, region: Region) -> None:

@@ -48,6 +48,17 @@ def with_storage_from(graph: CostGraph, name: str, size_bytes: int, op_name: str
                            compiler=graph.compiler)
 
 
+def with_forward_storage(graph: CostGraph, name: str, size_bytes: int) -> CostGraph:
+    """``graph`` plus a storage of ``size_bytes`` alive from its first op through its forward's
+    last (what the loop frees before the backward starts); unchanged without a backward or
+    without bytes."""
+    forward = graph.forward_ops
+    if not size_bytes or not forward or all(op.phase != "backward" for op in graph.ops):
+        return graph
+    graph = with_storage_from(graph, name, size_bytes, forward[0].name)
+    return with_loop_lifetimes(graph, {}, {name: forward[-1].name})
+
+
 RETAINED_SAVES = "memfit.retained_saves"  # marks a graph whose backward keeps the saves it reads
 
 
