@@ -119,8 +119,9 @@ class Backend(EagerWatching, JointPlanning):
         self.codes_run: set[Any] = set()  # codes whose planned region ran in the current call
         self.unplanned_calls: dict[str, int] = {}  # "code: cause" -> calls run outside a plan
         self.skip_cause = ""  # why Dynamo last ran the whole model eagerly, where it said
-        self.gradients_seen: dict[Any, GradientsSeen] = {}  # site -> what the loop does
-        # with the gradients between its forward and backward
+        self.gradients_seen: dict[int, GradientsSeen] = {}  # program -> what the loop does
+        # with the gradients between its forward and backward (``Region.program``)
+        self.program_now = 0  # the program being planned
         self.eager_held: dict[Any, int] = {}  # site -> eager code's bytes its plan counts
         self.eager_gap: dict[Any, int] = {}  # site -> eager code's peak its saves leave room for
         self.gap_saves_limit: dict[Any, int] = {}  # site -> saves under a measured gap overrun
@@ -267,10 +268,13 @@ class Backend(EagerWatching, JointPlanning):
                                 and not self.step_peak_bytes and site in self.break_sites)
         started = time.perf_counter()
         first = len(self.regions)
+        self.program_now = id(graph_module)
         try:
             with self._target(device):
                 compiled = self._compiled_as_gradients_go(graph_module, example_inputs, device,
                                                           site, bound)
+            for region in self.regions[first:]:
+                region.program = self.program_now
             self.evaluations_planned(self.regions[first:])
             return compiled
         except BaseException as error:
@@ -292,7 +296,7 @@ class Backend(EagerWatching, JointPlanning):
         try:
             return self._compile_region(graph_module, example_inputs, device, site, bound)
         except BudgetError:
-            seen = self.gradients_seen.setdefault(site, GradientsSeen())
+            seen = self.gradients_seen.setdefault(self.program_now, GradientsSeen())
             if seen.drops is not None or not gradient_bytes(self.model, device):
                 raise
             del self.regions[first:]

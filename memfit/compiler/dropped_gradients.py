@@ -7,8 +7,9 @@ makes the new ones, so they never coexist. A plan that counts them as resident o
 region counts the model's gradients twice in its backward; memfit counts them over the forward
 only (``with_dropped_gradients``) once a backward has shown the loop drops them, and as resident
 for good once one has shown them kept (accumulation across micro-batches adds into them). Seen
-per compiled code (``Region.site``): a GAN's discriminator keeps its gradients through the
-generator's backward, which runs through it too, and drops them before its own.
+per program (``Region.program``): a GAN's discriminator drops its gradients before the backward
+of its calls on real and generated samples, and keeps them through the generator's backward,
+which runs through its third call (another program: its input needs a gradient).
 
 Example:
     >>> note_forward(seen, model)  # at each forward of a region

@@ -38,7 +38,8 @@ class OutsideCounter(Planner, Protocol):
     copies_sites: set[Any]
     eager_held: dict[Any, int]
     _eager_now: int
-    gradients_seen: dict[Any, GradientsSeen]
+    gradients_seen: dict[int, GradientsSeen]
+    program_now: int
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ def bytes_outside(planner: OutsideCounter, joint: fx.GraphModule, inputs: Sequen
     # regions whose forward ran and whose backward has not hold their saved values meanwhile
     # (a model with graph breaks: the later region plans around the earlier one's saves)
     pending = sum(region.saved_bytes * region.open_forwards for region in planner.regions)
-    seen = planner.gradients_seen.get(site)
+    seen = planner.gradients_seen.get(planner.program_now)
     dropped = dropped_gradient_bytes(seen, planner.model, device) if seen is not None else 0
     later, eager, resident, pending, gathered, fewest_dropped = agree_max(
         [later, eager, resident, pending, gathered, -dropped])

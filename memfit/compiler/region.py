@@ -71,6 +71,8 @@ class Region:
     most_open_forwards: int = 0  # the most of its forwards open at once: how many copies of its
     # saves an iteration holds together (blocks that run one compiled code: FSDP2's per-block
     # regions where Dynamo does not guard on which block, GPT-2 with ``use_cache=False``)
+    program: int = 0  # the Dynamo graph its plans are made from (its id): one per program of a
+    # site (a second call with other arguments is another), the same for every plan of it
     site: Any = None  # where Dynamo compiled it from (``compiling_site``: its code object, and
     # the module it runs for): one per region an iteration runs, which a newer plan replaces
     pending_bytes: int = 0  # saves of earlier regions (before a graph break) it planned around
@@ -223,7 +225,7 @@ class Planner(Protocol):
     cache_ignored: list[str]  # plan-cache files ignored, and why (``memfit.planning.plan_cache``)
     retained_backward: bool  # a backward kept its graph: plans keep the saves it reads
     retained_replans: int  # plans made again for that
-    gradients_seen: dict  # site -> what the loop did with the gradients in between
+    gradients_seen: dict  # program -> what the loop did with the gradients in between
 
     def eager_watch(self) -> Any: ...
 

@@ -111,8 +111,8 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
         if region is not None and not is_backward and not any(
                 other.open_forwards for other in planner.regions):
             planner.check_between_iterations(region)  # an iteration opens
-        if region is not None and not is_backward and region.site is not None:
-            note_forward(planner.gradients_seen.setdefault(region.site, GradientsSeen()),
+        if region is not None and not is_backward and region.program:
+            note_forward(planner.gradients_seen.setdefault(region.program, GradientsSeen()),
                          planner.model)
         if region is not None and is_backward:
             collect_before_backward(region)
@@ -171,12 +171,12 @@ def plan_for_dropped_gradients(planner: Planner, region: Region) -> None:
     their next plan)."""
     from memfit.runtime.ranks import agreement_group
 
-    seen = planner.gradients_seen.get(region.site)
+    seen = planner.gradients_seen.get(region.program)
     if (seen is not None and note_backward(seen, planner.model)
             and region.budget_bytes is not None
             and planner.options.fixed_plan is None and agreement_group() is None):
         for other in planner.regions:
-            if other.site == region.site:
+            if other.program == region.program:
                 other.replaced = True
 
 
