@@ -122,6 +122,7 @@ class Backend(EagerWatching, JointPlanning):
         self.gradients_seen: dict[int, GradientsSeen] = {}  # program -> what the loop does
         # with the gradients between its forward and backward (``Region.program``)
         self.program_now = 0  # the program being planned
+        self.step_over_said = False  # said that the optimizer's step alone is over the budget
         self.eager_held: dict[Any, int] = {}  # site -> eager code's bytes its plan counts
         self.eager_gap: dict[Any, int] = {}  # site -> eager code's peak its saves leave room for
         self.gap_saves_limit: dict[Any, int] = {}  # site -> saves under a measured gap overrun

@@ -26,6 +26,7 @@ import torch.fx as fx
 from memfit.compiler.backend_options import BackendOptions
 from memfit.compiler.graph_breaks import first_iteration_cap, own_copies_bytes
 from memfit.compiler.loop_lifetimes import loop_lifetimes_apply
+from memfit.compiler.optimizer_step import check_the_step_fits
 from memfit.compiler.outside_bytes import OutsideBytes, OutsideCounter, bytes_outside
 from memfit.compiler.region import (
     REGION_KEY,
@@ -128,6 +129,8 @@ def _plan_region(planner: RegionPlanner, joint: fx.GraphModule, device: torch.de
                      prepared.bound)
     outputs = region_outputs(planner, prepared, graph, num_fwd_outputs, site, outside)
     chosen = chosen_on_every_rank(planner, graph, hardware, outside, outputs.loop_graph)
+    check_the_step_fits(planner, device, chosen.budget_bytes, outside.resident_bytes,
+                        first_plan=not any(region.most_open_forwards for region in planner.regions))
     lowered = lowered_beside_copies(planner, chosen, lower, hardware, outside, outputs, site)
     lowered = within_saves_limits(planner, chosen, lowered, lower, hardware, outside, outputs,
                                   site)

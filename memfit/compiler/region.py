@@ -225,6 +225,7 @@ class Planner(Protocol):
     cache_ignored: list[str]  # plan-cache files ignored, and why (``memfit.planning.plan_cache``)
     retained_backward: bool  # a backward kept its graph: plans keep the saves it reads
     retained_replans: int  # plans made again for that
+    step_over_said: bool  # said that the optimizer's step alone is over the budget
     gradients_seen: dict  # program -> what the loop did with the gradients in between
 
     def eager_watch(self) -> Any: ...

@@ -157,6 +157,41 @@ def reserved_state_bytes(optimizer: torch.optim.Optimizer | None, device: torch.
     return total
 
 
+def step_temporary_bytes(optimizer: torch.optim.Optimizer | None, device: torch.device) -> int:
+    """The most bytes ``optimizer.step()`` allocates at once on ``device`` beyond its state (0
+    for an optimizer it cannot tell). Adam and AdamW, one tensor at a time (``foreach=False``,
+    the CPU's default): a parameter's square root of its second moment and its quotient, and
+    Adam's weight decay's copy of the gradient; SGD: the copies weight decay and Nesterov
+    momentum make of the gradient. With ``foreach`` (CUDA's default): one copy of a whole group
+    of parameters, the later ops in place on it; ``fused``: none."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    if optimizer is None or type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW,
+                                                    torch.optim.SGD):
+        return 0
+    most = 0
+    for group in optimizer.param_groups:
+        sizes = [local_tensor(parameter).untyped_storage().nbytes()
+                 for parameter in group["params"]
+                 if parameter.requires_grad and parameter.device == device]
+        if not sizes or group.get("fused"):
+            continue
+        foreach = group.get("foreach")
+        if foreach is None:
+            _, foreach = _default_to_fused_or_foreach(
+                [p for p in group["params"] if p.device == device], False, use_fused=False)
+        if isinstance(optimizer, torch.optim.SGD):
+            copies = int(bool(group.get("weight_decay"))) + int(bool(group.get("nesterov")))
+        else:
+            decays = bool(group.get("weight_decay")) and not (
+                isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay"))
+            copies = 2 + int(decays)
+        if foreach:  # one list of copies, the later ops in place on it
+            copies = min(copies, 1)
+        most = max(most, copies * (sum(sizes) if foreach else max(sizes)))
+    return most
+
+
 def _extra_slots(kind: type, group: dict) -> int:
     if kind is torch.optim.SGD:
         return 1 if group.get("momentum", 0) else 0
