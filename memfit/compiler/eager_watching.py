@@ -211,11 +211,12 @@ class EagerWatching:
         if region.budget_bytes is None or alive <= region.budget_bytes:
             return
         warnings.warn(
-            f"memfit: eager code between iterations (before the model's call: another model's "
+            f"memfit: eager code between iterations (the optimizer's step, another model's "
             f"forward, the batch's loading) held the device at {format_bytes(alive)}, over the "
             f"{format_bytes(region.budget_bytes)} budget, with no compiled region open: no plan "
             "can lower that. Raise the budget, or fit the other model too (memfit.fit) or run "
-            "it in smaller pieces.", BudgetWarning, stacklevel=3)
+            "it in smaller pieces, or step with fewer temporaries (fused=True).", BudgetWarning,
+            stacklevel=3)
         self.eager_between_bytes = max(self.eager_between_bytes, alive)
 
     def eager_watch_off(self) -> contextlib.AbstractContextManager:

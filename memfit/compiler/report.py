@@ -83,7 +83,7 @@ def _notes(planner: Planner) -> list[str]:
     if between:
         notes.append(f"over the budget outside any plan: eager code between iterations held "
                      f"the device at {format_bytes(between)} with no compiled region open "
-                     "(another model's forward, the batch's loading)")
+                     "(the optimizer's step, another model's forward, the batch's loading)")
     return notes + _unplanned_notes(planner)
 
 
