@@ -164,11 +164,11 @@ def keeps_its_graph() -> bool:
 
 def plan_for_dropped_gradients(planner: Planner, region: Region) -> None:
     """At a backward's start: where it is the first to show that the loop drops the model's
-    gradients after ``region``'s forward (``zero_grad()`` before ``backward()``), the plans of
-    its code, made counting them over their backward too, are made again before their next run,
-    counting them over their forward only. On one process only: each rank sees its own loop, and a plan made
-    again on one alone would leave the others in its collectives (they plan again with it at
-    their next plan)."""
+    gradients after ``region``'s forward (``zero_grad()`` before ``backward()``), or the first
+    to show them kept after that, the plans of its program are made again before their next
+    run, counting them over their forward only, or as resident. On one process only: each rank
+    sees its own loop, and a plan made again on one alone would leave the others in its
+    collectives (they count it at their next plan)."""
     from memfit.runtime.ranks import agreement_group
 
     seen = planner.gradients_seen.get(region.program)
