@@ -43,7 +43,8 @@ def test_a_budget_under_the_optimizers_step_is_refused_before_anything_runs():
                                     ).peak_bytes for _ in range(2)]
     # one parameter at a time: the square root of its second moment, and that over a scalar
     largest = max(p.untyped_storage().nbytes() for p in eager.parameters())
-    assert step_temporary_bytes(eager_optimizer, torch.device("cpu")) == 2 * largest
+    assert 2 * largest <= step_temporary_bytes(eager_optimizer, torch.device("cpu")) <= (
+        2 * largest + 8192)  # and a few 0-dim tensors
     budget = int(0.95 * max(peaks))  # the activations of 32 rows are under 5% of it
 
     model = _wide()
@@ -85,3 +86,25 @@ def test_the_steps_temporaries_are_what_the_allocator_measures(make):
     estimate = step_temporary_bytes(optimizer, torch.device("cpu"))
     temporaries = measured.peak_bytes - measured.start_bytes
     assert abs(temporaries - estimate) <= 32 * 1024, (temporaries, estimate)  # scalars aside
+
+
+def test_the_smallest_peak_a_refusal_names_fits_the_optimizers_step_too():
+    """Where no plan of the activations fits, the refusal's smallest peak is the step's where
+    that is higher: a budget at it is not refused, and runs the first iteration within it but
+    for what the loop holds that the first call cannot see (the targets, 256 B, and the
+    loss)."""
+    inputs = torch.randn(32, 512, generator=torch.Generator().manual_seed(1))
+    targets = torch.randint(0, 10, (32,), generator=torch.Generator().manual_seed(2))
+    model = _wide()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=1_000_000, optimizer=optimizer)
+    with pytest.raises(BudgetError, match="optimizer's step would not fit") as refused:
+        _iteration(fitted, optimizer, inputs, targets)
+    budget = refused.value.minimum_bytes
+    torch._dynamo.reset()
+    model = _wide()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
+    measured = measure_allocator_peak(_iteration, fitted, optimizer, inputs, targets,
+                                      track=(list(model.parameters()), optimizer.state))
+    assert measured.peak_bytes <= budget + 1024, (measured.peak_bytes, budget)

@@ -23,8 +23,8 @@ def step_peak_bytes(planner: Planner, device: torch.device, resident_bytes: int
                     ) -> tuple[int, int]:
     """The device bytes alive at the largest of the adopted optimizers' steps, and of those the
     step's own temporaries: ``resident_bytes`` (parameters, optimizer state reserved or made,
-    other fitted models'), the gradients of trainable parameters that have none yet, and the
-    temporaries."""
+    other fitted models', the batch and eager code's bytes), the gradients of trainable
+    parameters that have none yet, and the temporaries."""
     model = planner.model
     missing = 0 if model is None else sum(
         local_tensor(parameter).untyped_storage().nbytes() for parameter in model.parameters()
@@ -32,6 +32,24 @@ def step_peak_bytes(planner: Planner, device: torch.device, resident_bytes: int
     temporaries = max((step_temporary_bytes(optimizer, device)
                        for optimizer in planner.optimizers), default=0)
     return resident_bytes + missing + temporaries, temporaries
+
+
+def with_the_step(error: BudgetError, planner: Planner, device: torch.device,
+                  resident_bytes: int) -> BudgetError:
+    """``error`` (no plan of the activations fits), its smallest peak raised to the optimizer's
+    step's where that is higher, so that a budget at its ``minimum_bytes`` fits the step too."""
+    if not planner.optimizers:
+        return error
+    peak, temporaries = step_peak_bytes(planner, device, resident_bytes)
+    if peak <= error.minimum_bytes:
+        return error
+    note = (f"At that budget the optimizer's step would not fit: it needs {format_bytes(peak)}, "
+            f"its own temporaries ({format_bytes(temporaries)}) included.")
+    raised = BudgetError(error.budget_bytes, peak, error.dominant, error.strategy,
+                         f"{error.note} {note}".strip(), error.host_bytes)
+    raised.__dict__.update({key: value for key, value in error.__dict__.items()
+                            if key not in raised.__dict__})
+    return raised
 
 
 def check_the_step_fits(planner: Planner, device: torch.device, budget_bytes: int | None,
@@ -44,7 +62,8 @@ def check_the_step_fits(planner: Planner, device: torch.device, budget_bytes: in
     if peak <= budget_bytes:
         return
     note = (f"The optimizer's step alone needs {format_bytes(peak)}: the parameters, their "
-            f"gradients and the optimizer state ({format_bytes(peak - temporaries)}) and the "
+            f"gradients, the optimizer state and the batch ({format_bytes(peak - temporaries)}) "
+            "and the "
             f"step's own temporaries ({format_bytes(temporaries)}); no plan of the activations "
             "lowers that. Raise the budget, or step with fewer temporaries: fused=True makes "
             "none, foreach=False one parameter's at a time.")

@@ -26,8 +26,13 @@ import torch.fx as fx
 from memfit.compiler.backend_options import BackendOptions
 from memfit.compiler.graph_breaks import first_iteration_cap, own_copies_bytes
 from memfit.compiler.loop_lifetimes import loop_lifetimes_apply
-from memfit.compiler.optimizer_step import check_the_step_fits
-from memfit.compiler.outside_bytes import OutsideBytes, OutsideCounter, bytes_outside
+from memfit.compiler.optimizer_step import check_the_step_fits, with_the_step
+from memfit.compiler.outside_bytes import (
+    OutsideBytes,
+    OutsideCounter,
+    binding_bytes,
+    bytes_outside,
+)
 from memfit.compiler.region import (
     REGION_KEY,
     Region,
@@ -128,8 +133,16 @@ def _plan_region(planner: RegionPlanner, joint: fx.GraphModule, device: torch.de
                      held_input_names(planner.regions, prepared, outside.repeated_copies),
                      prepared.bound)
     outputs = region_outputs(planner, prepared, graph, num_fwd_outputs, site, outside)
-    chosen = chosen_on_every_rank(planner, graph, hardware, outside, outputs.loop_graph)
-    check_the_step_fits(planner, device, chosen.budget_bytes, outside.resident_bytes,
+    # alive at the optimizer's step: the resident bytes, the batch and what eager code holds
+    at_step = outside.resident_bytes + outside.eager_bytes + sum(
+        binding_bytes(node) for node, binding in zip(
+            prepared.joint.graph.find_nodes(op="placeholder"), prepared.captured.inputs,
+            strict=True) if binding.kind == "input")
+    try:
+        chosen = chosen_on_every_rank(planner, graph, hardware, outside, outputs.loop_graph)
+    except BudgetError as error:
+        raise with_the_step(error, planner, device, at_step) from None
+    check_the_step_fits(planner, device, chosen.budget_bytes, at_step,
                         first_plan=not any(region.most_open_forwards for region in planner.regions))
     lowered = lowered_beside_copies(planner, chosen, lower, hardware, outside, outputs, site)
     lowered = within_saves_limits(planner, chosen, lowered, lower, hardware, outside, outputs,

@@ -21,6 +21,8 @@ STATE_SLOTS: dict[type, int] = {
     torch.optim.RAdam: 2, torch.optim.Adadelta: 2, torch.optim.Adagrad: 1,
     torch.optim.RMSprop: 1, torch.optim.SGD: 0,
 }
+_ADAM_SCALARS_BYTES = 4096  # Adam's 0-dim tensors made per parameter one at a time (its step
+# size and bias corrections), alive a few at once: 4,108 B measured on a CPU, which rounds each
 _STEP_BYTES = 4  # the float32 "step" counter of the Adam family, a tensor on the param's device
 _HAS_STEP = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
              torch.optim.RAdam, torch.optim.Adadelta, torch.optim.Adagrad, torch.optim.RMSprop)
@@ -188,7 +190,9 @@ def step_temporary_bytes(optimizer: torch.optim.Optimizer | None, device: torch.
             copies = 2 + int(decays)
         if foreach:  # one list of copies, the later ops in place on it
             copies = min(copies, 1)
-        most = max(most, copies * (sum(sizes) if foreach else max(sizes)))
+        scalars = _ADAM_SCALARS_BYTES if copies and not foreach and not isinstance(
+            optimizer, torch.optim.SGD) else 0
+        most = max(most, copies * (sum(sizes) if foreach else max(sizes)) + scalars)
     return most
 
 
