@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from memfit.compiler import partitioner
 from memfit.compiler.backend_options import BackendOptions
-from memfit.compiler.dropped_gradients import GradientsSeen, gradient_bytes
+from memfit.compiler.dropped_gradients import GradientsSeen
 from memfit.compiler.eager_watching import EagerWatching
 from memfit.compiler.graph_breaks import (
     compiling_site,
@@ -69,6 +69,7 @@ from memfit.runtime.outside import EagerWatch
 from memfit.runtime.ranks import agree_max, agree_on_hardware
 from memfit.runtime.resident import (
     device_of,
+    has_gradients,
     holds_parameters_of,
     reserved_state_bytes,
     resident_bytes,
@@ -298,7 +299,7 @@ class Backend(EagerWatching, JointPlanning):
             return self._compile_region(graph_module, example_inputs, device, site, bound)
         except BudgetError:
             seen = self.gradients_seen.setdefault(self.program_now, GradientsSeen())
-            if seen.drops is not None or not gradient_bytes(self.model, device):
+            if seen.drops is not None or not has_gradients(self.model):
                 raise
             del self.regions[first:]
             seen.drops = True

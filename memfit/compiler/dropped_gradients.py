@@ -13,7 +13,7 @@ which runs through its third call (another program: its input needs a gradient).
 
 Example:
     >>> note_forward(seen, model)  # at each forward of a region
-    >>> if note_backward(seen, model): planner.replan_regions()  # at its backward's start
+    >>> if note_backward(seen, model): ...  # at its backward's start: plan its program again
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from memfit.runtime.resident import local_tensor
+from memfit.runtime.resident import has_gradients, local_tensor
 
 
 @dataclass
@@ -32,33 +32,29 @@ class GradientsSeen:
     backward.
 
     Args:
-        at_forward_bytes: the model's gradients alive at its latest forward whose backward has
-            not run yet.
+        at_forward: the model had gradients at its latest forward whose backward has not run.
         drops: ``True``: a backward found every one of them dropped; ``False``: one found some
             kept (for good); ``None``: not seen yet (no gradient existed at a forward).
     """
 
-    at_forward_bytes: int = 0
+    at_forward: bool = False
     drops: bool | None = None
 
 
-def gradient_bytes(model: torch.nn.Module | None, device: torch.device | None = None) -> int:
-    """Bytes of the ``.grad`` storages of ``model``'s parameters (on ``device``), each once."""
+def gradient_bytes(model: torch.nn.Module | None, device: torch.device) -> int:
+    """Bytes of the ``.grad`` storages of ``model``'s parameters on ``device``, each once."""
     if model is None:
         return 0
-    storages: dict[StorageWeakRef, int] = {}
-    for parameter in model.parameters():
-        grad = parameter.grad
-        if grad is not None and (device is None or grad.device == device):
-            storage = local_tensor(grad).untyped_storage()
-            storages.setdefault(StorageWeakRef(storage), storage.nbytes())
+    storages = {StorageWeakRef(local_tensor(p.grad).untyped_storage()):
+                local_tensor(p.grad).untyped_storage().nbytes() for p in model.parameters()
+                if p.grad is not None and p.grad.device == device}
     return sum(storages.values())
 
 
 def note_forward(seen: GradientsSeen, model: torch.nn.Module | None) -> None:
     """At a forward: the gradients alive now (not once a backward found them kept)."""
     if seen.drops is not False:
-        seen.at_forward_bytes = gradient_bytes(model)
+        seen.at_forward = has_gradients(model)
 
 
 def note_backward(seen: GradientsSeen, model: torch.nn.Module | None) -> bool:
@@ -66,12 +62,12 @@ def note_backward(seen: GradientsSeen, model: torch.nn.Module | None) -> bool:
     ``True`` where plans made before counted them otherwise and are made again: the first
     backward to show them dropped (counted over the backward too), or the first to show them
     kept after that (counted over the forward only)."""
-    if seen.drops is False or not seen.at_forward_bytes:
+    if seen.drops is False or not seen.at_forward:
         return False
-    drops = gradient_bytes(model) == 0
+    drops = not has_gradients(model)
     changed = drops if seen.drops is None else not drops
     seen.drops = drops
-    seen.at_forward_bytes = 0
+    seen.at_forward = False
     return changed
 
 

@@ -4,7 +4,7 @@ No plan of the activations lowers that peak, so a budget under it is refused at 
 before anything runs, and said at a later one.
 
 Example:
-    >>> check_the_step_fits(planner, device, chosen.budget_bytes, outside.resident_bytes)
+    >>> check_the_step_fits(planner, device, chosen.budget_bytes, at_step, first_plan=True)
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from memfit.compiler.region import Planner
 from memfit.data.errors import BudgetError, BudgetWarning
 from memfit.data.units import format_bytes
-from memfit.runtime.resident import local_tensor, step_temporary_bytes
+from memfit.runtime.resident import missing_gradient_bytes, step_temporary_bytes
 
 
 def step_peak_bytes(planner: Planner, device: torch.device, resident_bytes: int
@@ -25,10 +25,7 @@ def step_peak_bytes(planner: Planner, device: torch.device, resident_bytes: int
     step's own temporaries: ``resident_bytes`` (parameters, optimizer state reserved or made,
     other fitted models', the batch and eager code's bytes), the gradients of trainable
     parameters that have none yet, and the temporaries."""
-    model = planner.model
-    missing = 0 if model is None else sum(
-        local_tensor(parameter).untyped_storage().nbytes() for parameter in model.parameters()
-        if parameter.requires_grad and parameter.grad is None and parameter.device == device)
+    missing = missing_gradient_bytes(planner.model, device)
     temporaries = max((step_temporary_bytes(optimizer, device)
                        for optimizer in planner.optimizers), default=0)
     return resident_bytes + missing + temporaries, temporaries

@@ -19,7 +19,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from memfit.compiler.dropped_gradients import GradientsSeen, dropped_gradient_bytes
 from memfit.compiler.graph_breaks import evaluation_cap, extra_copies, own_copies_bytes
@@ -27,7 +26,11 @@ from memfit.compiler.region import Planner, Region
 from memfit.compiler.region_lifetimes import scalar_output_bytes, trainable_parameter_bytes
 from memfit.runtime.outside import CUDA_BLOCK_BYTES
 from memfit.runtime.ranks import agree_max
-from memfit.runtime.resident import fsdp_in_flight_bytes, local_tensor, resident_bytes
+from memfit.runtime.resident import (
+    fsdp_in_flight_bytes,
+    missing_gradient_bytes,
+    resident_bytes,
+)
 from memfit.tracing.capture import Binding
 
 
@@ -138,12 +141,9 @@ def later_gradient_bytes(model: torch.nn.Module | None, regions: list[Region],
     that exist already (kept across micro-batches) are resident, counted in ``outside``."""
     if model is None:
         return 0
-    local = [local_tensor(p).untyped_storage() for p in model.parameters()
-             if p.requires_grad and p.grad is None and p.device == device]
-    without_grad = {StorageWeakRef(storage): storage.nbytes() for storage in local}
     earlier = sum(region.trainable_bytes for region in regions
                   if region.open_forwards and not region.replaced)
-    return max(0, sum(without_grad.values()) - trainable - earlier)
+    return max(0, missing_gradient_bytes(model, device) - trainable - earlier)
 
 
 def binding_bytes(node: fx.Node) -> int:

@@ -18,9 +18,10 @@ reports them (``with_loop_lifetimes``).
 
 A third kind lives longer than the graph shows: a backward called with ``retain_graph=True``
 frees none of the forward's saves as it reads them (autograd's graph holds them for the next
-backward), so each one the backward reads stays alive to its end (``with_retained_saves``). A fourth lives
-shorter: the model's gradients of the last step, which a loop calling ``zero_grad()`` between
-the forward and the backward frees before the backward makes new ones (``with_forward_storage``).
+backward), so each one the backward reads stays alive to its end (``with_retained_saves``).
+A fourth lives shorter: the last step's gradients, which a loop calling ``zero_grad()`` between
+the forward and the backward frees before the backward makes new ones
+(``with_forward_storage``).
 
 Example:
     >>> graph = with_storage_from(graph, "later gradients", 4096, "mm_backward")

@@ -22,7 +22,7 @@ STATE_SLOTS: dict[type, int] = {
     torch.optim.RMSprop: 1, torch.optim.SGD: 0,
 }
 _ADAM_SCALARS_BYTES = 4096  # Adam's 0-dim tensors made per parameter one at a time (its step
-# size and bias corrections), alive a few at once: 4,108 B measured on a CPU, which rounds each
+# size and bias corrections), a few alive at once, each rounded up by the allocator
 _STEP_BYTES = 4  # the float32 "step" counter of the Adam family, a tensor on the param's device
 _HAS_STEP = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
              torch.optim.RAdam, torch.optim.Adadelta, torch.optim.Adagrad, torch.optim.RMSprop)
@@ -46,13 +46,25 @@ def resident_bytes(model: torch.nn.Module | None,
                 storages.setdefault(StorageWeakRef(storage), storage.nbytes())
     reserved = sum(reserved_state_bytes(optimizer, device)
                    for _, owned in owners for optimizer in owned)
-    gradients = sum(local_tensor(parameter).untyped_storage().nbytes()
-                    for owner, _ in partners if owner is not None
-                    for parameter in owner.parameters()
-                    if parameter.requires_grad and parameter.grad is None
-                    and parameter.device == device)
+    gradients = sum(missing_gradient_bytes(owner, device) for owner, _ in partners)
     return (sum(storages.values()) + reserved + gradients
             + sum(bucket_bytes(owner, device) for owner, _ in owners))
+
+
+def missing_gradient_bytes(model: torch.nn.Module | None, device: torch.device) -> int:
+    """Bytes of the gradients ``model``'s trainable parameters on ``device`` will get and have
+    not yet (their ``.grad`` is ``None``), each storage once."""
+    if model is None:
+        return 0
+    storages = {StorageWeakRef(local_tensor(p).untyped_storage()):
+                local_tensor(p).untyped_storage().nbytes() for p in model.parameters()
+                if p.requires_grad and p.grad is None and p.device == device}
+    return sum(storages.values())
+
+
+def has_gradients(model: torch.nn.Module | None) -> bool:
+    """Whether any of ``model``'s parameters holds a ``.grad`` now."""
+    return model is not None and any(p.grad is not None for p in model.parameters())
 
 
 def holds_parameters_of(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> bool:
