@@ -31,7 +31,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memfit.ops.host import is_host_storage
-from memfit.runtime.measure import profiler_running
+from memfit.runtime.measure import allocator_rise, profiler_running, storage_blocks
 from memfit.runtime.resident import local_tensor
 from memfit.runtime.tracker import DeviceMemoryTracker
 
@@ -64,6 +64,7 @@ def run_measured(call: Callable[[list], Any], args: list, device: torch.device,
         return _run_measured_cuda(call, args, device, resident)
     tracker = DeviceMemoryTracker(device)
     tracker.register((resident, args))
+    counted_blocks = storage_blocks((resident, args))
     resident.clear()
     if not _PROFILER_LOCK.acquire(blocking=False):  # another thread's measurement profiles
         return _counted_by_ops(tracker, call, args, outside_bytes)
@@ -71,7 +72,7 @@ def run_measured(call: Callable[[list], Any], args: list, device: torch.device,
         if profiler_running():  # the user's profiler is on: none nests
             return _counted_by_ops(tracker, call, args, outside_bytes)
         start_bytes = tracker.current_bytes  # the tracker only counts here: no mode is entered
-        result, above_bytes = _allocator_rise(call, args)
+        result, above_bytes = _allocator_rise(call, args, counted_blocks)
     finally:
         _PROFILER_LOCK.release()
     return result, outside_bytes + start_bytes + above_bytes, "allocator"
@@ -85,16 +86,16 @@ def _counted_by_ops(tracker: DeviceMemoryTracker, call: Callable[[list], Any], a
     return result, outside_bytes + tracker.peak_bytes, "ops"
 
 
-def _allocator_rise(call: Callable[[list], Any], args: list) -> tuple[Any, int]:
+def _allocator_rise(call: Callable[[list], Any], args: list,
+                    counted_blocks: dict[int, int]) -> tuple[Any, int]:
     """``call(args)`` and the most bytes torch's CPU allocator held above its start level during
-    it, from the profiler's memory events: scratch memory a kernel allocates inside itself (a
-    oneDNN convolution's) counts, which the dispatch tracker cannot see. Python's cyclic
-    garbage collector is paused meanwhile: garbage made before the call and collected during it
-    would count as a fall below the start level, which the bytes memfit counts alive at the
-    start never held, and lower the figure."""
+    it (``allocator_rise``: only frees of blocks allocated in the call or counted at its start,
+    ``counted_blocks``, lower it): scratch memory a kernel allocates inside itself (a oneDNN
+    convolution's) counts, which the dispatch tracker cannot see. Python's cyclic garbage
+    collector is paused meanwhile, so that collecting garbage made before the call cannot run
+    finalizers inside it."""
     import gc
 
-    from torch._C._autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     collecting = gc.isenabled()
@@ -105,13 +106,7 @@ def _allocator_rise(call: Callable[[list], Any], args: list) -> tuple[Any, int]:
     finally:
         if collecting:
             gc.enable()
-    events = [event for event in profiler.profiler.kineto_results.events()
-              if event.name() == "[memory]" and event.device_type() == DeviceType.CPU]
-    live = peak = 0
-    for event in sorted(events, key=lambda event: event.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return result, peak
+    return result, allocator_rise(profiler, counted_blocks)
 
 
 def _run_measured_cuda(call: Callable[[list], Any], args: list, device: torch.device,

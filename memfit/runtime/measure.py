@@ -11,7 +11,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,7 +113,8 @@ def measure_allocator_peak(fn: Callable[..., Any], *args: Any, track: Any = (),
             "session. Measure outside the profiler, or read the memory columns of your own "
             "profile (profile_memory=True)")
     start_bytes = _unique_bytes((args, kwargs, track), device)
-    result, above_bytes = allocator_peak_above_start(lambda: fn(*args, **kwargs))
+    result, above_bytes = allocator_peak_above_start(lambda: fn(*args, **kwargs),
+                                                     counted=(args, kwargs, track))
     return Measurement(result, start_bytes + above_bytes, start_bytes, device)
 
 
@@ -156,32 +157,75 @@ def _unique_bytes(tree: Any, device: torch.device) -> int:
     return sum(sizes.values())
 
 
-def allocator_peak_above_start(run: Callable[[], Any]) -> tuple[Any, int]:
-    """``run()``'s result and the most bytes the CPU allocator held above its start level."""
+def allocator_peak_above_start(run: Callable[[], Any], counted: Any = ()) -> tuple[Any, int]:
+    """``run()``'s result and the most bytes the CPU allocator held above its start level, as
+    ``allocator_rise`` counts them (``counted``: tensors alive at the start, whose frees count).
+    """
     import gc
-    import json
-    import tempfile
-    from pathlib import Path
 
     from torch.profiler import ProfilerActivity, profile
 
-    # the allocator reports a free of a block allocated while an earlier profile ran as a
-    # negative delta: cyclic garbage from an earlier measured call, collected during this one
-    # (a compile allocates enough to start the collector), would lower this call's peak
+    # cyclic garbage from an earlier measured call, collected during this one (a compile
+    # allocates enough to start the collector), is not in the caller's start level
     gc.collect()
+    counted_blocks = storage_blocks(counted)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         result = run()
-    with tempfile.TemporaryDirectory() as folder:
-        trace = Path(folder) / "trace.json"
-        profiler.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
-    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    return result, allocator_rise(profiler, counted_blocks)
+
+
+def allocator_rise(profiler: Any, counted_blocks: Mapping[int, int]) -> int:
+    """The most bytes torch's CPU allocator held above its level at the start of ``profiler``'s
+    (finished) session, from its allocation events in order.
+
+    A free lowers the level only where its block was allocated during the session, by the size
+    it was allocated with, or is one of ``counted_blocks`` (data pointer to bytes: the storages
+    the caller counts as alive at the start), by the size counted. The allocator's report of
+    any other free is not trusted: it names the size its block had when some earlier profiler
+    session saw it allocated, and a block freed while no profiler ran keeps that stale size for
+    the next block at its address, so a free of bytes the caller never counted, or of another
+    size, would put the figure below what ran. The figure is never under the bytes allocated
+    during the session and alive.
+    """
+    from torch._C._profiler import _EventType
+
+    events = []
+    pending = list(reversed(profiler.profiler.kineto_results.experimental_event_tree()))
+    while pending:  # depth first, in the order the events ran
+        node = pending.pop()
+        pending.extend(reversed(node.children))
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+    events.sort(key=lambda event: event[0])  # stable: an op's events keep their order
+    allocated: dict[int, int] = {}
+    still_counted = dict(counted_blocks)
     live = peak = 0
-    for event in memory:
-        if event.get("args", {}).get("Device Type", 0) == 0:  # the CPU allocator
-            live += int(event["args"]["Bytes"])
+    for _, pointer, size_bytes in events:
+        if size_bytes >= 0:
+            # a block at a counted address proves the counted one freed, its free unreported
+            live += size_bytes - still_counted.pop(pointer, 0)
+            allocated[pointer] = size_bytes
             peak = max(peak, live)
-    return result, peak
+        elif pointer in allocated:
+            live -= allocated.pop(pointer)
+        elif pointer in still_counted:
+            live -= still_counted.pop(pointer)
+    return peak
+
+
+def storage_blocks(tensors: Any) -> dict[int, int]:
+    """Data pointer to bytes of the storages of the CPU tensors in the pytree ``tensors`` that
+    torch's allocator holds (memfit's host buffers, from numpy, are not among them)."""
+    from memfit.ops.host import is_host_storage
+    from memfit.runtime.resident import local_tensor
+
+    blocks = {}
+    for leaf in tree_leaves(tensors):
+        if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" and leaf.layout == torch.strided:
+            storage = local_tensor(leaf).untyped_storage()
+            if not is_host_storage(storage):
+                blocks[storage.data_ptr()] = storage.nbytes()
+    return blocks
 
 
 def _measure_cuda(fn: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device) -> Measurement:
