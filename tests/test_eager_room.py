@@ -149,6 +149,24 @@ def test_an_average_of_the_model_made_by_the_loop_is_planned_for_before_the_regi
                                                                 strict=True))
 
 
+def test_an_average_of_the_model_that_leaves_no_plan_within_the_budget_is_named_in_the_refusal():
+    """Where no plan fits beside the average the loop made after the first plan, the refusal
+    at the next call names the kept copy and how to keep it off the device."""
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(2048, 128, generator=generator),
+                torch.randint(0, 10, (2048,), generator=generator)) for _ in range(2)]
+    reference = _mlp()
+    _, eager_peaks = _loop_with_an_average(reference, torch.optim.AdamW(reference.parameters()),
+                                           batches)
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    # at 0.5 the first plan fits; beside the average, the smallest peak is 1.3 MiB over
+    fitted = memfit.fit(model, budget=int(0.5 * max(eager_peaks)), optimizer=optimizer)
+    with pytest.raises(memfit.BudgetError, match="an EMA copy of the model") as refused:
+        _loop_with_an_average(fitted, optimizer, batches)
+    assert "AveragedModel(model, device='cpu')" in str(refused.value)
+
+
 def test_the_dataset_a_loader_draws_its_batches_from_is_not_counted_as_the_steps():
     # before: the whole TensorDataset (its rows read by the loader's collate) counted as 8.14 MiB
     # of eager code's bytes, and at the second call "the step cannot fit 25.77 MiB"

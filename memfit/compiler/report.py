@@ -139,7 +139,8 @@ def _eager_note(region: Region) -> str:
     return (f"ran outside any plan: {format_bytes(held)} held by eager code while region "
             f"{region.index} ran ({format_bytes(region.eager_backward_bytes)} at its backward's "
             f"start, {format_bytes(region.eager_forward_bytes)} at its forward's: the loop's "
-            f"loss and its buffers, the loss's target, code at a graph break); {status}")
+            f"loss and its buffers, the loss's target, code at a graph break, tensors the loop "
+            f"keeps such as an EMA copy of the model); {status}")
 
 
 def _row(region: Region) -> tuple:

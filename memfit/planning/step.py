@@ -208,8 +208,9 @@ def with_eager_note(error: BudgetError, eager_bytes: int) -> BudgetError:
         return error
     note = (f"{format_bytes(eager_bytes)} of it is held by eager code outside the compiled "
             "regions while this one runs (the loss computed in the loop and its buffers, code at "
-            "a graph break; memfit.report shows where): compute the loss inside the model, or "
-            "raise the budget.")
+            "a graph break, tensors the loop keeps such as an EMA copy of the model; "
+            "memfit.report shows where): compute the loss inside the model, keep such copies "
+            "off the device (AveragedModel(model, device='cpu')), or raise the budget.")
     return BudgetError(error.budget_bytes, error.minimum_bytes, error.dominant, error.strategy,
                        f"{error.note} {note}".strip(), host_bytes=error.host_bytes)
 
