@@ -182,3 +182,42 @@ def test_a_loss_that_is_not_a_scalar_is_refused_by_plan_as_by_compile(loss_fn):
         memfit.plan(_mlp(), loss_fn, X, hardware="cpu")
     with pytest.raises(memfit.CaptureError, match="loss_fn must return a scalar tensor"):
         memfit.compile(_mlp(), loss_fn, strategy="keep")(X)
+
+
+class _SparseBag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(1000, 16, sparse=True)
+        self.body = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                                  nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.body(self.embedding(ids).mean(1))
+
+
+def test_a_sparse_gradient_is_refused_before_anything_runs_and_its_body_can_be_fitted():
+    """A sparse tensor has no storage of its own: memfit refuses it at the first call, naming
+    the embedding, with the model as it was; fitting the modules after it trains bit for bit."""
+    ids, labels = torch.randint(0, 1000, (512, 8)), torch.randint(0, 4, (512,))
+    model = _SparseBag()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(memfit.CaptureError, match="Embedding 'embedding'.*sparse=False"):
+        nn.functional.cross_entropy(memfit.fit(model, budget=0.6)(ids), labels).backward()
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+    assert all(parameter.grad is None for parameter in model.parameters())
+    with pytest.raises(memfit.CaptureError, match="sparse=False"):
+        memfit.compile(_SparseBag(), lambda m, x: m(x).square().mean(), 0.6)(ids)
+
+    reference, fitted_model = _SparseBag(), _SparseBag()
+    memfit.fit(fitted_model.body, budget=0.9)
+    for model in (reference, fitted_model):
+        optimizers = [torch.optim.SparseAdam(list(model.embedding.parameters())),
+                      torch.optim.AdamW(list(model.body.parameters()))]
+        for _ in range(2):
+            nn.functional.cross_entropy(model(ids), labels).backward()
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+    for mine, theirs in zip(fitted_model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine, theirs)

@@ -35,7 +35,7 @@ from torch.utils._ordered_set import OrderedSet
 
 from memfit.data.errors import CaptureError
 from memfit.tracing.analyze import inserted_kind, storage_key, tensors_in
-from memfit.tracing.capture import SCOPE_KEY, TYPE_KEY, Binding, Captured
+from memfit.tracing.capture import SCOPE_KEY, TYPE_KEY, Binding, Captured, refuse_sparse_values
 
 _FORWARD, _BACKWARD = "must_be_in_forward", "must_be_in_backward"
 
@@ -102,8 +102,10 @@ def as_captured(joint: fx.GraphModule, num_fwd_outputs: int,
 
     Raises:
         CaptureError: for an input that is not a tensor with a size (a symbolic int: its
-            tensors' symbolic sizes are priced at a bound, ``memfit.tracing.shapes``).
+            tensors' symbolic sizes are priced at a bound, ``memfit.tracing.shapes``), and for a
+            sparse tensor (``refuse_sparse_values``).
     """
+    refuse_sparse_values(joint.graph)
     _mutations_in_forward(joint.graph)
     static = set(static_lifetime_input_indices or ())
     inputs = []

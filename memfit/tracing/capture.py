@@ -178,6 +178,7 @@ def capture(model: torch.nn.Module, loss_fn: Callable, *inputs: torch.Tensor,
     output_node = graph_module.graph.find_nodes(op="output")[0]
     bindings_out = tuple(_bind(d) for d in output_node.meta.get("desc", ()))
     _check_gradients(model, bindings_out, output_node.args[0])
+    refuse_sparse_values(graph_module.graph)
     return Captured(graph_module, bindings_in, bindings_out, input_signature(model, inputs))
 
 
@@ -193,6 +194,28 @@ def _personality(model: torch.nn.Module, hardware: Hardware | None,
     if autocast is not None:
         return torch.autocast(device.type, dtype=autocast)
     return contextlib.nullcontext()
+
+
+def refuse_sparse_values(graph: torch.fx.Graph) -> None:
+    """Refuse a graph with a tensor of a sparse layout (``nn.Embedding(sparse=True)``'s
+    gradient) before anything runs: memfit prices each value by its storage, and a sparse tensor
+    has none of its own (it keeps its indices and values alive), so a plan of it could leave
+    the budget.
+
+    Raises:
+        CaptureError: naming the module that made it and what to do.
+    """
+    for node in graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+            custom = node.meta.get("custom", {})
+            made_by = (f" by {custom.get(TYPE_KEY, 'a module')} '{custom[SCOPE_KEY]}'"
+                       if custom.get(SCOPE_KEY) else "")
+            raise CaptureError(
+                f"memfit does not plan tensors of layout {value.layout}: the step makes one "
+                f"({node.target}){made_by}, such as nn.Embedding(sparse=True)'s gradient. Use "
+                "dense gradients (sparse=False), or fit only the modules after the embedding "
+                "(memfit.fit(model.body, ...)), which leaves it to run eagerly")
 
 
 def refuse_meta_parameters(model: torch.nn.Module) -> None:
