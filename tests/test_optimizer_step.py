@@ -108,3 +108,53 @@ def test_the_smallest_peak_a_refusal_names_fits_the_optimizers_step_too():
     measured = measure_allocator_peak(_iteration, fitted, optimizer, inputs, targets,
                                       track=(list(model.parameters()), optimizer.state))
     assert measured.peak_bytes <= budget + 1024, (measured.peak_bytes, budget)
+
+
+def _residual_mlp() -> nn.Module:
+    """Activations outweigh parameters at 2,048 rows: plans have room to lower the peak."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
+                           for _ in range(4)], nn.Linear(128, 10))
+
+
+def _loop_making_its_optimizer_each_epoch(model, fitted_at=None):
+    """Six steps, a new AdamW every two (the old one dropped), each measured with the live
+    optimizer's state; where ``fitted_at`` is a budget, the model is fitted to it with the first
+    optimizer. Returns losses, peaks, the memfit warnings and a weak reference to the first
+    optimizer."""
+    import gc
+    import warnings
+    import weakref
+
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(2048, 128, generator=generator),
+                torch.randint(0, 10, (2048,), generator=generator)) for _ in range(6)]
+    called, losses, peaks, first = model, [], [], None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for index, (inputs, targets) in enumerate(batches):
+            if index % 2 == 0:
+                optimizer = torch.optim.AdamW(model.parameters())
+                gc.collect()  # the dropped optimizer's state is freed as the loop drops it
+                if first is None:
+                    first = weakref.ref(optimizer)
+                    if fitted_at is not None:
+                        called = memfit.fit(model, budget=fitted_at, optimizer=optimizer)
+            measured = measure_allocator_peak(_iteration, called, optimizer, inputs, targets,
+                                              track=(list(model.parameters()), optimizer.state))
+            losses.append(measured.result)
+            peaks.append(measured.peak_bytes)
+    said = [str(w.message) for w in caught if issubclass(w.category, memfit.BudgetWarning)]
+    return losses, peaks, said, first
+
+
+def test_an_optimizer_the_loop_makes_again_each_epoch_is_not_kept_nor_counted_once_dropped():
+    """memfit held every optimizer it counted: one the loop dropped kept its state alive, and
+    was counted beside the new one until no plan fitted (refused at the sixth step)."""
+    reference_losses, eager_peaks, _, _ = _loop_making_its_optimizer_each_epoch(_residual_mlp())
+    budget = int(0.6 * max(eager_peaks))
+    losses, peaks, said, first = _loop_making_its_optimizer_each_epoch(_residual_mlp(), budget)
+    assert first() is None  # freed once the loop dropped it
+    assert max(peaks) <= budget and not said, (peaks, budget, said)
+    assert all(torch.equal(mine, theirs)
+               for mine, theirs in zip(losses, reference_losses, strict=True))

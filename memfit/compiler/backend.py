@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -90,7 +91,9 @@ class Backend(EagerWatching, JointPlanning):
     def __init__(self, options: BackendOptions, optimizer: torch.optim.Optimizer | None = None,
                  model: torch.nn.Module | None = None) -> None:
         self.options = options  # replaced only by choose_budget, at memfit.fit's first call
-        self.optimizers: list[torch.optim.Optimizer] = [optimizer] if optimizer else []
+        # held weakly: an optimizer the loop drops (one made again each epoch) is freed with its
+        # state, and no longer counted
+        self._optimizers = [weakref.ref(optimizer)] if optimizer else []
         self.model = model
         self.regions: list[Region] = []
         self.replans = 0  # plans made again because more stayed resident than planned for
@@ -136,7 +139,8 @@ class Backend(EagerWatching, JointPlanning):
         self._hardware: dict[torch.device, Hardware] = {}  # device -> its profile (hardware_for)
         self.planning_s = 0.0  # seconds spent tracing and planning regions (all plans)
         self.bound_replans = 0  # plans made again for a shape past a dynamic region's bound
-        self._parameters: list[torch.Tensor] | None = None  # the model's and optimizers'
+        # the optimizers' ids, and the model's and their parameters
+        self._parameters: tuple[list[int], list[torch.Tensor]] | None = None
         self._resident_counted: tuple[Any, int] | None = None  # (what it depends on, bytes)
         watch_recompile_limit(self)
         self.budget_note = ""  # where the budget came from, when memfit chose it (report)
@@ -535,8 +539,16 @@ class Backend(EagerWatching, JointPlanning):
         if any(known is optimizer for known in self.optimizers):
             return
         if self.steps_my_parameters(optimizer):
-            self.optimizers.append(optimizer)
+            self._optimizers = [*(weakref.ref(known) for known in self.optimizers),
+                                weakref.ref(optimizer)]
             self._parameters = None
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers whose state counts as resident (``optimizer=`` and those adopted) that
+        the loop still holds."""
+        return [optimizer for optimizer in (reference() for reference in self._optimizers)
+                if optimizer is not None]
 
     def steps_my_parameters(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` holds any of the model's parameters."""
@@ -569,19 +581,20 @@ class Backend(EagerWatching, JointPlanning):
         entries and groups (counting walks every module and storage, which each region's run
         would pay otherwise). A new parameter or buffer shape is a
         new Dynamo trace, which compiles a region and counts afresh."""
-        parameters = self._parameters
-        if parameters is None:
+        optimizers = self.optimizers
+        if self._parameters is None or self._parameters[0] != [id(o) for o in optimizers]:
             model = list(self.model.parameters()) if self.model is not None else []
-            parameters = self._parameters = model + [p for optimizer in self.optimizers
-                                                     for g in optimizer.param_groups
-                                                     for p in g["params"]]
+            self._parameters = ([id(o) for o in optimizers],
+                                model + [p for optimizer in optimizers
+                                         for g in optimizer.param_groups for p in g["params"]])
+        parameters = self._parameters[1]
         partners = self.partners()
-        key = (device, len(self.optimizers), tuple(p.grad is None for p in parameters),
-               tuple((len(o.param_groups), len(o.state)) for o in self.optimizers),
+        key = (device, tuple(id(o) for o in optimizers), tuple(p.grad is None for p in parameters),
+               tuple((len(o.param_groups), len(o.state)) for o in optimizers),
                tuple((id(model), tuple((len(o.param_groups), len(o.state)) for o in owned))
                      for model, owned in partners))
         if self._resident_counted is None or self._resident_counted[0] != key:
-            counted = resident_bytes(self.model, self.optimizers, device, partners)
+            counted = resident_bytes(self.model, optimizers, device, partners)
             self._resident_counted = (key, agree_max([counted])[0])  # as plan_region counts
         return self._resident_counted[1]
 

@@ -62,7 +62,8 @@ class _OnFakes(_PlanOnly):
         self.eager_seen_bytes = eager_seen_bytes
         self.arguments = arguments  # the call's tensor arguments, as fakes
         self.first_inputs: frozenset[int] = frozenset()  # ids of the first region's inputs
-        self.optimizers = list(fitted_backend.optimizers)
+        for optimizer in fitted_backend.optimizers:  # the same model's: each is adopted
+            self.adopt(optimizer)
         self.override_budget(fitted_backend.budget_override)
 
     def eager_bytes_now(self, example_inputs: list) -> int:
