@@ -519,3 +519,31 @@ def test_a_fraction_budget_is_of_the_whole_step_for_every_region_of_a_graph_brok
     step_peak = max(region.baseline_peak_bytes for region in regions)
     assert {region.budget_bytes for region in regions} == {int(0.85 * step_peak)}
     assert all(region.measured_peak_bytes <= region.budget_bytes for region in regions)
+
+
+def test_a_forward_called_directly_is_said_at_the_optimizers_step():
+    """``model.forward(x)`` bypasses the fitted call, as it bypasses ``torch.compile``: nothing
+    is planned, and the step of the gradients it made says so (before, nothing did). A second
+    fitted model under the same optimizer that sits iterations out, its gradients zeroed and
+    kept, says nothing."""
+    model, other = mlp(depth=2), mlp(depth=2)
+    optimizer = torch.optim.SGD([*model.parameters(), *other.parameters()], lr=0.01)
+    fitted = memfit.fit(model, budget=None, optimizer=optimizer)
+    fitted_other = memfit.fit(other, budget=None, optimizer=optimizer)
+    inputs = torch.randn(64, 128)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for iteration in range(3):
+            loss = fitted(inputs).square().mean()
+            if iteration == 0:
+                loss = loss + fitted_other(inputs).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+    assert not [str(w.message) for w in caught if issubclass(w.category, BudgetWarning)]
+    with pytest.warns(BudgetWarning, match=r"model.forward\(\.\.\.\) called directly") as said:
+        fitted.forward(inputs).square().mean().backward()
+        optimizer.step()
+    assert len(said) == 1 and "Sequential.forward ran eagerly, outside any plan" in str(said[0].message)
+    assert "ran outside any plan: 1 call(s): Sequential.forward" in memfit.report(fitted)
+    assert "called directly" not in memfit.report(fitted_other)

@@ -122,6 +122,9 @@ class Backend(EagerWatching, JointPlanning):
         self.forward_runs = 0  # planned region forwards run
         self.codes_run: set[Any] = set()  # codes whose planned region ran in the current call
         self.unplanned_calls: dict[str, int] = {}  # "code: cause" -> calls run outside a plan
+        self.training_calls = 0  # calls of the fitted model with gradients on
+        # each optimizer's ``training_calls`` at its last step (unplanned.stepped_without_a_call)
+        self.calls_at_step: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.skip_cause = ""  # why Dynamo last ran the whole model eagerly, where it said
         self.gradients_seen: dict[int, GradientsSeen] = {}  # program -> what the loop does
         # with the gradients between its forward and backward (``Region.program``)

@@ -6,7 +6,9 @@ recompile limit, a frame it could not trace (it marks the code skipped for good)
 on the stack, a stance or flag that turns it off. The fitted model's call checks, after it
 returns, that a training call ran at least one planned region, and that no code whose recompile
 limit was hit ran eagerly in it; where one did, a ``BudgetWarning`` names the code and the cause,
-and ``memfit.report`` lists the calls (``Backend.unplanned_calls``).
+and ``memfit.report`` lists the calls (``Backend.unplanned_calls``). The model's forward called
+directly never reaches the fitted call: the optimizer's step of the gradients it made says so
+(``stepped_without_a_call``).
 
 When tracing meets an exception (a forward hook that raises, a Ctrl-C, a data check), Dynamo
 gives up on the frame it was converting and marks its code skipped, so that every later call of
@@ -90,12 +92,33 @@ def call_ended(planner: Backend, start: CallStart, model: torch.nn.Module, input
             _said(planner, _code_name(code), cause)
 
 
-def _said(planner: Backend, where: str, cause: str) -> None:
+def stepped_without_a_call(planner: Backend, optimizer: torch.optim.Optimizer) -> None:
+    """After a step of ``optimizer``: where it steps the model's parameters, no training call of
+    the fitted model ran since its previous step (``Backend.training_calls``) and their
+    gradients are not all zero, those gradients were made by the model's code run outside the
+    fitted call, outside any plan (``model.forward(...)`` called directly runs the forward
+    uncompiled, as it does under ``torch.compile``): warn at the step and count it."""
+    model = planner.model
+    calls = planner.training_calls
+    before = planner.calls_at_step.get(optimizer, 0)
+    planner.calls_at_step[optimizer] = calls
+    if model is None or calls != before or not planner.steps_my_parameters(optimizer):
+        return
+    gradients = [parameter.grad for parameter in model.parameters() if parameter.grad is not None]
+    if any(bool(gradient.any()) for gradient in gradients):
+        _said(planner, f"{type(model).__name__}.forward",
+              "the optimizer stepped gradients of its parameters that no call of the fitted "
+              "model made since its previous step. model.forward(...) called directly runs "
+              "the forward uncompiled, as under torch.compile: call model(...) instead",
+              stacklevel=5)
+
+
+def _said(planner: Backend, where: str, cause: str, stacklevel: int = 4) -> None:
     """Warn that ``where`` ran outside any plan because of ``cause``; count it for the report."""
     key = f"{where}: {cause}"
     planner.unplanned_calls[key] = planner.unplanned_calls.get(key, 0) + 1
     warnings.warn(f"memfit: {where} ran eagerly, outside any plan, so the budget does not hold "
-                  f"for this call: {cause}.", BudgetWarning, stacklevel=4)
+                  f"for this call: {cause}.", BudgetWarning, stacklevel=stacklevel)
 
 
 def _trains(model: torch.nn.Module, inputs: Any) -> bool:

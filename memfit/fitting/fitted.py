@@ -192,6 +192,8 @@ class FittedCall:
 
         planner = self.backend
         note_call(planner)
+        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+            planner.training_calls += 1  # a step of its gradients follows (stepped_without_a_call)
         planner.end_eager_watch()
         planner.watch_first_call(self.module)
         if self._compiled is None:

@@ -39,11 +39,14 @@ def adopt_existing_optimizers(planner: Backend) -> None:
 def watch_optimizers(planner: Backend) -> None:
     """Find the loop's optimizer by its first step, when ``optimizer=`` was not given and it did
     not exist at the first call, so that its state counts from the next iteration on (a global
-    post-step hook, held weakly); after a step, the watch of eager code leaves the mode stack
-    once measuring has ended (``Backend.end_eager_watch``)."""
+    post-step hook, held weakly); after a step, a step of gradients no fitted call made is said
+    (``stepped_without_a_call``), and the watch of eager code leaves the mode stack once
+    measuring has ended (``Backend.end_eager_watch``)."""
     import weakref
 
     from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from memfit.compiler.unplanned import stepped_without_a_call
 
     reference = weakref.ref(planner)
 
@@ -51,6 +54,7 @@ def watch_optimizers(planner: Backend) -> None:
         found = reference()  # a dead backend leaves a hook that does nothing: torch iterates
         if found is not None:  # the hooks while calling them, so it cannot remove itself here
             found.adopt(optimizer)
+            stepped_without_a_call(found, optimizer)
             found.end_eager_watch()  # off the stack once measuring ended (not inside a backward)
 
     register_optimizer_step_post_hook(adopt)
