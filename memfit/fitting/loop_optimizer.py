@@ -47,6 +47,7 @@ def watch_optimizers(planner: Backend) -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from memfit.compiler.unplanned import stepped_without_a_call
+    from memfit.fitting.fitted import BACKEND_KEY
 
     reference = weakref.ref(planner)
 
@@ -54,7 +55,8 @@ def watch_optimizers(planner: Backend) -> None:
         found = reference()  # a dead backend leaves a hook that does nothing: torch iterates
         if found is not None:  # the hooks while calling them, so it cannot remove itself here
             found.adopt(optimizer)
-            stepped_without_a_call(found, optimizer)
+            if found.model is not None and found.model.__dict__.get(BACKEND_KEY) is found:
+                stepped_without_a_call(found, optimizer)  # not a backend fitted over since
             found.end_eager_watch()  # off the stack once measuring ended (not inside a backward)
 
     register_optimizer_step_post_hook(adopt)
