@@ -331,7 +331,7 @@ def _planner(module: torch.nn.Module, arguments: FitArguments,
     planner = Backend(replace(options, copy_as=(_copied_backend, (module, arguments)),
                               checks_calls=True),  # each call that runs no plan: unplanned.py
                       optimizer, module)
-    watch_optimizers(planner)
+    watch_optimizers(planner, BACKEND_KEY)
     return planner
 
 

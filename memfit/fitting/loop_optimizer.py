@@ -4,7 +4,7 @@ step them (a global post-step hook). The backend counts the state of each optimi
 (``Backend.adopt``): reserved before its first step, real after.
 
 Example:
-    >>> watch_optimizers(planner)  # at fit: adopted by its first step
+    >>> watch_optimizers(planner, BACKEND_KEY)  # at fit: adopted by its first step
     >>> adopt_existing_optimizers(planner)  # at the first call: the one made before training
 """
 
@@ -36,18 +36,18 @@ def adopt_existing_optimizers(planner: Backend) -> None:
         planner.adopt(holding[0])
 
 
-def watch_optimizers(planner: Backend) -> None:
+def watch_optimizers(planner: Backend, backend_key: str) -> None:
     """Find the loop's optimizer by its first step, when ``optimizer=`` was not given and it did
     not exist at the first call, so that its state counts from the next iteration on (a global
     post-step hook, held weakly); after a step, a step of gradients no fitted call made is said
-    (``stepped_without_a_call``), and the watch of eager code leaves the mode stack once
+    (``stepped_without_a_call``) by the backend the model holds under ``backend_key`` (not one
+    fitted over since), and the watch of eager code leaves the mode stack once
     measuring has ended (``Backend.end_eager_watch``)."""
     import weakref
 
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from memfit.compiler.unplanned import stepped_without_a_call
-    from memfit.fitting.fitted import BACKEND_KEY
 
     reference = weakref.ref(planner)
 
@@ -55,7 +55,7 @@ def watch_optimizers(planner: Backend) -> None:
         found = reference()  # a dead backend leaves a hook that does nothing: torch iterates
         if found is not None:  # the hooks while calling them, so it cannot remove itself here
             found.adopt(optimizer)
-            if found.model is not None and found.model.__dict__.get(BACKEND_KEY) is found:
+            if found.model is not None and found.model.__dict__.get(backend_key) is found:
                 stepped_without_a_call(found, optimizer)  # not a backend fitted over since
             found.end_eager_watch()  # off the stack once measuring ended (not inside a backward)
 
