@@ -112,9 +112,9 @@ def measure_allocator_peak(fn: Callable[..., Any], *args: Any, track: Any = (),
             "profiler of yours is recording: profilers do not nest, so memfit would end your "
             "session. Measure outside the profiler, or read the memory columns of your own "
             "profile (profile_memory=True)")
-    start_bytes = _unique_bytes((args, kwargs, track), device)
-    result, above_bytes = allocator_peak_above_start(lambda: fn(*args, **kwargs),
-                                                     counted=(args, kwargs, track))
+    counted_blocks = storage_blocks((args, kwargs, track))  # each storage once
+    start_bytes = sum(counted_blocks.values())
+    result, above_bytes = allocator_peak_above_start(lambda: fn(*args, **kwargs), counted_blocks)
     return Measurement(result, start_bytes + above_bytes, start_bytes, device)
 
 
@@ -142,24 +142,11 @@ class ProfilerRunning(RuntimeError):
     user's own profiler records (``profiler_running``)."""
 
 
-def _unique_bytes(tree: Any, device: torch.device) -> int:
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    from memfit.ops.host import is_host_storage
-    from memfit.runtime.resident import local_tensor
-
-    sizes: dict[StorageWeakRef, int] = {}
-    for leaf in tree_leaves(tree):
-        if isinstance(leaf, torch.Tensor) and leaf.device == device:
-            storage = local_tensor(leaf).untyped_storage()  # a DTensor's shard
-            if not is_host_storage(storage):
-                sizes.setdefault(StorageWeakRef(storage), storage.nbytes())
-    return sum(sizes.values())
-
-
-def allocator_peak_above_start(run: Callable[[], Any], counted: Any = ()) -> tuple[Any, int]:
+def allocator_peak_above_start(run: Callable[[], Any],
+                               counted_blocks: Mapping[int, int] | None = None) -> tuple[Any, int]:
     """``run()``'s result and the most bytes the CPU allocator held above its start level, as
-    ``allocator_rise`` counts them (``counted``: tensors alive at the start, whose frees count).
+    ``allocator_rise`` counts them (``counted_blocks``: ``storage_blocks`` of the tensors alive
+    at the start, whose frees count; none where omitted).
     """
     import gc
 
@@ -168,10 +155,9 @@ def allocator_peak_above_start(run: Callable[[], Any], counted: Any = ()) -> tup
     # cyclic garbage from an earlier measured call, collected during this one (a compile
     # allocates enough to start the collector), is not in the caller's start level
     gc.collect()
-    counted_blocks = storage_blocks(counted)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         result = run()
-    return result, allocator_rise(profiler, counted_blocks)
+    return result, allocator_rise(profiler, counted_blocks or {})
 
 
 def allocator_rise(profiler: Any, counted_blocks: Mapping[int, int]) -> int:
