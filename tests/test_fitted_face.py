@@ -160,6 +160,58 @@ def test_modes_hooks_and_to_reach_the_model():
     assert doubled is fitted and fitted.first.weight.dtype == torch.float64
 
 
+class Looped(nn.Module):
+    """Blocks called in a loop: a graph break inside it makes Dynamo skip the whole forward."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                                  nn.Linear(4 * width, width)) for _ in range(3))
+        self.last = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.last(x)
+
+
+def test_hooks_registered_or_removed_between_steps_run_as_in_eager_and_planning_resumes():
+    torch.manual_seed(0)
+    model = Looped()
+    reference = copy.deepcopy(model)
+    fitted = memfit.fit(model, budget=0.9)
+    optimizers = [torch.optim.SGD(net.parameters(), lr=0.1) for net in (model, reference)]
+    seen: dict[str, list] = {"memfit": [], "eager": []}
+    handles: dict[str, list] = {"memfit": [], "eager": []}
+
+    def record(into: list, as_float: bool):  # a logging hook; .item() stops Dynamo
+        return lambda module, args, output: into.append(
+            output.detach().norm().item() if as_float else output.detach().norm())
+
+    for name, net, optimizer in (("memfit", fitted, optimizers[0]),
+                                 ("eager", reference, optimizers[1])):
+        for index, (x, y) in enumerate(inputs(count=5)):
+            if index in (1, 2):  # a hook Dynamo traces, then one it cannot
+                handles[name].append(net.blocks[1].register_forward_hook(
+                    record(seen[name], as_float=index == 2)))
+            if index == 3:
+                for handle in handles[name]:
+                    handle.remove()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                step(net, optimizer, x, y)
+            said = [str(w.message) for w in caught if w.category is memfit.BudgetWarning]
+            if name == "memfit":  # eagerly while the untraceable hook is on, and said; planned after
+                assert bool(said) == (index == 2), (index, said)
+                assert not said or ("ran eagerly, outside any plan" in said[0]
+                                    and "capture_scalar_outputs = True" in said[0]), said
+    assert len(seen["memfit"]) == len(seen["eager"]) == 3
+    for mine, theirs in zip(seen["memfit"], seen["eager"], strict=True):
+        assert torch.equal(torch.as_tensor(mine), torch.as_tensor(theirs))
+    assert all(torch.equal(mine, theirs)
+               for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True))
+
+
 def test_a_retained_graph_backs_up_twice_as_in_eager_after_normal_steps():
     """``loss.backward(retain_graph=True)`` then a second backward, on an iteration after plain
     ones (whose backward compiled the region's): eager allows it, and so does a fitted model, with

@@ -163,6 +163,10 @@ def _remedy(cause: str) -> str:
                 "torch.where(mask), a mixture of experts' routing) is traced with "
                 "torch._dynamo.config.capture_dynamic_output_shape_ops = True, and memfit then "
                 "plans its sizes at their largest")
+    if "item()" in cause:  # a metric logged from the forward or a hook with .item()
+        return ("; a Tensor.item() in the forward or a hook (a logged metric) is traced with "
+                "torch._dynamo.config.capture_scalar_outputs = True, and memfit plans it; or "
+                "log the value after the model's call")
     if "backwards hooks" in cause.lower():  # register_full_backward_hook on a module it calls
         return ("; a module's backward hook (register_full_backward_hook or "
                 "register_full_backward_pre_hook, on it or a submodule) stops Dynamo for the "

@@ -1,6 +1,7 @@
 """The Dynamo settings a fitted model's call is compiled under, so that all of it is compiled with
 memfit's backend and planned: entries and a recompile limit of its own (``own_recompiles``),
-sizes marked dynamic once a shape changes (``dynamic_on_change``), its RNNs traced where memfit
+sizes marked dynamic once a shape changes (``dynamic_on_change``), the hooks it was compiled
+with (``HookWatch``), its RNNs traced where memfit
 traces them as eager runs them (``traces_rnns``, ``rnn_traced``), a DDP model's forward compiled
 as one graph (``whole_ddp_graph``), and each FSDP2 unit's forward compiled with the backend
 (``units_compiled``).
@@ -57,6 +58,42 @@ def rnn_traced(traced: bool) -> contextlib.AbstractContextManager:
     """While the model runs, Dynamo traces its RNNs where ``traces_rnns`` said so; the flag is
     put back after."""
     return torch._dynamo.config.patch(allow_rnn=True) if traced else contextlib.nullcontext()
+
+
+class HookWatch:
+    """Whether the hooks on a model's modules (forward and backward) or the global module hooks
+    changed since the last call it saw: Dynamo does not guard on hooks
+    (``skip_nnmodule_hook_guards``) and runs those it first traced, so a hook registered or
+    removed later (a logging hook, pruning's pre-hook) is what a fitted model compiles anew for,
+    as eager would run it. Cheap per call: the hook count over the dictionaries found at the
+    last change, and the handle counter (a hook registered anywhere); the handles themselves are
+    compared only when either moved."""
+
+    def __init__(self) -> None:
+        self.keys: tuple | None = None
+        self.dictionaries: list[dict] = []
+        self.handles_made = -1
+        self.count = -1
+
+    def changed(self, model: torch.nn.Module) -> bool:
+        """Whether the hooks differ from those at the last call (``False`` at the first)."""
+        from torch.utils.hooks import RemovableHandle
+
+        made = RemovableHandle.next_id
+        if made == self.handles_made and sum(map(len, self.dictionaries)) == self.count:
+            return False
+        from torch.nn.modules import module as modules
+
+        self.dictionaries = [modules._global_forward_pre_hooks, modules._global_forward_hooks,
+                             modules._global_backward_pre_hooks, modules._global_backward_hooks]
+        for module in model.modules():
+            self.dictionaries += (module._forward_pre_hooks, module._forward_hooks,
+                                  module._backward_pre_hooks, module._backward_hooks)
+        keys = tuple(tuple(hooks) for hooks in self.dictionaries)
+        changed = self.keys is not None and keys != self.keys
+        self.keys, self.handles_made = keys, made
+        self.count = sum(map(len, self.dictionaries))
+        return changed
 
 
 def has_ddp(model: torch.nn.Module) -> bool:

@@ -33,6 +33,7 @@ from memfit.compiler.partners import note_call, note_fitted
 from memfit.data.hardware import Hardware
 from memfit.fitting.callers_compile import add_hook, own_trace, remove_hook
 from memfit.fitting.dynamo_settings import (
+    HookWatch,
     compiled_unit_forwards,
     dynamic_on_change,
     has_ddp,
@@ -164,6 +165,7 @@ class FittedCall:
         self.joint_first = False  # its regions may be planned jointly on fakes (joint_first)
         self.shapes: tuple | None = None  # the last call's input shapes (dynamic_on_change)
         self.device_fitted = False  # whether an automatic budget was read from the device
+        self.hooks = HookWatch()  # the hooks it was compiled with
 
     def install(self) -> None:
         """Be the module's call, and its ``_memfit_backend`` the backend (``memfit.report``)."""
@@ -196,6 +198,10 @@ class FittedCall:
             planner.training_calls += 1  # a step of its gradients follows (stepped_without_a_call)
         planner.end_eager_watch()
         planner.watch_first_call(self.module)
+        # a hook registered or removed is traced as eager runs it; not a dispatch mode's
+        # (FlopCounterMode's), under which the module runs directly
+        if not dispatch_modes() and self.hooks.changed(self.module) and self._compiled is not None:
+            self.compile_anew()
         if self._compiled is None:
             self._first_call(args, kwargs)
             if not planner.optimizers:
