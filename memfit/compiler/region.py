@@ -98,6 +98,8 @@ class Region:
     measured_only_allocator: bool = True  # every measured run was read from the allocator
     forward_values: tuple = field(default=(), repr=False)  # its forward's inputs and outputs,
     # weakly: those still alive when its backward runs are measured with it (the loop holds them)
+    output_values: tuple = field(default=(), repr=False)  # its forward's user-visible outputs,
+    # weakly: those alive while another region runs are eager code's there (``held_outputs``)
     hardware: Hardware | None = None  # the profile it was planned with
     bound: Timeline | None = None  # the timeline its plan was checked with: outputs held to the
     # step's end, tangents resident from its start (``predicted`` once a backward has shown more)

@@ -138,8 +138,9 @@ def measure_region_run(planner: Planner, region: Region, call: Callable[[list], 
     for a forward, of this region's own earlier forwards whose backward has not run) and, for a
     backward, the inputs and outputs of its forward still alive (the loop holds the batch and
     the loss), and what eager code holds beyond those (``outside_plans_bytes``: a CPU
-    ``mse_loss`` returns a 0-dim view of an input-sized buffer), noted on the region as
-    ``eager_forward_bytes`` / ``eager_backward_bytes`` for its next plan.
+    ``mse_loss`` returns a 0-dim view of an input-sized buffer) or the loop holds of the other
+    regions' outputs (``held_outputs``), noted on the region as ``eager_forward_bytes`` /
+    ``eager_backward_bytes`` for its next plan.
     """
     import weakref
 
@@ -156,8 +157,10 @@ def measure_region_run(planner: Planner, region: Region, call: Callable[[list], 
     # earlier region's saved output, this one's input) or another's save too counts once
     others -= saves_counted_twice(planner, region, [*alive, *args], device)
     saved = open_saved_storages(planner)  # counted as others' (and own) saves
-    eager = outside_plans_bytes(planner, device, [*alive, *args], others + max(own, 0), saved,
-                                region.saved_storages)
+    held = held_outputs(planner, region)
+    eager = outside_plans_bytes(planner, device, [*alive, *args, *held], others + max(own, 0),
+                                saved, region.saved_storages)
+    eager += storages_bytes(held, device, exclude=[*alive, *args], saved=saved)
     watch = planner.eager_watch()
     if is_backward:
         gap, alive_then = watch.close_window(region.index) if watch is not None else (0, 0)
@@ -181,6 +184,7 @@ def measure_region_run(planner: Planner, region: Region, call: Callable[[list], 
     else:
         outputs = [weakref.ref(value) for value in result if isinstance(value, torch.Tensor)]
         region.forward_values = (*inputs, *outputs)
+        region.output_values = tuple(outputs[:len(region.output_names)])
         if watch is not None:  # eager code's peak until its backward (eager_gap_bytes)
             watch.open_window(region.index, result,
                               functools.partial(device_bytes_alive, planner, device))
@@ -188,6 +192,29 @@ def measure_region_run(planner: Planner, region: Region, call: Callable[[list], 
     region.measured_runs += 1
     region.measure_pending = max(0, region.measure_pending - 1)
     return result
+
+
+def held_outputs(planner: Planner, region: Region) -> list[torch.Tensor]:
+    """The user-visible outputs of the other regions' latest measured forwards still alive: the
+    loop holds a later region's outputs (a language model's logits, made after a graph break)
+    through an earlier region's backward, where no plan of that region counts them and no eager
+    op need read them."""
+    return [value for other in planner.regions if other is not region
+            for value in (reference() for reference in other.output_values)
+            if value is not None]
+
+
+def storages_bytes(tensors: list, device: torch.device, exclude: list, saved: list) -> int:
+    """Bytes of the storages of ``tensors`` on ``device``, each once, less those of ``exclude``
+    and the open saves ``saved`` (weak references)."""
+    counted: dict[StorageWeakRef, int] = {}
+    for tensor in exclude:
+        _add_storage(counted, tensor, device)
+    skip = set(counted) | set(saved)
+    sizes: dict[StorageWeakRef, int] = {}
+    for tensor in tensors:
+        _add_storage(sizes, tensor, device)
+    return sum(size for reference, size in sizes.items() if reference not in skip)
 
 
 def saves_counted_twice(planner: Planner, region: Region, counted: list,
