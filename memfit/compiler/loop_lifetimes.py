@@ -6,12 +6,6 @@ the loss runs it (``memfit.compiler.region_lifetimes.dropped_outputs_graph``). T
 call's loss the loop keeps stay counted. A region without a loss of its own is not: its loss is
 computed outside from its outputs, which that code holds and takes gradients of.
 
-Any other region whose outputs' gradients come from code after it (its loss computed in the
-loop or after a graph break) is planned, where no plan fits with them resident through the
-step, with those gradients made when its backward starts and freed after their last reader, as
-autograd hands them to a compiled backward (``freed_tangents_graph``); one that outlives the
-backward is said and the region planned again (``check_freed_tangents``).
-
 What a region assumed is checked at each of its backwards: where the loop held one of those
 outputs through it, or passed a gradient for one, the plan did not describe the step, and
 memfit says so (``BudgetWarning``) and plans the region again with every output held.
@@ -82,26 +76,6 @@ def collect_before_backward(region: Region) -> None:
     ``check_loop_lifetimes`` judges what the loop itself holds."""
     if region.released_outputs and not region.loop_refuted and _released_but_alive(region):
         gc.collect()
-
-
-def check_freed_tangents(region: Region, passed: Sequence[tuple[str, object]]) -> None:
-    """After ``region``'s backward ran with tangents ``passed`` (``tangents_given``): where its
-    plan freed its outputs' gradients after their last reader (``freed_tangents_graph``) and one
-    outlived the backward (a ``retain_grad`` on the output, a hook that keeps its gradient),
-    say so once and have the region planned again with them resident."""
-    if not region.tangents_freed or region.loop_refuted:
-        return
-    kept = sorted(name for name, storage in passed
-                  if storage is not None and not storage.expired())  # type: ignore[attr-defined]
-    if not kept:
-        return
-    region.loop_refuted = region.replaced = True
-    warnings.warn(
-        f"memfit: region {region.index} was planned with the gradients of its outputs freed "
-        "after their last use in its backward, as autograd frees them (no plan fits with them "
-        f"resident through the step), but something held {kept} past it (a retain_grad, a "
-        "hook keeping the gradient): this iteration may run over the budget. memfit plans it "
-        "again with them resident, which may not fit.", BudgetWarning, stacklevel=3)
 
 
 def check_loop_lifetimes(region: Region, passed: Sequence[tuple[str, object]]) -> None:

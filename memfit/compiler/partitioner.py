@@ -42,7 +42,6 @@ from memfit.compiler.region import (
 )
 from memfit.compiler.region_lifetimes import (
     dropped_outputs_graph,
-    freed_tangents_graph,
     output_tangents,
     output_tensor_names,
     scalar_output_bytes,
@@ -255,12 +254,8 @@ class RegionOutputs:
         beside_saves_bytes: its outputs and the loop's inputs: alive beside its saves between
             its forward and backward.
         loop_graph: the graph as a loop that keeps only its loss runs it, where that frees any
-            output and the loop's lifetimes apply (``dropped_outputs_graph``); else, for a region
-            whose outputs' gradients come from code after it (its loss computed in the loop or
-            after a graph break), the graph with those gradients freed after their last reader
-            (``freed_tangents_graph``), where the loop's lifetimes apply; else ``None``.
+            output and the loop's lifetimes apply (``dropped_outputs_graph``); else ``None``.
         released: the outputs ``loop_graph`` frees at its forward's end (empty without it).
-        frees_tangents: ``loop_graph`` is ``freed_tangents_graph``'s.
     """
 
     names: tuple[str | None, ...]
@@ -268,7 +263,6 @@ class RegionOutputs:
     beside_saves_bytes: int
     loop_graph: CostGraph | None
     released: frozenset[str]
-    frees_tangents: bool = False
 
 
 def region_outputs(planner: RegionPlanner, prepared: PreparedJoint, graph: CostGraph,
@@ -280,17 +274,13 @@ def region_outputs(planner: RegionPlanner, prepared: PreparedJoint, graph: CostG
     names = output_tensor_names(joint, num_fwd_outputs, prepared.owners)
     tangents = output_tangents(joint, num_fwd_outputs)
     beside_saves = outputs_and_inputs_bytes(joint, graph, names, prepared.captured.inputs)
-    applies = loop_lifetimes_apply(planner.regions, site, outside.pending_bytes,
-                                   outside.repeated_copies, outside.saves_cap_bytes)
     loop, released = (dropped_outputs_graph(graph, names, tangents,
                                             tangents_as_none=options.compiler == "aot_eager")
-                      if applies and scalar_output_bytes(joint, num_fwd_outputs)  # its loss
+                      if scalar_output_bytes(joint, num_fwd_outputs)  # returns its loss
+                      and loop_lifetimes_apply(planner.regions, site, outside.pending_bytes,
+                                               outside.repeated_copies, outside.saves_cap_bytes)
                       else (None, frozenset()))
-    if released:
-        return RegionOutputs(names, tangents, beside_saves, loop, released)
-    freed = freed_tangents_graph(graph, tangents) if applies else None
-    return RegionOutputs(names, tangents, beside_saves, freed, frozenset(),
-                         frees_tangents=freed is not None)
+    return RegionOutputs(names, tangents, beside_saves, loop if released else None, released)
 
 
 @dataclass(frozen=True)
@@ -336,8 +326,6 @@ class LoweredPlan:
             regions capped it (``None``: no cap).
         outside_bytes: the bytes outside the graph the plan counts, its repeated calls' copies
             included.
-        tangents_freed: the plan was made with its outputs' gradients freed after their last
-            reader (``freed_tangents_graph``).
     """
 
     plan: Plan
@@ -348,7 +336,6 @@ class LoweredPlan:
     released_outputs: frozenset[str]
     saves_cap_bytes: int | None
     outside_bytes: int
-    tangents_freed: bool = False
 
 
 def lowered_beside_copies(planner: RegionPlanner, chosen: ChosenPlan, lower: Lowering,
@@ -360,8 +347,7 @@ def lowered_beside_copies(planner: RegionPlanner, chosen: ChosenPlan, lower: Low
     saves that leaves room for the units after it (``first_iteration_cap``)."""
     planned, budget_bytes, graph = chosen.planned, chosen.budget_bytes, lower.graph
     made, predicted = planned.plan, planned.predicted
-    on_loop = planned.graph is outputs.loop_graph
-    released = outputs.released if on_loop else frozenset()
+    released = outputs.released if planned.graph is outputs.loop_graph else frozenset()
     forward, backward, saved = lower(made, planned.graph)
     cap, outside_bytes, repeated = (outside.saves_cap_bytes, outside.outside_bytes,
                                     outside.repeated_copies)
@@ -373,8 +359,7 @@ def lowered_beside_copies(planner: RegionPlanner, chosen: ChosenPlan, lower: Low
     elif cap is None and chosen.minimum_bytes is None and budget_bytes is not None:
         cap = first_iteration_cap(planner.model, planner.regions, site,
                                   budget_bytes - outside_bytes, predicted.peak_bytes - saved)
-    return LoweredPlan(made, predicted, forward, backward, saved, released, cap, outside_bytes,
-                       tangents_freed=on_loop and outputs.frees_tangents)
+    return LoweredPlan(made, predicted, forward, backward, saved, released, cap, outside_bytes)
 
 
 def within_saves_limits(planner: RegionPlanner, chosen: ChosenPlan, lowered: LoweredPlan,
@@ -403,7 +388,7 @@ def within_saves_limits(planner: RegionPlanner, chosen: ChosenPlan, lowered: Low
         return replace(lowered, saves_cap_bytes=None)
     return replace(lowered, plan=made, predicted=simulate(graph, made, hardware),
                    forward=forward, backward=backward, saved_bytes=saved,
-                   released_outputs=frozenset(), tangents_freed=False)
+                   released_outputs=frozenset())
 
 
 def agreed_across_ranks(lowered: LoweredPlan, lower: Lowering, hardware: Hardware
@@ -443,7 +428,5 @@ def region_of(planner: RegionPlanner, index: int, site: Any, hardware: Hardware,
                   output_tangents=outputs.tangents,
                   planned_gap_bytes=planner.eager_gap.get(site, 0),
                   beside_saves_bytes=outputs.beside_saves_bytes, released_outputs=released,
-                  tangents_freed=lowered.tangents_freed,
-                  planned_graph=(outputs.loop_graph if released or lowered.tangents_freed
-                                 else None),
+                  planned_graph=outputs.loop_graph if released else None,
                   planned_eager_bytes=outside.eager_bytes, shape_bound=prepared.bound)

@@ -135,9 +135,7 @@ class Region:
     planning: RegionPlanning | None = None  # what planning it cost (``timed_planning``)
     released_outputs: frozenset[str] = frozenset()  # outputs its plan frees at its forward's end,
     # their gradients never passed (``memfit.compiler.loop_lifetimes``)
-    tangents_freed: bool = False  # its plan frees its outputs' gradients after their last reader
     loop_refuted: bool = False  # a backward showed the loop holding them or passing a gradient
-    # (or holding such a gradient past the backward)
     planned_graph: CostGraph | None = None  # the graph its plan was made on, where not ``graph``
     # (``graph`` with the loop's lifetimes: ``released_outputs``)
 

@@ -262,23 +262,6 @@ def loop_graph(graph: CostGraph, output_alive: dict[str | None, bool],
     return with_loop_lifetimes(graph, arriving, released, frozenset(absent), held)
 
 
-def freed_tangents_graph(graph: CostGraph, tangents: Sequence[str | None]) -> CostGraph | None:
-    """``graph`` with the gradients of its outputs (``tangents``, from ``output_tangents``) made
-    when its backward starts and freed after their last reader, as torch's autograd hands them
-    to a compiled backward (``observe_loop``), instead of resident through the whole step; every
-    output stays held. A tangent the backward's first op reads stays resident (made before it,
-    it would be a forward value a plan could swap or re-run); the others are made by that op.
-    ``None`` where no tangent changes."""
-    first_backward = next((i for i, op in enumerate(graph.ops) if op.phase == "backward"), None)
-    if first_backward is None:
-        return None
-    arriving = {tangent: graph.ops[first_backward].name for tangent in tangents
-                if tangent is not None and tangent in graph.tensors
-                and graph.tensors[tangent].consumers
-                and graph.index[graph.tensors[tangent].consumers[0]] > first_backward}
-    return with_loop_lifetimes(graph, arriving, {}) if arriving else None
-
-
 def dropped_outputs_graph(graph: CostGraph, output_names: Sequence[str | None],
                           tangents: Sequence[str | None], tangents_as_none: bool = True,
                           ) -> tuple[CostGraph, frozenset[str]]:

@@ -161,6 +161,7 @@ def measure_region_run(planner: Planner, region: Region, call: Callable[[list], 
     eager = outside_plans_bytes(planner, device, [*alive, *args, *held], others + max(own, 0),
                                 saved, region.saved_storages)
     eager += storages_bytes(held, device, exclude=[*alive, *args], saved=saved)
+    del held  # not kept alive by the measurement: this run may free them
     watch = planner.eager_watch()
     if is_backward:
         gap, alive_then = watch.close_window(region.index) if watch is not None else (0, 0)

@@ -20,11 +20,7 @@ import torch
 import torch.fx as fx
 
 from memfit.compiler.dropped_gradients import GradientsSeen, note_backward, note_forward
-from memfit.compiler.loop_lifetimes import (
-    check_freed_tangents,
-    check_loop_lifetimes,
-    collect_before_backward,
-)
+from memfit.compiler.loop_lifetimes import check_loop_lifetimes, collect_before_backward
 from memfit.compiler.region import REGION_KEY, Planner, Region
 from memfit.compiler.region_lifetimes import observe_loop, remember_outputs, tangents_given
 from memfit.compiler.region_peak import measure_region_run
@@ -110,7 +106,7 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
 
     def run(args: list) -> Any:
         given = (tangents_given(region, args) if region is not None and is_backward
-                 and (follow_loop or region.released_outputs or region.tangents_freed) else ())
+                 and (follow_loop or region.released_outputs) else ())
         inputs = storages_of(args) if region is not None and not is_backward else set()
         if region is not None and not is_backward and not any(
                 other.open_forwards for other in planner.regions):
@@ -144,8 +140,6 @@ def region_run(planner: Planner, region: Region | None, is_backward: bool,
                 note_forward_saves(region, inputs, remember_outputs(region, result))
             if is_backward and region.released_outputs:
                 check_loop_lifetimes(region, given)
-            if is_backward and region.tangents_freed:
-                check_freed_tangents(region, given)
             if is_backward and follow_loop and not region.loop_refuted:
                 observe_loop(region, given)  # a refuted plan is planned again: nothing to follow
             if is_backward:

@@ -5,7 +5,7 @@ and stays resident where autograd makes it as zeros before the backward (inducto
 
 from __future__ import annotations
 
-from memfit.compiler.region_lifetimes import dropped_outputs_graph, freed_tangents_graph
+from memfit.compiler.region_lifetimes import dropped_outputs_graph
 from memfit.data.costgraph import CostGraph, Op, Tensor
 from memfit.data.plan import Plan
 from memfit.model.schedule import lower, memory_profile
@@ -50,22 +50,3 @@ def test_where_autograd_makes_the_zeros_the_tangent_stays_resident_as_captured()
                                             tangents_as_none=False)
     assert released == {"y"}
     assert live_bytes(graph) == [12 * KIB, 16 * KIB, 16 * KIB + 4, 13 * KIB + 4, 5 * KIB + 20]
-
-
-def test_a_tangent_passed_is_made_before_its_first_reader_and_freed_after_its_last():
-    """Where the loop holds every output and passes y's gradient t (a loss computed after the
-    region), t exists from b1 on (made once the backward has started) to b2, its last reader,
-    not from the step's start; y stays held."""
-    graph = freed_tangents_graph(step(), ["t", None])
-    assert graph is not None and graph.tensors["y"].is_output
-    assert live_bytes(graph) == [8 * KIB, 12 * KIB, 12 * KIB + 4, 17 * KIB + 4, 9 * KIB + 20]
-
-
-def test_a_tangent_the_backwards_first_op_reads_stays_resident():
-    """Made before the backward's first op, it would be a forward value a plan could swap or
-    re-run: nothing changes, and there is no other graph to plan."""
-    ops = [Op("f1", "aten.mm", "forward", outputs=("y",)),
-           Op("b1", "aten.mm", "backward", inputs=("t",), outputs=("w",))]
-    tensors = [Tensor("t", 4 * KIB, "input"), Tensor("y", 4 * KIB, "activation", is_output=True),
-               Tensor("w", 16, "gradient", is_output=True)]
-    assert freed_tangents_graph(CostGraph.build(ops, tensors, name="first"), ["t"]) is None
