@@ -65,33 +65,33 @@ class HookWatch:
     changed since the last call it saw: Dynamo does not guard on hooks
     (``skip_nnmodule_hook_guards``) and runs those it first traced, so a hook registered or
     removed later (a logging hook, pruning's pre-hook) is what a fitted model compiles anew for,
-    as eager would run it. Cheap per call: the hook count over the dictionaries found at the
-    last change, and the handle counter (a hook registered anywhere); the handles themselves are
-    compared only when either moved."""
+    as eager would run it. Per call it reads the handle counter (a hook registered anywhere
+    moves it) and the hook count of the dictionaries found last (a removal lowers it); only
+    when either moved are the model's dictionaries walked again and their handles summed
+    (handle ids are never reused, so any change moves the sum)."""
 
     def __init__(self) -> None:
-        self.keys: tuple | None = None
         self.dictionaries: list[dict] = []
         self.handles_made = -1
         self.count = -1
+        self.handle_sum: int | None = None
 
     def changed(self, model: torch.nn.Module) -> bool:
         """Whether the hooks differ from those at the last call (``False`` at the first)."""
+        from torch.nn.modules import module as modules
         from torch.utils.hooks import RemovableHandle
 
         made = RemovableHandle.next_id
         if made == self.handles_made and sum(map(len, self.dictionaries)) == self.count:
             return False
-        from torch.nn.modules import module as modules
-
         self.dictionaries = [modules._global_forward_pre_hooks, modules._global_forward_hooks,
                              modules._global_backward_pre_hooks, modules._global_backward_hooks]
         for module in model.modules():
             self.dictionaries += (module._forward_pre_hooks, module._forward_hooks,
                                   module._backward_pre_hooks, module._backward_hooks)
-        keys = tuple(tuple(hooks) for hooks in self.dictionaries)
-        changed = self.keys is not None and keys != self.keys
-        self.keys, self.handles_made = keys, made
+        handle_sum = sum(map(sum, self.dictionaries))
+        changed = self.handle_sum is not None and handle_sum != self.handle_sum
+        self.handles_made, self.handle_sum = made, handle_sum
         self.count = sum(map(len, self.dictionaries))
         return changed
 

@@ -198,9 +198,10 @@ class FittedCall:
             planner.training_calls += 1  # a step of its gradients follows (stepped_without_a_call)
         planner.end_eager_watch()
         planner.watch_first_call(self.module)
+        under_a_mode = bool(dispatch_modes())  # Dynamo would run it eagerly, skipped for good
         # a hook registered or removed is traced as eager runs it; not a dispatch mode's
         # (FlopCounterMode's), under which the module runs directly
-        if not dispatch_modes() and self.hooks.changed(self.module) and self._compiled is not None:
+        if not under_a_mode and self.hooks.changed(self.module) and self._compiled is not None:
             self.compile_anew()
         if self._compiled is None:
             self._first_call(args, kwargs)
@@ -211,7 +212,7 @@ class FittedCall:
             self.shapes = dynamic_on_change(self.shapes, (args, kwargs))
         start = call_started(planner)
         try:
-            if dispatch_modes():  # Dynamo would run it eagerly and skip its entry for good
+            if under_a_mode:
                 result = self.module._call_impl(*args, **kwargs)
             else:
                 result = self._call_compiled(args, kwargs)
