@@ -320,3 +320,37 @@ def test_a_smaller_last_batch_of_volumes_is_planned_at_the_sizes_seen_not_at_a_g
                for mine, theirs in zip(measured, eager, strict=True))
     dynamic = [region for region in fitted._memfit_backend.regions if region.shape_bound]
     assert [list(region.shape_bound.values()) for region in dynamic] == [[2], [4]]
+
+
+def _convolution_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 1))
+
+
+def test_inputs_whose_strides_change_are_planned_again_within_budget_bitwise():
+    """The same batch shapes, the layout changing from the second batch on (channels-last
+    images): Dynamo traces the region again with the input's strides as symbolic int inputs,
+    and the storage sizes of the graph it hands over are ``SymInt`` constants. Planned on them
+    as ints, every iteration fits, bitwise eager's (before, the second call raised ``Object of
+    type SymInt is not JSON serializable``)."""
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 3, 32, 32, generator=generator),
+             torch.randn(16, 1, generator=generator))
+            for _ in range(3)]
+    data = [(x if index == 0 else x.contiguous(memory_format=torch.channels_last), y)
+            for index, (x, y) in enumerate(data)]
+    reference = _convolution_net()
+    reference_losses, eager_peaks = _train(reference, torch.optim.AdamW(reference.parameters()),
+                                           data)
+    budget = int(0.9 * max(eager_peaks))
+    model = _convolution_net()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memfit.BudgetWarning)
+        losses, peaks = _train(fitted, optimizer, data)
+    assert max(peaks) <= budget, (peaks, budget)
+    _assert_same_training(model, reference, losses, reference_losses)
+    assert len(fitted._memfit_backend.regions) == 2

@@ -105,8 +105,18 @@ def _add_input(node, binding: Binding, owner, tensors) -> None:
         key = storage_key(tensor)
         if key not in owner:
             owner[key] = node.name
-            size = tensor.untyped_storage().nbytes()
+            size = _storage_bytes(tensor)
             tensors[node.name] = Tensor(node.name, size, _ROLES.get(binding.kind, "input"))
+
+
+def _storage_bytes(tensor: torch.Tensor) -> int | torch.SymInt:
+    """The bytes of ``tensor``'s storage, an ``int`` wherever its size has no free symbol (Dynamo
+    hands a region whose input strides it made dynamic a storage size that is a ``SymInt`` of a
+    constant)."""
+    size = tensor.untyped_storage().nbytes()
+    if isinstance(size, torch.SymInt) and not size.node.expr.free_symbols:
+        return int(size.node.expr)
+    return size
 
 
 def _as_output(tensor: Tensor) -> Tensor:
@@ -134,7 +144,7 @@ def _op(node: torch.fx.Node, owner, tensors, temporary_bytes: int | None) -> Op:
         key = storage_key(tensor)
         if key not in owner:
             owner[key] = node.name if not allocated else f"{node.name}.{len(allocated)}"
-            size = tensor.untyped_storage().nbytes()
+            size = _storage_bytes(tensor)
             if not allocated and temporary_bytes is not None:  # the kernel's real storage
                 size = max(size, kernel_output_storage_bytes(node) or 0)
             allocated.append(owner[key])
