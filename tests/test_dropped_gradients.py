@@ -71,3 +71,57 @@ def test_gradients_the_loop_drops_before_the_backward_are_counted_once(accumulat
     assert all(peak <= budget for peak in peaks), (peaks, budget)
     assert all(torch.equal(mine, theirs) for mine, theirs in zip(losses, eager_losses,
                                                                   strict=True))
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(128, 512), nn.GELU(),
+                                                  nn.Linear(512, 128)) for _ in range(4))
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def test_a_micro_batch_of_another_shape_is_not_planned_on_the_guess_its_code_disproved():
+    """Three micro-batches per step, the last smaller (Dynamo traces the forward again with
+    symbolic sizes, then again past that bound: new programs of the same code). The first
+    program's second call showed the gradients kept; a later program of the same code whose
+    second call cannot fit beside them is refused before it runs. Before, it was planned on the
+    guess that the loop drops them, ran 1.7 MiB over the budget and said so after."""
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(2048, 128, generator=generator),
+             torch.randint(0, 10, (2048,), generator=generator)) for _ in range(2)]
+
+    def iteration(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+                  y: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros(())
+        for rows in (slice(0, 900), slice(900, 1800), slice(1800, None)):
+            loss = F.cross_entropy(model(x[rows]), y[rows]) * x[rows].shape[0] / x.shape[0]
+            loss.backward()
+            total += loss.detach()
+        optimizer.step()
+        optimizer.zero_grad()
+        return total
+
+    def measured(model: nn.Module, optimizer: torch.optim.Optimizer, batch) -> int:
+        return measure_allocator_peak(iteration, model, optimizer, *batch,
+                                      track=(list(model.parameters()), optimizer.state,
+                                             *batch)).peak_bytes
+
+    eager = _Residual()
+    eager_optimizer = torch.optim.AdamW(eager.parameters())
+    budget = int(0.575 * max(measured(eager, eager_optimizer, batch) for batch in data))
+    model = _Residual()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BudgetWarning)
+        assert measured(fitted, optimizer, data[0]) <= budget
+        with pytest.raises(memfit.BudgetError, match="smallest peak it can reach") as refused:
+            measured(fitted, optimizer, data[1])
+    assert refused.value.minimum_bytes > budget

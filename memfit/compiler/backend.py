@@ -300,12 +300,16 @@ class Backend(EagerWatching, JointPlanning):
         loop drops them before the backward (``zero_grad()`` before ``backward()``, the order
         of PyTorch's examples), which its next backward checks: a loop that keeps them
         (accumulation) has it planned again counting them, and a measured run over the budget
-        is said. Where that fails too, the first error stands."""
+        is said. Where that fails too, the first error stands. A new program of code whose
+        earlier programs' backwards all showed the gradients kept (a micro-batch of another
+        shape, traced again) is not planned on the guess: its error stands at once."""
         first = len(self.regions)
         try:
             return self._compile_region(graph_module, example_inputs, device, site, bound)
         except BudgetError:
             seen = self.gradients_seen.setdefault(self.program_now, GradientsSeen())
+            if seen.drops is None and self._site_keeps_gradients(site):
+                seen.drops = False
             if seen.drops is not None or not has_gradients(self.model):
                 raise
             del self.regions[first:]
@@ -316,6 +320,15 @@ class Backend(EagerWatching, JointPlanning):
                 seen.drops = None
                 del self.regions[first:]
             raise
+
+    def _site_keeps_gradients(self, site: Any) -> bool:
+        """Whether the backwards of the other programs compiled from ``site`` showed what the
+        loop does with the model's gradients, and every one showed them kept."""
+        verdicts = {self.gradients_seen[region.program].drops for region in self.regions
+                    if site is not None and region.site == site
+                    and region.program != self.program_now
+                    and region.program in self.gradients_seen}
+        return verdicts == {False}
 
     def _target(self, device: torch.device) -> contextlib.AbstractContextManager:
         """The capture personality of a planning-only trace (``memfit.tracing.target``)."""
