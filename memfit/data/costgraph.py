@@ -48,6 +48,9 @@ class Op:
         dtype: the dtype of its first tensor output (``"float32"``), to pick the FLOP rate.
         elements: the elements of its first tensor output, for the per-element cost of a
             memory-bound op (``Hardware.element_rates``); 0 where not known.
+        library_call: inductor runs it as eager's kernel whatever its kind (it generates no
+            code for an op with a complex tensor among its inputs or outputs), so it is never
+            fused, inlined or written in place (``memfit.model.kernels.fusible``).
     """
 
     name: str
@@ -63,6 +66,7 @@ class Op:
     bytes_accessed: int = 0
     dtype: str = "float32"
     elements: int = 0
+    library_call: bool = False
 
 
 @dataclass(frozen=True)

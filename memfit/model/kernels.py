@@ -43,8 +43,10 @@ def fusible(op: Op) -> bool:
     allocates (a view or ``getitem`` allocates nothing and costs nothing either way) and draws
     no random numbers. memfit compiles with inductor's ``fallback_random`` (a re-run replays the
     forward's draws from the generator: ``memfit.lowering.inductor``), so a random op (dropout,
-    ``bernoulli``, ``rand``) runs eager's kernels, as a library call."""
-    return bool(op.outputs) and op_class(op.kind) == MEMORY and op.kind not in RANDOM_DRAWS
+    ``bernoulli``, ``rand``) runs eager's kernels, as a library call, as does an op on complex
+    tensors (``Op.library_call``)."""
+    return (bool(op.outputs) and op_class(op.kind) == MEMORY and op.kind not in RANDOM_DRAWS
+            and not op.library_call)
 
 
 def fused_kernels(graph: CostGraph) -> list[list[int]]:

@@ -172,7 +172,21 @@ def _op(node: torch.fx.Node, owner, tensors, temporary_bytes: int | None) -> Op:
         bytes_accessed=moved,
         dtype=dtype,
         elements=elements,
+        library_call=_complex_fallback(node),
     )
+
+
+_COMPLEX_VIEWS = ("aten.view_as_complex", "aten.view.dtype", "prims.convert_element_type")
+
+
+def _complex_fallback(node: torch.fx.Node) -> bool:
+    """Whether inductor lowers ``node`` to eager's kernel because a complex tensor is among its
+    inputs or outputs (``torch._inductor.lowering.fallback_node_due_to_unsupported_type``: it
+    generates no code for complex values, views into them aside)."""
+    if str(node.target).removesuffix(".default") in _COMPLEX_VIEWS:
+        return False
+    return any(tensor.is_complex() for source in (*node.all_input_nodes, node)
+               for tensor in tensors_in(source.meta.get("val")))
 
 
 def _bytes_accessed(node: torch.fx.Node) -> int:
