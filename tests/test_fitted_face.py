@@ -288,3 +288,49 @@ def test_a_retained_graph_after_measured_steps_is_over_budget_only_with_a_warnin
                for loss, expected in zip(losses, eager_losses, strict=True))
     for expected, parameter in zip(reference.parameters(), model.parameters(), strict=True):
         assert torch.equal(parameter, expected)
+
+
+def test_an_optimizer_step_the_loop_compiles_trains_as_in_eager_and_leaves_torch_usable():
+    """``torch.compile(optimizer.step)``, as GPU loops do for speed: memfit's optimizer hook runs
+    inside that compiled call, where it took memfit's watch of eager code off the mode stack;
+    Dynamo put the Python dispatch key back on return, with no mode left, so every later op
+    failed ("Hit Python dispatch key but no arguments had PyInterpreter"), torch.empty too.
+    Now the watch leaves the stack only outside such a call, and three steps train bitwise like
+    eager's with the same compiled step."""
+    from memfit.runtime.measure import measure_allocator_peak
+
+    data = inputs()
+
+    def train(model: nn.Module, fit_budget: int | None = None) -> tuple[list, list[int]]:
+        optimizer = torch.optim.AdamW(model.parameters())
+        if fit_budget is not None:
+            memfit.fit(model, budget=fit_budget, optimizer=optimizer)
+        compiled_step = torch.compile(optimizer.step, backend="aot_eager")
+        losses, peaks = [], []
+        for x, y in data:
+            def iteration(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                compiled_step()
+                optimizer.zero_grad(set_to_none=True)
+                return loss.detach()
+
+            measured = measure_allocator_peak(iteration, track=(list(model.parameters()),
+                                                                optimizer.state, x, y))
+            losses.append(measured.result)
+            peaks.append(measured.peak_bytes)
+        return losses, peaks
+
+    reference = build()
+    reference_losses, eager_peaks = train(reference)
+    torch._dynamo.reset()
+    model = build()
+    budget = int(0.9 * max(eager_peaks))
+    losses, peaks = train(model, budget)
+    assert torch.empty(3).shape == (3,)
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip(losses, reference_losses,
+                                                                  strict=True))
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip(model.parameters(),
+                                                                  reference.parameters(),
+                                                                  strict=True))
+    assert max(peaks) <= budget, (peaks, budget)

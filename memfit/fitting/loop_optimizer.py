@@ -59,4 +59,7 @@ def watch_optimizers(planner: Backend, backend_key: str) -> None:
                 stepped_without_a_call(found, optimizer)  # not a backend fitted over since
             found.end_eager_watch()  # off the stack once measuring ended (not inside a backward)
 
-    register_optimizer_step_post_hook(adopt)
+    # a step the loop compiles (``torch.compile(optimizer.step)``) runs the hook as Python, not
+    # traced: it may take the eager watch off the mode stack, which a trace would only simulate
+    register_optimizer_step_post_hook(torch._dynamo.disable(
+        adopt, reason="memfit: its optimizer hook changes the dispatch mode stack"))

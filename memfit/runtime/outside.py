@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -75,6 +76,7 @@ class EagerWatch(TorchDispatchMode):
         self._loop_storages: dict[StorageWeakRef, int] = {}  # the model's call arguments
         self._pruned_at = 0  # entries after the last pruning of dead storages
         self._windows: dict[Any, GapWindow] = {}  # open regions' gaps (``open_window``)
+        self.pushed_in_compiled_calls = 0  # ``compiled_calls_open`` when it was put on the stack
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -235,21 +237,45 @@ class EagerWatch(TorchDispatchMode):
             return
         while torch._C._len_torch_dispatch_stack() > 0:
             top = _get_current_dispatch_mode()
-            if not isinstance(top, EagerWatch):
+            if not isinstance(top, EagerWatch) or not top.may_leave_the_stack():
                 return
             top.__exit__(None, None, None)
         self.__enter__()
+        self.pushed_in_compiled_calls = compiled_calls_open()
 
     def stop(self) -> None:
-        """Take the watch off the mode stack where it is on top (outside a backward); what it
-        noted stays readable."""
+        """Take the watch off the mode stack where it is on top (outside a backward), and not
+        inside a ``torch.compile``d call it was put on before (``may_leave_the_stack``); what
+        it noted stays readable."""
         if (threading.get_ident() == self.thread and self.on_stack()
-                and torch._C._current_graph_task_id() == -1):
+                and torch._C._current_graph_task_id() == -1 and self.may_leave_the_stack()):
             self.__exit__(None, None, None)
+
+    def may_leave_the_stack(self) -> bool:
+        """Whether taking the watch off the stack now leaves the dispatch keys as they should
+        be: not inside a ``torch.compile``d call that began after the watch was put on (an
+        optimizer step the loop compiled runs memfit's step hook). Dynamo puts back the
+        dispatch keys it saw at such a call when it returns, the Python key among them, which
+        with no mode left on the stack fails every later op."""
+        return compiled_calls_open() <= self.pushed_in_compiled_calls
 
     def on_stack(self) -> bool:
         return (torch._C._len_torch_dispatch_stack() > 0
                 and _get_current_dispatch_mode() is self)
+
+
+def compiled_calls_open() -> int:
+    """How many calls of ``torch.compile``d functions this thread is inside (Dynamo's
+    ``compile_wrapper`` frames on the Python stack)."""
+    from torch._dynamo import eval_frame
+
+    count, frame = 0, sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "compile_wrapper" and code.co_filename == eval_frame.__file__:
+            count += 1
+        frame = frame.f_back
+    return count
 
 
 @dataclasses.dataclass
