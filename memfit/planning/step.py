@@ -202,9 +202,16 @@ def _chosen_plan(graph: CostGraph, hardware: Hardware, baseline: Timeline,
     return replace(made, topology_hash=topology_hash(graph), explanation=explanation)
 
 
+EAGER_NOTE_SHARE = 0.01  # eager code's bytes a refusal names, as a share of its smallest peak
+
+
 def with_eager_note(error: BudgetError, eager_bytes: int) -> BudgetError:
-    """``error``, saying that ``eager_bytes`` of the peak are eager code's (where any are)."""
-    if not eager_bytes:
+    """``error``, saying that ``eager_bytes`` of the peak are eager code's, where they matter:
+    without them the step would fit, or they are at least ``EAGER_NOTE_SHARE`` of its smallest
+    peak (not the previous iteration's scalar loss that every loop holds)."""
+    shortfall = error.minimum_bytes - error.budget_bytes
+    if eager_bytes <= 0 or (eager_bytes < shortfall
+                            and eager_bytes < EAGER_NOTE_SHARE * error.minimum_bytes):
         return error
     note = (f"{format_bytes(eager_bytes)} of it is held by eager code outside the compiled "
             "regions while this one runs (the loss computed in the loop and its buffers, code at "
