@@ -150,3 +150,33 @@ def test_a_region_after_a_graph_break_measures_what_the_allocator_saw():
     for (name, seen), (_, reported) in zip(windows, measured, strict=True):
         truth = start_bytes + seen
         assert truth <= reported <= truth + tolerance_bytes(truth), (name, reported, truth)
+
+
+class SequentiallyCheckpointed(nn.Module):
+    """Blocks run through ``torch.utils.checkpoint.checkpoint_sequential``, which Dynamo does not
+    trace: they run eagerly around the compiled head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(*(nn.Sequential(nn.Linear(128, 512), nn.GELU(),
+                                                  nn.Linear(512, 128)) for _ in range(4)))
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint_sequential
+
+        return self.head(checkpoint_sequential(self.body, 2, x, use_reentrant=False))
+
+
+def test_a_refusal_for_eager_codes_bytes_names_the_graph_break_that_runs_it():
+    """A budget the eager blocks alone exceed is refused before anything runs, and the error
+    names the function Dynamo would not trace, so that the user knows what to change."""
+    model = SequentiallyCheckpointed()
+    optimizer = torch.optim.AdamW(model.parameters())
+    fitted = memfit.fit(model, budget="18MiB", optimizer=optimizer)
+    x = torch.randn(2048, 128, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 10, (2048,), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(memfit.BudgetError, match="held by eager code") as refused:
+        nn.functional.cross_entropy(fitted(x), y).backward()
+    assert "checkpoint_sequential" in str(refused.value), refused.value

@@ -37,7 +37,9 @@ from memfit.compiler.dropped_gradients import GradientsSeen
 from memfit.compiler.eager_watching import EagerWatching
 from memfit.compiler.graph_breaks import (
     compiling_site,
+    graph_break_counts,
     graph_break_follows,
+    graph_breaks_since,
     latest_regions,
     site_code,
     watch_recompile_limit,
@@ -91,6 +93,7 @@ class Backend(EagerWatching, JointPlanning):
     def __init__(self, options: BackendOptions, optimizer: torch.optim.Optimizer | None = None,
                  model: torch.nn.Module | None = None) -> None:
         self.options = options  # replaced only by choose_budget, at memfit.fit's first call
+        self.graph_breaks_before = graph_break_counts()  # Dynamo's, before this backend
         # held weakly: an optimizer the loop drops (one made again each epoch) is freed with its
         # state, and no longer counted
         self._optimizers = [weakref.ref(optimizer)] if optimizer else []
@@ -402,10 +405,11 @@ class Backend(EagerWatching, JointPlanning):
             return planned, planned.budget.device_bytes, None
         assert error is not None
         try:
+            breaks = graph_breaks_since(self.graph_breaks_before)
             if not pending:
-                raise with_eager_note(error, eager) from None
+                raise with_eager_note(error, eager, breaks) from None
             if error.minimum_bytes - pending > error.budget_bytes:
-                raise short_even_alone(error, pending, eager) from None
+                raise short_even_alone(error, pending, eager, breaks) from None
             planned = self._over_budget(graph, hardware, error, pending, outside, own_open)
             return planned, error.budget_bytes, error.minimum_bytes
         finally:  # an error kept in this frame would hold, through its traceback, every frame

@@ -353,3 +353,28 @@ def watch_recompile_limit(backend: Planner) -> None:
     if _WATCH not in logger.handlers:
         logger.addHandler(_WATCH)
     _WATCH.backends.add(backend)
+
+
+def graph_break_counts() -> dict[str, int]:
+    """Dynamo's count of each graph-break reason so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
+def graph_breaks_since(before: dict[str, int], most: int = 3) -> list[str]:
+    """The graph breaks Dynamo reported since ``before`` (``graph_break_counts``), at most
+    ``most``, each as its reason's first line and the explanation Dynamo gave (which names a
+    function it does not trace, such as ``checkpoint_sequential``)."""
+    from torch._dynamo.utils import counters
+
+    found = []
+    for reason, count in counters["graph_break"].items():
+        if count > before.get(reason, 0):
+            lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
+            why = [line.removeprefix("Explanation:").strip().rstrip(".") for line in lines[1:]
+                   if line.startswith("Explanation:")]
+            said = (lines[0].rstrip(".") if lines else "") + (f" ({why[0]})" if why else "")
+            found.append(said[:300])
+    return found[:most]
+

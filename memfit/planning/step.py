@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -205,10 +205,12 @@ def _chosen_plan(graph: CostGraph, hardware: Hardware, baseline: Timeline,
 EAGER_NOTE_SHARE = 0.01  # eager code's bytes a refusal names, as a share of its smallest peak
 
 
-def with_eager_note(error: BudgetError, eager_bytes: int) -> BudgetError:
+def with_eager_note(error: BudgetError, eager_bytes: int,
+                    graph_breaks: Sequence[str] = ()) -> BudgetError:
     """``error``, saying that ``eager_bytes`` of the peak are eager code's, where they matter:
     without them the step would fit, or they are at least ``EAGER_NOTE_SHARE`` of its smallest
-    peak (not the previous iteration's scalar loss that every loop holds)."""
+    peak (not the previous iteration's scalar loss that every loop holds); with them, the
+    ``graph_breaks`` Dynamo reported (the code there runs eagerly)."""
     shortfall = error.minimum_bytes - error.budget_bytes
     if eager_bytes <= 0 or (eager_bytes < shortfall
                             and eager_bytes < EAGER_NOTE_SHARE * error.minimum_bytes):
@@ -218,11 +220,15 @@ def with_eager_note(error: BudgetError, eager_bytes: int) -> BudgetError:
             "a graph break, tensors the loop keeps such as an EMA copy of the model; "
             "memfit.report shows where): compute the loss inside the model, keep such copies "
             "off the device (AveragedModel(model, device='cpu')), or raise the budget.")
+    if graph_breaks:
+        note += (" Dynamo broke the model's graph, and runs the code at each break eagerly: "
+                 + "; ".join(graph_breaks) + ".")
     return BudgetError(error.budget_bytes, error.minimum_bytes, error.dominant, error.strategy,
                        f"{error.note} {note}".strip(), host_bytes=error.host_bytes)
 
 
-def short_even_alone(error: BudgetError, pending: int, eager: int) -> BudgetError:
+def short_even_alone(error: BudgetError, pending: int, eager: int,
+                     graph_breaks: Sequence[str] = ()) -> BudgetError:
     """The error for a region that misses the budget even without the ``pending`` saves of the
     regions before its graph break: no joint plan can make it fit (so none is tried, and every
     rank stops here). Its minimum is the region's smallest peak beside those saves as the
@@ -233,7 +239,7 @@ def short_even_alone(error: BudgetError, pending: int, eager: int) -> BudgetErro
             "earlier in the step with other arguments).")
     return with_eager_note(BudgetError(error.budget_bytes, error.minimum_bytes, error.dominant,
                                        error.strategy, f"{error.note} {note}".strip(),
-                                       host_bytes=error.host_bytes), eager)
+                                       host_bytes=error.host_bytes), eager, graph_breaks)
 
 
 def rerun_whole(graph: CostGraph, hardware: Hardware, budget_bytes: int, outside_bytes: int
