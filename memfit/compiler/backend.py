@@ -238,6 +238,12 @@ class Backend(EagerWatching, JointPlanning):
             "model=memfit.fit(model, budget=...) and leave torch_compile off (a compiled region "
             "then counts the model's parameters, gradients and optimizer state in the budget)")
 
+    def __repr__(self) -> str:
+        """What Dynamo's errors name as the backend that raised: memfit's, with its options."""
+        budget = self.options.budget
+        return (f"memfit (compiler {self.options.compiler!r}, strategy "
+                f"{self.options.strategy!r}, budget {budget if budget is not None else 'none'})")
+
     def __call__(self, graph_module: fx.GraphModule, example_inputs: list) -> Any:
         device = device_of(example_inputs)
         first = len(self.regions)
