@@ -221,3 +221,10 @@ def test_a_sparse_gradient_is_refused_before_anything_runs_and_its_body_can_be_f
                 optimizer.zero_grad()
     for mine, theirs in zip(fitted_model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(mine, theirs)
+
+
+def test_the_backend_names_itself_in_torchs_errors():
+    """Dynamo's ``BackendCompilerFailed`` names the backend by its repr: memfit's, with the
+    options a user gave, not an object's address."""
+    assert repr(memfit.backend(budget=0.5)) == (
+        "memfit (compiler 'aot_eager', strategy 'auto', budget 0.5 of the unplanned peak)")
