@@ -26,7 +26,7 @@ from memfit.compiler.region import Region
 from memfit.data.costgraph import CostGraph
 from memfit.data.errors import BudgetError, BudgetWarning
 from memfit.data.hardware import Hardware
-from memfit.data.units import Budget
+from memfit.data.units import Budget, format_bytes
 from memfit.planning.step import Planned, plan_step
 
 
@@ -49,16 +49,30 @@ def planned_for_the_loop(loop_graph: CostGraph, hardware: Hardware, held_error: 
 
     Raises:
         BudgetError: where it does not fit either: whichever of the two errors has the smaller
-            minimum (each is the peak of a plan that strategy makes at it).
+            minimum (each is the peak of a plan that strategy makes at it); the loop's says
+            that it holds for a loop that keeps only the loss, and what holding the rest needs.
     """
     try:
         return plan_step(loop_graph, hardware, Budget(bytes=held_error.budget_bytes), strategy,
                          params, outside_bytes, what_ifs=what_ifs)
     except BudgetError as loop_error:
         try:
-            raise min(held_error, loop_error, key=lambda error: error.minimum_bytes) from None
+            if held_error.minimum_bytes <= loop_error.minimum_bytes:
+                raise held_error from None
+            raise _for_a_loop_keeping_the_loss(loop_error, held_error.minimum_bytes) from None
         finally:  # the error it raises holds this frame: keeping it here would be a cycle that
             del held_error  # holds every frame of the step (and the model's outputs) until a gc
+
+
+def _for_a_loop_keeping_the_loss(error: BudgetError, held_minimum_bytes: int) -> BudgetError:
+    """``error`` (the smallest peak of the step run by a loop that keeps only its loss), saying
+    so, and the smallest peak where the loop holds the call's other outputs too."""
+    note = (f"That minimum holds where the loop keeps only the loss of the model's call "
+            f"(loss = model(...).loss); holding its other outputs through the backward (logits, "
+            f"a Hugging Face model's key/value cache: pass use_cache=False) needs "
+            f"{format_bytes(held_minimum_bytes)}.")
+    return BudgetError(error.budget_bytes, error.minimum_bytes, error.dominant, error.strategy,
+                       f"{error.note} {note}".strip(), host_bytes=error.host_bytes)
 
 
 def _released_but_alive(region: Region) -> list[str]:

@@ -50,3 +50,29 @@ def test_where_autograd_makes_the_zeros_the_tangent_stays_resident_as_captured()
                                             tangents_as_none=False)
     assert released == {"y"}
     assert live_bytes(graph) == [12 * KIB, 16 * KIB, 16 * KIB + 4, 13 * KIB + 4, 5 * KIB + 20]
+
+
+def test_a_refusal_at_the_loops_smaller_minimum_says_what_holding_the_outputs_needs():
+    """Where neither plan fits, the error is the smaller minimum's, the loop's; it says that the
+    minimum is for a loop keeping only the loss, and names the minimum with the outputs held
+    (a Hugging Face loop holding ``out`` with its logits and key/value cache was told 10.30 MiB,
+    then refused at it with 13.30 MiB one iteration later)."""
+    import pytest
+
+    from memfit.compiler.loop_lifetimes import planned_for_the_loop
+    from memfit.data.errors import BudgetError
+    from memfit.data.hardware import get_hardware
+    from memfit.data.units import Budget, format_bytes
+    from memfit.planning.step import plan_step
+
+    hardware = get_hardware("h100-pcie")
+    held = step()
+    loop, _ = dropped_outputs_graph(held, ["y", "loss"], ["t", None])
+    with pytest.raises(BudgetError) as held_refusal:
+        plan_step(held, hardware, Budget(bytes=1), "keep", {}, 0)
+    held_minimum = held_refusal.value.minimum_bytes
+    with pytest.raises(BudgetError) as refused:
+        planned_for_the_loop(loop, hardware, held_refusal.value, "keep", {}, 0)
+    assert refused.value.minimum_bytes < held_minimum
+    assert "keeps only the loss" in str(refused.value)
+    assert f"needs {format_bytes(held_minimum)}" in str(refused.value)
