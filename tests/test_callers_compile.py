@@ -113,3 +113,34 @@ def test_traced_by_another_compile_past_the_break_it_refuses(monkeypatch):
         refuse_callers_compile(model, INPUTS[:1])
     with pytest.raises(memfit.CaptureError, match="torch.compile of the caller's.*compiler="):
         refuse_callers_compile(model, INPUTS[:1])
+
+
+def test_a_step_compiled_before_the_fit_says_how_to_run_the_plan():
+    """A notebook: a cell compiled and ran the training step, the next fits the model and runs
+    it again. Dynamo keeps running the graph it traced before the fit (it does not guard the
+    hook memfit adds), so no plan runs; the warning at the optimizer's step says to reset
+    Dynamo, after which the step's graph breaks at the model's call and memfit's plan runs."""
+    import warnings
+
+    model = _build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = INPUTS
+
+    def train_step() -> torch.Tensor:
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    step = torch.compile(train_step, backend="aot_eager")
+    step()
+    fitted = memfit.fit(model, budget="1GB", optimizer=optimizer)
+    with pytest.warns(memfit.BudgetWarning, match=r"torch\._dynamo\.reset\(\) after memfit\.fit"):
+        step()
+    assert not fitted._memfit_backend.regions
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memfit.BudgetWarning)
+        step()
+    assert fitted._memfit_backend.regions

@@ -97,7 +97,9 @@ def stepped_without_a_call(planner: Backend, optimizer: torch.optim.Optimizer) -
     the fitted model ran since its previous step (``Backend.training_calls``) and their
     gradients are not all zero, those gradients were made by the model's code run outside the
     fitted call, outside any plan (``model.forward(...)`` called directly runs the forward
-    uncompiled, as it does under ``torch.compile``): warn at the step and count it."""
+    uncompiled, as it does under ``torch.compile``; a function the user compiled before fitting
+    runs the graph Dynamo traced then, which does not guard hooks): warn at the step and count
+    it."""
     model = planner.model
     calls = planner.training_calls
     before = planner.calls_at_step.get(optimizer, 0)
@@ -109,7 +111,10 @@ def stepped_without_a_call(planner: Backend, optimizer: torch.optim.Optimizer) -
         _said(planner, f"{type(model).__name__}.forward",
               "the optimizer stepped gradients of its parameters that no call of the fitted "
               "model made since its previous step. model.forward(...) called directly runs "
-              "the forward uncompiled, as under torch.compile: call model(...) instead",
+              "the forward uncompiled, as under torch.compile: call model(...) instead. A "
+              "torch.compile'd function of yours that traced the model before memfit.fit (a "
+              "notebook cell run again) keeps running the graph it compiled then: call "
+              "torch._dynamo.reset() after memfit.fit",
               stacklevel=5)
 
 
