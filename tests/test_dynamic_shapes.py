@@ -50,15 +50,15 @@ def _train(model, optimizer, data):
     return losses, peaks
 
 
-def _fitted_at(fraction: float, data):
-    """An eager MLP trained on ``data`` (the reference), and a fresh one fitted at ``fraction``
-    of the eager loop's largest iteration peak: reference, its losses, model, optimizer, the
-    fitted model and the budget."""
-    reference = _mlp()
+def _fitted_at(fraction: float, data, build=_mlp):
+    """An eager model (``build``'s, the MLP by default) trained on ``data`` (the reference), and
+    a fresh one fitted at ``fraction`` of the eager loop's largest iteration peak: reference,
+    its losses, model, optimizer, the fitted model and the budget."""
+    reference = build()
     reference_losses, eager_peaks = _train(reference, torch.optim.AdamW(reference.parameters()),
                                            data)
     budget = int(fraction * max(eager_peaks))
-    model = _mlp()
+    model = build()
     optimizer = torch.optim.AdamW(model.parameters())
     fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
     return reference, reference_losses, model, optimizer, fitted, budget
@@ -341,13 +341,8 @@ def test_inputs_whose_strides_change_are_planned_again_within_budget_bitwise():
             for _ in range(3)]
     data = [(x if index == 0 else x.contiguous(memory_format=torch.channels_last), y)
             for index, (x, y) in enumerate(data)]
-    reference = _convolution_net()
-    reference_losses, eager_peaks = _train(reference, torch.optim.AdamW(reference.parameters()),
-                                           data)
-    budget = int(0.9 * max(eager_peaks))
-    model = _convolution_net()
-    optimizer = torch.optim.AdamW(model.parameters())
-    fitted = memfit.fit(model, budget=budget, optimizer=optimizer)
+    reference, reference_losses, model, optimizer, fitted, budget = _fitted_at(
+        0.9, data, _convolution_net)
     with warnings.catch_warnings():
         warnings.simplefilter("error", memfit.BudgetWarning)
         losses, peaks = _train(fitted, optimizer, data)

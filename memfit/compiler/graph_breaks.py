@@ -377,4 +377,3 @@ def graph_breaks_since(before: dict[str, int], most: int = 3) -> list[str]:
             said = (lines[0].rstrip(".") if lines else "") + (f" ({why[0]})" if why else "")
             found.append(said[:300])
     return found[:most]
-
